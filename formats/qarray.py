@@ -1,0 +1,102 @@
+"""QArray: the one quantized-tensor type that stores, loads, multiplies and verifies.
+
+A QArray carries an integer payload, its scales, an optional zero point, the
+quantization kind, the block size, and the original (logical) shape and dtype.
+
+Kinds:
+  "int8"  qvalue int8 with the logical shape ([out, in] for a linear); scale has
+          the same rank as qvalue, with size 1 on the axes it is shared along
+          ([out, 1] per output channel, [1, 1] per tensor). value = qvalue * scale.
+  "nf4"   qvalue uint8 [ceil(n / 2)]: the row-major flattened codes, two per byte,
+          the earlier element in the high nibble; scale float32 [ceil(n / block_size)]
+          holds each block's absmax. value = NF4_LEVELS[code] * absmax[block].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The 16 NormalFloat-4 levels of QLoRA / bitsandbytes, code 0..15.
+NF4_LEVELS = np.array(
+    [
+        -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+        -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+        0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+        0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+        0.7229568362236023, 1.0,
+    ],
+    dtype=np.float32,
+)
+
+KINDS = ("int8", "nf4")
+
+
+@dataclasses.dataclass(frozen=True)
+class QArray:
+    """A quantized tensor; a JAX pytree whose leaves are qvalue, scale and zero_point."""
+
+    qvalue: jax.Array | np.ndarray
+    scale: jax.Array | np.ndarray
+    zero_point: jax.Array | np.ndarray | None = None
+    kind: str = "int8"
+    block_size: int | None = None
+    shape: tuple[int, ...] = ()
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown QArray kind {self.kind!r}; expected one of {KINDS}")
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "dtype", str(jnp.dtype(self.dtype)))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored payload, scales and zero point."""
+        leaves = [self.qvalue, self.scale] + ([self.zero_point] if self.zero_point is not None else [])
+        return int(sum(np.dtype(leaf.dtype).itemsize * math.prod(leaf.shape) for leaf in leaves))
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        """The float tensor this QArray stands for, in `dtype` (default: the original dtype)."""
+        return dequantize(self, dtype)
+
+
+jax.tree_util.register_dataclass(
+    QArray,
+    data_fields=["qvalue", "scale", "zero_point"],
+    meta_fields=["kind", "block_size", "shape", "dtype"],
+)
+
+
+def unpack_nf4_codes(packed: jax.Array, n: int) -> jax.Array:
+    """uint8 [ceil(n/2)] -> int32 codes [n]; the earlier element sits in the high nibble."""
+    packed = jnp.asarray(packed).reshape(-1).astype(jnp.int32)
+    codes = jnp.stack([packed >> 4, packed & 0xF], axis=-1).reshape(-1)
+    return codes[:n]
+
+
+def dequantize(q: QArray, dtype=None) -> jax.Array:
+    """Materialize a QArray as a float array (computed in float32, cast at the end)."""
+    out_dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(q.dtype)
+    if q.kind == "int8":
+        values = jnp.asarray(q.qvalue).astype(jnp.float32)
+        if q.zero_point is not None:
+            values = values - jnp.asarray(q.zero_point).astype(jnp.float32)
+        return (values * jnp.asarray(q.scale).astype(jnp.float32)).astype(out_dtype)
+    n = q.size
+    codes = unpack_nf4_codes(q.qvalue, n)
+    levels = jnp.asarray(NF4_LEVELS)[codes]
+    absmax = jnp.repeat(jnp.asarray(q.scale, jnp.float32), q.block_size)[:n]
+    return (levels * absmax).reshape(q.shape).astype(out_dtype)

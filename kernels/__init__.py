@@ -1,0 +1,1 @@
+"""Quantized matmul kernels (Pallas, TPU and GPU), their pure-jnp references, and dispatch."""

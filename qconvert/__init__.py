@@ -1,0 +1,3 @@
+"""qconvert: quantize Hugging Face checkpoints and verify the result."""
+
+__version__ = "0.1.0"

