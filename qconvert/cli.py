@@ -29,7 +29,7 @@ def fail(message: str, exit_code: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: every known failure becomes one line and an exit code."""
     try:
-        cli.main(args=argv, prog_name="qconvert", standalone_mode=False)
+        exit_code = cli.main(args=argv, prog_name="qconvert", standalone_mode=False)
     except QConvertError as err:
         fail(str(err), err.exit_code)
     except click.exceptions.Abort:
@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
         fail(err.format_message(), 2)
     except OSError as err:
         fail(f"{err.strerror or err}: {err.filename or ''}".rstrip(": "), 9)
+    # A command may return its exit code (verify returns 1 when a check fails).
+    sys.exit(exit_code if isinstance(exit_code, int) else 0)
 
 
 if __name__ == "__main__":
