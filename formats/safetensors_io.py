@@ -1,0 +1,431 @@
+"""Safetensors folders: a validating lazy reader and a streaming, byte-deterministic shard writer.
+
+The reader checks the index and every header before any tensor is touched, so a
+truncated or corrupt file is reported from its first few kilobytes; tensors are
+then read one at a time through memory-mapped `safe_open`.
+
+The writer emits each shard's header first and then the tensor bytes one at a
+time, hashing as it goes, so memory stays near one tensor whatever the model size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+from qconvert.formats.errors import FormatError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# safetensors itself refuses headers above 100 MB; a larger length means corruption.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+# Written into every shard: transformers refuses a file whose metadata lacks a known format.
+DEFAULT_METADATA = {"format": "pt"}
+
+_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_DTYPE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
+
+
+def safetensors_dtype_name(dtype) -> str:
+    """The safetensors dtype string ("BF16", "I32", ...) for a numpy dtype."""
+    dt = np.dtype(dtype).newbyteorder("=")
+    if dt not in _DTYPE_NAMES:
+        raise FormatError(f"dtype {dt} cannot be stored in safetensors")
+    return _DTYPE_NAMES[dt]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as a safetensors header describes it: dtype, shape and byte range in the data."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SafetensorsHeader:
+    """A validated safetensors header: its tensors, metadata and where the data section starts."""
+
+    path: Path
+    entries: dict[str, TensorEntry]
+    metadata: dict[str, str]
+    data_start: int
+
+
+def read_header(path: Path) -> SafetensorsHeader:
+    """Read and validate one file's header without reading its tensor data.
+
+    Checks: the 8-byte length fits the file, the JSON is an object, every dtype
+    is known, every byte range matches dtype x shape, and the ranges tile the
+    data section exactly (so a truncated file is caught here).
+    """
+    path = Path(path)
+    try:
+        file_size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise FormatError(f"{path}: not a safetensors file (only {len(prefix)} bytes)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len == 0 or header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
+                raise FormatError(
+                    f"{path}: corrupt or truncated safetensors file (header length {header_len}, "
+                    f"file size {file_size}); re-download or re-create it"
+                )
+            raw = f.read(header_len)
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{path}: corrupt safetensors header (invalid JSON: {exc})") from exc
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise FormatError(f"{path}: corrupt safetensors header (__metadata__ must map strings to strings)")
+    entries = {name: _parse_entry(path, name, info) for name, info in header.items()}
+    data_start = 8 + header_len
+    _check_tiling(path, entries, file_size - data_start)
+    return SafetensorsHeader(path=path, entries=entries, metadata=dict(metadata), data_start=data_start)
+
+
+def _parse_entry(path: Path, name: str, info) -> TensorEntry:
+    if not isinstance(info, dict):
+        raise FormatError(f"{path}: corrupt header entry for tensor {name!r}")
+    dtype_name, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype_name not in _DTYPES:
+        raise FormatError(f"{path}: tensor {name!r} has unknown dtype {dtype_name!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise FormatError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise FormatError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
+    dtype = _DTYPES[dtype_name]
+    if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
+        raise FormatError(
+            f"{path}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes but "
+            f"{dtype_name}{shape} needs {math.prod(shape) * dtype.itemsize}"
+        )
+    return TensorEntry(name=name, dtype=dtype, shape=tuple(shape), begin=offsets[0], end=offsets[1])
+
+
+def _check_tiling(path: Path, entries: Mapping[str, TensorEntry], data_size: int) -> None:
+    position = 0
+    for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if entry.begin != position:
+            raise FormatError(
+                f"{path}: corrupt safetensors header (tensor {entry.name!r} starts at byte "
+                f"{entry.begin}, expected {position}: overlapping or gapped data)"
+            )
+        position = entry.end
+    if position != data_size:
+        what = "truncated" if position > data_size else "has trailing bytes"
+        raise FormatError(
+            f"{path}: safetensors file {what} (header describes {position} data bytes, "
+            f"file holds {data_size}); re-download or re-create it"
+        )
+
+
+def _index_file_path(folder: Path, index_path: Path, fname) -> Path:
+    """The shard path an index names, refusing names that leave the folder.
+
+    The check is lexical on purpose: Hugging Face cache snapshots are symlinks
+    into a blob store, so resolving links would wrongly flag every cached file.
+    """
+    if not isinstance(fname, str) or not fname or "\\" in fname or "\x00" in fname:
+        raise FormatError(f"{index_path}: invalid file name {fname!r} in weight_map")
+    if os.path.isabs(fname) or ".." in Path(fname).parts:
+        raise FormatError(
+            f"{index_path}: weight_map names {fname!r}, a path outside the checkpoint folder; "
+            "fix the index"
+        )
+    return folder / fname
+
+
+class SafetensorsCheckpoint:
+    """A folder of safetensors files (one file, or shards with an index), read lazily."""
+
+    def __init__(self, folder: Path, files: list[Path], tensor_files: dict[str, Path],
+                 headers: dict[Path, SafetensorsHeader]):
+        self.folder = folder
+        self.files = files
+        self.tensor_names = sorted(tensor_files)
+        self._tensor_files = tensor_files
+        self._headers = headers
+        self._handles: dict[Path, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensor_files
+
+    def __len__(self) -> int:
+        return len(self._tensor_files)
+
+    def _entry(self, name: str) -> TensorEntry:
+        if name not in self._tensor_files:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
+        return self._headers[self._tensor_files[name]].entries[name]
+
+    def file_of(self, name: str) -> Path:
+        """The file that holds tensor `name`."""
+        self._entry(name)
+        return self._tensor_files[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name`, from the header."""
+        return self._entry(name).shape
+
+    def dtype(self, name: str) -> np.dtype:
+        """The numpy dtype of tensor `name` (bf16 as ml_dtypes.bfloat16)."""
+        return self._entry(name).dtype
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of tensor `name`'s data."""
+        entry = self._entry(name)
+        return entry.end - entry.begin
+
+    def metadata(self, path: Path) -> dict[str, str]:
+        """The `__metadata__` of one of this checkpoint's files."""
+        return dict(self._headers[Path(path)].metadata)
+
+    def get(self, name: str) -> np.ndarray:
+        """Read tensor `name` (only its bytes are touched: the file is memory-mapped)."""
+        path = self.file_of(name)
+        handle = self._handles.get(path)
+        if handle is None:
+            try:
+                handle = safe_open(str(path), framework="numpy")
+            except Exception as exc:  # the binding raises its own error types
+                raise FormatError(f"{path}: cannot open safetensors file ({exc})") from exc
+            self._handles[path] = handle
+        return handle.get_tensor(name)
+
+    def close(self) -> None:
+        """Drop the memory maps."""
+        self._handles.clear()
+
+    def __enter__(self) -> "SafetensorsCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_checkpoint(folder) -> SafetensorsCheckpoint:
+    """Open a safetensors folder (model.safetensors.index.json + shards, or bare files).
+
+    Every header is validated up front; raises FormatError naming the file at fault.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FormatError(f"{folder}: not a folder")
+    index_path = folder / INDEX_NAME
+    if index_path.exists():
+        tensor_files = _read_index(folder, index_path)
+        files = sorted(set(tensor_files.values()))
+        headers = {path: read_header(path) for path in files}
+        for name, path in tensor_files.items():
+            if name not in headers[path].entries:
+                raise FormatError(f"{index_path}: tensor {name!r} is mapped to {path.name}, which lacks it")
+        return SafetensorsCheckpoint(folder, files, tensor_files, headers)
+    files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+    if not files:
+        raise FormatError(f"{folder}: no .safetensors files")
+    headers = {path: read_header(path) for path in files}
+    tensor_files: dict[str, Path] = {}
+    for path in files:
+        for name in headers[path].entries:
+            if name in tensor_files:
+                raise FormatError(f"{path}: tensor {name!r} also appears in {tensor_files[name].name}")
+            tensor_files[name] = path
+    return SafetensorsCheckpoint(folder, files, tensor_files, headers)
+
+
+def _read_index(folder: Path, index_path: Path) -> dict[str, Path]:
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{index_path}: invalid index ({exc})") from exc
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
+        raise FormatError(f"{index_path}: invalid index (no weight_map object)")
+    tensor_files = {name: _index_file_path(folder, index_path, fname) for name, fname in weight_map.items()}
+    for path in sorted(set(tensor_files.values())):
+        if not path.is_file():
+            raise FormatError(f"{index_path}: names {path.name}, which is missing from {folder}")
+    return tensor_files
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to be written: its name, numpy dtype and shape."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def plan_shards(specs: list[TensorSpec], max_shard_size: int) -> list[list[TensorSpec]]:
+    """Cut specs, in order, into shards of at most `max_shard_size` data bytes.
+
+    A tensor larger than the limit gets a shard of its own.
+    """
+    if max_shard_size <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards
+
+
+def shard_file_names(count: int) -> list[str]:
+    """Hugging Face shard names: model.safetensors alone, else model-0000i-of-0000N.safetensors."""
+    if count == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def encode_header(specs: list[TensorSpec], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The length prefix and JSON header of a shard holding `specs` in order (padded to 8 bytes)."""
+    fields = {**DEFAULT_METADATA, **(metadata or {})}
+    header: dict[str, object] = {"__metadata__": {k: str(fields[k]) for k in sorted(fields)}}
+    offset = 0
+    for spec in specs:
+        header[spec.name] = {
+            "dtype": safetensors_dtype_name(spec.dtype),
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offset += spec.nbytes
+    body = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("utf-8")
+    # Pad with spaces, as safetensors does, so the data section starts 8-aligned.
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def _tensor_bytes(spec: TensorSpec, name: str, array) -> np.ndarray:
+    """The raw little-endian bytes of `array`, after checking it matches its spec."""
+    array = np.asarray(array)
+    if name != spec.name:
+        raise ValueError(f"tensors arrived out of order: got {name!r}, expected {spec.name!r}")
+    if array.dtype.newbyteorder("=") != spec.dtype or tuple(array.shape) != spec.shape:
+        raise ValueError(
+            f"tensor {name!r} is {array.dtype}{list(array.shape)}, its spec says {spec.dtype}{list(spec.shape)}"
+        )
+    array = array.astype(spec.dtype.newbyteorder("<"), copy=False)
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def write_shards(
+    folder,
+    specs: list[TensorSpec],
+    tensors: Iterable[tuple[str, np.ndarray]],
+    max_shard_size: int,
+    metadata: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Stream `tensors` ((name, array) pairs in spec order) into safetensors shards in `folder`.
+
+    One shard is model.safetensors; more are model-0000i-of-0000N.safetensors plus
+    model.safetensors.index.json. Only one tensor is held at a time; the output
+    bytes depend only on the specs, the arrays and `metadata`. Returns
+    {file name: sha256} for every file written, the index included.
+    """
+    folder = Path(folder)
+    specs = list(specs)
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise ValueError("duplicate tensor names in specs")
+    shards = plan_shards(specs, max_shard_size)
+    file_names = shard_file_names(len(shards))
+    source = iter(tensors)
+    hashes: dict[str, str] = {}
+    weight_map: dict[str, str] = {}
+    for file_name, shard in zip(file_names, shards):
+        path = folder / file_name
+        digest = hashlib.sha256()
+        with open(path, "wb") as f:
+            header = encode_header(shard, metadata)
+            f.write(header)
+            digest.update(header)
+            for spec in shard:
+                try:
+                    name, array = next(source)
+                except StopIteration:
+                    raise ValueError(f"tensors ran out before {spec.name!r}") from None
+                data = _tensor_bytes(spec, name, array)
+                f.write(data)
+                digest.update(data)
+                weight_map[spec.name] = file_name
+                del array, data
+        os.chmod(path, 0o644)
+        hashes[file_name] = digest.hexdigest()
+    for extra in source:
+        raise ValueError(f"more tensors than specs (first extra: {extra[0]!r})")
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(spec.nbytes for spec in specs)},
+            "weight_map": {name: weight_map[name] for name in sorted(weight_map)},
+        }
+        text = (json.dumps(index, indent=2) + "\n").encode("utf-8")
+        index_path = folder / INDEX_NAME
+        index_path.write_bytes(text)
+        os.chmod(index_path, 0o644)
+        hashes[INDEX_NAME] = hashlib.sha256(text).hexdigest()
+    return hashes
+
+
+def sha256_file(path, chunk_size: int = 1 << 22) -> str:
+    """The hex sha256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()
