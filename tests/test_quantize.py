@@ -1,0 +1,124 @@
+"""int8 and NF4 quantization against independent numpy computations of the FORMATS.md rules."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from qconvert.formats.qarray import NF4_LEVELS
+from qconvert.quantize import quantize_int8, quantize_nf4
+
+# The 16 levels typed out again from FORMATS.md, so the test does not lean on the code's table.
+LEVELS = np.array([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+    0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0], dtype=np.float32)
+
+
+def numpy_int8(w: np.ndarray, scale_dtype):
+    w32 = w.astype(np.float32)
+    absmax = np.abs(w32).max(axis=1, keepdims=True)
+    # Clamped away from 0 by a floor that the scale dtype can hold (fp16 cannot hold 1e-8).
+    floor = max(1e-8, float(ml_dtypes.finfo(scale_dtype).smallest_subnormal))
+    scale = np.maximum(absmax / np.float32(127), np.float32(floor)).astype(scale_dtype)
+    q = np.clip(np.rint(w32 / scale.astype(np.float32)), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def numpy_nf4(w: np.ndarray, block=64):
+    flat = w.astype(np.float32).ravel()
+    n = flat.size
+    codes = np.empty(n, np.uint8)
+    absmax = np.empty(-(-n // block), np.float32)
+    for b in range(absmax.size):
+        x = flat[b * block:(b + 1) * block]
+        absmax[b] = np.abs(x).max()
+        norm = x / absmax[b] if absmax[b] > 0 else np.zeros_like(x)
+        for i, v in enumerate(norm):
+            # Walk up the levels: move to the next one only if v is strictly past the midpoint.
+            c = 0
+            while c < 15 and v > (LEVELS[c] + LEVELS[c + 1]) / np.float32(2):
+                c += 1
+            codes[b * block + i] = c
+    if n % 2:
+        codes = np.append(codes, 0)
+    packed = (codes[0::2] << 4) | codes[1::2]
+    return packed.astype(np.uint8), absmax
+
+
+def test_code_table_is_the_formats_table():
+    np.testing.assert_array_equal(NF4_LEVELS, LEVELS)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_int8_codes_and_scales_equal_numpy(dtype):
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((24, 40)) * 0.05).astype(dtype)
+    w[3] = 0  # an all-zero row must not divide by zero
+    q = quantize_int8(w)
+    q_ref, scale_ref = numpy_int8(w, dtype)
+    np.testing.assert_array_equal(np.asarray(q.qvalue), q_ref)
+    assert np.asarray(q.scale).dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(q.scale).astype(np.float32), scale_ref.astype(np.float32))
+    assert q.shape == (24, 40) and q.kind == "int8"
+
+
+def test_int8_rounds_half_to_even_hand_worked():
+    # absmax 127 -> scale exactly 1.0; 2.5 -> 2, 3.5 -> 4, -0.5 -> 0.
+    w = np.array([[127.0, 2.5, 3.5, -0.5, -127.0]], np.float32)
+    q = quantize_int8(w)
+    np.testing.assert_array_equal(np.asarray(q.qvalue), [[127, 2, 4, 0, -127]])
+    np.testing.assert_array_equal(np.asarray(q.scale), [[1.0]])
+
+
+@settings(max_examples=8, deadline=None)
+@given(out=st.integers(1, 9), inp=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_int8_dequantized_within_half_a_step(out, inp, seed):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((out, inp)) * rng.uniform(1e-3, 10)).astype(np.float32)
+    q = quantize_int8(w, scale_dtype=np.float32)
+    err = np.abs(np.asarray(q.dequantize(np.float32)) - w)
+    assert np.all(err <= np.asarray(q.scale) / 2 * (1 + 1e-5))
+
+
+@pytest.mark.parametrize("shape", [(8, 64), (3, 50), (5, 13), (1, 1)])
+def test_nf4_packed_bytes_and_absmax_equal_independent_rules(shape):
+    rng = np.random.default_rng(sum(shape))
+    w = rng.standard_normal(shape).astype(np.float32)
+    q = quantize_nf4(w)
+    packed_ref, absmax_ref = numpy_nf4(w)
+    np.testing.assert_array_equal(np.asarray(q.qvalue), packed_ref)
+    np.testing.assert_array_equal(np.asarray(q.scale), absmax_ref)
+    assert q.block_size == 64 and q.shape == shape and q.kind == "nf4"
+
+
+def test_nf4_midpoint_ties_go_to_the_lower_code():
+    mids = (LEVELS[:-1] + LEVELS[1:]) / np.float32(2)
+    # One block: absmax 1.0 (the last value), every midpoint exactly, then zeros.
+    w = np.zeros(64, np.float32)
+    w[:15] = mids
+    w[15] = 1.0
+    q = quantize_nf4(w.reshape(1, 64))
+    codes = np.stack([np.asarray(q.qvalue) >> 4, np.asarray(q.qvalue) & 15], -1).ravel()
+    np.testing.assert_array_equal(codes[:15], np.arange(15))
+    assert codes[15] == 15 and np.all(codes[16:] == 7)
+
+
+def test_nf4_zero_block_is_all_level_zero():
+    q = quantize_nf4(np.zeros((2, 64), np.float32))
+    np.testing.assert_array_equal(np.asarray(q.qvalue), np.full(64, 0x77, np.uint8))
+    np.testing.assert_array_equal(np.asarray(q.dequantize(np.float32)), np.zeros((2, 64)))
+
+
+@settings(max_examples=8, deadline=None)
+@given(out=st.integers(1, 6), inp=st.integers(1, 150), seed=st.integers(0, 2**16))
+def test_nf4_dequantized_within_half_the_widest_level_gap(out, inp, seed):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((out, inp)).astype(np.float32)
+    q = quantize_nf4(w)
+    absmax = np.repeat(np.asarray(q.scale), 64)[: w.size].reshape(w.shape)
+    err = np.abs(np.asarray(q.dequantize(np.float32)) - w)
+    widest_gap = np.max(np.diff(LEVELS))
+    assert np.all(err <= absmax * widest_gap / 2 * (1 + 1e-5))
