@@ -1,0 +1,129 @@
+"""verify's outputs: a rich table (worst layers first), a one-line verdict, and the JSON record for CI."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from qconvert.verify.results import LayerResult, VerifyReport
+
+JSON_FORMAT_VERSION = 1
+
+
+def versions() -> dict[str, str]:
+    """Versions of qconvert and of the libraries whose numerics the figures depend on."""
+    import jax
+    import jaxlib
+    import numpy
+
+    from qconvert import __version__
+
+    return {"qconvert": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "numpy": numpy.__version__, "python": platform.python_version()}
+
+
+def worst_first(layers) -> list[LayerResult]:
+    """Layers sorted by SQNR, lowest (worst) first; failing layers lead whatever their SQNR."""
+    return sorted(layers, key=lambda r: (r.passed, r.metrics.sqnr_db, r.name))
+
+
+def verdict(report: VerifyReport) -> str:
+    """One line: PASS or FAIL, what was checked, and the first failure when there is one."""
+    where = f"{report.scheme} {report.folder}"
+    if not report.integrity.passed:
+        problems = report.integrity.problems
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        return f"FAIL {where}: integrity: {problems[0]}{more}"
+    failed = report.failed_checks
+    if failed:
+        more = f" (+{len(failed) - 1} more)" if len(failed) > 1 else ""
+        return f"FAIL {where}: {failed[0].describe()}{more}"
+    worst = worst_first(report.layers)
+    floor = f"; worst layer {worst[0].name} at {worst[0].metrics.sqnr_db:.1f} dB" if worst else ""
+    model = ""
+    if report.model is not None:
+        m = report.model.metrics
+        if report.model.kind == "causal_lm":
+            model = f"; KL {m['mean_kl']:.2g}, top-1 {m['top1_agreement']:.1%}, ppl x{m['perplexity_ratio']:.3f}"
+        else:
+            model = f"; pooled cosine {m['pooled_cosine_min']:.5f}"
+    return f"PASS {where}: {len(report.layers)} layers{floor}{model}"
+
+
+def _fmt(value: float, digits: int = 2) -> str:
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.{digits}f}"
+
+
+def render(report: VerifyReport, console: Console, *, max_rows: int | None = 20) -> None:
+    """Print the per-layer table (worst first), the whole-model figures and the verdict."""
+    if report.layers:
+        table = Table(title=f"per-layer ({report.scheme}, backend {report.backend})")
+        for col in ("layer", "SQNR dB", "rel err", "cosine", "max abs err", "kernel", "backend", ""):
+            table.add_column(col, justify="right" if col in ("SQNR dB", "rel err", "cosine", "max abs err") else "left")
+        rows = worst_first(report.layers)
+        shown = rows if max_rows is None else rows[:max_rows]
+        for r in shown:
+            kernel = r.kernel.name + ("" if r.kernel.fallback_reason is None else " (fallback)")
+            table.add_row(r.name, _fmt(r.metrics.sqnr_db), f"{r.metrics.rel_error:.2e}",
+                          _fmt(r.metrics.cosine, 6), f"{r.metrics.max_abs_error:.2e}", kernel,
+                          r.kernel.backend, "ok" if r.passed else "[red]FAIL[/red]")
+        console.print(table)
+        if len(rows) > len(shown):
+            console.print(f"... {len(rows) - len(shown)} more layers (all passed)" if all(
+                r.passed for r in rows[len(shown):]) else f"... {len(rows) - len(shown)} more layers")
+        reasons = sorted({r.kernel.fallback_reason for r in report.layers if r.kernel.fallback_reason})
+        for reason in reasons:
+            console.print(f"fallback: {reason}")
+    if report.model is not None:
+        m = report.model
+        figures = ", ".join(f"{k} {v:.6g}" for k, v in m.metrics.items())
+        console.print(f"whole model ({m.kind}, {m.sequences} sequences, {m.tokens} tokens): {figures}")
+    style = "green" if report.passed else "red"
+    console.print(f"[{style}]{verdict(report)}[/{style}]", highlight=False, markup=True)
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no inf/nan: write them as strings so every CI parser reads the record."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "inf" if value > 0 else ("-inf" if value < 0 else "nan")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def to_record(report: VerifyReport) -> dict[str, Any]:
+    """The full JSON-ready record: every metric, threshold, version, backend, kernel and tiling."""
+    record = {
+        "format_version": JSON_FORMAT_VERSION,
+        "passed": report.passed,
+        "verdict": verdict(report),
+        "folder": report.folder,
+        "scheme": report.scheme,
+        "reference": report.reference,
+        "backend": report.backend,
+        "devices": list(report.devices),
+        "versions": report.versions,
+        "thresholds": report.thresholds.as_dict(),
+        "evaluation": report.evaluation,
+        "integrity": report.integrity.as_dict(),
+        "layers": [r.as_dict() for r in report.layers],
+        "model": report.model.as_dict() if report.model else None,
+        "checks": [c.as_dict() for c in report.extra_checks],
+        "failures": [c.describe() for c in report.failed_checks] + list(report.integrity.problems),
+        "seconds": report.seconds,
+    }
+    return _finite(record)
+
+
+def to_json(report: VerifyReport) -> str:
+    """to_record as indented, key-sorted JSON text."""
+    return json.dumps(to_record(report), indent=2, sort_keys=True)

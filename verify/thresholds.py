@@ -1,0 +1,110 @@
+"""Per-scheme pass/fail thresholds for verify, and the Check record each comparison leaves.
+
+The defaults are set so that a correct conversion passes with room to spare and a
+broken one (a scale off by 2x, a wrong packing order, a dropped smoothing fold)
+fails by a wide margin:
+
+- int8 (weight-only, per output channel): rounding error of a per-row absmax/127
+  grid is ~0.3% of a layer's output RMS, i.e. ~40-50 dB SQNR. Floor: 30 dB.
+- w8a8 (int8 weights + per-token or per-tensor int8 activations): activation
+  rounding adds noise where outlier channels stretch a token's range; smoothed
+  layers sit near 30-40 dB, static per-tensor scales lower. Floor: 20 dB.
+- nf4 (16 levels, absmax per 64): ~20-21 dB on Gaussian-like weights. Floor: 15 dB.
+
+A scale off by 2x puts a layer at ~0 dB (error as large as the signal), far
+under every floor. SQNR s dB means a relative Frobenius error of 10^(-s/20),
+so the cosine floors are those the SQNR floors imply, rounded down.
+
+Whole-model floors (causal LMs: next-token mean KL in nats, top-1 agreement,
+perplexity ratio quantized/float; encoders: cosine of mean-pooled outputs) scale
+with the same per-scheme noise. Each default can be overridden by a CLI flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from qconvert.errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    """What a converted folder must reach to pass."""
+
+    min_layer_sqnr_db: float
+    min_layer_cosine: float
+    max_mean_kl: float
+    min_top1_agreement: float
+    max_perplexity_ratio: float
+    min_pooled_cosine: float
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+DEFAULT_THRESHOLDS: dict[str, Thresholds] = {
+    "int8": Thresholds(
+        min_layer_sqnr_db=30.0, min_layer_cosine=0.999, max_mean_kl=0.01,
+        min_top1_agreement=0.90, max_perplexity_ratio=1.02, min_pooled_cosine=0.999,
+    ),
+    "w8a8": Thresholds(
+        min_layer_sqnr_db=20.0, min_layer_cosine=0.99, max_mean_kl=0.05,
+        min_top1_agreement=0.80, max_perplexity_ratio=1.10, min_pooled_cosine=0.99,
+    ),
+    "nf4": Thresholds(
+        min_layer_sqnr_db=15.0, min_layer_cosine=0.98, max_mean_kl=0.10,
+        min_top1_agreement=0.70, max_perplexity_ratio=1.25, min_pooled_cosine=0.98,
+    ),
+}
+
+
+def thresholds_for(scheme: str, **overrides: float | None) -> Thresholds:
+    """The default thresholds of `scheme`, with every non-None override applied."""
+    if scheme not in DEFAULT_THRESHOLDS:
+        raise UsageError(
+            f"no verify thresholds for scheme {scheme!r}; known schemes: "
+            + ", ".join(sorted(DEFAULT_THRESHOLDS))
+        )
+    fields = {f.name for f in dataclasses.fields(Thresholds)}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise UsageError(f"unknown threshold(s): {', '.join(sorted(unknown))}")
+    given = {k: float(v) for k, v in overrides.items() if v is not None}
+    for name, value in given.items():
+        if math.isnan(value):
+            raise UsageError(f"threshold {name} is NaN; give a number")
+    return dataclasses.replace(DEFAULT_THRESHOLDS[scheme], **given)
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One comparison of a measured value with its threshold.
+
+    `bound` is "min" (value must be >= limit) or "max" (value must be <= limit).
+    """
+
+    name: str
+    subject: str
+    value: float
+    limit: float
+    bound: str
+    passed: bool
+
+    def describe(self) -> str:
+        """e.g. 'model.layers.0.mlp.up_proj: sqnr_db 3.10 < 30.00'."""
+        op = ">=" if self.bound == "min" else "<="
+        if not self.passed:
+            op = "<" if self.bound == "min" else ">"
+        return f"{self.subject}: {self.name} {self.value:.4g} {op} {self.limit:.4g}"
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def check(name: str, subject: str, value: float, limit: float, bound: str) -> Check:
+    """Compare `value` with `limit`; NaN never passes."""
+    if bound not in ("min", "max"):
+        raise ValueError(f"bound must be 'min' or 'max', not {bound!r}")
+    ok = value >= limit if bound == "min" else value <= limit
+    return Check(name, subject, float(value), float(limit), bound, bool(ok and not math.isnan(value)))
