@@ -1,0 +1,140 @@
+"""Bit packing for the export layouts: int8 codes in int32 words, NF4 nibbles, bitsandbytes double quantization.
+
+All functions are pure numpy over arrays; bit layouts are little-endian whatever
+the host, since that is what the files hold.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# bitsandbytes quantizes the NF4 absmax in blocks of this many values.
+NESTED_BLOCK_SIZE = 256
+
+
+def pack_int8_to_int32(q: np.ndarray) -> np.ndarray:
+    """int8 codes [rows, cols] -> int32 [rows, ceil(cols/4)] (compressed-tensors pack_to_int32, 8 bits).
+
+    u = q + 128; column 4k+j of a row lands in bits 8j..8j+7 of word k (least
+    significant first); the unused bytes of a row's last partial word are 0.
+    """
+    q = np.asarray(q)
+    if q.dtype != np.int8 or q.ndim != 2:
+        raise ValueError(f"expected int8 codes [rows, cols], got {q.dtype}{list(q.shape)}")
+    rows, cols = q.shape
+    words = -(-cols // 4)
+    # q + 128 modulo 256 is q's bit pattern with the sign bit flipped.
+    unsigned = np.zeros((rows, words * 4), dtype=np.uint8)
+    unsigned[:, :cols] = q.view(np.uint8) ^ 0x80
+    return unsigned.view("<u4").astype(np.int32, copy=False).reshape(rows, words)
+
+
+def unpack_int32_to_int8(packed: np.ndarray, cols: int) -> np.ndarray:
+    """int32 [rows, ceil(cols/4)] -> int8 codes [rows, cols]; the inverse of pack_int8_to_int32."""
+    packed = np.asarray(packed)
+    if packed.dtype != np.int32 or packed.ndim != 2 or packed.shape[1] != -(-cols // 4):
+        raise ValueError(
+            f"expected int32 [rows, {-(-cols // 4)}] for {cols} columns, got {packed.dtype}{list(packed.shape)}"
+        )
+    unsigned = np.ascontiguousarray(packed.astype("<i4", copy=False)).view(np.uint8)
+    return (unsigned.reshape(packed.shape[0], -1)[:, :cols] ^ 0x80).view(np.int8)
+
+
+def pack_nf4_codes(codes: np.ndarray) -> np.ndarray:
+    """NF4 codes (0..15, any shape, flattened row-major) -> uint8 [ceil(n/2)].
+
+    byte k = (code[2k] << 4) | code[2k+1]; an odd count pads a 0 low nibble.
+    """
+    codes = np.asarray(codes).reshape(-1)
+    if codes.size and (codes.min() < 0 or codes.max() > 15):
+        raise ValueError("NF4 codes must lie in 0..15")
+    padded = np.zeros(codes.size + codes.size % 2, dtype=np.uint8)
+    padded[: codes.size] = codes
+    return (padded[0::2] << 4) | padded[1::2]
+
+
+def unpack_nf4_bytes(packed: np.ndarray, n: int) -> np.ndarray:
+    """uint8 [ceil(n/2)] -> uint8 codes [n]; the earlier element is the high nibble."""
+    packed = np.asarray(packed, dtype=np.uint8).reshape(-1)
+    if packed.size != -(-n // 2):
+        raise ValueError(f"{packed.size} bytes cannot hold {n} NF4 codes")
+    return np.stack([packed >> 4, packed & 0xF], axis=-1).reshape(-1)[:n]
+
+
+def _linspace_float32(start: float, end: float, steps: int) -> np.ndarray:
+    """Evenly spaced float32 points with a float32 step, the first half counted from
+    `start` and the rest back from `end`, each point rounded once (a fused
+    multiply-add: the float32 product is exact in float64)."""
+    start32, end32 = np.float32(start), np.float32(end)
+    step = np.float64((end32 - start32) / np.float32(steps - 1))
+    index = np.arange(steps, dtype=np.float64)
+    halfway = steps // 2
+    low = np.float64(start32) + index[:halfway] * step
+    high = np.float64(end32) - (steps - 1 - index[halfway:]) * step
+    return np.concatenate([low, high]).astype(np.float32)
+
+
+def signed_dynamic_map() -> np.ndarray:
+    """bitsandbytes' signed 8-bit dynamic quantization map: 256 sorted float32 values.
+
+    Exponent e = 0..6 owns 2**e fraction values: the midpoints of 2**e + 1 evenly
+    spaced points in [0.1, 1], scaled by 10**(e - 6), with both signs; plus 0 and 1.
+    """
+    values = [np.float32(0.0), np.float32(1.0)]
+    for exponent in range(7):
+        boundaries = _linspace_float32(0.1, 1.0, 2**exponent + 1)
+        means = (boundaries[:-1] + boundaries[1:]) / np.float32(2.0)
+        magnitudes = np.float32(10.0 ** (exponent - 6)) * means
+        values.extend(magnitudes)
+        values.extend(-magnitudes)
+    return np.sort(np.array(values, dtype=np.float32))
+
+
+def quantize_blockwise(values: np.ndarray, code: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Blockwise absmax quantization to the nearest entry of a sorted `code`.
+
+    Returns (uint8 indices, float32 absmax per block). Each value is scaled by
+    1/absmax of its block, clipped to [-1, 1], and mapped to the nearest code
+    entry; a value on a midpoint takes the lower entry. An all-zero block maps
+    to the code entry nearest 0.
+    """
+    values = np.asarray(values, dtype=np.float32).reshape(-1)
+    n = values.size
+    blocks = -(-n // block_size)
+    padded = np.zeros(blocks * block_size, dtype=np.float32)
+    padded[:n] = values
+    padded = padded.reshape(blocks, block_size)
+    absmax = np.abs(padded).max(axis=1).astype(np.float32)
+    inverse = np.divide(np.float32(1.0), absmax, out=np.zeros_like(absmax), where=absmax > 0)
+    scaled = np.clip(padded * inverse[:, None], -1.0, 1.0).reshape(-1)[:n]
+    bounds = (code[:-1] + code[1:]) / np.float32(2.0)
+    indices = np.searchsorted(bounds, scaled, side="left").astype(np.uint8)
+    return indices, absmax
+
+
+def dequantize_blockwise(indices: np.ndarray, absmax: np.ndarray, code: np.ndarray, block_size: int) -> np.ndarray:
+    """float32 code[index] * absmax[block]: the inverse of quantize_blockwise."""
+    indices = np.asarray(indices).reshape(-1)
+    block_of = np.arange(indices.size) // block_size
+    return (code[indices.astype(np.int64)] * np.asarray(absmax, dtype=np.float32)[block_of]).astype(np.float32)
+
+
+def double_quantize_absmax(absmax: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """NF4 double quantization of the per-block absmax (bitsandbytes compress_statistics).
+
+    offset = mean(absmax); (absmax - offset) is quantized in blocks of 256 with
+    the signed dynamic map. Returns (uint8 codes [nblocks], float32
+    nested_absmax [ceil(nblocks/256)], float32 offset).
+    """
+    absmax = np.asarray(absmax, dtype=np.float32).reshape(-1)
+    # The mean is accumulated in float64 so it does not depend on summation order.
+    offset = np.float32(absmax.astype(np.float64).mean()) if absmax.size else np.float32(0.0)
+    codes, nested_absmax = quantize_blockwise(absmax - offset, signed_dynamic_map(), NESTED_BLOCK_SIZE)
+    return codes, nested_absmax, offset
+
+
+def dequantize_double_quant(codes: np.ndarray, nested_absmax: np.ndarray, offset: float,
+                            code: np.ndarray | None = None) -> np.ndarray:
+    """absmax_j = map[codes_j] * nested_absmax[j // 256] + offset, in float32."""
+    code = signed_dynamic_map() if code is None else np.asarray(code, dtype=np.float32)
+    return dequantize_blockwise(codes, nested_absmax, code, NESTED_BLOCK_SIZE) + np.float32(offset)
