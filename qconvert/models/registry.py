@@ -24,6 +24,11 @@ class SmoothingGroup:
 
     norm: str
     linears: tuple[str, ...]
+    # When `norm` is a linear (v_proj) whose output heads are each shared by
+    # `kv_repeat` query heads (GQA), input channel i of `linears` comes from the
+    # source's output channel ((i // head_dim) // kv_repeat) * head_dim + i % head_dim.
+    kv_repeat: int = 1
+    head_dim: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +40,9 @@ class Architecture:
     linear_pattern: re.Pattern  # matches a module name (without ".weight")
     smoothing_groups: Callable[[dict[str, Any]], list[SmoothingGroup]]
     default_alpha: float = 0.5
+    # Linear -> linear groups for the inputs no norm feeds (o_proj, down_proj):
+    # the source linear's rows (and bias) absorb 1/s, the consumers' columns s.
+    linear_smoothing_groups: Callable[[dict[str, Any]], list[SmoothingGroup]] = lambda config: []
 
     def is_linear(self, module_name: str) -> bool:
         return self.linear_pattern.search(module_name) is not None
@@ -59,6 +67,22 @@ def _llama_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
     return groups
 
 
+def _llama_linear_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    # v -> o: attention is linear in V per head, so scaling v_proj's output row c
+    # by 1/s scales every o_proj input channel that reads kv channel c by 1/s.
+    # up -> down: down_proj's input is act(gate) * up, linear in up.
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    groups = []
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}"
+        groups.append(SmoothingGroup(f"{p}.self_attn.v_proj", (f"{p}.self_attn.o_proj",),
+                                     kv_repeat=heads // kv_heads, head_dim=head_dim))
+        groups.append(SmoothingGroup(f"{p}.mlp.up_proj", (f"{p}.mlp.down_proj",)))
+    return groups
+
+
 def _bert_prefix(config: dict[str, Any]) -> str:
     return config.get("_qconvert_prefix", "")
 
@@ -74,12 +98,26 @@ def _bert_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
     ]
 
 
+def _bert_linear_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    # value -> attention.output.dense (every head its own K/V). intermediate ->
+    # output.dense is not smoothable: GELU sits between them.
+    p = _bert_prefix(config)
+    heads = int(config["num_attention_heads"])
+    return [
+        SmoothingGroup(f"{p}encoder.layer.{i}.attention.self.value",
+                       (f"{p}encoder.layer.{i}.attention.output.dense",),
+                       kv_repeat=1, head_dim=int(config["hidden_size"]) // heads)
+        for i in range(int(config["num_hidden_layers"]))
+    ]
+
+
 LLAMA = Architecture(
     family="llama",
     hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
     linear_pattern=re.compile(r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)$"),
     smoothing_groups=_llama_groups,
     default_alpha=0.85,
+    linear_smoothing_groups=_llama_linear_groups,
 )
 
 BERT = Architecture(
@@ -91,6 +129,7 @@ BERT = Architecture(
     ),
     smoothing_groups=_bert_groups,
     default_alpha=0.5,
+    linear_smoothing_groups=_bert_linear_groups,
 )
 
 ARCHITECTURES: list[Architecture] = [LLAMA, BERT]
