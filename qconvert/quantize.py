@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qconvert.formats.packing import pack_nf4_codes
 from qconvert.formats.qarray import NF4_LEVELS, QArray
 
 INT8_QMAX = 127
@@ -60,19 +61,11 @@ def nf4_codes_and_absmax(w: jax.Array, block_size: int = NF4_BLOCK_SIZE) -> tupl
     return codes.reshape(-1)[:n].astype(jnp.uint8), absmax
 
 
-@jax.jit
-def pack_nibbles(codes: jax.Array) -> jax.Array:
-    """uint8 codes [n] -> uint8 [ceil(n/2)], the earlier element in the high nibble (odd n pads a 0)."""
-    n = codes.shape[0]
-    codes = jnp.pad(codes, (0, n % 2)).reshape(-1, 2)
-    return (codes[:, 0] << 4) | codes[:, 1]
-
-
 def quantize_nf4(w, block_size: int = NF4_BLOCK_SIZE) -> QArray:
     """NF4 of a weight: absmax per block of `block_size` over the row-major flattened values."""
     w = jnp.asarray(w)
     if w.size == 0:
         raise ValueError(f"NF4 quantization takes a non-empty weight, got shape {tuple(w.shape)}")
     codes, absmax = nf4_codes_and_absmax(w, block_size)
-    return QArray(qvalue=pack_nibbles(codes), scale=absmax, kind="nf4",
+    return QArray(qvalue=pack_nf4_codes(np.asarray(codes)), scale=absmax, kind="nf4",
                   block_size=block_size, shape=w.shape, dtype=w.dtype)

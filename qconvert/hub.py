@@ -1,0 +1,180 @@
+"""Resolve MODEL (a local folder or a Hugging Face Hub id) to a folder of config, safetensors and tokenizer files.
+
+For a Hub id, config.json is fetched first and the architecture is checked
+against the registry before any weight is downloaded; then only safetensors,
+JSON and tokenizer files are fetched. Pickled weights (*.bin, *.pt) are never
+downloaded or read. HF_TOKEN, HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE are read
+when a model is resolved, not when the module is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from qconvert.errors import (
+    HubUnavailableError,
+    InvalidCheckpointError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+    UsageError,
+)
+from qconvert.models.registry import architecture_for
+
+# What a conversion needs from a repository; everything else (pickles, ONNX, images) stays remote.
+ALLOW_PATTERNS = (
+    "*.safetensors", "*.json",
+    "tokenizer.model", "*.tiktoken", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
+)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedModel:
+    """Where a model's files are on disk and where they came from."""
+
+    folder: Path
+    model_id: str
+    revision: str | None
+    commit: str | None
+    is_hub: bool
+    config: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """Parse folder/config.json, or InvalidCheckpointError saying what is wrong with it."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise InvalidCheckpointError(f"{path} is missing; a Hugging Face checkpoint folder needs its config.json")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InvalidCheckpointError(f"{path} is not valid JSON ({err}); restore the file from the model's source")
+    if not isinstance(config, dict):
+        raise InvalidCheckpointError(f"{path} must hold a JSON object; restore the file from the model's source")
+    return config
+
+
+def check_weights_are_safetensors(folder: Path, where: str) -> None:
+    """Refuse a checkpoint without *.safetensors weights, naming pickles when that is all it has."""
+    names = [p.name for p in Path(folder).rglob("*") if p.is_file()]
+    if any(n.endswith(".safetensors") for n in names):
+        return
+    pickles = sorted(n for n in names if n.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise UnsupportedModelError(
+            f"{where} has only pickled weights ({', '.join(pickles[:3])}); qconvert reads safetensors only: "
+            "convert them to safetensors first"
+        )
+    raise InvalidCheckpointError(f"{where} has no *.safetensors weights")
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _cache_dir() -> str | None:
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return str(Path(os.environ["HF_HOME"]) / "hub")
+    return None
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith((".", "/", "~", "\\")) or model.count("/") > 1 or not _HUB_ID.match(model)
+
+
+def _hub_error(err: Exception, model_id: str, revision: str | None) -> Exception:
+    """Map a huggingface_hub failure to ModelNotFoundError / HubUnavailableError / InvalidCheckpointError."""
+    from huggingface_hub import errors as hf
+
+    rev = f" at revision {revision}" if revision else ""
+    if isinstance(err, hf.RevisionNotFoundError):
+        return ModelNotFoundError(f"Hub model {model_id} has no revision {revision}; check --revision")
+    if isinstance(err, hf.RepositoryNotFoundError):
+        return ModelNotFoundError(
+            f"Hub model {model_id} not found (or private/gated); check the id, or set HF_TOKEN for a private model"
+        )
+    if isinstance(err, hf.LocalEntryNotFoundError):
+        return HubUnavailableError(
+            f"the Hub cannot be reached (or HF_HUB_OFFLINE is set) and {model_id}{rev} is not in the cache "
+            f"({_cache_dir() or 'the default HF_HOME'}); connect, or download it first"
+        )
+    if isinstance(err, hf.EntryNotFoundError):
+        return InvalidCheckpointError(f"Hub model {model_id}{rev} has no config.json; it is not a transformers checkpoint")
+    if isinstance(err, hf.HFValidationError):
+        return ModelNotFoundError(f"{model_id} is neither an existing folder nor a valid Hub id")
+    if isinstance(err, hf.HfHubHTTPError) and getattr(err.response, "status_code", None) in (401, 403):
+        return ModelNotFoundError(f"Hub model {model_id} needs access rights; set HF_TOKEN to a token that has them")
+    return HubUnavailableError(f"the Hub cannot be reached for {model_id}{rev}: {type(err).__name__}: {err}".splitlines()[0])
+
+
+def _transport_errors() -> tuple[type[Exception], ...]:
+    # The HTTP client under huggingface_hub differs by release (httpx2, httpx, requests).
+    errors: list[type[Exception]] = [ConnectionError, TimeoutError]
+    for module, attr in (("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException")):
+        try:
+            errors.append(getattr(__import__(module), attr))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def _resolve_hub(model_id: str, revision: str | None) -> ResolvedModel:
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+    from huggingface_hub import errors as hf
+
+    offline = _env_true("HF_HUB_OFFLINE")
+    cache_dir = _cache_dir()
+    hub_failures = (hf.HfHubHTTPError, hf.EntryNotFoundError, hf.HFValidationError,
+                    hf.OfflineModeIsEnabled) + _transport_errors()
+    try:
+        config_path = Path(hf_hub_download(model_id, "config.json", revision=revision,
+                                           cache_dir=cache_dir, local_files_only=offline))
+    except hub_failures as err:
+        raise _hub_error(err, model_id, revision) from None
+    folder = config_path.parent
+    commit = folder.name  # cache layout: snapshots/<commit>/config.json
+    config = read_config(folder)
+    architecture_for(config)  # unsupported -> error before a single weight byte moves
+    try:
+        if not offline:
+            remote_files = HfApi().list_repo_files(model_id, revision=commit)
+            if not any(f.endswith(".safetensors") for f in remote_files):
+                pickles = sorted(f for f in remote_files if f.endswith(PICKLE_SUFFIXES))
+                if pickles:
+                    raise UnsupportedModelError(
+                        f"Hub model {model_id} has only pickled weights ({', '.join(pickles[:3])}); "
+                        "qconvert reads safetensors only"
+                    )
+        folder = Path(snapshot_download(model_id, revision=commit, cache_dir=cache_dir,
+                                        allow_patterns=list(ALLOW_PATTERNS), local_files_only=offline))
+    except hub_failures as err:
+        raise _hub_error(err, model_id, revision) from None
+    check_weights_are_safetensors(folder, f"Hub model {model_id}")
+    return ResolvedModel(folder=folder, model_id=model_id, revision=revision, commit=commit,
+                         is_hub=True, config=config)
+
+
+def resolve_model(model: str, revision: str | None = None) -> ResolvedModel:
+    """A local folder as it is, or a Hub id downloaded (config first) into the Hugging Face cache."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelNotFoundError(f"{model} is a file; give the folder that holds config.json and the safetensors")
+        if revision is not None:
+            raise UsageError(f"--revision {revision} applies to Hub ids, but {model} is a local folder")
+        config = read_config(path)
+        architecture_for(config)
+        check_weights_are_safetensors(path, str(model))
+        return ResolvedModel(folder=path, model_id=str(model), revision=None, commit=None,
+                             is_hub=False, config=config)
+    if _looks_like_path(model):
+        raise ModelNotFoundError(f"no such folder: {model}")
+    return _resolve_hub(model, revision)
