@@ -1,5 +1,28 @@
 """On-disk formats: QArray, packing, safetensors I/O and the export layouts."""
 
+from qconvert.formats.errors import FormatError
+from qconvert.formats.layouts import (
+    SCHEMES,
+    QuantizedCheckpoint,
+    detect_scheme,
+    linear_tensor_specs,
+    open_quantized,
+    qarray_to_tensors,
+    quantization_config,
+)
 from qconvert.formats.qarray import NF4_LEVELS, QArray, dequantize, unpack_nf4_codes
+from qconvert.formats.safetensors_io import (
+    SafetensorsCheckpoint,
+    TensorSpec,
+    open_checkpoint,
+    sha256_file,
+    write_shards,
+)
 
-__all__ = ["NF4_LEVELS", "QArray", "dequantize", "unpack_nf4_codes"]
+__all__ = [
+    "NF4_LEVELS", "QArray", "dequantize", "unpack_nf4_codes",
+    "FormatError",
+    "SafetensorsCheckpoint", "TensorSpec", "open_checkpoint", "sha256_file", "write_shards",
+    "SCHEMES", "QuantizedCheckpoint", "detect_scheme", "linear_tensor_specs", "open_quantized",
+    "qarray_to_tensors", "quantization_config",
+]
