@@ -1,0 +1,65 @@
+"""The linear hooks every forward pass runs its linears through, and their float defaults.
+
+A forward never multiplies by a weight itself: it calls
+
+    linear(name, x, weight, bias) -> y
+
+with `name` the module name ("model.layers.0.self_attn.q_proj"), x [..., in],
+weight [out, in] (a jax/numpy array or a QArray), bias [out] or None. Calibration
+swaps in a hook that also records max|x|; verify swaps in quantized kernels.
+
+Mixture-of-experts layers run their experts through one grouped call instead:
+
+    grouped_linear(names, x, weights, group_sizes) -> y
+
+with `names` the E expert module names, x [M, in] whose rows are sorted by
+expert (expert e owns the next group_sizes[e] rows), `weights` the E expert
+weights [out, in], group_sizes int32 [E]. Rows past sum(group_sizes) belong to
+no expert; their output is zero.
+
+Both hooks are pure functions of their arrays, so a forward that uses them can
+be traced by jax.jit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from qconvert.formats import QArray
+
+LinearHook = Callable[[str, jax.Array, Any, Any], jax.Array]
+GroupedLinearHook = Callable[[Sequence[str], jax.Array, Sequence[Any], jax.Array], jax.Array]
+
+
+def as_float32(weight: Any) -> jax.Array:
+    """A weight as a float32 jax array; a QArray is dequantized."""
+    if isinstance(weight, QArray):
+        return weight.dequantize(jnp.float32)
+    return jnp.asarray(weight).astype(jnp.float32)
+
+
+def dense_linear(name: str, x: jax.Array, weight: Any, bias: Any = None) -> jax.Array:
+    """y = x W^T + b in float32 (the float reference every other hook is judged against)."""
+    y = jnp.matmul(x.astype(jnp.float32), as_float32(weight).T,
+                   precision=jax.lax.Precision.HIGHEST)
+    if bias is not None:
+        y = y + as_float32(bias)
+    return y
+
+
+def _grouped_matmul(x: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """x [M, in] times rhs [E, in, out] by groups of rows; the kernels' grouped matmul."""
+    return jax.lax.ragged_dot(x, rhs, group_sizes, precision=jax.lax.Precision.HIGHEST)
+
+
+def dense_grouped_linear(names: Sequence[str], x: jax.Array, weights: Sequence[Any],
+                         group_sizes: jax.Array) -> jax.Array:
+    """Float grouped linear: row block e of x times weights[e]^T; rows past the groups give 0."""
+    rhs = jnp.stack([as_float32(w).T for w in weights])  # [E, in, out]
+    y = _grouped_matmul(x.astype(jnp.float32), rhs, group_sizes.astype(jnp.int32))
+    # Some grouped kernels leave rows past the last group unwritten; zero them here.
+    rows = jnp.arange(x.shape[0])
+    return jnp.where((rows < jnp.sum(group_sizes))[:, None], y, 0.0)

@@ -1,0 +1,225 @@
+"""The Llama family in JAX (Llama, Mistral, Qwen2): GQA, RoPE, RMSNorm, SwiGLU, sliding windows."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32,
+                                   dense_grouped_linear, dense_linear)
+from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+               "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaArgs:
+    """The config.json fields a Llama-family forward needs."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False   # bias on q, k, v and o (Llama's flag)
+    qkv_bias: bool = False         # bias on q, k, v only (Qwen2)
+    mlp_bias: bool = False
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full causal attention
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "LlamaArgs":
+        """Read a LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM config.json."""
+        heads = int(config["num_attention_heads"])
+        layers = int(config["num_hidden_layers"])
+        return cls(
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            vocab_size=int(config["vocab_size"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_config(config),
+            hidden_act=config.get("hidden_act", "silu"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            qkv_bias=config.get("model_type") == "qwen2",
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            sliding_windows=sliding_windows(config, layers),
+        )
+
+
+def sliding_windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
+    """Each layer's attention window: Mistral/Mixtral use `sliding_window` everywhere;
+    Qwen2 only with `use_sliding_window`, on layers >= `max_window_layers` (or per `layer_types`)."""
+    window = config.get("sliding_window")
+    if config.get("model_type") == "qwen2" or "use_sliding_window" in config:
+        if not config.get("use_sliding_window", False):
+            window = None
+        types = config.get("layer_types") or [
+            "sliding_attention" if i >= int(config.get("max_window_layers", layers)) else "full_attention"
+            for i in range(layers)]
+        return tuple(int(window) if window and t == "sliding_attention" else None for t in types)
+    if config.get("model_type") == "llama":
+        window = None
+    return tuple(int(window) if window else None for _ in range(layers))
+
+
+def rms_norm(x: jax.Array, weight: Any, eps: float) -> jax.Array:
+    """x / rms(x) * weight, in float32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * as_float32(weight)
+
+
+def attention_bias(seq_len: int, attention_mask: jax.Array | None, window: int | None) -> jax.Array:
+    """Additive mask [B or 1, 1, T, T]: causal, padding keys hidden, keys older than `window` hidden.
+
+    A finite large negative (not -inf) keeps rows with no visible key (left padding) finite.
+    """
+    q = jnp.arange(seq_len)[:, None]
+    k = jnp.arange(seq_len)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed = allowed & (q - k < window)
+    allowed = allowed[None, None]
+    if attention_mask is not None:
+        allowed = allowed & (jnp.asarray(attention_mask) > 0)[:, None, None, :]
+    return jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)
+
+
+def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(d) + bias) v with q [B, H, T, d], k and v [B, KV, T, d] shared by H/KV heads."""
+    repeats = q.shape[1] // k.shape[1]
+    k = jnp.repeat(k, repeats, axis=1)
+    v = jnp.repeat(v, repeats, axis=1)
+    hi = jax.lax.Precision.HIGHEST
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=hi) * (q.shape[-1] ** -0.5) + bias
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v, precision=hi)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaModel:
+    """LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM as pure functions of `params`.
+
+    `params` maps checkpoint tensor names to arrays (lazily read ones too; linear
+    weights may be QArrays). Hidden states are float32 [B, T, hidden_size].
+    """
+
+    args: LlamaArgs
+    prefix: str = "model"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "LlamaModel":
+        return cls(LlamaArgs.from_config(config))
+
+    @property
+    def num_layers(self) -> int:
+        return self.args.num_hidden_layers
+
+    # -- names ---------------------------------------------------------------
+    def _layer_prefix(self, i: int) -> str:
+        return f"{self.prefix}.layers.{i}"
+
+    def _biased(self, proj: str) -> bool:
+        if proj in ("gate_proj", "up_proj", "down_proj"):
+            return self.args.mlp_bias
+        return self.args.attention_bias or (self.args.qkv_bias and proj != "o_proj")
+
+    def layer_linears(self, i: int) -> list[str]:
+        """Module names of layer i's linears, in the order the forward calls them."""
+        p = self._layer_prefix(i)
+        return ([f"{p}.self_attn.{x}_proj" for x in "qkvo"]
+                + [f"{p}.mlp.{x}_proj" for x in ("gate", "up", "down")])
+
+    def layer_tensor_names(self, i: int) -> list[str]:
+        """Checkpoint tensor names layer i reads (norm weights, linear weights and biases)."""
+        p = self._layer_prefix(i)
+        names = [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+        for module in self.layer_linears(i):
+            names.append(f"{module}.weight")
+            if self._biased(module.rsplit(".", 1)[1]):
+                names.append(f"{module}.bias")
+        return names
+
+    def _linear(self, linear: LinearHook, params: Mapping, module: str, x: jax.Array) -> jax.Array:
+        bias = params[f"{module}.bias"] if self._biased(module.rsplit(".", 1)[1]) else None
+        return linear(module, x, params[f"{module}.weight"], bias)
+
+    # -- forward -------------------------------------------------------------
+    def embed_tensor_names(self) -> list[str]:
+        """Tensor names the embedding reads."""
+        return [f"{self.prefix}.embed_tokens.weight"]
+
+    def embed(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+        """Token embeddings, float32 [B, T, hidden]."""
+        table = as_float32(params[f"{self.prefix}.embed_tokens.weight"])
+        return jnp.take(table, jnp.asarray(input_ids), axis=0)
+
+    def attention(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook) -> jax.Array:
+        """Self-attention of layer i on the normed hidden states x [B, T, hidden]."""
+        a, p = self.args, f"{self._layer_prefix(i)}.self_attn"
+        b, t, _ = x.shape
+
+        def heads(module: str, n: int) -> jax.Array:
+            y = self._linear(linear, params, f"{p}.{module}", x)
+            return y.reshape(b, t, n, a.head_dim).transpose(0, 2, 1, 3)
+
+        q = heads("q_proj", a.num_attention_heads)
+        k = heads("k_proj", a.num_key_value_heads)
+        v = heads("v_proj", a.num_key_value_heads)
+        cos, sin = rope_angles(a.rope, a.head_dim, t)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = grouped_query_attention(q, k, v, attention_bias(t, attention_mask, a.sliding_windows[i]))
+        out = out.transpose(0, 2, 1, 3).reshape(b, t, a.num_attention_heads * a.head_dim)
+        return self._linear(linear, params, f"{p}.o_proj", out)
+
+    def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook,
+            grouped_linear: GroupedLinearHook) -> jax.Array:
+        """SwiGLU feed-forward: down(act(gate(x)) * up(x))."""
+        p = f"{self._layer_prefix(i)}.mlp"
+        gate = self._linear(linear, params, f"{p}.gate_proj", x)
+        up = self._linear(linear, params, f"{p}.up_proj", x)
+        return self._linear(linear, params, f"{p}.down_proj", ACTIVATIONS[self.args.hidden_act](gate) * up)
+
+    def layer(self, i: int, params: Mapping, hidden: jax.Array, attention_mask: jax.Array | None = None,
+              linear: LinearHook = dense_linear,
+              grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array:
+        """Decoder layer i (pre-norm): h += attn(norm(h)); h += mlp(norm(h))."""
+        p, eps = self._layer_prefix(i), self.args.rms_norm_eps
+        x = rms_norm(hidden, params[f"{p}.input_layernorm.weight"], eps)
+        hidden = hidden + self.attention(i, params, x, attention_mask, linear)
+        x = rms_norm(hidden, params[f"{p}.post_attention_layernorm.weight"], eps)
+        return hidden + self.mlp(i, params, x, attention_mask, linear, grouped_linear)
+
+    def head_tensor_names(self) -> list[str]:
+        """Tensor names the head reads: the final norm and lm_head (the embedding when tied)."""
+        lm_head = (f"{self.prefix}.embed_tokens.weight" if self.args.tie_word_embeddings
+                   else "lm_head.weight")
+        return [f"{self.prefix}.norm.weight", lm_head]
+
+    def head(self, params: Mapping, hidden: jax.Array, attention_mask: jax.Array | None = None,
+             linear: LinearHook = dense_linear) -> jax.Array:
+        """Final RMSNorm and lm_head: logits float32 [B, T, vocab]."""
+        x = rms_norm(hidden, params[f"{self.prefix}.norm.weight"], self.args.rms_norm_eps)
+        lm_head_name = self.head_tensor_names()[1]
+        return linear("lm_head", x, params[lm_head_name], None)
+
+    def forward(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array | None = None,
+                linear: LinearHook = dense_linear,
+                grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array:
+        """Logits float32 [B, T, vocab] for input_ids [B, T] (positions 0..T-1, as transformers)."""
+        hidden = self.embed(params, input_ids, attention_mask)
+        for i in range(self.num_layers):
+            hidden = self.layer(i, params, hidden, attention_mask, linear, grouped_linear)
+        return self.head(params, hidden, attention_mask, linear)

@@ -1,0 +1,84 @@
+"""Rotary position embeddings: inverse frequencies (default, linear, llama3 scaling) and rotation."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qconvert.errors import UnsupportedModelError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """What config.json says about RoPE: base, scaling type and its parameters."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "RopeConfig":
+        """Read `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (earlier)."""
+        params = dict(config.get("rope_parameters") or {})
+        params.update(config.get("rope_scaling") or {})
+        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"RoPE scaling type {rope_type!r} is not supported; supported: "
+                + ", ".join(SUPPORTED_ROPE_TYPES))
+        return cls(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(params.get(
+                "original_max_position_embeddings", config.get("max_position_embeddings", 8192))),
+        )
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """float32 [head_dim / 2]: the rotation speed of each pair of channels."""
+    inv_freq = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and
+        # the band between is interpolated smoothly.
+        old_context = rope.original_max_position_embeddings
+        low_freq_wavelen = old_context / rope.low_freq_factor
+        high_freq_wavelen = old_context / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_context / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def rope_angles(rope: RopeConfig, head_dim: int, seq_len: int) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [T, head_dim] for positions 0..T-1 (the two halves repeat)."""
+    inv_freq = jnp.asarray(inverse_frequencies(rope, head_dim))
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [B, heads, T, head_dim]; channel i pairs with channel i + head_dim/2."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
