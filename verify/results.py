@@ -19,6 +19,7 @@ class KernelChoice:
     pallas: bool
     tiling: dict[str, Any] | None = None
     fallback_reason: str | None = None
+    interpret: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

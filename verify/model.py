@@ -1,0 +1,95 @@
+"""Whole-model verification: every quantized linear through the kernels vs the float model.
+
+Causal LMs compare next-token distributions (mean KL, top-1 agreement) and the
+perplexity of both models on the evaluation tokens; encoders compare the
+mean-pooled last hidden states (the sentence embedding of all-MiniLM-L6-v2)
+by cosine similarity, sequence by sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from qconvert.formats import QArray
+from qconvert.models import forward_layerwise
+from qconvert.models.hooks import dense_linear
+from qconvert.verify import metrics
+from qconvert.verify.kernel_path import QuantizedLinear
+from qconvert.verify.results import ModelResult
+from qconvert.verify.thresholds import Thresholds, check
+
+
+def kernel_linear_hook(quantized_linear: QuantizedLinear):
+    """A models linear hook: QArray weights through `quantized_linear`, float weights through dense_linear."""
+
+    def linear(name, x, weight, bias):
+        if not isinstance(weight, QArray):
+            return dense_linear(name, x, weight, bias)
+        y, _ = quantized_linear(name, x.reshape(-1, x.shape[-1]), weight, bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    return linear
+
+
+def mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Mean over the real tokens of each sequence: [B, T, H] -> [B, H]."""
+    m = np.asarray(mask, dtype=np.float64)[..., None]
+    return (np.asarray(hidden, dtype=np.float64) * m).sum(1) / np.maximum(m.sum(1), 1.0)
+
+
+def compare_causal_lm(float_logits, quant_logits, input_ids, mask, thresholds: Thresholds) -> ModelResult:
+    """KL, top-1 agreement and perplexities of quantized against float logits."""
+    ppl_float = metrics.perplexity(float_logits, input_ids, mask)
+    ppl_quant = metrics.perplexity(quant_logits, input_ids, mask)
+    figures = {
+        "mean_kl": metrics.mean_kl_divergence(float_logits, quant_logits, mask),
+        "top1_agreement": metrics.top1_agreement(float_logits, quant_logits, mask),
+        "perplexity_float": ppl_float,
+        "perplexity_quantized": ppl_quant,
+        "perplexity_ratio": ppl_quant / ppl_float,
+    }
+    checks = (
+        check("mean_kl", "model", figures["mean_kl"], thresholds.max_mean_kl, "max"),
+        check("top1_agreement", "model", figures["top1_agreement"], thresholds.min_top1_agreement, "min"),
+        check("perplexity_ratio", "model", figures["perplexity_ratio"], thresholds.max_perplexity_ratio, "max"),
+    )
+    mask = np.asarray(mask)
+    return ModelResult("causal_lm", int(mask.shape[0]), int(mask.sum()), figures, checks)
+
+
+def compare_encoder(float_hidden, quant_hidden, mask, thresholds: Thresholds) -> ModelResult:
+    """Cosine similarity of the mean-pooled outputs, per sequence (mean and min reported; min checked)."""
+    a, b = mean_pool(float_hidden, mask), mean_pool(quant_hidden, mask)
+    cosines = [metrics.cosine_similarity(a[i], b[i]) for i in range(a.shape[0])]
+    figures = {
+        "pooled_cosine_mean": float(np.mean(cosines)),
+        "pooled_cosine_min": float(np.min(cosines)),
+        "last_hidden_sqnr_db": metrics.sqnr_db(float_hidden, quant_hidden),
+    }
+    checks = (check("pooled_cosine_min", "model", figures["pooled_cosine_min"],
+                    thresholds.min_pooled_cosine, "min"),)
+    mask = np.asarray(mask)
+    return ModelResult("encoder", int(mask.shape[0]), int(mask.sum()), figures, checks)
+
+
+def verify_model(model, reference: Mapping, converted: Mapping, input_ids, attention_mask,
+                 quantized_linear: QuantizedLinear, thresholds: Thresholds, *,
+                 causal_lm: bool, batch_size: int | None = None,
+                 float_output=None) -> ModelResult:
+    """Run the float and the kernel-backed model on the same tokens and compare their outputs.
+
+    `float_output` may hand in the float model's output when the caller already
+    has it (the per-layer pass computes the same forward).
+    """
+    mask = np.ones(np.shape(input_ids), np.int32) if attention_mask is None else np.asarray(attention_mask)
+    if float_output is None:
+        float_output = forward_layerwise(model, reference, input_ids, mask, batch_size=batch_size)
+    quant_output = forward_layerwise(model, converted, input_ids, mask, batch_size=batch_size,
+                                     linear=kernel_linear_hook(quantized_linear))
+    float_output, quant_output = np.asarray(float_output), np.asarray(quant_output)
+    if causal_lm:
+        return compare_causal_lm(float_output, quant_output, np.asarray(input_ids), mask, thresholds)
+    return compare_encoder(float_output, quant_output, mask, thresholds)

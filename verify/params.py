@@ -1,0 +1,136 @@
+"""The float reference and the converted folder as model params, and the tensor-level consistency check.
+
+The models take any Mapping from checkpoint tensor name to array; these two
+read lazily from the memory-mapped shards, and the converted one hands out a
+QArray under "<module>.weight" for every quantized linear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from qconvert.formats.errors import FormatError
+from qconvert.formats.layouts import NF4_STATE_SUFFIX, linear_tensor_specs
+from qconvert.models.registry import architecture_for
+
+
+class CheckpointParams(Mapping):
+    """A SafetensorsCheckpoint as a lazy name -> numpy array Mapping."""
+
+    def __init__(self, checkpoint):
+        self.checkpoint = checkpoint
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.checkpoint:
+            raise KeyError(name)
+        return self.checkpoint.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.checkpoint
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.checkpoint.tensor_names)
+
+    def __len__(self) -> int:
+        return len(self.checkpoint.tensor_names)
+
+
+class QuantizedParams(Mapping):
+    """A QuantizedCheckpoint as params: QArrays for the quantized linears' weights, float tensors as stored."""
+
+    def __init__(self, quantized):
+        self.quantized = quantized
+        self._weights = {f"{m}.weight": m for m in quantized.quantized_modules}
+        self._names = sorted(set(quantized.float_names) | set(self._weights))
+
+    def __getitem__(self, name: str):
+        if name in self._weights:
+            return self.quantized.qarray(self._weights[name])
+        if name not in self.quantized.float_names:
+            raise KeyError(name)
+        return self.quantized.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._weights or name in set(self.quantized.float_names)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _layout_flags(config: dict[str, Any]) -> tuple[bool, bool]:
+    """(static activations, double quant) as the folder's quantization_config states them."""
+    qconfig = config.get("quantization_config") or {}
+    static_act = False
+    for group in (qconfig.get("config_groups") or {}).values():
+        acts = group.get("input_activations") if isinstance(group, dict) else None
+        if isinstance(acts, dict) and acts.get("dynamic") is False:
+            static_act = True
+    return static_act, bool(qconfig.get("bnb_4bit_use_double_quant"))
+
+
+def check_tensors(quantized, reference, config: dict[str, Any]) -> list[str]:
+    """The converted folder's tensors against the reference and the layout of its scheme.
+
+    Every reference linear is either quantized (with every tensor its layout
+    needs, of the right dtype and shape) or kept in float; every other reference
+    tensor is present with its shape; every QArray decodes. Each problem names
+    the file (or the folder, for a tensor that is nowhere).
+    """
+    problems: list[str] = []
+    ckpt = quantized.checkpoint
+    folder = quantized.folder.name
+    arch = architecture_for(config)
+    static_act, double_quant = _layout_flags(config)
+    float_names = set(quantized.float_names)
+    ref_linears = arch.linear_names(reference.tensor_names)
+    quantized_modules = set(quantized.quantized_modules)
+    for module in ref_linears:
+        shape = tuple(reference.shape(f"{module}.weight"))
+        if module not in quantized_modules:
+            weight = f"{module}.weight"
+            # bf16 is kind "V" to numpy; an int8 .weight without its scale is not a float linear.
+            if (weight in float_names and tuple(ckpt.shape(weight)) == shape
+                    and np.dtype(ckpt.dtype(weight)).kind in "fV"):
+                continue
+            problems.append(f"{folder}: quantized linear {module} is missing (no {module}.weight "
+                            f"in any shard, quantized or float)")
+            continue
+        present = [n for n in ckpt.tensor_names if n.startswith(module + ".")]
+        where = ckpt.file_of(present[0]).name
+        specs = linear_tensor_specs(module, quantized.scheme, shape, np.float32,
+                                    static_act=static_act, double_quant=double_quant)
+        for spec in specs:
+            if spec.name not in ckpt:
+                problems.append(f"{where}: tensor {spec.name} is missing (quantized linear {module} needs it)")
+                continue
+            got_shape, got_dtype = tuple(ckpt.shape(spec.name)), np.dtype(ckpt.dtype(spec.name))
+            float_scale = spec.name.endswith(".weight_scale") and got_dtype.kind in "fV"
+            if got_dtype != spec.dtype and not float_scale:
+                problems.append(f"{ckpt.file_of(spec.name).name}: tensor {spec.name} is {got_dtype}, "
+                                f"the {quantized.scheme} layout needs {spec.dtype}")
+            if got_shape != spec.shape and not spec.name.endswith(NF4_STATE_SUFFIX):
+                problems.append(f"{ckpt.file_of(spec.name).name}: tensor {spec.name} has shape "
+                                f"{list(got_shape)}, expected {list(spec.shape)} for a {list(shape)} weight")
+        try:
+            q = quantized.qarray(module)
+            if tuple(q.shape) != shape:
+                problems.append(f"{where}: {module} decodes to shape {list(q.shape)}, the reference "
+                                f"weight is {list(shape)}")
+        except FormatError as exc:
+            problems.append(str(exc))
+    linear_tensors = {f"{m}.weight" for m in ref_linears}
+    for name in reference.tensor_names:
+        if name in linear_tensors:
+            continue
+        if name not in float_names:
+            problems.append(f"{folder}: tensor {name} is missing (the reference has it)")
+        elif tuple(ckpt.shape(name)) != tuple(reference.shape(name)):
+            problems.append(f"{ckpt.file_of(name).name}: tensor {name} has shape {list(ckpt.shape(name))}, "
+                            f"the reference has {list(reference.shape(name))}")
+    return problems

@@ -1,0 +1,144 @@
+"""`qconvert verify` as a function: integrity, then per-layer and whole-model checks, into one report."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from qconvert.calib_data import BUILTIN, RANDOM, load_calibration
+from qconvert.errors import InvalidCheckpointError, UsageError
+from qconvert.formats.errors import FormatError
+from qconvert.formats.layouts import open_quantized
+from qconvert.formats.safetensors_io import open_checkpoint
+from qconvert.hub import resolve_model
+from qconvert.models import build
+from qconvert.models.registry import architecture_for
+from qconvert.verify.integrity import (IntegrityResult, check_config, check_files, read_config,
+                                       read_record)
+from qconvert.verify.kernel_path import make_quantized_linear
+from qconvert.verify.layers import smooth_scales, verify_layers
+from qconvert.verify.model import verify_model
+from qconvert.verify.params import CheckpointParams, QuantizedParams, check_tensors
+from qconvert.verify.report import versions
+from qconvert.verify.results import VerifyReport
+from qconvert.verify.thresholds import Check, thresholds_for
+
+AUTO = "auto"
+# Evaluation sizes: the full run and --quick. Small on purpose: on CPU the Pallas
+# kernels run in interpret mode, and a few thousand tokens already resolve
+# SQNR to a fraction of a dB.
+DEFAULT_SAMPLES, DEFAULT_SEQLEN = 8, 64
+QUICK_SAMPLES, QUICK_SEQLEN = 2, 32
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyOptions:
+    """What `qconvert verify` was asked to do."""
+
+    reference: str | None = None
+    revision: str | None = None
+    calib: str = AUTO
+    samples: int | None = None
+    seqlen: int | None = None
+    quick: bool = False
+    backend: str = AUTO
+    strict: bool = False
+    batch_size: int | None = None
+    thresholds: Mapping[str, float | None] = dataclasses.field(default_factory=dict)
+
+
+def evaluation_tokens(options: VerifyOptions, reference_folder: Path, config: dict[str, Any]):
+    """The evaluation windows: `--calib` text (default: built-in prose, or random ids without a tokenizer)."""
+    calib = options.calib
+    if calib == AUTO:
+        calib = BUILTIN if (Path(reference_folder) / "tokenizer.json").is_file() else RANDOM
+    samples = options.samples or (QUICK_SAMPLES if options.quick else DEFAULT_SAMPLES)
+    seqlen = options.seqlen or (QUICK_SEQLEN if options.quick else DEFAULT_SEQLEN)
+    return load_calibration(calib, reference_folder, config, samples=samples, seqlen=seqlen)
+
+
+def _integrity_only(folder, scheme, options, thresholds, files, problems, started) -> VerifyReport:
+    return VerifyReport(
+        folder=str(folder), scheme=scheme, reference={}, backend=options.backend,
+        devices=tuple(str(d) for d in jax.devices()), thresholds=thresholds,
+        integrity=IntegrityResult(tuple(files), tuple(problems)), layers=(), model=None,
+        extra_checks=(), evaluation={}, versions=versions(), seconds=time.perf_counter() - started)
+
+
+def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyReport:
+    """Verify a folder written by `qconvert quantize`; the report says what passed and what did not.
+
+    Raises QConvertError subclasses for bad input (no qconvert.json, an
+    unreachable reference, bad flags); a folder that is wrong in itself (hashes,
+    tensors, numbers) yields a failing report instead.
+    """
+    started = time.perf_counter()
+    folder = Path(folder)
+    record = read_record(folder)
+    thresholds = thresholds_for(record.scheme, **dict(options.thresholds))
+    files = sorted(record.files)
+    problems = check_files(folder, record)
+    config = read_config(folder) if (folder / "config.json").is_file() else {}
+    if config:
+        problems += check_config(config, record)
+    if problems:
+        return _integrity_only(folder, record.scheme, options, thresholds, files, problems, started)
+    try:
+        quantized = open_quantized(folder)
+    except FormatError as exc:
+        return _integrity_only(folder, record.scheme, options, thresholds, files, [str(exc)], started)
+
+    reference_id = options.reference or record.source_model
+    if not reference_id:
+        raise UsageError("qconvert.json records no source model; pass --reference MODEL")
+    if options.reference:
+        revision = options.revision
+    else:
+        # A Hub source is pinned to the commit it was converted from; a local folder has no revision.
+        revision = record.source_revision if record.raw.get("source", {}).get("is_hub") else None
+    resolved = resolve_model(reference_id, revision)
+    reference_ckpt = open_checkpoint(resolved.folder)
+    problems = check_tensors(quantized, reference_ckpt, config)
+    if problems:
+        return _integrity_only(folder, record.scheme, options, thresholds, files, problems, started)
+
+    arch = architecture_for(config)
+    if architecture_for(resolved.config) is not arch:
+        raise UsageError(f"the reference {reference_id} is a {resolved.config.get('architectures')} model, "
+                         f"the converted folder a {config.get('architectures')} one; pass the right --reference")
+    model = build(config)
+    reference = CheckpointParams(reference_ckpt)
+    converted = QuantizedParams(quantized)
+    data = evaluation_tokens(options, resolved.folder, resolved.config)
+    ids = np.asarray(data.input_ids)
+    mask = np.ones_like(ids)
+    quantized_linear, choices = make_quantized_linear(quantized, record.scheme, options.backend)
+    scales = smooth_scales(arch, config, reference, converted)
+    layer_results = verify_layers(model, reference, converted, ids, mask, quantized.quantized_modules,
+                                  quantized_linear, thresholds, scales=scales,
+                                  batch_size=options.batch_size)
+    causal_lm = any(str(a).endswith("ForCausalLM") for a in config.get("architectures", []))
+    model_result = verify_model(model, reference, converted, ids, mask, quantized_linear, thresholds,
+                                causal_lm=causal_lm, batch_size=options.batch_size)
+    extra: list[Check] = []
+    if options.strict:
+        # --strict: a layer that ran through the reference instead of a Pallas kernel fails.
+        for r in layer_results:
+            extra.append(Check("pallas_kernel", r.name, float(r.kernel.pallas), 1.0, "min", r.kernel.pallas))
+    backends = sorted({r.kernel.backend for r in layer_results})
+    return VerifyReport(
+        folder=str(folder), scheme=record.scheme,
+        reference={"model": reference_id, "folder": str(resolved.folder), "commit": resolved.commit,
+                   "is_hub": resolved.is_hub, "from": "--reference" if options.reference else "qconvert.json"},
+        backend=",".join(backends) if backends else options.backend,
+        devices=tuple(str(d) for d in jax.devices()), thresholds=thresholds,
+        integrity=IntegrityResult(tuple(files), ()), layers=tuple(layer_results), model=model_result,
+        extra_checks=tuple(extra),
+        evaluation={**data.record(), "quick": options.quick, "kernel_calls": len(choices)},
+        versions=versions(), seconds=time.perf_counter() - started)
