@@ -1,0 +1,244 @@
+"""The quantize pipeline: resolve MODEL, plan, stream-quantize tensor by tensor into packed shards, write OUT atomically."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from qconvert import __version__
+from qconvert.errors import InvalidCheckpointError, InvalidWeightError, UsageError
+from qconvert.formats.errors import FormatError
+from qconvert.formats.layouts import SCHEMES, qarray_to_tensors, quantization_config
+from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint, write_shards
+from qconvert.hub import ResolvedModel, resolve_model
+from qconvert.models.registry import architecture_for
+from qconvert.output import (
+    MANIFEST_NAME, check_output_free, copy_side_files, side_files, source_file_hashes, staged_output, write_json,
+)
+from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
+from qconvert.quantize import quantize_int8, quantize_nf4
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
+# Options that change no output byte stay out of qconvert.json, so reruns with them stay identical.
+PRESENTATION_OPTIONS = ("overwrite", "dry_run")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertOptions:
+    """Every choice a conversion takes; validated on construction."""
+
+    scheme: str = "int8"
+    revision: str | None = None
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    double_quant: bool = False
+    act: str = "dynamic"
+    overwrite: bool = False
+    dry_run: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "include", tuple(self.include))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        if self.scheme not in SCHEMES:
+            raise UsageError(f"unknown scheme {self.scheme!r}; choose one of {', '.join(SCHEMES)}")
+        if self.double_quant and self.scheme != "nf4":
+            raise UsageError("--double-quant applies to --scheme nf4 only")
+        if self.act not in ("dynamic", "static"):
+            raise UsageError(f"--act must be dynamic or static, not {self.act!r}")
+        if self.act == "static" and self.scheme != "w8a8":
+            raise UsageError("static activation scales apply to --scheme w8a8 only")
+        if self.max_shard_size <= 0:
+            raise UsageError("--max-shard-size must be positive")
+
+
+class Progress(Protocol):
+    """What the pipeline reports while it streams (the CLI draws a bar from it)."""
+
+    def start(self, total_bytes: int, total_tensors: int) -> None: ...
+
+    def advance(self, nbytes: int) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertResult:
+    """What a conversion did (or, with dry_run, would do)."""
+
+    out: Path | None
+    source: dict[str, Any]
+    scheme: str
+    dry_run: bool
+    tensors: tuple[PlannedTensor, ...]
+    input_bytes: int
+    output_bytes: int
+    seconds: float
+    files: dict[str, str]
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.input_bytes / self.output_bytes if self.output_bytes else 0.0
+
+    @property
+    def quantized_modules(self) -> list[str]:
+        return [t.module for t in self.tensors if t.module is not None]
+
+    def summary(self) -> dict[str, Any]:
+        """The machine-readable summary `quantize --json` prints."""
+        return {
+            "out": str(self.out) if self.out else None, "source": self.source, "scheme": self.scheme,
+            "dry_run": self.dry_run, "quantized_modules": len(self.quantized_modules),
+            "float_tensors": sum(t.module is None for t in self.tensors),
+            "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
+            "compression_ratio": round(self.compression_ratio, 4), "seconds": round(self.seconds, 3),
+            "files": self.files,
+            "tensors": [{"name": t.module or t.source, "kind": t.kind, "shape": list(t.shape),
+                         "source_bytes": t.source_bytes, "output_bytes": t.output_bytes} for t in self.tensors],
+        }
+
+
+def convert(
+    model: str,
+    out,
+    options: ConvertOptions,
+    *,
+    weight_transform: Callable[[str, np.ndarray], np.ndarray] | None = None,
+    input_scales: Mapping[str, float] | None = None,
+    calibration_record: dict | None = None,
+    smoothing_record: dict | None = None,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """Quantize MODEL (a folder or Hub id) into OUT.
+
+    `weight_transform(name, array)` may replace any source tensor before it is
+    written or quantized (SmoothQuant hands in smoothed norms and linears this
+    way); `input_scales` maps module -> static activation scale (w8a8, act
+    static); the two records go verbatim into qconvert.json.
+    """
+    started = time.perf_counter()
+    out = Path(out)
+    if not options.dry_run:
+        check_output_free(out, options.overwrite)  # before any download
+    resolved = resolve_model(model, options.revision)
+    arch = architecture_for(resolved.config)
+    try:
+        ckpt = open_checkpoint(resolved.folder)
+        plan = plan_conversion(ckpt, resolved.config, arch, scheme=options.scheme, include=options.include,
+                               exclude=options.exclude, double_quant=options.double_quant,
+                               static_act=options.act == "static")
+        if options.act == "static":
+            _check_input_scales(plan, input_scales or {})
+        files: dict[str, str] = {}
+        if not options.dry_run:
+            with staged_output(out, options.overwrite) as staging:
+                stream = stream_tensors(ckpt, plan, options, weight_transform, input_scales or {}, progress)
+                files.update(write_shards(staging, plan.specs, stream, options.max_shard_size))
+                files.update(copy_side_files(resolved.folder, staging))
+                files["config.json"] = write_json(staging / "config.json",
+                                                  quantized_config(resolved.config, plan, options))
+                write_json(staging / MANIFEST_NAME, manifest(resolved, ckpt, options, files,
+                                                             calibration_record, smoothing_record))
+    except FormatError as err:
+        raise InvalidCheckpointError(f"{err}") from None
+    return ConvertResult(
+        out=None if options.dry_run else out,
+        source={"model": resolved.model_id, "is_hub": resolved.is_hub, "revision": resolved.revision,
+                "commit": resolved.commit},
+        scheme=options.scheme, dry_run=options.dry_run, tensors=plan.tensors,
+        input_bytes=sum(ckpt.nbytes(name) for name in ckpt.tensor_names),
+        output_bytes=sum(spec.nbytes for spec in plan.specs),
+        seconds=time.perf_counter() - started, files=dict(sorted(files.items())),
+    )
+
+
+def _check_input_scales(plan: ConversionPlan, input_scales: Mapping[str, float]) -> None:
+    missing = [m for m in plan.quantized_modules if m not in input_scales]
+    if missing:
+        raise UsageError(f"static activations need an input scale for every quantized linear; "
+                         f"{len(missing)} have none (first: {missing[0]})")
+
+
+def all_finite(array: np.ndarray, chunk_elements: int = 1 << 22) -> bool:
+    """Whether a float array has no NaN/Inf, checked in chunks so no full-size mask is allocated."""
+    flat = array.reshape(-1)
+    return all(np.isfinite(flat[i:i + chunk_elements]).all() for i in range(0, flat.size, chunk_elements))
+
+
+def stream_tensors(ckpt: SafetensorsCheckpoint, plan: ConversionPlan, options: ConvertOptions,
+                   weight_transform, input_scales: Mapping[str, float],
+                   progress: Progress | None) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for every output tensor in plan order: read, transform, check, quantize, one at a time."""
+    if progress is not None:
+        progress.start(sum(t.source_bytes for t in plan.tensors), len(plan.tensors))
+    for planned in plan.tensors:
+        array = ckpt.get(planned.source)
+        if weight_transform is not None:
+            array = _transformed(planned, weight_transform(planned.source, array))
+        if planned.module is None:
+            if is_float_array(array) and not all_finite(array):
+                raise InvalidWeightError(f"{planned.source} has NaN or Inf values; fix the checkpoint")
+            yield planned.source, array
+        else:
+            tensors = quantized_tensors(planned, array, options, input_scales.get(planned.module))
+            del array
+            for spec in planned.specs:
+                yield spec.name, tensors.pop(spec.name)
+        if progress is not None:
+            progress.advance(planned.source_bytes)
+
+
+def _transformed(planned: PlannedTensor, array) -> np.ndarray:
+    array = np.asarray(array)
+    if tuple(array.shape) != planned.shape:
+        raise ValueError(f"weight_transform changed the shape of {planned.source} to {list(array.shape)}")
+    # The output keeps the source dtype whatever precision the transform computed in.
+    return array.astype(np.dtype(planned.source_dtype), copy=False)
+
+
+def quantized_tensors(planned: PlannedTensor, weight: np.ndarray, options: ConvertOptions,
+                      input_scale: float | None) -> dict[str, np.ndarray]:
+    """One linear's weight -> its output tensors in the scheme's layout (NaN/Inf refused)."""
+    if options.scheme == "nf4":
+        q = quantize_nf4(weight)
+    else:
+        q = quantize_int8(weight, scale_dtype=np.dtype(planned.source_dtype))
+    # NaN/Inf propagate into the row or block absmax, so the scales reveal them at no extra pass.
+    if not np.isfinite(np.asarray(q.scale, dtype=np.float32)).all():
+        raise InvalidWeightError(f"{planned.source} has NaN or Inf values; fix the checkpoint")
+    return qarray_to_tensors(planned.module, q, options.scheme, input_scale=input_scale,
+                             double_quant=options.double_quant)
+
+
+def quantized_config(config: dict[str, Any], plan: ConversionPlan, options: ConvertOptions) -> dict[str, Any]:
+    """The source config.json with the scheme's quantization_config added."""
+    declared = config.get("torch_dtype") or config.get("dtype")
+    compute_dtype = declared if declared in FLOAT_WEIGHT_DTYPES else plan.float_dtype
+    return {**config, "quantization_config": quantization_config(
+        options.scheme, act=options.act, ignore=plan.ignore, double_quant=options.double_quant,
+        compute_dtype=compute_dtype)}
+
+
+def manifest(resolved: ResolvedModel, ckpt: SafetensorsCheckpoint, options: ConvertOptions,
+             files: Mapping[str, str], calibration_record: dict | None,
+             smoothing_record: dict | None) -> dict[str, Any]:
+    """qconvert.json: tool version, source and its file hashes, scheme, flags, records, output hashes."""
+    folder = resolved.folder
+    inputs = [p.relative_to(folder).as_posix() for p in ckpt.files] + ["config.json"] + side_files(folder)
+    if (folder / "model.safetensors.index.json").exists():
+        inputs.append("model.safetensors.index.json")
+    flags = {k: v for k, v in dataclasses.asdict(options).items() if k not in PRESENTATION_OPTIONS}
+    flags["include"], flags["exclude"] = list(options.include), list(options.exclude)
+    return {
+        "qconvert_version": __version__,
+        "source": {"model": resolved.model_id, "is_hub": resolved.is_hub, "revision": resolved.revision,
+                   "commit": resolved.commit, "files": source_file_hashes(folder, inputs)},
+        "scheme": options.scheme,
+        "flags": flags,
+        "calibration": calibration_record,
+        "smoothing": smoothing_record,
+        "files": dict(sorted(files.items())),
+    }

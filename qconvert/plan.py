@@ -1,0 +1,160 @@
+"""What a conversion will write: which linears are quantized, which tensors stay float, in what order.
+
+Selection: the architecture's block linears, plus modules an --include pattern
+names, minus modules an --exclude pattern names. Patterns match module names
+(e.g. "model.layers.0.mlp.down_proj"): a glob, or "re:REGEX" matched from the
+start of the name (as compressed-tensors reads its `ignore` entries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from typing import Any
+
+import numpy as np
+
+from qconvert.errors import InvalidWeightError, UnsupportedModelError, UsageError
+from qconvert.formats.layouts import linear_tensor_specs
+from qconvert.formats.safetensors_io import SafetensorsCheckpoint, TensorSpec
+from qconvert.models.registry import Architecture
+
+FLOAT_WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'5GiB', '500MB', '1000000' -> bytes; UsageError for anything else."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise UsageError(f"cannot read size {text!r}; write e.g. 5GiB, 500MB or a number of bytes")
+    number, unit = float(match.group(1)), (match.group(2) or "B").lower()
+    size = int(number * _UNITS[unit])
+    if size <= 0:
+        raise UsageError(f"size {text!r} must be positive")
+    return size
+
+
+def matches(pattern: str, module: str) -> bool:
+    """A module name against one --include/--exclude pattern (glob, or re: from the start)."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return fnmatch.fnmatchcase(module, pattern)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedTensor:
+    """One source tensor (or quantized linear) and the output tensors it becomes."""
+
+    source: str  # the source tensor name; for a quantized linear, its `.weight`
+    module: str | None  # set for a quantized linear
+    kind: str  # "float", or the scheme for a quantized linear
+    shape: tuple[int, ...]
+    source_dtype: str
+    source_bytes: int
+    specs: tuple[TensorSpec, ...]
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(spec.nbytes for spec in self.specs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionPlan:
+    """Every output tensor in write order, and the linears left in float (for `ignore`)."""
+
+    tensors: tuple[PlannedTensor, ...]
+    ignore: tuple[str, ...]
+    dropped: tuple[str, ...]  # source tensors not written (a tied lm_head)
+    float_dtype: str  # the dtype of the quantized linears' float weights
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        return [spec for t in self.tensors for spec in t.specs]
+
+    @property
+    def quantized_modules(self) -> list[str]:
+        return [t.module for t in self.tensors if t.module is not None]
+
+
+def _linear_candidates(ckpt: SafetensorsCheckpoint) -> list[str]:
+    """Modules whose `.weight` is a 2-D float matrix and that are not embedding tables."""
+    modules = []
+    for name in ckpt.tensor_names:
+        module = name[: -len(".weight")]
+        if (name.endswith(".weight") and len(ckpt.shape(name)) == 2 and "embed" not in module
+                and ckpt.dtype(name).name in FLOAT_WEIGHT_DTYPES):
+            modules.append(module)
+    return modules
+
+
+def select_modules(ckpt: SafetensorsCheckpoint, arch: Architecture, include: tuple[str, ...],
+                   exclude: tuple[str, ...], dropped: set[str]) -> list[str]:
+    """The sorted module names to quantize; a pattern that selects nothing is a UsageError."""
+    candidates = [m for m in _linear_candidates(ckpt) if f"{m}.weight" not in dropped]
+    selected = set(arch.linear_names(ckpt.tensor_names))
+    for pattern in include:
+        hit = {m for m in candidates if matches(pattern, m)}
+        if not hit:
+            tied = any(matches(pattern, name[: -len(".weight")]) for name in dropped)
+            why = " (lm_head is tied to the input embeddings and stays with them)" if tied else ""
+            raise UsageError(f"--include {pattern} matches no linear module{why}; check the pattern")
+        selected |= hit
+    for pattern in exclude:
+        hit = {m for m in selected if matches(pattern, m)}
+        if not hit:
+            raise UsageError(f"--exclude {pattern} matches no quantized module; check the pattern")
+        selected -= hit
+    return sorted(selected)
+
+
+def _check_linear(ckpt: SafetensorsCheckpoint, module: str) -> tuple[int, int]:
+    name = f"{module}.weight"
+    shape, dtype = ckpt.shape(name), ckpt.dtype(name).name
+    if dtype not in FLOAT_WEIGHT_DTYPES:
+        raise InvalidWeightError(f"{name} is {dtype}; quantization takes float32, float16 or bfloat16 weights")
+    if len(shape) != 2 or 0 in shape:
+        raise InvalidWeightError(
+            f"{name} has shape {list(shape)}; a quantized linear needs a non-empty 2-D [out, in] weight"
+        )
+    bias = f"{module}.bias"
+    if bias in ckpt and ckpt.shape(bias) != (shape[0],):
+        raise InvalidWeightError(f"{bias} has shape {list(ckpt.shape(bias))}; it must be [{shape[0]}] to fit {name}")
+    return shape
+
+
+def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: Architecture, *,
+                    scheme: str, include: tuple[str, ...] = (), exclude: tuple[str, ...] = (),
+                    double_quant: bool = False, static_act: bool = False) -> ConversionPlan:
+    """Decide every output tensor, its layout and order (sorted by source name), before any byte is read."""
+    if "quantization_config" in config:
+        raise UnsupportedModelError("the model is already quantized (config.json has quantization_config); "
+                                    "give the float checkpoint")
+    # A tied lm_head is the embedding table: loaders re-tie it, so it is not written twice.
+    dropped = {"lm_head.weight"} if config.get("tie_word_embeddings") is True and "lm_head.weight" in ckpt else set()
+    modules = select_modules(ckpt, arch, tuple(include), tuple(exclude), dropped)
+    tensors = []
+    for name in ckpt.tensor_names:
+        if name in dropped:
+            continue
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        shape, dtype = ckpt.shape(name), ckpt.dtype(name)
+        if module in modules:
+            out_in = _check_linear(ckpt, module)
+            specs = linear_tensor_specs(module, scheme, out_in, dtype, static_act=static_act,
+                                        double_quant=double_quant)
+            tensors.append(PlannedTensor(name, module, scheme, shape, dtype.name, ckpt.nbytes(name), tuple(specs)))
+        else:
+            spec = TensorSpec(name, dtype, shape)
+            tensors.append(PlannedTensor(name, None, "float", shape, dtype.name, ckpt.nbytes(name), (spec,)))
+    ignore = sorted(set(_linear_candidates(ckpt)) - set(modules) - {"lm_head"})
+    return ConversionPlan(tensors=tuple(tensors), ignore=("lm_head", *ignore), dropped=tuple(sorted(dropped)),
+                          float_dtype=ckpt.dtype(f"{modules[0]}.weight").name if modules else "float32")
+
+
+def is_float_array(array: np.ndarray) -> bool:
+    """Whether NaN/Inf can occur in the array (a floating dtype, bf16 included)."""
+    return np.dtype(array.dtype).name in FLOAT_WEIGHT_DTYPES + ("float64",)
