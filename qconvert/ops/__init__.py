@@ -1,0 +1,39 @@
+"""Quantized jax.lax / jax.numpy ops: either operand may be a jax.Array or a QArray.
+
+    from qconvert import ops
+    y = ops.dot_general(x, w_q, (((1,), (1,)), ((), ())))   # w_q: a QArray [out, in]
+
+Each op returns what the jax.lax (or jax.numpy) op returns for the dequantized
+operands (shape, dtype, preferred_element_type rules), computed by one of two
+ways chosen in qconvert.ops.dispatch.choose_path: an exact integer path when
+both operands are int8 with scales that factor out of the contraction (Pallas
+kernels for plain matmuls), otherwise dequantize-then-compute (the NF4 kernel
+for a plain matmul with an NF4 weight). `record_paths()` shows the choices.
+"""
+
+from qconvert.ops.conv import conv_general_dilated
+from qconvert.ops.dispatch import PATHS, PathDecision, choose_path, record_paths
+from qconvert.ops.dot import dot, dot_general, linear
+from qconvert.ops.einsum import einsum
+from qconvert.ops.layout import PackedLayoutError, reshape, slice_in_dim, transpose
+from qconvert.ops.ragged import ragged_dot, ragged_dot_general
+from qconvert.ops.ste import ste
+
+__all__ = [
+    "PATHS",
+    "PackedLayoutError",
+    "PathDecision",
+    "choose_path",
+    "conv_general_dilated",
+    "dot",
+    "dot_general",
+    "einsum",
+    "linear",
+    "ragged_dot",
+    "ragged_dot_general",
+    "record_paths",
+    "reshape",
+    "slice_in_dim",
+    "ste",
+    "transpose",
+]

@@ -1,0 +1,152 @@
+"""Shape ops that keep a QArray packed: transpose, reshape and slice_in_dim, mirroring jax.lax.
+
+What stays packed (no float copy is ever made):
+  int8  transpose with any permutation (payload and scale move together);
+        reshape when every group of merged/split axes is either wholly shared
+        by the scale (size 1) or wholly per-element; slicing any axis.
+  nf4   reshape to any shape of the same size (the codes are stored flat in
+        row-major order, so the blocks do not move); slicing whole rows of the
+        first axis when the cut falls on a block boundary.
+
+Anything else would have to re-block the codes, which needs the float values:
+these functions then raise PackedLayoutError instead of silently
+materializing; `q.dequantize()` is the explicit way, at a cost of
+size * itemsize bytes of float memory (4 bytes per element for float32, 8x an
+int8 payload and 8x-16x an NF4 one), after which the jax.lax op applies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from qconvert.errors import QConvertError
+from qconvert.formats.qarray import QArray
+from qconvert.ops.dispatch import operand_shape
+
+
+class PackedLayoutError(QConvertError):
+    """A shape op that would split a QArray's quantization blocks; dequantize first."""
+
+    exit_code = 2
+
+
+def _replace(q: QArray, qvalue, scale, zero_point, shape) -> QArray:
+    return QArray(qvalue, scale, zero_point, kind=q.kind, block_size=q.block_size, shape=shape, dtype=q.dtype)
+
+
+def transpose(operand, permutation: Sequence[int]):
+    """jax.lax.transpose; an int8 QArray stays packed, an NF4 one only for the identity."""
+    if not isinstance(operand, QArray):
+        return jax.lax.transpose(operand, tuple(permutation))
+    perm = tuple(int(p) for p in permutation)
+    shape = operand_shape(operand)
+    if sorted(perm) != list(range(len(shape))):
+        raise PackedLayoutError(f"permutation {perm} is not a permutation of the {len(shape)} axes of {shape}")
+    if operand.kind == "nf4":
+        if perm == tuple(range(len(shape))):
+            return operand
+        raise PackedLayoutError(
+            f"transposing an NF4 QArray {shape} would re-block its codes; call .dequantize() first "
+            f"(a float copy of {math.prod(shape)} elements)"
+        )
+    zero_point = None if operand.zero_point is None else jnp.transpose(operand.zero_point, perm)
+    new_shape = tuple(shape[p] for p in perm)
+    return _replace(operand, jnp.transpose(operand.qvalue, perm), jnp.transpose(operand.scale, perm),
+                    zero_point, new_shape)
+
+
+def _segments(old: Sequence[int], new: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of old and new axes whose sizes multiply to the same number."""
+    segments, i, j = [], 0, 0
+    while i < len(old) or j < len(new):
+        old_run, new_run, old_size, new_size = [], [], 1, 1
+        if i < len(old):
+            old_run, old_size, i = [i], old[i], i + 1
+        if j < len(new):
+            new_run, new_size, j = [j], new[j], j + 1
+        while old_size != new_size:
+            if old_size < new_size:
+                old_run.append(i)
+                old_size, i = old_size * old[i], i + 1
+            else:
+                new_run.append(j)
+                new_size, j = new_size * new[j], j + 1
+        segments.append((old_run, new_run))
+    return segments
+
+
+def _reshape_scale(scale, old: Sequence[int], new: Sequence[int]):
+    """The scale for the reshaped payload, or None when a group mixes shared and per-element axes."""
+    if math.prod(old) == 0:
+        return jnp.ones((1,) * len(new), scale.dtype)  # no values, so any scale describes them
+    new_scale_shape = []
+    for old_run, new_run in _segments(old, new):
+        shared = all(scale.shape[d] == 1 for d in old_run)
+        full = all(scale.shape[d] == old[d] for d in old_run)
+        if shared:
+            new_scale_shape += [1] * len(new_run)
+        elif full:
+            new_scale_shape += [new[d] for d in new_run]
+        else:
+            return None
+    return jnp.reshape(scale, tuple(new_scale_shape))
+
+
+def reshape(operand, new_sizes: Sequence[int]):
+    """jax.lax.reshape; a QArray stays packed when the reshape moves whole quantization blocks."""
+    if not isinstance(operand, QArray):
+        return jax.lax.reshape(operand, tuple(new_sizes))
+    old = operand_shape(operand)
+    new = tuple(int(d) for d in new_sizes)
+    if math.prod(new) != math.prod(old):
+        raise PackedLayoutError(f"cannot reshape a QArray of shape {old} to {new}: the sizes differ")
+    if operand.kind == "nf4":
+        return _replace(operand, operand.qvalue, operand.scale, operand.zero_point, new)
+    scale = _reshape_scale(operand.scale, old, new)
+    zero_point = operand.zero_point
+    if zero_point is not None:
+        zero_point = _reshape_scale(zero_point, old, new)
+    if scale is None or (operand.zero_point is not None and zero_point is None):
+        raise PackedLayoutError(
+            f"reshaping int8 QArray {old} to {new} would merge axes where the scale "
+            f"{tuple(operand.scale.shape)} is shared with axes where it is not; call .dequantize() first"
+        )
+    return _replace(operand, jnp.reshape(operand.qvalue, new), scale, zero_point, new)
+
+
+def _slice_axis(x, start: int, limit: int, stride: int, axis: int):
+    if x.shape[axis] == 1:
+        return x
+    return jax.lax.slice_in_dim(x, start, limit, stride, axis)
+
+
+def slice_in_dim(operand, start_index: int, limit_index: int, stride: int = 1, axis: int = 0):
+    """jax.lax.slice_in_dim; whole channels of an int8 QArray, whole blocks of rows of an NF4 one."""
+    if not isinstance(operand, QArray):
+        return jax.lax.slice_in_dim(operand, start_index, limit_index, stride, axis)
+    shape = operand_shape(operand)
+    axis = axis % len(shape)
+    start, limit, _ = slice(start_index, limit_index).indices(shape[axis])
+    new_shape = shape[:axis] + (len(range(start, limit, stride)),) + shape[axis + 1:]
+    if operand.kind == "int8":
+        zero_point = operand.zero_point
+        if zero_point is not None:
+            zero_point = _slice_axis(zero_point, start, limit, stride, axis)
+        return _replace(operand, jax.lax.slice_in_dim(operand.qvalue, start, limit, stride, axis),
+                        _slice_axis(operand.scale, start, limit, stride, axis), zero_point, new_shape)
+    row = math.prod(shape[1:])
+    first, end = start * row, limit * row
+    block = operand.block_size
+    on_blocks = first % block == 0 and (end % block == 0 or limit == shape[0])
+    if axis != 0 or stride != 1 or not on_blocks:
+        raise PackedLayoutError(
+            f"slicing NF4 QArray {shape} at [{start}:{limit}:{stride}] on axis {axis} would cut its "
+            f"{block}-element blocks; slice whole blocks of rows of axis 0, or call .dequantize() first"
+        )
+    qvalue = operand.qvalue[first // 2:(end + 1) // 2]
+    scale = operand.scale[first // block:-(-end // block)]
+    return _replace(operand, qvalue, scale, operand.zero_point, new_shape)

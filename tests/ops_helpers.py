@@ -1,0 +1,49 @@
+"""Test-only quantizers and references for the qconvert.ops tests, written apart from qconvert."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from qconvert.formats import NF4_LEVELS, QArray
+
+
+def int8_qarray(x: np.ndarray, shared_axes=(), dtype: str = "float32") -> QArray:
+    """Symmetric int8 with one scale per slice along `shared_axes` (kept as size-1 axes)."""
+    x = np.asarray(x, np.float32)
+    absmax = np.max(np.abs(x), axis=tuple(shared_axes), keepdims=True) if shared_axes else np.abs(x)
+    scale = np.where(absmax > 0, absmax / 127.0, 1.0).astype(np.float32)
+    if dtype == "bfloat16":
+        scale = scale.astype(ml_dtypes.bfloat16).astype(np.float32)
+    q = np.clip(np.rint(x / scale), -127, 127).astype(np.int8)
+    return QArray(q, scale, kind="int8", shape=x.shape, dtype=dtype)
+
+
+def int8_values(q: QArray) -> np.ndarray:
+    """q's values in float32, computed with numpy."""
+    return np.asarray(q.qvalue, np.float32) * np.asarray(q.scale, np.float32)
+
+
+def nf4_qarray(x: np.ndarray, block_size: int = 64) -> QArray:
+    """NF4: absmax per block of the flattened tensor, nearest level, two codes per byte (high nibble first)."""
+    x = np.asarray(x, np.float32)
+    flat = x.reshape(-1)
+    n = flat.size
+    padded = np.concatenate([flat, np.zeros((-n) % block_size, np.float32)])
+    absmax = np.max(np.abs(padded.reshape(-1, block_size)), axis=1)
+    safe = np.where(absmax > 0, absmax, 1.0)
+    normed = padded / np.repeat(safe, block_size)
+    codes = np.argmin(np.abs(normed[:, None] - NF4_LEVELS[None, :]), axis=1)[:n].astype(np.uint8)
+    if n % 2:
+        codes = np.concatenate([codes, np.zeros(1, np.uint8)])
+    packed = (codes[0::2] << 4) | codes[1::2]
+    return QArray(packed.astype(np.uint8), absmax.astype(np.float32), kind="nf4", block_size=block_size,
+                  shape=x.shape, dtype="float32")
+
+
+def nf4_values(q: QArray) -> np.ndarray:
+    """q's values in float32, decoded with numpy."""
+    packed = np.asarray(q.qvalue)
+    codes = np.stack([packed >> 4, packed & 0xF], axis=-1).reshape(-1)[: q.size]
+    absmax = np.repeat(np.asarray(q.scale), q.block_size)[: q.size]
+    return (NF4_LEVELS[codes] * absmax).reshape(q.shape)
