@@ -1,0 +1,87 @@
+"""Terminal rendering for quantize and inspect: the rich progress bar and the summary tables."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+)
+from rich.table import Table
+
+from qconvert.convert import ConvertResult
+from qconvert.inspection import InspectReport
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+class RichProgress:
+    """A bar of input bytes and tensors done, with MB/s; implements qconvert.convert.Progress."""
+
+    def __init__(self, console: Console):
+        self._bar = Progress(
+            TextColumn("[bold]quantizing"), BarColumn(), DownloadColumn(binary_units=True),
+            TransferSpeedColumn(), TextColumn("{task.fields[tensors]} tensors"), TimeRemainingColumn(),
+            console=console, transient=True,
+        )
+        self._task = None
+        self._done = self._total = 0
+
+    def start(self, total_bytes: int, total_tensors: int) -> None:
+        self._total = total_tensors
+        self._bar.start()
+        self._task = self._bar.add_task("quantize", total=total_bytes, tensors=f"0/{total_tensors}")
+
+    def advance(self, nbytes: int) -> None:
+        self._done += 1
+        self._bar.update(self._task, advance=nbytes, tensors=f"{self._done}/{self._total}")
+
+    def stop(self) -> None:
+        self._bar.stop()
+
+
+def print_convert_result(result: ConvertResult, console: Console) -> None:
+    """A dry-run table of what would be written, or a one-paragraph summary of what was."""
+    if result.dry_run:
+        table = Table(title=f"{result.source['model']} -> {result.scheme} (dry run)")
+        for column in ("tensor", "kind", "shape", "bytes in", "bytes out"):
+            table.add_column(column, justify="right" if column.startswith("bytes") else "left")
+        for t in result.tensors:
+            table.add_row(t.module or t.source, t.kind, "x".join(map(str, t.shape)),
+                          human_bytes(t.source_bytes), human_bytes(t.output_bytes))
+        console.print(table)
+    verb = "would write" if result.dry_run else f"wrote {result.out}:"
+    console.print(
+        f"{verb} {len(result.quantized_modules)} {result.scheme} linears, "
+        f"{sum(t.module is None for t in result.tensors)} float tensors; "
+        f"{human_bytes(result.input_bytes)} -> {human_bytes(result.output_bytes)} "
+        f"({result.compression_ratio:.2f}x smaller) in {result.seconds:.1f} s"
+    )
+
+
+def print_inspect_report(report: InspectReport, console: Console) -> None:
+    """The per-tensor table, totals, and the file hash check."""
+    table = Table(title=f"{report.folder} ({report.scheme})")
+    for column in ("tensor", "kind", "shape", "dtype", "bytes"):
+        table.add_column(column, justify="right" if column == "bytes" else "left")
+    for t in report.tensors:
+        table.add_row(t.name, t.kind, "x".join(map(str, t.shape)), t.dtype, human_bytes(t.stored_bytes))
+    console.print(table)
+    quantized = sum(t.kind != "float" for t in report.tensors)
+    console.print(f"{quantized} quantized linears, {len(report.tensors) - quantized} float tensors; "
+                  f"{human_bytes(report.stored_bytes)} stored for {human_bytes(report.float_bytes)} of float "
+                  f"weights ({report.compression_ratio:.2f}x)")
+    if report.hashes_ok is None:
+        console.print("no qconvert.json: file hashes not checked")
+    elif report.hashes_ok:
+        console.print(f"all {len(report.files)} files match the sha256 in qconvert.json")
+    else:
+        for f in report.files:
+            if not f.ok:
+                console.print(f"[red]{f.name}: {'missing' if f.actual is None else 'sha256 differs'}[/red]")

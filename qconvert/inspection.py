@@ -1,0 +1,138 @@
+"""What a quantized folder holds: scheme, each tensor's kind/shape/bytes, totals, and whether the file hashes still match."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qconvert.errors import InvalidCheckpointError, ModelNotFoundError
+from qconvert.formats.errors import FormatError
+from qconvert.formats.layouts import open_quantized
+from qconvert.formats.safetensors_io import sha256_file
+from qconvert.output import MANIFEST_NAME
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRow:
+    """A quantized linear (kind = scheme) or a float tensor (kind = "float")."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str  # the float dtype it stands for
+    stored_bytes: int
+
+    @property
+    def float_bytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class FileCheck:
+    """One output file against the sha256 that qconvert.json recorded."""
+
+    name: str
+    expected: str
+    actual: str | None  # None: the file is missing
+
+    @property
+    def ok(self) -> bool:
+        return self.actual == self.expected
+
+
+@dataclasses.dataclass(frozen=True)
+class InspectReport:
+    """The contents of a quantized folder."""
+
+    folder: Path
+    scheme: str
+    tensors: tuple[TensorRow, ...]
+    files: tuple[FileCheck, ...]
+    manifest: dict[str, Any] | None
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(t.stored_bytes for t in self.tensors)
+
+    @property
+    def float_bytes(self) -> int:
+        return sum(t.float_bytes for t in self.tensors)
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.float_bytes / self.stored_bytes if self.stored_bytes else 0.0
+
+    @property
+    def hashes_ok(self) -> bool | None:
+        """True if every recorded hash matches, False if one does not, None without qconvert.json."""
+        if self.manifest is None:
+            return None
+        return all(f.ok for f in self.files)
+
+    def summary(self) -> dict[str, Any]:
+        """The machine-readable form `inspect --json` prints."""
+        return {
+            "folder": str(self.folder), "scheme": self.scheme,
+            "quantized_modules": sum(t.kind != "float" for t in self.tensors),
+            "float_tensors": sum(t.kind == "float" for t in self.tensors),
+            "stored_bytes": self.stored_bytes, "float_bytes": self.float_bytes,
+            "compression_ratio": round(self.compression_ratio, 4), "hashes_ok": self.hashes_ok,
+            "files": [{"name": f.name, "expected": f.expected, "actual": f.actual, "ok": f.ok} for f in self.files],
+            "tensors": [{"name": t.name, "kind": t.kind, "shape": list(t.shape), "dtype": t.dtype,
+                         "stored_bytes": t.stored_bytes} for t in self.tensors],
+        }
+
+
+def inspect_checkpoint(folder) -> InspectReport:
+    """Read a folder that `qconvert quantize` wrote (or any folder in one of its layouts)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"no such folder: {folder}")
+    try:
+        qc = open_quantized(folder)
+        try:
+            rows = _tensor_rows(qc)
+        finally:
+            qc.close()
+    except FormatError as err:
+        raise InvalidCheckpointError(str(err)) from None
+    manifest = _read_manifest(folder)
+    checks = ()
+    if manifest is not None:
+        checks = tuple(
+            FileCheck(name, expected, sha256_file(folder / name) if (folder / name).is_file() else None)
+            for name, expected in sorted(manifest.get("files", {}).items())
+        )
+    return InspectReport(folder=folder, scheme=qc.scheme, tensors=tuple(rows), files=checks, manifest=manifest)
+
+
+def _tensor_rows(qc) -> list[TensorRow]:
+    ckpt = qc.checkpoint
+    parts = sorted(set(ckpt.tensor_names) - set(qc.float_names))
+    rows = []
+    for module in qc.quantized_modules:
+        q = qc.qarray(module)
+        stored = sum(ckpt.nbytes(n) for n in parts
+                     if n.startswith(module + ".weight") or n == module + ".input_scale")
+        rows.append(TensorRow(module, qc.scheme, q.shape, q.dtype, stored))
+    for name in qc.float_names:
+        rows.append(TensorRow(name, "float", ckpt.shape(name), ckpt.dtype(name).name, ckpt.nbytes(name)))
+    return sorted(rows, key=lambda r: r.name)
+
+
+def _read_manifest(folder: Path) -> dict[str, Any] | None:
+    path = folder / MANIFEST_NAME
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InvalidCheckpointError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
+        raise InvalidCheckpointError(f"{path} has no files map; it was not written by qconvert")
+    return manifest
