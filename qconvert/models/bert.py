@@ -1,0 +1,175 @@
+"""BERT encoders in JAX (BertModel, as all-MiniLM-L6-v2): post-LN layers and mean pooling."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from qconvert.errors import UnsupportedModelError
+from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32,
+                                   dense_grouped_linear, dense_linear)
+
+ACTIVATIONS = {"gelu": lambda x: jax.nn.gelu(x, approximate=False), "relu": jax.nn.relu,
+               "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+               "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class BertArgs:
+    """The config.json fields a BertModel forward needs."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "BertArgs":
+        """Read a BertModel config.json (absolute position embeddings only)."""
+        if config.get("position_embedding_type", "absolute") != "absolute":
+            raise UnsupportedModelError(
+                f"BERT position_embedding_type {config['position_embedding_type']!r} is not "
+                "supported; only 'absolute' is")
+        if config.get("hidden_act", "gelu") not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"BERT hidden_act {config['hidden_act']!r} is not supported; supported: "
+                + ", ".join(ACTIVATIONS))
+        return cls(
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=int(config["num_attention_heads"]),
+            layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
+            hidden_act=config.get("hidden_act", "gelu"),
+        )
+
+
+def layer_norm(x: jax.Array, weight: Any, bias: Any, eps: float) -> jax.Array:
+    """(x - mean) / std * weight + bias, in float32."""
+    x = x.astype(jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * as_float32(weight) + as_float32(bias)
+
+
+def mean_pool(hidden: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+    """Sentence embeddings [B, H]: the mean of the real tokens' hidden states (sentence-transformers)."""
+    if attention_mask is None:
+        return jnp.mean(hidden, axis=1)
+    mask = jnp.asarray(attention_mask, jnp.float32)[..., None]
+    return jnp.sum(hidden * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1e-9)
+
+
+@dataclasses.dataclass(frozen=True)
+class BertModel:
+    """BertModel as pure functions of `params`; head() is the last hidden state (no pooler)."""
+
+    args: BertArgs
+    prefix: str = ""  # "bert." when the checkpoint nests the encoder
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "BertModel":
+        return cls(BertArgs.from_config(config), config.get("_qconvert_prefix", ""))
+
+    @property
+    def num_layers(self) -> int:
+        return self.args.num_hidden_layers
+
+    def _layer_prefix(self, i: int) -> str:
+        return f"{self.prefix}encoder.layer.{i}"
+
+    def layer_linears(self, i: int) -> list[str]:
+        """Module names of layer i's linears, in the order the forward calls them."""
+        p = self._layer_prefix(i)
+        return [f"{p}.attention.self.query", f"{p}.attention.self.key", f"{p}.attention.self.value",
+                f"{p}.attention.output.dense", f"{p}.intermediate.dense", f"{p}.output.dense"]
+
+    def layer_tensor_names(self, i: int) -> list[str]:
+        """Checkpoint tensor names layer i reads (every linear and LayerNorm has weight and bias)."""
+        p = self._layer_prefix(i)
+        modules = self.layer_linears(i) + [f"{p}.attention.output.LayerNorm", f"{p}.output.LayerNorm"]
+        return [f"{m}.{part}" for m in modules for part in ("weight", "bias")]
+
+    def embed_tensor_names(self) -> list[str]:
+        """Tensor names the embedding reads."""
+        e = f"{self.prefix}embeddings"
+        return [f"{e}.word_embeddings.weight", f"{e}.position_embeddings.weight",
+                f"{e}.token_type_embeddings.weight", f"{e}.LayerNorm.weight", f"{e}.LayerNorm.bias"]
+
+    def head_tensor_names(self) -> list[str]:
+        """The head reads nothing: BertModel's output is the last layer's hidden state."""
+        return []
+
+    def embed(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array | None = None,
+              token_type_ids: jax.Array | None = None) -> jax.Array:
+        """LayerNorm(word + position + token type embeddings), float32 [B, T, H]."""
+        words, positions, types, ln_w, ln_b = (params[n] for n in self.embed_tensor_names())
+        input_ids = jnp.asarray(input_ids)
+        t = input_ids.shape[1]
+        token_type_ids = jnp.zeros_like(input_ids) if token_type_ids is None else jnp.asarray(token_type_ids)
+        hidden = (jnp.take(as_float32(words), input_ids, axis=0)
+                  + as_float32(positions)[:t][None]
+                  + jnp.take(as_float32(types), token_type_ids, axis=0))
+        return layer_norm(hidden, ln_w, ln_b, self.args.layer_norm_eps)
+
+    def _linear(self, linear: LinearHook, params: Mapping, module: str, x: jax.Array) -> jax.Array:
+        return linear(module, x, params[f"{module}.weight"], params[f"{module}.bias"])
+
+    def attention(self, i: int, params: Mapping, hidden: jax.Array, attention_mask, linear: LinearHook):
+        """Bidirectional self-attention over the real tokens (padding keys hidden)."""
+        p, a = f"{self._layer_prefix(i)}.attention.self", self.args
+        b, t, _ = hidden.shape
+        head_dim = a.hidden_size // a.num_attention_heads
+
+        def heads(module: str) -> jax.Array:
+            y = self._linear(linear, params, f"{p}.{module}", hidden)
+            return y.reshape(b, t, a.num_attention_heads, head_dim).transpose(0, 2, 1, 3)
+
+        q, k, v = heads("query"), heads("key"), heads("value")
+        hi = jax.lax.Precision.HIGHEST
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=hi) * (head_dim ** -0.5)
+        if attention_mask is not None:
+            keep = (jnp.asarray(attention_mask) > 0)[:, None, None, :]
+            scores = jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
+        out = jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v, precision=hi)
+        return out.transpose(0, 2, 1, 3).reshape(b, t, a.hidden_size)
+
+    def layer(self, i: int, params: Mapping, hidden: jax.Array, attention_mask: jax.Array | None = None,
+              linear: LinearHook = dense_linear,
+              grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array:
+        """Encoder layer i (post-LN): h = LN(h + attn(h)); h = LN(h + ffn(h)). No experts here."""
+        p, eps = self._layer_prefix(i), self.args.layer_norm_eps
+        context = self.attention(i, params, hidden, attention_mask, linear)
+        attn_out = self._linear(linear, params, f"{p}.attention.output.dense", context)
+        hidden = layer_norm(hidden + attn_out, params[f"{p}.attention.output.LayerNorm.weight"],
+                            params[f"{p}.attention.output.LayerNorm.bias"], eps)
+        inner = ACTIVATIONS[self.args.hidden_act](
+            self._linear(linear, params, f"{p}.intermediate.dense", hidden))
+        ffn_out = self._linear(linear, params, f"{p}.output.dense", inner)
+        return layer_norm(hidden + ffn_out, params[f"{p}.output.LayerNorm.weight"],
+                          params[f"{p}.output.LayerNorm.bias"], eps)
+
+    def head(self, params: Mapping, hidden: jax.Array, attention_mask: jax.Array | None = None,
+             linear: LinearHook = dense_linear) -> jax.Array:
+        """last_hidden_state: the last layer's output, unchanged."""
+        return hidden
+
+    def forward(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array | None = None,
+                linear: LinearHook = dense_linear,
+                grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array:
+        """last_hidden_state float32 [B, T, H] for input_ids [B, T]."""
+        hidden = self.embed(params, input_ids, attention_mask)
+        for i in range(self.num_layers):
+            hidden = self.layer(i, params, hidden, attention_mask, linear, grouped_linear)
+        return self.head(params, hidden, attention_mask, linear)
+
+    def sentence_embeddings(self, params: Mapping, input_ids: jax.Array,
+                            attention_mask: jax.Array | None = None,
+                            linear: LinearHook = dense_linear) -> jax.Array:
+        """Mean-pooled last hidden state [B, H] (all-MiniLM-L6-v2 then L2-normalizes; not done here)."""
+        return mean_pool(self.forward(params, input_ids, attention_mask, linear), attention_mask)
