@@ -1,0 +1,198 @@
+"""Calibration data: read text (a local file, a Hub dataset file, the built-in corpus) or draw random ids, and cut it into token windows.
+
+Text is tokenized with the model's own tokenizer.json, concatenated, and cut
+into `samples` windows of `seqlen` tokens each (the model's special tokens,
+such as BOS or [CLS]/[SEP], sit at each window's ends), so no sample needs
+padding and every token counts in the statistics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qconvert.errors import HubUnavailableError, ModelNotFoundError, UsageError
+
+BUILTIN = "builtin"
+RANDOM = "random"
+DEFAULT_SAMPLES = 128
+DEFAULT_SEQLEN = 512
+RANDOM_SEED = 0
+
+_HF_DATASET = re.compile(r"^hf://datasets/(?P<repo>[^/@]+/[^/@]+)(@(?P<rev>[^/]+))?/(?P<path>.+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationData:
+    """Token windows for calibration and what they are, for qconvert.json."""
+
+    input_ids: np.ndarray  # int32 [samples, seqlen]
+    source: str  # "builtin", "random", a local path, or an hf://datasets/... address
+    description: str
+    requested_samples: int
+    requested_seqlen: int
+
+    @property
+    def samples(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seqlen(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.size)
+
+    def record(self) -> dict[str, Any]:
+        """The calibration entry of qconvert.json."""
+        return {
+            "source": self.source,
+            "description": self.description,
+            "random": self.source == RANDOM,
+            "samples": self.samples,
+            "seqlen": self.seqlen,
+            "tokens": self.tokens,
+            "requested_samples": self.requested_samples,
+            "requested_seqlen": self.requested_seqlen,
+        }
+
+
+def builtin_corpus_text() -> str:
+    """The English prose shipped inside the package: the offline default calibration text."""
+    return resources.files("qconvert").joinpath("data/calibration.txt").read_text(encoding="utf-8")
+
+
+def read_texts(path: Path) -> list[str]:
+    """Documents of a local .txt (the whole file) or .jsonl (each line's "text" field)."""
+    if not path.is_file():
+        raise UsageError(f"calibration file {path} does not exist; pass a .txt or .jsonl file, "
+                         f"'{BUILTIN}' or '{RANDOM}' to --calib")
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        return [path.read_text(encoding="utf-8")]
+    if suffix == ".jsonl":
+        texts = []
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise UsageError(f"{path} line {lineno} is not JSON ({err.msg}); "
+                                 "each line must be an object with a \"text\" field") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise UsageError(f"{path} line {lineno} has no string \"text\" field; "
+                                 "each line must be an object with a \"text\" field")
+            texts.append(row["text"])
+        return texts
+    raise UsageError(f"calibration file {path} must end in .txt or .jsonl")
+
+
+def download_dataset_file(address: str) -> Path:
+    """Fetch hf://datasets/<owner>/<name>[@revision]/<path> with huggingface_hub; the local path."""
+    match = _HF_DATASET.match(address)
+    if match is None:
+        raise UsageError(f"cannot read calibration address {address!r}; "
+                         "write hf://datasets/<owner>/<name>[@revision]/<file.txt|file.jsonl>")
+    import huggingface_hub
+    from huggingface_hub import errors as hub_errors
+
+    try:
+        local = huggingface_hub.hf_hub_download(
+            repo_id=match["repo"], filename=match["path"], repo_type="dataset", revision=match["rev"])
+    except (hub_errors.RepositoryNotFoundError, hub_errors.EntryNotFoundError,
+            hub_errors.RevisionNotFoundError) as err:
+        raise ModelNotFoundError(f"calibration file {address} not found on the Hub "
+                                 f"({type(err).__name__}); check the repository and path") from None
+    except (hub_errors.LocalEntryNotFoundError, OSError) as err:
+        raise HubUnavailableError(f"cannot download {address}: the Hub is unreachable and the file "
+                                  f"is not cached ({type(err).__name__}); pass a local file or "
+                                  f"'--calib {BUILTIN}'") from None
+    return Path(local)
+
+
+def _special_ends(tokenizer) -> tuple[list[int], list[int]]:
+    # The tokens the model's post-processor puts around one text (BOS, or
+    # [CLS] ... [SEP]), found by encoding a probe with and without them.
+    probe = "calibration"
+    bare = tokenizer.encode(probe, add_special_tokens=False).ids
+    full = tokenizer.encode(probe, add_special_tokens=True).ids
+    for start in range(len(full) - len(bare) + 1):
+        if full[start:start + len(bare)] == bare:
+            return list(full[:start]), list(full[start + len(bare):])
+    return [], []
+
+
+def load_tokenizer(model_folder: Path):
+    """The model's tokenizer.json as a `tokenizers.Tokenizer`; UsageError when there is none."""
+    from tokenizers import Tokenizer
+
+    path = Path(model_folder) / "tokenizer.json"
+    if not path.is_file():
+        raise UsageError(f"{model_folder} has no tokenizer.json to tokenize calibration text; "
+                         f"pass '--calib {RANDOM}' to calibrate on random token ids")
+    return Tokenizer.from_file(str(path))
+
+
+def token_windows(tokenizer, texts: list[str], samples: int, seqlen: int) -> np.ndarray:
+    """Concatenated tokens of `texts` cut into up to `samples` windows of `seqlen` (specials included)."""
+    prefix, suffix = _special_ends(tokenizer)
+    body = seqlen - len(prefix) - len(suffix)
+    if body < 1:
+        raise UsageError(f"--calib-seqlen {seqlen} leaves no room besides the model's "
+                         f"{len(prefix) + len(suffix)} special tokens; pass a larger one")
+    stream: list[int] = []
+    for encoding in tokenizer.encode_batch([t for t in texts if t.strip()], add_special_tokens=False):
+        stream.extend(encoding.ids)
+        if len(stream) >= samples * body:
+            break
+    if not stream:
+        raise UsageError("the calibration text is empty; pass a file with text in it")
+    count = max(1, min(samples, len(stream) // body))
+    if len(stream) < body:
+        body = len(stream)  # a text shorter than one window gives one shorter window
+    windows = [prefix + stream[k * body:(k + 1) * body] + suffix for k in range(count)]
+    return np.asarray(windows, dtype=np.int32)
+
+
+def random_windows(vocab_size: int, samples: int, seqlen: int, seed: int = RANDOM_SEED) -> np.ndarray:
+    """Uniform random token ids int32 [samples, seqlen] from a fixed seed (reproducible)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab_size, size=(samples, seqlen), dtype=np.int64).astype(np.int32)
+
+
+def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
+                     samples: int = DEFAULT_SAMPLES, seqlen: int = DEFAULT_SEQLEN) -> CalibrationData:
+    """Token windows for `--calib` (builtin | random | FILE.txt | FILE.jsonl | hf://datasets/...).
+
+    seqlen is capped at the model's max_position_embeddings; when the text runs
+    out before `samples` full windows, fewer samples are taken and the record says so.
+    """
+    if samples < 1 or seqlen < 1:
+        raise UsageError(f"--calib-samples and --calib-seqlen must be at least 1 "
+                         f"(got {samples} and {seqlen})")
+    max_positions = config.get("max_position_embeddings")
+    effective_seqlen = min(seqlen, int(max_positions)) if max_positions else seqlen
+    if calib == RANDOM:
+        vocab = int(config["vocab_size"])
+        ids = random_windows(vocab, samples, effective_seqlen)
+        description = (f"random token ids, uniform over the vocabulary of {vocab}, seed {RANDOM_SEED}: "
+                       "not real text")
+        return CalibrationData(ids, RANDOM, description, samples, seqlen)
+    if calib == BUILTIN:
+        texts, description = [builtin_corpus_text()], "qconvert's built-in English prose corpus"
+    elif calib.startswith("hf://"):
+        local = download_dataset_file(calib)
+        texts, description = read_texts(local), f"Hub dataset file {calib}"
+    else:
+        texts, description = read_texts(Path(calib)), f"local file {Path(calib).name}"
+    tokenizer = load_tokenizer(model_folder)
+    ids = token_windows(tokenizer, texts, samples, effective_seqlen)
+    return CalibrationData(ids, calib, description, samples, seqlen)

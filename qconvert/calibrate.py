@@ -1,0 +1,174 @@
+"""Activation statistics: run calibration tokens through the float model one layer at a time and keep max|x| of every linear's input.
+
+For each linear, the running per-input-channel max|x| over all calibration
+tokens (float32 [in], what smoothing needs) and the per-tensor max (what static
+activation scales need). All samples' hidden states pass from layer i to layer
+i + 1, so only one layer's weights are in memory at a time, beside the
+activations. Statistics save to and load from a safetensors file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from qconvert.errors import InvalidCheckpointError, UsageError
+from qconvert.formats.errors import FormatError
+from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint
+from qconvert.models import iterate_layers
+
+STATS_FORMAT = "qconvert-act-stats"
+STATS_VERSION = "1"
+DEFAULT_BATCH_SIZE = 8
+SAMPLE_ROWS = 512  # tokens kept per linear input for --alpha auto
+
+
+class CheckpointParams(Mapping):
+    """A read-only Mapping view of a checkpoint: tensors are read (memory-mapped) when asked for."""
+
+    def __init__(self, checkpoint: SafetensorsCheckpoint):
+        self.checkpoint = checkpoint
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.checkpoint:
+            raise KeyError(name)
+        return self.checkpoint.get(name)
+
+    def __iter__(self):
+        return iter(self.checkpoint.tensor_names)
+
+    def __len__(self) -> int:
+        return len(self.checkpoint)
+
+
+def open_params(folder: Path) -> CheckpointParams:
+    """A lazy params Mapping over a model folder's safetensors."""
+    try:
+        return CheckpointParams(open_checkpoint(folder))
+    except FormatError as err:
+        raise InvalidCheckpointError(str(err)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ActStats:
+    """max|x| of every linear's input over the calibration tokens."""
+
+    act_absmax: dict[str, np.ndarray]  # module name -> float32 [in], per input channel
+    tokens: int
+    calibration: dict[str, Any] | None = None  # what the tokens were (qconvert.json's record)
+
+    def tensor_absmax(self, module: str) -> float:
+        """Per-tensor max|x| of a linear's input (the max of its per-channel maxima)."""
+        return float(np.max(self.act_absmax[module]))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStats:
+    """One layer's statistics, complete once every sample has passed through it."""
+
+    index: int
+    act_absmax: dict[str, np.ndarray]      # module -> float32 [in]
+    input_samples: dict[str, np.ndarray]   # module -> float32 [rows, in], for the modules asked for
+
+
+def _observer(keep_inputs: frozenset[str], rows_per_batch: int):
+    def observe(name: str, x: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
+        flat = x.astype(jnp.float32).reshape(-1, x.shape[-1])
+        ok = valid.reshape(-1)
+        # Padding (and, for experts, tokens routed elsewhere) count as 0 in the max.
+        out = {"absmax": jnp.max(jnp.where(ok[:, None], jnp.abs(flat), 0.0), axis=0)}
+        if name in keep_inputs:
+            # A strided subset of the tokens: the first ones alone over-represent
+            # position 0, whose activations are often atypically large.
+            stride = max(1, flat.shape[0] // rows_per_batch)
+            out["rows"] = flat[::stride][:rows_per_batch]
+            out["valid"] = ok[::stride][:rows_per_batch]
+        return out
+
+    return observe
+
+
+def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_mask=None, *,
+                     batch_size: int = DEFAULT_BATCH_SIZE, keep_inputs=frozenset(),
+                     sample_rows: int = SAMPLE_ROWS) -> Iterator[LayerStats]:
+    """Yield each layer's LayerStats in order; `keep_inputs` modules also get up to `sample_rows` input rows."""
+    keep_inputs = frozenset(keep_inputs)
+    n = int(np.asarray(input_ids).shape[0])
+    batches = math.ceil(n / max(1, batch_size))
+    observe = _observer(keep_inputs, max(1, math.ceil(sample_rows / batches)))
+    for result in iterate_layers(model, params, input_ids, attention_mask, observe=observe,
+                                 batch_size=batch_size):
+        absmax, samples = {}, {}
+        for name, per_batch in result.observed.items():
+            absmax[name] = np.max(np.stack([np.asarray(o["absmax"]) for o in per_batch]), axis=0)
+            if name in keep_inputs:
+                rows = np.concatenate([np.asarray(o["rows"])[np.asarray(o["valid"])] for o in per_batch])
+                samples[name] = rows[:sample_rows]
+        yield LayerStats(result.index, absmax, samples)
+
+
+def collect_act_stats(model, params: Mapping, input_ids: np.ndarray, attention_mask=None, *,
+                      batch_size: int = DEFAULT_BATCH_SIZE,
+                      calibration: dict[str, Any] | None = None) -> ActStats:
+    """Per-channel max|x| of every linear's input over all samples, layer by layer."""
+    act_absmax: dict[str, np.ndarray] = {}
+    for layer in iter_layer_stats(model, params, input_ids, attention_mask, batch_size=batch_size):
+        act_absmax.update(layer.act_absmax)
+    tokens = int(np.sum(attention_mask)) if attention_mask is not None else int(np.asarray(input_ids).size)
+    return ActStats(act_absmax, tokens, calibration)
+
+
+def save_act_stats(path: Path, stats: ActStats, model: str = "") -> None:
+    """Write the statistics as safetensors: <module>.act_absmax [in] and <module>.act_tensor_absmax [1]."""
+    tensors = {}
+    for module, absmax in sorted(stats.act_absmax.items()):
+        tensors[f"{module}.act_absmax"] = np.ascontiguousarray(absmax, np.float32)
+        tensors[f"{module}.act_tensor_absmax"] = np.asarray([np.max(absmax)], np.float32)
+    metadata = {"format": STATS_FORMAT, "version": STATS_VERSION, "model": model,
+                "tokens": str(stats.tokens), "calibration": json.dumps(stats.calibration, sort_keys=True)}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def load_act_stats(path: Path) -> ActStats:
+    """Read a statistics file written by save_act_stats (UsageError when it is not one)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"activation statistics file {path} does not exist; "
+                         "write one with `qconvert calibrate MODEL -o FILE`")
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            metadata = f.metadata() or {}
+            if metadata.get("format") != STATS_FORMAT:
+                raise UsageError(f"{path} is not a qconvert activation statistics file; "
+                                 "write one with `qconvert calibrate MODEL -o FILE`")
+            act_absmax = {name[: -len(".act_absmax")]: f.get_tensor(name).astype(np.float32)
+                          for name in f.keys() if name.endswith(".act_absmax")}
+    except UsageError:
+        raise
+    except Exception as err:  # the safetensors binding raises its own error types
+        raise UsageError(f"cannot read activation statistics {path} ({err}); "
+                         "write it again with `qconvert calibrate`") from None
+    calibration = json.loads(metadata.get("calibration", "null"))
+    return ActStats(act_absmax, int(metadata.get("tokens", "0")), calibration)
+
+
+def check_stats_cover(stats: ActStats, in_features: Mapping[str, int], where: str) -> None:
+    """Raise UsageError unless `stats` has a vector of the right length for every module needed."""
+    for module, n in sorted(in_features.items()):
+        absmax = stats.act_absmax.get(module)
+        if absmax is None:
+            raise UsageError(f"{where} has no statistics for {module}; it was calibrated on another "
+                             "model: run `qconvert calibrate` on this one")
+        if absmax.shape != (n,):
+            raise UsageError(f"{where}: statistics of {module} have {absmax.shape[0]} channels, the "
+                             f"model's input has {n}; run `qconvert calibrate` on this model")

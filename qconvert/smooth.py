@@ -1,0 +1,240 @@
+"""SmoothQuant: per-channel smoothing scales from activation and weight maxima, folded into norms and linears.
+
+For a group (a norm or a linear whose output feeds some linears), input channel j
+gets s_j = max|X_j|^a / max|W_j|^(1-a) (float32, both maxima and s clamped at
+>= 1e-5; max|W_j| is the element-wise max over the group's linears). X / s is
+what the linears then see, W * s their weights: the float product is unchanged,
+while the activation outliers move into the weights, where per-channel int8
+takes them easily. 1/s is folded into the source: a norm's weight (and
+LayerNorm bias), or a source linear's output rows (and bias).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qconvert.errors import UsageError
+from qconvert.models.registry import SmoothingGroup
+
+MIN_SCALE = 1e-5
+ALPHA_GRID = tuple(round(0.05 * k, 2) for k in range(21))
+INT8_QMAX = 127.0
+
+
+def channel_map(group: SmoothingGroup, in_features: int) -> np.ndarray:
+    """For each input channel of the group's linears, the source channel that feeds it (int64 [in])."""
+    i = np.arange(in_features)
+    if group.kv_repeat <= 1 or group.head_dim <= 0:
+        return i
+    return ((i // group.head_dim) // group.kv_repeat) * group.head_dim + i % group.head_dim
+
+
+def reduce_to_source(values: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """Max of `values` over the consumer channels that share each source channel (float32)."""
+    out = np.zeros(int(index.max()) + 1, np.float32)
+    np.maximum.at(out, index, np.asarray(values, np.float32))
+    return out
+
+
+def weight_absmax(weights: Sequence[np.ndarray]) -> np.ndarray:
+    """Per input column: max|W| over all rows of all the given [out, in] weights (float32 [in])."""
+    return np.max(np.stack([np.max(np.abs(np.asarray(w, np.float32)), axis=0) for w in weights]), axis=0)
+
+
+def smooth_scales(act_absmax: np.ndarray, w_absmax: np.ndarray, alpha: float,
+                  min_scale: float = MIN_SCALE) -> np.ndarray:
+    """s = max|X|^alpha / max|W|^(1 - alpha), float32, clamped at >= min_scale."""
+    act = np.maximum(np.asarray(act_absmax, np.float32), np.float32(min_scale))
+    wmax = np.maximum(np.asarray(w_absmax, np.float32), np.float32(min_scale))
+    s = np.power(act, np.float32(alpha)) / np.power(wmax, np.float32(1.0 - alpha))
+    return np.maximum(s, np.float32(min_scale)).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupScales:
+    """One group's smoothing: s per source channel and per consumer input channel."""
+
+    group: SmoothingGroup
+    alpha: float
+    source_scales: np.ndarray  # float32 [source channels]: the source divides by these
+    input_scales: np.ndarray   # float32 [in]: consumer columns multiply by these
+
+
+def group_scales(group: SmoothingGroup, act_absmax: np.ndarray, weights: Sequence[np.ndarray],
+                 alpha: float) -> GroupScales:
+    """Smoothing scales of one group from its input's act_absmax [in] and its linears' weights."""
+    index = channel_map(group, len(act_absmax))
+    src_act = reduce_to_source(act_absmax, index)
+    src_w = reduce_to_source(weight_absmax(weights), index)
+    s = smooth_scales(src_act, src_w, alpha)
+    return GroupScales(group, float(alpha), s, s[index])
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorFold:
+    """What smoothing does to one checkpoint tensor: w * col_multiplier[None, :] / row_divisor[:, None]."""
+
+    row_divisor: np.ndarray | None = None     # the rows (or a 1-D tensor) divide by this
+    col_multiplier: np.ndarray | None = None  # the columns multiply by this
+
+
+def fold_plan(scales: Sequence[GroupScales]) -> dict[str, TensorFold]:
+    """Tensor name -> TensorFold for every tensor the groups touch (a tensor may get rows and columns)."""
+    rows: dict[str, np.ndarray] = {}
+    cols: dict[str, np.ndarray] = {}
+    for g in scales:
+        source = g.group.norm
+        rows[f"{source}.weight"] = g.source_scales
+        rows[f"{source}.bias"] = g.source_scales  # LayerNorm / linear bias; absent tensors never ask
+        for linear in g.group.linears:
+            name = f"{linear}.weight"
+            if name in cols:
+                raise ValueError(f"{linear} belongs to two smoothing groups")
+            cols[name] = g.input_scales
+    return {name: TensorFold(rows.get(name), cols.get(name)) for name in sorted(set(rows) | set(cols))}
+
+
+def apply_fold(array: np.ndarray, fold: TensorFold) -> np.ndarray:
+    """The smoothed tensor, computed in float32 and cast back to the tensor's dtype."""
+    out = np.asarray(array).astype(np.float32)
+    if fold.col_multiplier is not None:
+        out = out * fold.col_multiplier[None, :]
+    if fold.row_divisor is not None:
+        out = out / (fold.row_divisor if out.ndim == 1 else fold.row_divisor[:, None])
+    return out.astype(np.asarray(array).dtype)
+
+
+def smoothed_input_absmax(act_absmax: np.ndarray, input_scales: np.ndarray | None) -> float:
+    """max|X / s| over the whole tensor, from the per-channel maxima (exact: max is per channel)."""
+    act = np.asarray(act_absmax, np.float32)
+    if input_scales is not None:
+        act = act / input_scales
+    return float(np.max(act))
+
+
+# -- --alpha -----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class AlphaSpec:
+    """--alpha as given: 'auto', one value, or 'KEY=VALUE,...' per group (with an optional bare default)."""
+
+    auto: bool = False
+    default: float | None = None
+    per_group: tuple[tuple[str, float], ...] = ()
+
+    def alpha_for(self, source: str, family_default: float) -> float:
+        """The alpha of the group whose source module is `source` (longest matching key wins)."""
+        best = None
+        for key, value in self.per_group:
+            if source == key or source.endswith("." + key):
+                if best is None or len(key) > len(best[0]):
+                    best = (key, value)
+        if best is not None:
+            return best[1]
+        return self.default if self.default is not None else family_default
+
+
+def _alpha_value(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"--alpha value {text!r} is not a number; write e.g. 0.85, "
+                         "'auto' or 'input_layernorm=0.8,post_attention_layernorm=0.6'") from None
+    if not 0.0 <= value <= 1.0:
+        raise UsageError(f"--alpha {value} is outside [0, 1]; SmoothQuant's alpha is a fraction")
+    return value
+
+
+def parse_alpha(text: str | None) -> AlphaSpec:
+    """Parse --alpha: None (family default), 'auto', '0.8', or '0.8,post_attention_layernorm=0.6'."""
+    if text is None:
+        return AlphaSpec()
+    text = text.strip()
+    if text == "auto":
+        return AlphaSpec(auto=True)
+    default, per_group = None, []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if "=" in part:
+            key, value = (x.strip() for x in part.split("=", 1))
+            if not key:
+                raise UsageError(f"--alpha entry {part!r} names no group; write GROUP=VALUE")
+            per_group.append((key, _alpha_value(value)))
+        elif default is None:
+            default = _alpha_value(part)
+        else:
+            raise UsageError(f"--alpha {text!r} has two bare values; give one default and GROUP=VALUE pairs")
+    if default is None and not per_group:
+        raise UsageError("--alpha is empty; write e.g. 0.85 or 'auto'")
+    return AlphaSpec(default=default, per_group=tuple(per_group))
+
+
+def unmatched_alpha_keys(spec: AlphaSpec, sources: Sequence[str]) -> list[str]:
+    """Per-group keys of --alpha that match no group's source (a typo the user should hear about)."""
+    return [key for key, _ in spec.per_group
+            if not any(s == key or s.endswith("." + key) for s in sources)]
+
+
+def read_group_weights(params: Mapping, group: SmoothingGroup) -> list[np.ndarray]:
+    """The float32 weights [out, in] of a group's linears, read from a (lazy) params Mapping."""
+    return [np.asarray(params[f"{linear}.weight"], np.float32) for linear in group.linears]
+
+
+# -- --alpha auto --------------------------------------------------------------
+
+@jax.jit
+def _fake_quant_rows(x: jax.Array) -> jax.Array:
+    # Symmetric int8 per row (per output channel of a weight, per token of an
+    # activation), dequantized back to float32.
+    scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True) / INT8_QMAX, 1e-12)
+    return jnp.clip(jnp.round(x / scale), -INT8_QMAX, INT8_QMAX) * scale
+
+
+@jax.jit
+def _w8a8_error(x: jax.Array, w: jax.Array, s: jax.Array, static_scale: jax.Array) -> jax.Array:
+    """Squared error of simulated W8A8 (X/s)(W*s)^T against X W^T, and the squared reference.
+
+    static_scale > 0 quantizes X/s per tensor with that scale, else per token.
+    """
+    hi = jax.lax.Precision.HIGHEST
+    y = jnp.matmul(x, w.T, precision=hi)
+    xs = x / s
+    x_static = jnp.clip(jnp.round(xs / jnp.maximum(static_scale, 1e-12)), -INT8_QMAX, INT8_QMAX) * static_scale
+    xq = jnp.where(static_scale > 0, x_static, _fake_quant_rows(xs))
+    yq = jnp.matmul(xq, _fake_quant_rows(w * s[None, :]).T, precision=hi)
+    return jnp.stack([jnp.sum((yq - y) ** 2), jnp.sum(y * y)])
+
+
+def w8a8_group_error(scales: GroupScales, x_sample: np.ndarray, weights: Sequence[np.ndarray],
+                     act_absmax: np.ndarray, static: bool) -> float:
+    """Mean over the group's linears of the relative squared output error of simulated W8A8."""
+    s = jnp.asarray(scales.input_scales)
+    static_scale = smoothed_input_absmax(act_absmax, scales.input_scales) / INT8_QMAX if static else 0.0
+    x = jnp.asarray(x_sample, jnp.float32)
+    errors = []
+    for w in weights:
+        err, ref = np.asarray(_w8a8_error(x, jnp.asarray(w, jnp.float32), s, jnp.float32(static_scale)))
+        errors.append(float(err) / max(float(ref), 1e-30))
+    return float(np.mean(errors))
+
+
+def search_alpha(group: SmoothingGroup, act_absmax: np.ndarray, weights: Sequence[np.ndarray],
+                 x_sample: np.ndarray, *, static: bool, grid: Sequence[float] = ALPHA_GRID,
+                 ) -> tuple[GroupScales, dict[float, float]]:
+    """The grid alpha whose smoothing gives the group's linears the least W8A8 output error on x_sample.
+
+    Returns the chosen GroupScales and the error of every alpha tried (ties go to the smaller alpha).
+    """
+    tried: dict[float, float] = {}
+    best: GroupScales | None = None
+    for alpha in grid:
+        scales = group_scales(group, act_absmax, weights, alpha)
+        tried[float(alpha)] = w8a8_group_error(scales, x_sample, weights, act_absmax, static)
+        if best is None or tried[float(alpha)] < tried[best.alpha]:
+            best = scales
+    assert best is not None, "the alpha grid is empty"
+    return best, tried

@@ -1,0 +1,169 @@
+"""The W8A8 (SmoothQuant) preparation: calibrate, choose alpha, compute smoothing folds and static input scales.
+
+`plan_w8a8` turns a model folder and the w8a8 flags into a W8A8Plan whose parts
+the conversion pipeline takes as they are: `weight_transform(name, array)`
+hands out smoothed norms and linears, `input_scales` the static per-tensor
+activation scales, and the two records go into qconvert.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from qconvert.calib_data import BUILTIN, DEFAULT_SAMPLES, DEFAULT_SEQLEN, load_calibration
+from qconvert.calibrate import (DEFAULT_BATCH_SIZE, ActStats, check_stats_cover, iter_layer_stats,
+                                load_act_stats, open_params)
+from qconvert.errors import UsageError
+from qconvert.formats.safetensors_io import sha256_file
+from qconvert.models import build
+from qconvert.models.registry import Architecture, SmoothingGroup, architecture_for
+from qconvert.smooth import (INT8_QMAX, MIN_SCALE, AlphaSpec, GroupScales, TensorFold, apply_fold,
+                             fold_plan, group_scales, parse_alpha, read_group_weights, search_alpha,
+                             smoothed_input_absmax, unmatched_alpha_keys)
+
+ACT_MODES = ("dynamic", "static")
+REMEDY = ("linear->linear smoothing of the inputs no norm feeds: v_proj rows -> o_proj columns "
+          "(one scale per KV-head channel, shared by the query heads of its group), "
+          "up_proj rows -> down_proj columns")
+
+
+@dataclasses.dataclass(frozen=True)
+class W8A8Options:
+    """The w8a8 flags of `qconvert quantize`."""
+
+    calib: str | None = None          # None: the built-in corpus
+    calib_samples: int = DEFAULT_SAMPLES
+    calib_seqlen: int = DEFAULT_SEQLEN
+    alpha: str | None = None          # None: the family's default
+    smooth: bool = True
+    act: str = "dynamic"
+    act_stats: Path | None = None
+    batch_size: int = DEFAULT_BATCH_SIZE
+
+
+@dataclasses.dataclass(frozen=True)
+class W8A8Plan:
+    """What the converter needs for w8a8: smoothing folds, static input scales, and the records."""
+
+    folds: dict[str, TensorFold]
+    input_scales: dict[str, float] | None
+    calibration_record: dict[str, Any] | None
+    smoothing_record: dict[str, Any] | None
+
+    def weight_transform(self, name: str, array: np.ndarray) -> np.ndarray:
+        """The tensor as the converter should quantize or copy it (smoothed where a group touches it)."""
+        fold = self.folds.get(name)
+        return array if fold is None else apply_fold(array, fold)
+
+
+def check_options(options: W8A8Options) -> AlphaSpec:
+    """Reject flag combinations that do not fit; the parsed --alpha."""
+    if options.act not in ACT_MODES:
+        raise UsageError(f"--act {options.act!r} is not one of {', '.join(ACT_MODES)}")
+    spec = parse_alpha(options.alpha)
+    if not options.smooth and options.alpha is not None:
+        raise UsageError("--alpha has no effect with --no-smooth; drop one of them")
+    if options.act_stats is not None and options.calib is not None:
+        raise UsageError("--act-stats replaces calibration; drop --calib (or --act-stats)")
+    if options.act_stats is not None and spec.auto:
+        raise UsageError("--alpha auto searches on calibration activations, which a statistics file "
+                         "does not hold; drop --act-stats or give a fixed --alpha")
+    return spec
+
+
+def smoothing_groups(arch: Architecture, config: dict[str, Any]) -> list[SmoothingGroup]:
+    """The family's norm -> linears groups, then its linear -> linear groups (the o/down remedy)."""
+    return list(arch.smoothing_groups(config)) + list(arch.linear_smoothing_groups(config))
+
+
+def _calibrate(folder: Path, config: dict[str, Any], params: Mapping, groups: list[SmoothingGroup],
+               spec: AlphaSpec, options: W8A8Options, progress: Callable[[str], None]) -> tuple[ActStats, dict[str, GroupScales], dict]:
+    """Run calibration; with --alpha auto, search each group's alpha once its layer is done."""
+    data = load_calibration(options.calib or BUILTIN, folder, config,
+                            samples=options.calib_samples, seqlen=options.calib_seqlen)
+    progress(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
+    model = build(config)
+    keep = {g.linears[0] for g in groups} if spec.auto else set()
+    act_absmax: dict[str, np.ndarray] = {}
+    chosen: dict[str, GroupScales] = {}
+    errors: dict[str, dict[float, float]] = {}
+    pending = list(groups) if spec.auto else []
+    for layer in iter_layer_stats(model, params, data.input_ids, batch_size=options.batch_size,
+                                  keep_inputs=keep):
+        act_absmax.update(layer.act_absmax)
+        for group in [g for g in pending if all(m in act_absmax for m in g.linears)]:
+            pending.remove(group)
+            weights = read_group_weights(params, group)
+            chosen[group.norm], errors[group.norm] = search_alpha(
+                group, act_absmax[group.linears[0]], weights, layer.input_samples[group.linears[0]],
+                static=options.act == "static")
+        progress(f"layer {layer.index + 1}/{model.num_layers} calibrated")
+    return ActStats(act_absmax, data.tokens, data.record()), chosen, errors
+
+
+def plan_w8a8(folder: Path, config: dict[str, Any], options: W8A8Options,
+              progress: Callable[[str], None] | None = None) -> W8A8Plan:
+    """Calibrate (or load statistics), smooth, and derive static scales for a w8a8 conversion."""
+    spec = check_options(options)
+    progress = progress or (lambda message: None)
+    if not options.smooth and options.act == "dynamic":
+        return W8A8Plan({}, None, None, None)  # plain per-token W8A8 needs no statistics
+    arch = architecture_for(config)
+    params = open_params(folder)
+    linears = arch.linear_names(params)
+    groups = smoothing_groups(arch, config) if options.smooth else []
+    unknown = unmatched_alpha_keys(spec, [g.norm for g in groups])
+    if unknown:
+        raise UsageError(f"--alpha names {', '.join(unknown)}, which matches no smoothing group of "
+                         f"this model; groups are e.g. {groups[0].norm if groups else '(none)'}")
+    searched: dict[str, GroupScales] = {}
+    errors: dict[str, dict[float, float]] = {}
+    if options.act_stats is not None:
+        stats = load_act_stats(options.act_stats)
+        check_stats_cover(stats, {m: int(params.checkpoint.shape(f"{m}.weight")[1]) for m in linears},
+                          str(options.act_stats))
+        calibration_record = dict(stats.calibration or {})
+        calibration_record["stats_file"] = {"name": Path(options.act_stats).name,
+                                            "sha256": sha256_file(options.act_stats)}
+    else:
+        stats, searched, errors = _calibrate(folder, config, params, groups, spec, options, progress)
+        calibration_record = stats.calibration
+    scales = []
+    for group in groups:
+        if group.norm in searched:
+            scales.append(searched[group.norm])
+            continue
+        alpha = spec.alpha_for(group.norm, arch.default_alpha)
+        scales.append(group_scales(group, stats.act_absmax[group.linears[0]],
+                                   read_group_weights(params, group), alpha))
+    input_scales = None
+    if options.act == "static":
+        smoothed = {m: g.input_scales for g in scales for m in g.group.linears}
+        input_scales = {m: smoothed_input_absmax(stats.act_absmax[m], smoothed.get(m)) / INT8_QMAX
+                        for m in linears}
+    return W8A8Plan(fold_plan(scales), input_scales, calibration_record,
+                    _smoothing_record(scales, spec, arch, errors) if options.smooth else None)
+
+
+def _smoothing_record(scales: list[GroupScales], spec: AlphaSpec, arch: Architecture,
+                      errors: dict[str, dict[float, float]]) -> dict[str, Any]:
+    mode = "auto" if spec.auto else ("family default" if spec.default is None and not spec.per_group
+                                     else "given")
+    record: dict[str, Any] = {
+        "method": "smoothquant",
+        "alpha_mode": mode,
+        "family_default_alpha": arch.default_alpha,
+        "min_scale": MIN_SCALE,
+        "remedy": REMEDY,
+        "alpha": {g.group.norm: g.alpha for g in scales},
+        "groups": {g.group.norm: list(g.group.linears) for g in scales},
+    }
+    if errors:
+        # The relative W8A8 output error of each alpha tried, per group, rounded for reading.
+        record["alpha_search"] = {source: {f"{a:.2f}": float(f"{e:.4g}") for a, e in tried.items()}
+                                  for source, tried in errors.items()}
+    return record
