@@ -1,1 +1,23 @@
-"""Quantized matmul kernels (Pallas, TPU and GPU), their pure-jnp references, and dispatch."""
+"""Quantized matmul kernels (Pallas, TPU and GPU), their pure-jnp references, and dispatch.
+
+Rescale order of every kernel (fixed; the references define it):
+  W8A8   acc_int32 -> float32, * x_scale[m], * w_scale[n], + bias[n], cast to out_dtype
+  W8A16  acc_f32 (x @ int8 codes cast to x's dtype), * w_scale[n], + bias[n], cast
+  NF4    acc_f32 (x @ (level[code] * absmax[block] in f32, cast to x's dtype)), + bias[n], cast
+"""
+
+from qconvert.kernels.activations import quantize_activations
+from qconvert.kernels.dense import int8_matmul, int8_weight_matmul, nf4_matmul
+from qconvert.kernels.plan import (BACKENDS, GUARANTEES, KernelPlan, KernelProblem, resolve_backend,
+                                   select_kernel)
+from qconvert.kernels.reference import (grouped_matmul_reference, int8_matmul_reference,
+                                        int8_weight_matmul_reference, nf4_dequantize_reference,
+                                        nf4_matmul_reference, transposed_grouped_matmul_reference)
+from qconvert.kernels.tiles import Tiling
+
+__all__ = [
+    "BACKENDS", "GUARANTEES", "KernelPlan", "KernelProblem", "Tiling",
+    "grouped_matmul_reference", "int8_matmul", "int8_matmul_reference", "int8_weight_matmul",
+    "int8_weight_matmul_reference", "nf4_dequantize_reference", "nf4_matmul", "nf4_matmul_reference",
+    "quantize_activations", "resolve_backend", "select_kernel", "transposed_grouped_matmul_reference",
+]

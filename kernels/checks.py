@@ -1,0 +1,111 @@
+"""Argument checks run before any kernel launch: dtype, rank, shape and layout, with clear errors."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from qconvert.errors import KernelArgumentError
+
+
+def _shape(a) -> tuple[int, ...]:
+    return tuple(getattr(a, "shape", ()))
+
+
+def _dtype(a):
+    return jnp.dtype(getattr(a, "dtype", jnp.asarray(a).dtype))
+
+
+def require_matrix(op: str, name: str, a, dtypes: tuple | None = None, what: str = "") -> tuple[int, int]:
+    """a must be rank 2 (and of one of `dtypes`); returns its shape."""
+    shape = _shape(a)
+    if len(shape) != 2:
+        raise KernelArgumentError(f"{op}: {name} must be rank 2 {what}, got shape {shape}")
+    if dtypes is not None and _dtype(a) not in [jnp.dtype(d) for d in dtypes]:
+        names = "/".join(str(jnp.dtype(d)) for d in dtypes)
+        raise KernelArgumentError(f"{op}: {name} must be {names}, got {_dtype(a)}")
+    return shape
+
+
+def require_float(op: str, name: str, a) -> None:
+    """a must have a floating dtype."""
+    if not jnp.issubdtype(_dtype(a), jnp.floating):
+        raise KernelArgumentError(f"{op}: {name} must be a float array, got {_dtype(a)}")
+
+
+def require_float_dtype(op: str, out_dtype) -> None:
+    """out_dtype must be a float dtype."""
+    if not jnp.issubdtype(jnp.dtype(out_dtype), jnp.floating):
+        raise KernelArgumentError(f"{op}: out_dtype must be a float dtype, got {jnp.dtype(out_dtype)}")
+
+
+def require_vector(op: str, name: str, a, sizes: tuple[int, ...], hint: str) -> None:
+    """a must be float and hold one value per entry: shape [s], [s, 1], or () when s == 1."""
+    require_float(op, name, a)
+    shape = _shape(a)
+    squeezed = tuple(d for d in shape if d != 1) or (1,)
+    if len(shape) > 2 or math.prod(shape) not in sizes or (len(squeezed) == 1 and squeezed[0] not in sizes):
+        raise KernelArgumentError(f"{op}: {name} has shape {shape}; expected {hint}")
+
+
+def check_int8_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype) -> tuple[int, int, int]:
+    """Check W8A8 arguments; returns (M, K, N)."""
+    op = "int8_matmul"
+    m, k = require_matrix(op, "x_q", x_q, (jnp.int8,), "[M, K]")
+    n, k_w = require_matrix(op, "w_q", w_q, (jnp.int8,), "[N, K] (the nn.Linear layout)")
+    if k != k_w:
+        raise KernelArgumentError(f"{op}: x_q has K={k} but w_q has K={k_w}; w_q must be [N, K] (nn.Linear layout)")
+    require_vector(op, "x_scale", x_scale, (m, 1), f"[{m}] (per token) or [1] (per tensor)")
+    require_vector(op, "w_scale", w_scale, (n,), f"[{n}] or [{n}, 1] (per output channel)")
+    if bias is not None:
+        require_vector(op, "bias", bias, (n,), f"[{n}]")
+    require_float_dtype(op, out_dtype)
+    return m, k, n
+
+
+def check_int8_weight_matmul(x, w_q, w_scale, bias, out_dtype) -> tuple[int, int, int]:
+    """Check W8A16 arguments; returns (M, K, N)."""
+    op = "int8_weight_matmul"
+    m, k = require_matrix(op, "x", x, None, "[M, K]")
+    require_float(op, "x", x)
+    n, k_w = require_matrix(op, "w_q", w_q, (jnp.int8,), "[N, K] (the nn.Linear layout)")
+    if k != k_w:
+        raise KernelArgumentError(f"{op}: x has K={k} but w_q has K={k_w}; w_q must be [N, K] (nn.Linear layout)")
+    require_vector(op, "w_scale", w_scale, (n,), f"[{n}] or [{n}, 1] (per output channel)")
+    if bias is not None:
+        require_vector(op, "bias", bias, (n,), f"[{n}]")
+    require_float_dtype(op, out_dtype)
+    return m, k, n
+
+
+def check_nf4_matmul(x, w_packed, absmax, shape, blocksize, bias, out_dtype) -> tuple[int, int, int]:
+    """Check NF4 arguments against the bitsandbytes layout; returns (M, K, N)."""
+    op = "nf4_matmul"
+    if len(tuple(shape)) != 2:
+        raise KernelArgumentError(f"{op}: shape must be the weight's logical (N, K), got {tuple(shape)}")
+    n, k = (int(d) for d in shape)
+    m, k_x = require_matrix(op, "x", x, None, "[M, K]")
+    require_float(op, "x", x)
+    if k_x != k:
+        raise KernelArgumentError(f"{op}: x has K={k_x} but the weight shape is (N={n}, K={k})")
+    if blocksize <= 0:
+        raise KernelArgumentError(f"{op}: blocksize must be positive, got {blocksize}")
+    if _dtype(w_packed) != jnp.uint8:
+        raise KernelArgumentError(f"{op}: w_packed must be uint8 (two NF4 codes per byte), got {_dtype(w_packed)}")
+    count = n * k
+    packed_shape = _shape(w_packed)
+    if math.prod(packed_shape) != -(-count // 2) or len([d for d in packed_shape if d != 1]) > 1:
+        raise KernelArgumentError(f"{op}: w_packed has shape {packed_shape}; a ({n}, {k}) NF4 weight packs into "
+                                  f"[{-(-count // 2)}] (or [{-(-count // 2)}, 1]) bytes")
+    if _dtype(absmax) != jnp.float32:
+        raise KernelArgumentError(f"{op}: absmax must be float32 (decode double-quantized absmax first), "
+                                  f"got {_dtype(absmax)}")
+    blocks = -(-count // blocksize)
+    if math.prod(_shape(absmax)) != blocks:
+        raise KernelArgumentError(f"{op}: absmax has shape {_shape(absmax)}; a ({n}, {k}) weight in blocks of "
+                                  f"{blocksize} needs [{blocks}]")
+    if bias is not None:
+        require_vector(op, "bias", bias, (n,), f"[{n}]")
+    require_float_dtype(op, out_dtype)
+    return m, k, n

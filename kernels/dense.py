@@ -1,0 +1,114 @@
+"""The dense quantized matmuls (W8A8, W8A16, NF4): check, plan, pad, launch, slice.
+
+Each entry point takes plain arrays, checks them, asks plan.select_kernel for a
+kernel, and runs it (or the reference, when the plan says so). With
+return_plan=True it also returns the KernelPlan, so callers can report it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from qconvert.kernels import gpu_dense, reference, tpu_dense
+from qconvert.kernels.checks import check_int8_matmul, check_int8_weight_matmul, check_nf4_matmul
+from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, select_kernel
+from qconvert.kernels.tiles import pad2d, round_up, split_even_odd_columns
+
+
+def _padded(plan: KernelPlan, m: int, k: int, n: int, k_multiple: int = 1) -> tuple[int, int, int]:
+    t = plan.tiling
+    return round_up(m, t.tm), round_up(k, max(t.tk, k_multiple)), round_up(n, t.tn)
+
+
+def _col_vector(v, n: int, np_: int) -> jax.Array:
+    v = jnp.zeros((n,), jnp.float32) if v is None else jnp.asarray(v, jnp.float32).reshape(-1)
+    return pad2d(v.reshape(1, n), 1, np_)
+
+
+def _result(y, plan: KernelPlan, return_plan: bool):
+    return (y, plan) if return_plan else y
+
+
+def int8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32, backend: str = "auto",
+                tiling: Tiling | None = None, return_plan: bool = False):
+    """W8A8 matmul: y[m, n] = f32(sum_k x_q[m, k] w_q[n, k]) * x_scale[m] * w_scale[n] + bias[n].
+
+    x_q int8 [M, K]; w_q int8 [N, K] (nn.Linear layout); x_scale float [M] (per
+    token) or [1] (per tensor); w_scale float [N] (or [N, 1]); bias float [N].
+    Accumulates in int32 (exact), then rescales in float32 in the order written
+    above and casts once to out_dtype. Bit-identical to int8_matmul_reference.
+    """
+    m, k, n = check_int8_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype)
+    plan = select_kernel(KernelProblem("int8_matmul", m, k, n, "int8", dtype_name(out_dtype)), backend, tiling)
+    if plan.is_reference:
+        return _result(reference.int8_matmul_reference(x_q, w_q, x_scale, w_scale, bias=bias, out_dtype=out_dtype),
+                       plan, return_plan)
+    mp, kp, np_ = _padded(plan, m, k, n)
+    x_scale = jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,)).reshape(m, 1)
+    kernel = gpu_dense.int8_matmul_gpu if plan.backend == "gpu" else tpu_dense.int8_matmul_tpu
+    y = kernel(pad2d(jnp.asarray(x_q), mp, kp), pad2d(jnp.asarray(w_q), np_, kp), pad2d(x_scale, mp, 1),
+               _col_vector(w_scale, n, np_), _col_vector(bias, n, np_), tiling=plan.tiling,
+               out_dtype=jnp.dtype(out_dtype), has_bias=bias is not None, interpret=plan.interpret)
+    return _result(y[:m, :n], plan, return_plan)
+
+
+def int8_weight_matmul(x, w_q, w_scale, *, bias=None, out_dtype=jnp.float32, backend: str = "auto",
+                       tiling: Tiling | None = None, return_plan: bool = False):
+    """W8A16 matmul: y = (x @ w_q^T, float32 accumulation) * w_scale[n] + bias[n].
+
+    x float [M, K] (bf16/f16/f32); w_q int8 [N, K] (nn.Linear layout), dequantized
+    inside the kernel by an exact cast to x's dtype; w_scale float [N] (or [N, 1]).
+    """
+    m, k, n = check_int8_weight_matmul(x, w_q, w_scale, bias, out_dtype)
+    x = jnp.asarray(x)
+    problem = KernelProblem("int8_weight_matmul", m, k, n, dtype_name(x.dtype), dtype_name(out_dtype))
+    plan = select_kernel(problem, backend, tiling)
+    if plan.is_reference:
+        return _result(reference.int8_weight_matmul_reference(x, w_q, w_scale, bias=bias, out_dtype=out_dtype),
+                       plan, return_plan)
+    mp, kp, np_ = _padded(plan, m, k, n)
+    kernel = gpu_dense.int8_weight_matmul_gpu if plan.backend == "gpu" else tpu_dense.int8_weight_matmul_tpu
+    y = kernel(pad2d(x, mp, kp), pad2d(jnp.asarray(w_q), np_, kp), _col_vector(w_scale, n, np_),
+               _col_vector(bias, n, np_), tiling=plan.tiling, out_dtype=jnp.dtype(out_dtype),
+               has_bias=bias is not None, interpret=plan.interpret)
+    return _result(y[:m, :n], plan, return_plan)
+
+
+def nf4_operands(x, w_packed, absmax, n: int, k: int, mp: int, kp: int, np_: int):
+    """Lay NF4 operands out for the kernels without building any full-size float tensor.
+
+    The flat codes of an [N, K] weight with K % 64 == 0 are, unchanged, an
+    [N, K/2] byte matrix and an [N, K/64] absmax matrix; x is split into the
+    columns that meet high and low nibbles. Padding adds zero bytes, zero absmax
+    and zero activations, which contribute nothing.
+    """
+    w_bytes = pad2d(jnp.asarray(w_packed).reshape(n, k // 2), np_, kp // 2)
+    block_absmax = pad2d(jnp.asarray(absmax, jnp.float32).reshape(n, k // 64), np_, kp // 64)
+    x_even, x_odd = split_even_odd_columns(pad2d(jnp.asarray(x), mp, kp))
+    return x_even, x_odd, w_bytes, block_absmax
+
+
+def nf4_matmul(x, w_packed, absmax, *, shape, blocksize: int = 64, bias=None, out_dtype=jnp.float32,
+               backend: str = "auto", tiling: Tiling | None = None, return_plan: bool = False):
+    """NF4 matmul: y = x @ W^T with W [N, K] = shape in the bitsandbytes NF4 layout.
+
+    w_packed uint8 [ceil(N*K/2)] (row-major codes, earlier element in the high
+    nibble); absmax float32 [ceil(N*K/blocksize)]. Codes are decoded inside the
+    kernel with the exact NF4 table, times the block absmax in float32, cast to
+    x's dtype; accumulation is float32. K % 64 != 0 falls back to the reference.
+    """
+    m, k, n = check_nf4_matmul(x, w_packed, absmax, shape, blocksize, bias, out_dtype)
+    x = jnp.asarray(x)
+    problem = KernelProblem("nf4_matmul", m, k, n, dtype_name(x.dtype), dtype_name(out_dtype), blocksize)
+    plan = select_kernel(problem, backend, tiling)
+    if plan.is_reference:
+        y = reference.nf4_matmul_reference(x, w_packed, absmax, shape=(n, k), blocksize=blocksize, bias=bias,
+                                           out_dtype=out_dtype)
+        return _result(y, plan, return_plan)
+    mp, kp, np_ = _padded(plan, m, k, n, k_multiple=64)
+    x_even, x_odd, w_bytes, block_absmax = nf4_operands(x, w_packed, absmax, n, k, mp, kp, np_)
+    kernel = gpu_dense.nf4_matmul_gpu if plan.backend == "gpu" else tpu_dense.nf4_matmul_tpu
+    y = kernel(x_even, x_odd, w_bytes, block_absmax, _col_vector(bias, n, np_), tiling=plan.tiling,
+               out_dtype=jnp.dtype(out_dtype), has_bias=bias is not None, interpret=plan.interpret)
+    return _result(y[:m, :n], plan, return_plan)

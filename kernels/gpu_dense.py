@@ -1,0 +1,142 @@
+"""GPU (Triton, through Pallas) kernels for the dense quantized matmuls: W8A8, W8A16 and NF4.
+
+Grid (M tiles, N tiles); each program walks the whole K axis in a loop inside the
+kernel with a register accumulator (int32 for W8A8, float32 otherwise), then
+rescales once. Operands arrive padded to whole tiles from dense.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+
+from qconvert.kernels.tiles import Tiling, nf4_level
+
+NT_DIMS = (((1,), (1,)), ((), ()))
+HIGHEST = jax.lax.Precision.HIGHEST
+NF4_BLOCK = 64
+
+
+def _compiler_params(tiling: Tiling):
+    # Small row tiles are memory-bound decode shapes: fewer warps, deeper pipeline.
+    return pltr.CompilerParams(num_warps=4 if tiling.tm <= 32 else 8, num_stages=3)
+
+
+def _specs(tiling: Tiling, kp_x: int, kp_w: int):
+    tm, tn = tiling.tm, tiling.tn
+    return (pl.BlockSpec((tm, kp_x), lambda i, j: (i, 0)),
+            pl.BlockSpec((tn, kp_w), lambda i, j: (j, 0)),
+            pl.BlockSpec((tm, 1), lambda i, j: (i, 0)),
+            pl.BlockSpec((1, tn), lambda i, j: (0, j)),
+            pl.BlockSpec((tm, tn), lambda i, j: (i, j)))
+
+
+def _int8_kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, *, tk, has_bias):
+    def step(k, acc):
+        cols = pl.ds(pl.multiple_of(k * tk, tk), tk)
+        return acc + jax.lax.dot_general(x_ref[:, cols], w_ref[:, cols], NT_DIMS,
+                                         preferred_element_type=jnp.int32)
+
+    acc = jax.lax.fori_loop(0, x_ref.shape[1] // tk, step, jnp.zeros(o_ref.shape, jnp.int32))
+    y = acc.astype(jnp.float32) * xs_ref[...]
+    y = y * ws_ref[...]
+    if has_bias:
+        y = y + b_ref[...]
+    o_ref[...] = y.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
+def int8_matmul_gpu(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
+                    interpret: bool = False):
+    """Padded operands as for the TPU kernel: x_q [Mp, Kp], w_q [Np, Kp], x_scale [Mp, 1], w_scale/bias [1, Np]."""
+    mp, kp = x_q.shape
+    np_ = w_q.shape[0]
+    x_spec, w_spec, row_vec, col_vec, out_spec = _specs(tiling, kp, kp)
+    return pl.pallas_call(
+        functools.partial(_int8_kernel, tk=tiling.tk, has_bias=has_bias),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid=(mp // tiling.tm, np_ // tiling.tn),
+        in_specs=[x_spec, w_spec, row_vec, col_vec, col_vec],
+        out_specs=out_spec,
+        compiler_params=_compiler_params(tiling),
+        interpret=interpret,
+    )(x_q, w_q, x_scale, w_scale, bias)
+
+
+def _w8a16_kernel(x_ref, w_ref, ws_ref, b_ref, o_ref, *, tk, has_bias):
+    def step(k, acc):
+        cols = pl.ds(pl.multiple_of(k * tk, tk), tk)
+        x = x_ref[:, cols]
+        return acc + jax.lax.dot_general(x, w_ref[:, cols].astype(x.dtype), NT_DIMS,
+                                         preferred_element_type=jnp.float32, precision=HIGHEST)
+
+    acc = jax.lax.fori_loop(0, x_ref.shape[1] // tk, step, jnp.zeros(o_ref.shape, jnp.float32))
+    y = acc * ws_ref[...]
+    if has_bias:
+        y = y + b_ref[...]
+    o_ref[...] = y.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
+def int8_weight_matmul_gpu(x, w_q, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
+                           interpret: bool = False):
+    """Padded operands: x [Mp, Kp] float, w_q [Np, Kp] i8, w_scale/bias [1, Np] f32."""
+    mp, kp = x.shape
+    np_ = w_q.shape[0]
+    x_spec, w_spec, _, col_vec, out_spec = _specs(tiling, kp, kp)
+    return pl.pallas_call(
+        functools.partial(_w8a16_kernel, tk=tiling.tk, has_bias=has_bias),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid=(mp // tiling.tm, np_ // tiling.tn),
+        in_specs=[x_spec, w_spec, col_vec, col_vec],
+        out_specs=out_spec,
+        compiler_params=_compiler_params(tiling),
+        interpret=interpret,
+    )(x, w_q, w_scale, bias)
+
+
+def _nf4_kernel(xe_ref, xo_ref, w_ref, a_ref, b_ref, o_ref, *, has_bias):
+    half = NF4_BLOCK // 2  # one 64-block = 32 bytes = 32 high and 32 low codes
+
+    def step(blk, acc):
+        cols = pl.ds(pl.multiple_of(blk * half, half), half)
+        packed = w_ref[:, cols].astype(jnp.int32)
+        scale = a_ref[:, pl.ds(blk, 1)]
+        xe = xe_ref[:, cols]
+        w_high = (nf4_level(packed >> 4) * scale).astype(xe.dtype)
+        w_low = (nf4_level(packed & 0xF) * scale).astype(xe.dtype)
+        acc = acc + jax.lax.dot_general(xe, w_high, NT_DIMS, preferred_element_type=jnp.float32,
+                                        precision=HIGHEST)
+        return acc + jax.lax.dot_general(xo_ref[:, cols], w_low, NT_DIMS,
+                                         preferred_element_type=jnp.float32, precision=HIGHEST)
+
+    acc = jax.lax.fori_loop(0, a_ref.shape[1], step, jnp.zeros(o_ref.shape, jnp.float32))
+    if has_bias:
+        acc = acc + b_ref[...]
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
+def nf4_matmul_gpu(x_even, x_odd, w_bytes, absmax, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
+                   interpret: bool = False):
+    """Padded operands: x_even/x_odd [Mp, Kp/2], w_bytes [Np, Kp/2] u8, absmax [Np, Kp/64], bias [1, Np]."""
+    mp, kp_half = x_even.shape
+    np_ = w_bytes.shape[0]
+    tm, tn = tiling.tm, tiling.tn
+    return pl.pallas_call(
+        functools.partial(_nf4_kernel, has_bias=has_bias),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid=(mp // tm, np_ // tn),
+        in_specs=[pl.BlockSpec((tm, kp_half), lambda i, j: (i, 0)),
+                  pl.BlockSpec((tm, kp_half), lambda i, j: (i, 0)),
+                  pl.BlockSpec((tn, kp_half), lambda i, j: (j, 0)),
+                  pl.BlockSpec((tn, absmax.shape[1]), lambda i, j: (j, 0)),
+                  pl.BlockSpec((1, tn), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
+        compiler_params=_compiler_params(tiling),
+        interpret=interpret,
+    )(x_even, x_odd, w_bytes, absmax, bias)

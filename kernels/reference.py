@@ -1,0 +1,128 @@
+"""Pure-jnp references that define the right answer for every kernel in this package.
+
+Each reference is written for reading, not speed: it dequantizes in float32 (or
+accumulates in int32) in the most direct way, then applies the documented
+rescale order. The kernels must match these (bit-exactly for int8_matmul).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from qconvert.formats import NF4_LEVELS
+
+HIGHEST = jax.lax.Precision.HIGHEST
+# The references are jitted so that XLA fuses their float rescale exactly as it
+# fuses the kernels' (a multiply followed by an add may become one fused
+# multiply-add on either side; compiled the same way, both give the same bits).
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def int8_matmul_reference(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32) -> jax.Array:
+    """W8A8: y[m, n] = f32(sum_k x_q[m,k] * w_q[n,k]) * x_scale[m] * w_scale[n] + bias[n].
+
+    The int32 accumulation is exact; the rescale runs in float32 in exactly this
+    order (accumulator, times x_scale, times w_scale, plus bias), then one cast.
+    """
+    acc = jnp.matmul(jnp.asarray(x_q, jnp.int32), jnp.asarray(w_q, jnp.int32).T)
+    m = acc.shape[0]
+    x_scale = jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,))
+    y = acc.astype(jnp.float32) * x_scale[:, None]
+    y = y * jnp.asarray(w_scale, jnp.float32).reshape(1, -1)
+    if bias is not None:
+        y = y + jnp.asarray(bias, jnp.float32).reshape(1, -1)
+    return y.astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def int8_weight_matmul_reference(x, w_q, w_scale, *, bias=None, out_dtype=jnp.float32) -> jax.Array:
+    """W8A16: y = (x @ w_q^T in float32, w_q cast to x's dtype) * w_scale[n] + bias[n].
+
+    int8 codes are exact in bf16, f16 and f32, so casting them to the activation
+    dtype loses nothing; the per-channel scale factors out of the sum over k.
+    """
+    x = jnp.asarray(x)
+    acc = jax.lax.dot_general(
+        x, jnp.asarray(w_q).astype(x.dtype), (((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32, precision=HIGHEST,
+    )
+    y = acc * jnp.asarray(w_scale, jnp.float32).reshape(1, -1)
+    if bias is not None:
+        y = y + jnp.asarray(bias, jnp.float32).reshape(1, -1)
+    return y.astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "blocksize"))
+def nf4_dequantize_reference(w_packed, absmax, shape, blocksize: int = 64) -> jax.Array:
+    """The float32 [N, K] weight of a bitsandbytes NF4 tensor: level[code] * absmax[block]."""
+    n_out, k = shape
+    count = n_out * k
+    packed = jnp.asarray(w_packed).reshape(-1).astype(jnp.int32)
+    codes = jnp.stack([packed >> 4, packed & 0xF], axis=-1).reshape(-1)[:count]
+    levels = jnp.asarray(NF4_LEVELS)[codes]
+    scales = jnp.repeat(jnp.asarray(absmax, jnp.float32).reshape(-1), blocksize)[:count]
+    return (levels * scales).reshape(n_out, k)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "blocksize", "out_dtype"))
+def nf4_matmul_reference(x, w_packed, absmax, *, shape, blocksize: int = 64, bias=None,
+                         out_dtype=jnp.float32) -> jax.Array:
+    """y = x @ W^T with W the dequantized NF4 weight, cast to x's dtype, float32 accumulation."""
+    x = jnp.asarray(x)
+    w = nf4_dequantize_reference(w_packed, absmax, shape, blocksize).astype(x.dtype)
+    y = jax.lax.dot_general(
+        x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=HIGHEST
+    )
+    if bias is not None:
+        y = y + jnp.asarray(bias, jnp.float32).reshape(1, -1)
+    return y.astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("preferred_element_type", "group_offset", "transpose_rhs"))
+def grouped_matmul_reference(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
+                             group_offset: int = 0, transpose_rhs: bool = False) -> jax.Array:
+    """out[rows of group g] = lhs[rows of g] @ rhs[g - group_offset]; other rows are 0.
+
+    rhs is float [G, K, N] ([G, N, K] with transpose_rhs). Groups outside
+    [group_offset, group_offset + G) and rows past sum(group_sizes) give zeros.
+    """
+    lhs = jnp.asarray(lhs)
+    rhs = jnp.asarray(rhs)
+    if transpose_rhs:
+        rhs = jnp.swapaxes(rhs, 1, 2)
+    m = lhs.shape[0]
+    ends = jnp.cumsum(jnp.asarray(group_sizes, jnp.int32))
+    starts = ends - jnp.asarray(group_sizes, jnp.int32)
+    rows = jnp.arange(m)
+    out = jnp.zeros((m, rhs.shape[2]), jnp.float32)
+    for local in range(rhs.shape[0]):
+        g = local + group_offset
+        in_group = (rows >= starts[g]) & (rows < ends[g])
+        y = jax.lax.dot_general(lhs, rhs[local].astype(lhs.dtype), (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32, precision=HIGHEST)
+        out = jnp.where(in_group[:, None], y, out)
+    return out.astype(preferred_element_type)
+
+
+@functools.partial(jax.jit, static_argnames=("preferred_element_type", "group_offset", "num_actual_groups"))
+def transposed_grouped_matmul_reference(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
+                                        group_offset: int = 0, num_actual_groups: int | None = None) -> jax.Array:
+    """out[g] = lhs[:, cols of group g] @ rhs[rows of group g, :]; lhs [K, M], rhs [M, N]."""
+    lhs = jnp.asarray(lhs)
+    rhs = jnp.asarray(rhs)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    count = sizes.shape[0] - group_offset if num_actual_groups is None else num_actual_groups
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    rows = jnp.arange(rhs.shape[0])
+    outs = []
+    for local in range(count):
+        g = local + group_offset
+        in_group = (rows >= starts[g]) & (rows < ends[g])
+        masked = jnp.where(in_group[:, None], rhs, jnp.zeros_like(rhs))
+        outs.append(jax.lax.dot_general(lhs, masked, (((1,), (0,)), ((), ())),
+                                        preferred_element_type=jnp.float32, precision=HIGHEST))
+    return jnp.stack(outs).astype(preferred_element_type)

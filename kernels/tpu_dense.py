@@ -1,0 +1,188 @@
+"""TPU (Mosaic) Pallas kernels for the dense quantized matmuls: W8A8, W8A16 and NF4.
+
+Grid (M tiles, N tiles, K tiles), K innermost and "arbitrary" so the float32 or
+int32 accumulator stays in VMEM scratch across it; the rescale runs once, on the
+last K step. Operands are padded with zeros to whole tiles by the callers in
+dense.py (zero codes and zero activations add nothing to any sum).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from qconvert.kernels.tiles import Tiling, nf4_level
+
+NT_DIMS = (((1,), (1,)), ((), ()))  # contract the last axis of both: x [m, k] . w [n, k]
+HIGHEST = jax.lax.Precision.HIGHEST
+# Bytes of packed NF4 codes decoded at a time: two lane-widths, eight 64-blocks.
+NF4_CHUNK_BYTES = 256
+
+
+def _compiler_params():
+    return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+
+
+def _interpret(interpret: bool):
+    return pltpu.InterpretParams() if interpret else False
+
+
+def _grid_specs(tiling: Tiling, mp: int, np_: int, kp: int):
+    tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
+    grid = (mp // tm, np_ // tn, kp // tk)
+    out_spec = pl.BlockSpec((tm, tn), lambda i, j, k: (i, j))
+    row_vec = pl.BlockSpec((tm, 1), lambda i, j, k: (i, 0))
+    col_vec = pl.BlockSpec((1, tn), lambda i, j, k: (0, j))
+    return grid, out_spec, row_vec, col_vec
+
+
+def _int8_kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, acc_ref, *, has_bias):
+    @pl.when(pl.program_id(2) == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    acc_ref[...] += jax.lax.dot_general(x_ref[...], w_ref[...], NT_DIMS, preferred_element_type=jnp.int32)
+
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+    def _rescale():
+        y = acc_ref[...].astype(jnp.float32) * xs_ref[...]
+        y = y * ws_ref[...]
+        if has_bias:
+            y = y + b_ref[...]
+        o_ref[...] = y.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
+def int8_matmul_tpu(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
+                    interpret: bool):
+    """Padded operands: x_q [Mp, Kp] i8, w_q [Np, Kp] i8, x_scale [Mp, 1], w_scale/bias [1, Np] f32."""
+    mp, kp = x_q.shape
+    np_ = w_q.shape[0]
+    grid, out_spec, row_vec, col_vec = _grid_specs(tiling, mp, np_, kp)
+    return pl.pallas_call(
+        functools.partial(_int8_kernel, has_bias=has_bias),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0, grid=grid,
+            in_specs=[pl.BlockSpec((tiling.tm, tiling.tk), lambda i, j, k: (i, k)),
+                      pl.BlockSpec((tiling.tn, tiling.tk), lambda i, j, k: (j, k)),
+                      row_vec, col_vec, col_vec],
+            out_specs=out_spec,
+            scratch_shapes=[pltpu.VMEM((tiling.tm, tiling.tn), jnp.int32)]),
+        compiler_params=_compiler_params(),
+        interpret=_interpret(interpret),
+    )(x_q, w_q, x_scale, w_scale, bias)
+
+
+def _w8a16_kernel(x_ref, w_ref, ws_ref, b_ref, o_ref, acc_ref, *, has_bias):
+    @pl.when(pl.program_id(2) == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    x = x_ref[...]
+    # int8 codes are exact in every float dtype, so the cast is the whole dequantize;
+    # the per-channel scale is applied once, after the sum.
+    acc_ref[...] += jax.lax.dot_general(x, w_ref[...].astype(x.dtype), NT_DIMS,
+                                        preferred_element_type=jnp.float32, precision=HIGHEST)
+
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+    def _rescale():
+        y = acc_ref[...] * ws_ref[...]
+        if has_bias:
+            y = y + b_ref[...]
+        o_ref[...] = y.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
+def int8_weight_matmul_tpu(x, w_q, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool, interpret: bool):
+    """Padded operands: x [Mp, Kp] float, w_q [Np, Kp] i8, w_scale/bias [1, Np] f32."""
+    mp, kp = x.shape
+    np_ = w_q.shape[0]
+    grid, out_spec, _, col_vec = _grid_specs(tiling, mp, np_, kp)
+    return pl.pallas_call(
+        functools.partial(_w8a16_kernel, has_bias=has_bias),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0, grid=grid,
+            in_specs=[pl.BlockSpec((tiling.tm, tiling.tk), lambda i, j, k: (i, k)),
+                      pl.BlockSpec((tiling.tn, tiling.tk), lambda i, j, k: (j, k)),
+                      col_vec, col_vec],
+            out_specs=out_spec,
+            scratch_shapes=[pltpu.VMEM((tiling.tm, tiling.tn), jnp.float32)]),
+        compiler_params=_compiler_params(),
+        interpret=_interpret(interpret),
+    )(x, w_q, w_scale, bias)
+
+
+def expand_block_scales(absmax_chunk: jax.Array, lane_block: jax.Array) -> jax.Array:
+    """[tn, blocks] absmax -> [tn, blocks * 32]: each byte column gets its 64-block's absmax.
+
+    A select per block over a lane-index map (a broadcast of one column each),
+    which the TPU lowers without any relayout or gather.
+    """
+    scale = jnp.broadcast_to(absmax_chunk[:, 0:1], lane_block.shape)
+    for b in range(1, absmax_chunk.shape[1]):
+        scale = jnp.where(lane_block == b, absmax_chunk[:, b:b + 1], scale)
+    return scale
+
+
+def _nf4_kernel(xe_ref, xo_ref, w_ref, a_ref, b_ref, o_ref, acc_ref, *, chunk: int, has_bias):
+    @pl.when(pl.program_id(2) == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    tn, tile_bytes = w_ref.shape
+    compute_dtype = xe_ref.dtype
+    # A shift, not //: floor division lowers through sign(), whose TPU lowering
+    # needs the chip at hand; the shift is cheaper and lowers anywhere.
+    lane_block = jax.lax.broadcasted_iota(jnp.int32, (tn, chunk), 1) >> 5
+    acc = acc_ref[...]
+    # Decode a chunk at a time so the float weight planes in VMEM stay small.
+    for c in range(tile_bytes // chunk):
+        cols = slice(c * chunk, (c + 1) * chunk)
+        packed = w_ref[:, cols].astype(jnp.int32)
+        scale = expand_block_scales(a_ref[:, c * chunk // 32:(c + 1) * chunk // 32], lane_block)
+        w_high = (nf4_level(packed >> 4) * scale).astype(compute_dtype)
+        w_low = (nf4_level(packed & 0xF) * scale).astype(compute_dtype)
+        acc += jax.lax.dot_general(xe_ref[:, cols], w_high, NT_DIMS,
+                                   preferred_element_type=jnp.float32, precision=HIGHEST)
+        acc += jax.lax.dot_general(xo_ref[:, cols], w_low, NT_DIMS,
+                                   preferred_element_type=jnp.float32, precision=HIGHEST)
+    acc_ref[...] = acc
+
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+    def _store():
+        y = acc_ref[...]
+        if has_bias:
+            y = y + b_ref[...]
+        o_ref[...] = y.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
+def nf4_matmul_tpu(x_even, x_odd, w_bytes, absmax, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
+                   interpret: bool):
+    """Padded operands: x_even/x_odd [Mp, Kp/2], w_bytes [Np, Kp/2] u8, absmax [Np, Kp/64], bias [1, Np]."""
+    mp = x_even.shape[0]
+    np_, kp_half = w_bytes.shape
+    tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
+    grid, out_spec, _, col_vec = _grid_specs(tiling, mp, np_, 2 * kp_half)
+    chunk = min(NF4_CHUNK_BYTES, tk // 2)
+    return pl.pallas_call(
+        functools.partial(_nf4_kernel, chunk=chunk, has_bias=has_bias),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0, grid=grid,
+            in_specs=[pl.BlockSpec((tm, tk // 2), lambda i, j, k: (i, k)),
+                      pl.BlockSpec((tm, tk // 2), lambda i, j, k: (i, k)),
+                      pl.BlockSpec((tn, tk // 2), lambda i, j, k: (j, k)),
+                      pl.BlockSpec((tn, tk // 64), lambda i, j, k: (j, k)),
+                      col_vec],
+            out_specs=out_spec,
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)]),
+        compiler_params=_compiler_params(),
+        interpret=_interpret(interpret),
+    )(x_even, x_odd, w_bytes, absmax, bias)
