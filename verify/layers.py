@@ -10,11 +10,14 @@ s when s was folded into the linear's columns. s is read back from the folder
 as reference_norm_weight / converted_norm_weight per smoothing group, which is
 exactly the factor the deployed norm applies (stored dtype rounding included),
 so the comparison is against the float layer BEFORE smoothing on the original
-activations. Linears outside any group get s = 1.
+activations. Linear -> linear groups (v -> o, up -> down) are read back from the
+source linear's rows; the source's own output is multiplied back by s before
+it is compared. Linears outside any group get s = 1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,9 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert.errors import InvalidCheckpointError
+from qconvert.formats import QArray
 from qconvert.models import iterate_layers
 from qconvert.models.hooks import dense_linear
 from qconvert.models.registry import Architecture
+from qconvert.smooth import channel_map
 from qconvert.verify.metrics import tensor_metrics
 from qconvert.verify.kernel_path import QuantizedLinear
 from qconvert.verify.results import LayerResult
@@ -32,14 +37,39 @@ from qconvert.verify.thresholds import Thresholds, check
 
 
 
-def smooth_scales(arch: Architecture, config: Mapping[str, Any], reference: Mapping,
-                  converted: Mapping) -> dict[str, np.ndarray]:
-    """Per quantized linear fed by a smoothing group: s (float64 [in]) = ref norm weight / converted norm weight.
+@dataclasses.dataclass(frozen=True)
+class SmoothingFactors:
+    """Where the converted model differs from the reference by smoothing, per quantized linear.
 
-    Unsmoothed groups give s == 1 exactly; a channel whose norm weight is 0 in
-    either folder gets s = 1 (its activation is 0 either way).
+    input[m] (float64 [in]): the converted linear m expects x / input[m].
+    output[m] (float64 [out]): the converted linear m's output is y / output[m]
+    (m is the source of a linear -> linear group, its rows divided by s).
     """
-    scales: dict[str, np.ndarray] = {}
+
+    input: dict[str, np.ndarray]
+    output: dict[str, np.ndarray]
+
+
+def _dequantized(value) -> np.ndarray:
+    return np.asarray(value.dequantize(jnp.float32) if isinstance(value, QArray) else value, np.float64)
+
+
+def smoothing_factors(arch: Architecture, config: Mapping[str, Any], reference: Mapping,
+                      converted: Mapping, smoothed_sources: Sequence[str] = ()) -> SmoothingFactors:
+    """Read the smoothing scales back from the two folders.
+
+    Norm -> linears groups: s = reference norm weight / converted norm weight,
+    exact (both are float tensors; unsmoothed norms give s == 1). Linear ->
+    linear groups named in `smoothed_sources` (qconvert.json's smoothing
+    groups): the source linear's rows were divided by s, so s per row is the
+    least-squares ratio of the reference row (with its own input smoothing
+    applied) to the dequantized converted row; rounding noise averages out over
+    the row, leaving ~0.1% for int8 rows. A source whose scale were corrupted
+    would be absorbed here and surface in its consumer's check and the
+    whole-model check instead.
+    """
+    inputs: dict[str, np.ndarray] = {}
+    outputs: dict[str, np.ndarray] = {}
     for group in arch.smoothing_groups(dict(config)):
         name = f"{group.norm}.weight"
         if name not in reference or name not in converted:
@@ -53,8 +83,21 @@ def smooth_scales(arch: Architecture, config: Mapping[str, Any], reference: Mapp
         if np.all(s == 1.0):
             continue
         for linear in group.linears:
-            scales[linear] = s
-    return scales
+            inputs[linear] = s
+    wanted = set(smoothed_sources)
+    for group in arch.linear_smoothing_groups(dict(config)):
+        if group.norm not in wanted:
+            continue
+        ref = np.asarray(reference[f"{group.norm}.weight"], np.float64)
+        ref = ref * inputs.get(group.norm, np.ones(ref.shape[1]))[None, :]
+        conv = _dequantized(converted[f"{group.norm}.weight"])
+        dot = np.sum(ref * conv, axis=1)
+        s = np.where(dot > 0, np.sum(ref * ref, axis=1) / np.where(dot > 0, dot, 1.0), 1.0)
+        outputs[group.norm] = s
+        for linear in group.linears:
+            in_features = int(np.shape(reference[f"{linear}.weight"])[1])
+            inputs[linear] = s[channel_map(group, in_features)]
+    return SmoothingFactors(inputs, outputs)
 
 
 def _capture(name: str, x, valid):
@@ -82,23 +125,30 @@ def float_linear_output(x: np.ndarray, weight, bias) -> np.ndarray:
 
 def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, attention_mask,
                   modules: Sequence[str], quantized_linear: QuantizedLinear,
-                  thresholds: Thresholds, *, scales: Mapping[str, np.ndarray] | None = None,
-                  batch_size: int | None = None) -> list[LayerResult]:
+                  thresholds: Thresholds, *, smoothing: SmoothingFactors | None = None,
+                  batch_size: int | None = None, jit: bool = False
+                  ) -> tuple[list[LayerResult], jnp.ndarray]:
     """Compare every module in `modules` (quantized linears) on real activations; one LayerResult each.
 
     `reference` and `converted` map tensor names to arrays (the converted map
     holds QArrays under "<module>.weight"); `quantized_linear` runs the deployment
-    kernel of the scheme.
+    kernel of the scheme. Returns the results and the float model's last hidden
+    state (the whole-model check reuses it instead of running the float model again).
     """
     wanted = set(modules)
-    scales = scales or {}
+    smoothing = smoothing or SmoothingFactors({}, {})
     results: list[LayerResult] = []
+    final_hidden = None
 
     def observe(name, x, valid):
         return _capture(name, x, valid) if name in wanted else None
 
+    # Eager layers: the float ops are cheap, and each kernel compiles once per
+    # shape and is reused by the whole-model pass (same token count), where
+    # per-layer jit would compile every kernel again inside every layer.
     for layer in iterate_layers(model, reference, input_ids, attention_mask, observe=observe,
-                                batch_size=batch_size):
+                                batch_size=batch_size, jit=jit):
+        final_hidden = layer.hidden
         inputs = captured_inputs(layer.observed, wanted)
         for name in sorted(inputs):
             x = inputs[name]
@@ -107,10 +157,13 @@ def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, atte
             conv_bias = converted[bias_name] if bias_name in converted else None
             y_float = float_linear_output(x, np.asarray(reference[f"{name}.weight"]),
                                           None if ref_bias is None else np.asarray(ref_bias))
-            x_q = x / scales[name].astype(np.float32) if name in scales else x
+            x_q = x / smoothing.input[name].astype(np.float32) if name in smoothing.input else x
             y_quant, choice = quantized_linear(name, jnp.asarray(x_q), converted[f"{name}.weight"],
                                                None if conv_bias is None else jnp.asarray(conv_bias))
-            metrics = tensor_metrics(y_float, np.asarray(y_quant))
+            y_quant = np.asarray(y_quant, np.float64)
+            if name in smoothing.output:
+                y_quant = y_quant * smoothing.output[name][None, :]
+            metrics = tensor_metrics(y_float, y_quant)
             checks = (check("sqnr_db", name, metrics.sqnr_db, thresholds.min_layer_sqnr_db, "min"),
                       check("cosine", name, metrics.cosine, thresholds.min_layer_cosine, "min"))
             results.append(LayerResult(name, choice, metrics, int(x.shape[0]), checks))
@@ -121,4 +174,4 @@ def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, atte
         raise InvalidCheckpointError(
             f"no activations reached quantized linear {sorted(missing)[0]} in the reference forward pass; "
             "the folder and the reference disagree on the architecture")
-    return results
+    return results, final_hidden

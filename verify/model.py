@@ -78,17 +78,18 @@ def compare_encoder(float_hidden, quant_hidden, mask, thresholds: Thresholds) ->
 def verify_model(model, reference: Mapping, converted: Mapping, input_ids, attention_mask,
                  quantized_linear: QuantizedLinear, thresholds: Thresholds, *,
                  causal_lm: bool, batch_size: int | None = None,
-                 float_output=None) -> ModelResult:
+                 float_output=None, jit: bool = False) -> ModelResult:
     """Run the float and the kernel-backed model on the same tokens and compare their outputs.
 
     `float_output` may hand in the float model's output when the caller already
-    has it (the per-layer pass computes the same forward).
+    has it (the per-layer pass computes the same forward). Layers run eagerly
+    by default so the kernels compiled by the per-layer pass are reused.
     """
     mask = np.ones(np.shape(input_ids), np.int32) if attention_mask is None else np.asarray(attention_mask)
     if float_output is None:
-        float_output = forward_layerwise(model, reference, input_ids, mask, batch_size=batch_size)
+        float_output = forward_layerwise(model, reference, input_ids, mask, batch_size=batch_size, jit=jit)
     quant_output = forward_layerwise(model, converted, input_ids, mask, batch_size=batch_size,
-                                     linear=kernel_linear_hook(quantized_linear))
+                                     linear=kernel_linear_hook(quantized_linear), jit=jit)
     float_output, quant_output = np.asarray(float_output), np.asarray(quant_output)
     if causal_lm:
         return compare_causal_lm(float_output, quant_output, np.asarray(input_ids), mask, thresholds)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from qconvert.calib_data import BUILTIN, RANDOM, load_calibration
@@ -17,12 +18,12 @@ from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.safetensors_io import open_checkpoint
 from qconvert.hub import resolve_model
-from qconvert.models import build
+from qconvert.models import build, read_tensors
 from qconvert.models.registry import architecture_for
 from qconvert.verify.integrity import (IntegrityResult, check_config, check_files, read_config,
                                        read_record)
 from qconvert.verify.kernel_path import make_quantized_linear
-from qconvert.verify.layers import smooth_scales, verify_layers
+from qconvert.verify.layers import smoothing_factors, verify_layers
 from qconvert.verify.model import verify_model
 from qconvert.verify.params import CheckpointParams, QuantizedParams, check_tensors
 from qconvert.verify.report import versions
@@ -119,13 +120,18 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
     ids = np.asarray(data.input_ids)
     mask = np.ones_like(ids)
     quantized_linear, choices = make_quantized_linear(quantized, record.scheme, options.backend)
-    scales = smooth_scales(arch, config, reference, converted)
-    layer_results = verify_layers(model, reference, converted, ids, mask, quantized.quantized_modules,
-                                  quantized_linear, thresholds, scales=scales,
+    smoothing_record = record.raw.get("smoothing") or {}
+    smoothed_sources = sorted((smoothing_record.get("groups") or {}).keys())
+    smoothing = smoothing_factors(arch, config, reference, converted, smoothed_sources)
+    layer_results, float_hidden = verify_layers(model, reference, converted, ids, mask, quantized.quantized_modules,
+                                  quantized_linear, thresholds, smoothing=smoothing,
                                   batch_size=options.batch_size)
     causal_lm = any(str(a).endswith("ForCausalLM") for a in config.get("architectures", []))
+    float_output = model.head(read_tensors(reference, model.head_tensor_names()), float_hidden,
+                              jnp.asarray(mask))
     model_result = verify_model(model, reference, converted, ids, mask, quantized_linear, thresholds,
-                                causal_lm=causal_lm, batch_size=options.batch_size)
+                                causal_lm=causal_lm, batch_size=options.batch_size,
+                                float_output=float_output)
     extra: list[Check] = []
     if options.strict:
         # --strict: a layer that ran through the reference instead of a Pallas kernel fails.
