@@ -24,7 +24,7 @@ from safetensors.numpy import save_file
 from qconvert.errors import InvalidCheckpointError, UsageError
 from qconvert.formats.errors import FormatError
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint
-from qconvert.models import iterate_layers
+from qconvert.models import iterate_layers, read_tensors
 
 STATS_FORMAT = "qconvert-act-stats"
 STATS_VERSION = "1"
@@ -105,15 +105,51 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
     n = int(np.asarray(input_ids).shape[0])
     batches = math.ceil(n / max(1, batch_size))
     observe = _observer(keep_inputs, max(1, math.ceil(sample_rows / batches)))
+    hidden = None
     for result in iterate_layers(model, params, input_ids, attention_mask, observe=observe,
                                  batch_size=batch_size):
-        absmax, samples = {}, {}
-        for name, per_batch in result.observed.items():
-            absmax[name] = np.max(np.stack([np.asarray(o["absmax"]) for o in per_batch]), axis=0)
-            if name in keep_inputs:
-                rows = np.concatenate([np.asarray(o["rows"])[np.asarray(o["valid"])] for o in per_batch])
-                samples[name] = rows[:sample_rows]
-        yield LayerStats(result.index, absmax, samples)
+        hidden = result.hidden
+        yield _layer_stats(result.index, result.observed, keep_inputs, sample_rows)
+    if hidden is not None:
+        observed = _head_observed(model, params, hidden, attention_mask, observe, batch_size)
+        if observed:
+            yield _layer_stats(model.num_layers, observed, keep_inputs, sample_rows)
+
+
+def _layer_stats(index: int, observed: dict[str, list], keep_inputs: frozenset[str],
+                 sample_rows: int) -> LayerStats:
+    absmax, samples = {}, {}
+    for name, per_batch in observed.items():
+        absmax[name] = np.max(np.stack([np.asarray(o["absmax"]) for o in per_batch]), axis=0)
+        if name in keep_inputs:
+            rows = np.concatenate([np.asarray(o["rows"])[np.asarray(o["valid"])] for o in per_batch])
+            samples[name] = rows[:sample_rows]
+    return LayerStats(index, absmax, samples)
+
+
+def _head_observed(model, params: Mapping, hidden: jax.Array, attention_mask, observe,
+                   batch_size: int) -> dict[str, list]:
+    """Observe the inputs of the head's linears (lm_head, for --include lm_head) without computing logits."""
+    head_params = read_tensors(params, model.head_tensor_names())
+
+    def run(head_params, hidden, mask):
+        sink = {}
+
+        def observe_only(name, x, weight, bias):
+            sink[name] = observe(name, x, mask > 0)
+            return jnp.zeros(x.shape[:-1] + (weight.shape[0],), jnp.float32)
+
+        model.head(head_params, hidden, mask, observe_only)
+        return sink
+
+    step = jax.jit(run)
+    n, t = hidden.shape[:2]
+    mask = jnp.ones((n, t), jnp.int32) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
+    observed: dict[str, list] = {}
+    for s in range(0, n, max(1, batch_size)):
+        for name, value in step(head_params, hidden[s:s + batch_size], mask[s:s + batch_size]).items():
+            observed.setdefault(name, []).append(value)
+    return observed
 
 
 def collect_act_stats(model, params: Mapping, input_ids: np.ndarray, attention_mask=None, *,
@@ -172,3 +208,22 @@ def check_stats_cover(stats: ActStats, in_features: Mapping[str, int], where: st
         if absmax.shape != (n,):
             raise UsageError(f"{where}: statistics of {module} have {absmax.shape[0]} channels, the "
                              f"model's input has {n}; run `qconvert calibrate` on this model")
+
+
+def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples: int = 128,
+                    seqlen: int = 512, revision: str | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
+                    message=None) -> dict[str, Any]:
+    """`qconvert calibrate`: statistics of MODEL (folder or Hub id) on `calib`, saved to `out`; a summary."""
+    from qconvert.calib_data import BUILTIN, load_calibration
+    from qconvert.hub import resolve_model
+    from qconvert.models import build
+
+    resolved = resolve_model(model, revision)
+    data = load_calibration(calib or BUILTIN, resolved.folder, resolved.config, samples=samples, seqlen=seqlen)
+    if message is not None:
+        message(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
+    stats = collect_act_stats(build(resolved.config), open_params(resolved.folder), data.input_ids,
+                              batch_size=batch_size, calibration=data.record())
+    save_act_stats(out, stats, model=resolved.model_id)
+    return {"out": str(out), "model": resolved.model_id, "linears": len(stats.act_absmax),
+            "calibration": data.record()}

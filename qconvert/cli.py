@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from qconvert import __version__
-from qconvert.errors import INTERRUPTED_EXIT_CODE, QConvertError
+from qconvert.errors import INTERRUPTED_EXIT_CODE, QConvertError, UsageError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -25,6 +25,33 @@ def fail(message: str, exit_code: int) -> None:
     """Print one line on stderr and exit."""
     click.echo(f"qconvert: error: {message}", err=True)
     sys.exit(exit_code)
+
+
+def _w8a8_options(command):
+    """The calibration and smoothing flags of `quantize` (and, in part, `calibrate`)."""
+    for option in reversed([
+        click.option("--calib", default=None, metavar="SOURCE",
+                     help="Calibration text: builtin (the default: a small English corpus shipped with "
+                          "qconvert, works offline), FILE.txt, FILE.jsonl (a \"text\" field), "
+                          "hf://datasets/OWNER/NAME[@REV]/FILE, or random (random token ids)."),
+        click.option("--calib-samples", type=int, default=None,
+                     help="Calibration windows (default 128; fewer when the text runs out)."),
+        click.option("--calib-seqlen", type=int, default=None,
+                     help="Tokens per window (default 512, capped at the model's positions)."),
+        click.option("--alpha", default=None, metavar="ALPHA",
+                     help="SmoothQuant migration strength: a number in [0, 1], 'auto' (grid search per "
+                          "group), or per group, e.g. '0.8,post_attention_layernorm=0.6'. "
+                          "Default: the family's (0.85 Llama/Mistral/Qwen2/Mixtral, 0.5 BERT)."),
+        click.option("--no-smooth", is_flag=True, default=False,
+                     help="Plain W8A8 without smoothing (a baseline)."),
+        click.option("--act", type=click.Choice(["dynamic", "static"]), default="dynamic",
+                     show_default=True,
+                     help="w8a8 activations: per-token scales at run time, or per-tensor from calibration."),
+        click.option("--act-stats", type=click.Path(path_type=Path), default=None,
+                     help="Reuse activation statistics from `qconvert calibrate` instead of calibrating."),
+    ]):
+        command = option(command)
+    return command
 
 
 @cli.command()
@@ -44,19 +71,76 @@ def fail(message: str, exit_code: int) -> None:
 @click.option("--dry-run", is_flag=True, help="List what would be quantized and the expected size; write nothing.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
+@_w8a8_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
              exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, overwrite: bool,
-             dry_run: bool, quiet: bool, as_json: bool) -> int:
+             dry_run: bool, quiet: bool, as_json: bool, **w8a8_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
     from qconvert.convert import ConvertOptions, convert
     from qconvert.plan import parse_size
 
     options = ConvertOptions(scheme=scheme, revision=revision, include=include, exclude=exclude,
                              max_shard_size=parse_size(max_shard_size), double_quant=double_quant,
-                             overwrite=overwrite, dry_run=dry_run)
-    result = _run_with_progress(lambda progress: convert(model, out, options, progress=progress),
-                                show=not (quiet or as_json or dry_run))
+                             overwrite=overwrite, dry_run=dry_run, act=w8a8_flags["act"])
+    run = lambda progress: convert(model, out, options, progress=progress)  # noqa: E731
+    if scheme == "w8a8":
+        run = _w8a8_run(model, out, options, w8a8_flags, quiet or as_json)
+    elif w8a8_flags["act"] != "dynamic" or any(
+            w8a8_flags[k] not in (None, False)
+            for k in ("calib", "calib_samples", "calib_seqlen", "alpha", "no_smooth", "act_stats")):
+        raise UsageError("--calib, --alpha, --no-smooth, --act and --act-stats apply to --scheme w8a8 only")
+    result = _run_with_progress(run, show=not (quiet or as_json or dry_run))
     _print_result(result, quiet, as_json)
+    return 0
+
+
+def _w8a8_options_from(flags: dict) -> "W8A8Options":
+    from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
+    from qconvert.w8a8 import W8A8Options
+
+    return W8A8Options(calib=flags["calib"], calib_samples=flags["calib_samples"] or DEFAULT_SAMPLES,
+                       calib_seqlen=flags["calib_seqlen"] or DEFAULT_SEQLEN, alpha=flags["alpha"],
+                       smooth=not flags["no_smooth"], act=flags["act"], act_stats=flags["act_stats"])
+
+
+def _w8a8_run(model: str, out: Path, options, flags: dict, quiet: bool):
+    """The conversion run for --scheme w8a8: calibration and smoothing first, messages on stderr."""
+    from qconvert.w8a8 import quantize_w8a8
+
+    w8a8 = _w8a8_options_from(flags)
+    message = None if quiet else (lambda text: click.echo(f"qconvert: {text}", err=True))
+    return lambda progress: quantize_w8a8(model, out, options, w8a8, progress=progress, message=message)
+
+
+@cli.command()
+@click.argument("model")
+@click.option("-o", "--out", "out", required=True, type=click.Path(path_type=Path),
+              help="The statistics file to write (safetensors).")
+@click.option("--revision", default=None, help="Hub branch, tag or commit (Hub ids only).")
+@click.option("--calib", default=None, metavar="SOURCE",
+              help="builtin (default, offline), FILE.txt, FILE.jsonl, hf://datasets/OWNER/NAME/FILE, or random.")
+@click.option("--calib-samples", type=int, default=None, help="Calibration windows (default 128).")
+@click.option("--calib-seqlen", type=int, default=None, help="Tokens per window (default 512).")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
+def calibrate(model: str, out: Path, revision: str | None, calib: str | None, calib_samples: int | None,
+              calib_seqlen: int | None, as_json: bool) -> int:
+    """Run calibration text through MODEL and save every linear input's max|x| to OUT.
+
+    `qconvert quantize MODEL --scheme w8a8 --act-stats OUT` reuses the file.
+    """
+    import json
+
+    from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
+    from qconvert.calibrate import calibrate_model
+
+    summary = calibrate_model(model, out, calib=calib, samples=calib_samples or DEFAULT_SAMPLES,
+                              seqlen=calib_seqlen or DEFAULT_SEQLEN, revision=revision,
+                              message=None if as_json else (lambda t: click.echo(f"qconvert: {t}", err=True)))
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        click.echo(f"wrote {out}: {summary['linears']} linears, {summary['calibration']['tokens']} tokens "
+                   f"({summary['calibration']['description']})")
     return 0
 
 
@@ -110,6 +194,63 @@ def inspect_command(out: Path, as_json: bool) -> int:
     else:
         print_inspect_report(report, Console())
     return 1 if report.hashes_ok is False else 0
+
+
+@cli.command(name="verify")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--reference", default=None, metavar="MODEL",
+              help="Float model to compare against (folder or Hub id); default: the source in qconvert.json.")
+@click.option("--revision", default=None, help="Hub branch, tag or commit of --reference.")
+@click.option("--calib", default="auto", show_default=True, metavar="SOURCE",
+              help="Evaluation text: builtin | random | FILE.txt | FILE.jsonl | hf://datasets/...; "
+                   "auto = builtin, or random ids when the reference has no tokenizer.")
+@click.option("--samples", type=click.IntRange(min=1), default=None, help="Evaluation sequences (default 8; 2 with --quick).")
+@click.option("--seqlen", type=click.IntRange(min=2), default=None, help="Tokens per sequence (default 64; 32 with --quick).")
+@click.option("--quick", is_flag=True, help="A small evaluation sample: a fast smoke check.")
+@click.option("--backend", type=click.Choice(["auto", "tpu", "gpu", "cpu"]), default="auto", show_default=True,
+              help="Kernel backend; cpu runs the TPU kernels in interpret mode.")
+@click.option("--json", "json_path", default=None, metavar="FILE",
+              help="Write the full record as JSON to FILE ('-' for stdout; the table then goes to stderr).")
+@click.option("--strict", is_flag=True, help="Also fail when a layer fell back from the Pallas kernel to the reference.")
+@click.option("--min-sqnr", type=float, default=None, metavar="DB", help="Per-layer SQNR floor (dB).")
+@click.option("--min-cosine", type=float, default=None, help="Per-layer cosine similarity floor.")
+@click.option("--max-kl", type=float, default=None, help="Whole-model mean next-token KL ceiling (nats).")
+@click.option("--min-top1", type=float, default=None, help="Whole-model top-1 agreement floor (0..1).")
+@click.option("--max-ppl-ratio", type=float, default=None, help="Quantized/float perplexity ceiling.")
+@click.option("--min-pooled-cosine", type=float, default=None, help="Encoders: pooled-output cosine floor.")
+def verify_command(out: Path, reference: str | None, revision: str | None, calib: str, samples: int | None,
+                   seqlen: int | None, quick: bool, backend: str, json_path: str | None, strict: bool,
+                   min_sqnr: float | None, min_cosine: float | None, max_kl: float | None,
+                   min_top1: float | None, max_ppl_ratio: float | None,
+                   min_pooled_cosine: float | None) -> int:
+    """Prove a converted folder: hashes, then every quantized linear and the whole model through the kernels.
+
+    Exits 0 when every check passes, 1 when any fails (integrity included),
+    2 on usage or input errors.
+    """
+    from rich.console import Console
+
+    from qconvert.formats.errors import FormatError
+    from qconvert.verify.report import render, to_json
+    from qconvert.verify.run import VerifyOptions, verify_folder
+
+    thresholds = {"min_layer_sqnr_db": min_sqnr, "min_layer_cosine": min_cosine, "max_mean_kl": max_kl,
+                  "min_top1_agreement": min_top1, "max_perplexity_ratio": max_ppl_ratio,
+                  "min_pooled_cosine": min_pooled_cosine}
+    options = VerifyOptions(reference=reference, revision=revision, calib=calib, samples=samples, seqlen=seqlen,
+                            quick=quick, backend=backend, strict=strict, thresholds=thresholds)
+    try:
+        report = verify_folder(out, options)
+    except (QConvertError, FormatError) as err:
+        # Bad input, not a failed check: exit 2 whatever the error's own code.
+        fail(str(err), 2)
+    console = Console(stderr=json_path == "-")
+    render(report, console)
+    if json_path == "-":
+        click.echo(to_json(report))
+    elif json_path:
+        Path(json_path).write_text(to_json(report) + "\n", encoding="utf-8")
+    return 0 if report.passed else 1
 
 
 def main(argv: list[str] | None = None) -> None:

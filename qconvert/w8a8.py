@@ -80,6 +80,18 @@ def smoothing_groups(arch: Architecture, config: dict[str, Any]) -> list[Smoothi
     return list(arch.smoothing_groups(config)) + list(arch.linear_smoothing_groups(config))
 
 
+def group_act_absmax(act_absmax: Mapping[str, np.ndarray], group: SmoothingGroup) -> np.ndarray:
+    """max|x| per channel of a group's input: element-wise max over its linears' statistics.
+
+    The linears see the same input, except experts, which each see only the
+    tokens routed to them; the max over all of them covers every token.
+    """
+    present = [act_absmax[m] for m in group.linears if m in act_absmax]
+    if not present:
+        raise UsageError(f"no activation statistics for {group.linears[0]}; calibrate this model again")
+    return np.max(np.stack(present), axis=0)
+
+
 def _calibrate(folder: Path, config: dict[str, Any], params: Mapping, groups: list[SmoothingGroup],
                spec: AlphaSpec, options: W8A8Options, progress: Callable[[str], None]) -> tuple[ActStats, dict[str, GroupScales], dict]:
     """Run calibration; with --alpha auto, search each group's alpha once its layer is done."""
@@ -99,9 +111,10 @@ def _calibrate(folder: Path, config: dict[str, Any], params: Mapping, groups: li
             pending.remove(group)
             weights = read_group_weights(params, group)
             chosen[group.norm], errors[group.norm] = search_alpha(
-                group, act_absmax[group.linears[0]], weights, layer.input_samples[group.linears[0]],
+                group, group_act_absmax(act_absmax, group), weights, layer.input_samples[group.linears[0]],
                 static=options.act == "static")
-        progress(f"layer {layer.index + 1}/{model.num_layers} calibrated")
+        if layer.index < model.num_layers:  # the last LayerStats holds the head's inputs
+            progress(f"layer {layer.index + 1}/{model.num_layers} calibrated")
     return ActStats(act_absmax, data.tokens, data.record()), chosen, errors
 
 
@@ -138,7 +151,7 @@ def plan_w8a8(folder: Path, config: dict[str, Any], options: W8A8Options,
             scales.append(searched[group.norm])
             continue
         alpha = spec.alpha_for(group.norm, arch.default_alpha)
-        scales.append(group_scales(group, stats.act_absmax[group.linears[0]],
+        scales.append(group_scales(group, group_act_absmax(stats.act_absmax, group),
                                    read_group_weights(params, group), alpha))
     input_scales = None
     if options.act == "static":
@@ -167,3 +180,31 @@ def _smoothing_record(scales: list[GroupScales], spec: AlphaSpec, arch: Architec
         record["alpha_search"] = {source: {f"{a:.2f}": float(f"{e:.4g}") for a, e in tried.items()}
                                   for source, tried in errors.items()}
     return record
+
+
+def quantize_w8a8(model: str, out: Path, options, w8a8: W8A8Options, *, progress=None,
+                  message: Callable[[str], None] | None = None):
+    """`qconvert quantize --scheme w8a8`: calibrate and smooth, then convert with the plan's hooks.
+
+    A dry run skips calibration unless static scales are asked for (the plan
+    needs one per linear).
+    """
+    from qconvert.convert import convert
+    from qconvert.hub import resolve_model
+    from qconvert.output import check_output_free
+
+    if options.scheme != "w8a8":
+        raise UsageError("calibration and smoothing flags apply to --scheme w8a8 only")
+    if options.act != w8a8.act:
+        raise UsageError(f"--act {w8a8.act} and the conversion's act {options.act} disagree")
+    check_options(w8a8)
+    if not options.dry_run:
+        check_output_free(Path(out), options.overwrite)  # before the calibration's time is spent
+    if options.dry_run and w8a8.act == "dynamic":
+        plan = W8A8Plan({}, None, None, None)
+    else:
+        resolved = resolve_model(model, options.revision)
+        plan = plan_w8a8(resolved.folder, resolved.config, w8a8, progress=message)
+    return convert(model, out, options, weight_transform=plan.weight_transform if plan.folds else None,
+                   input_scales=plan.input_scales, calibration_record=plan.calibration_record,
+                   smoothing_record=plan.smoothing_record, progress=progress)
