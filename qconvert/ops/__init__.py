@@ -15,6 +15,7 @@ from qconvert.ops.conv import conv_general_dilated
 from qconvert.ops.dispatch import PATHS, PathDecision, choose_path, record_paths
 from qconvert.ops.dot import dot, dot_general, linear
 from qconvert.ops.einsum import einsum
+from qconvert.ops.kernel_calls import use_kernels
 from qconvert.ops.layout import PackedLayoutError, reshape, slice_in_dim, transpose
 from qconvert.ops.ragged import ragged_dot, ragged_dot_general
 from qconvert.ops.ste import ste
@@ -36,4 +37,5 @@ __all__ = [
     "slice_in_dim",
     "ste",
     "transpose",
+    "use_kernels",
 ]

@@ -9,8 +9,11 @@ jit) and then follows the answer:
   int8_int32   both operands int8 QArrays whose scales factor out of the
                contraction: the same jax.lax op on the int8 payloads with int32
                accumulation, then the two scales applied to the output. Exact.
-  nf4_kernel   an NF4 weight times a float activation in plain matmul form: the
-               Pallas NF4 kernel, which dequantizes tile by tile.
+  int8_weight_kernel
+               a per-channel int8 weight times a float activation of the same
+               dtype, plain matmul: the Pallas W8A16 kernel.
+  nf4_kernel   an NF4 weight times a float activation of the same dtype, plain
+               matmul: the Pallas NF4 kernel, which decodes tile by tile.
   dequantize   everything else: dequantize the QArray operand(s) to their float
                dtype and run the jax.lax op; XLA fuses the dequantization.
 
@@ -28,12 +31,15 @@ from collections.abc import Iterator, Sequence
 import jax.numpy as jnp
 
 from qconvert.formats.qarray import QArray
+from qconvert.ops import kernel_calls
+from qconvert.ops.shapes import MatmulForm, operand_shape
 
 INT8_KERNEL = "int8_kernel"
 INT8_INT32 = "int8_int32"
+INT8_WEIGHT_KERNEL = "int8_weight_kernel"
 NF4_KERNEL = "nf4_kernel"
 DEQUANTIZE = "dequantize"
-PATHS = (INT8_KERNEL, INT8_INT32, NF4_KERNEL, DEQUANTIZE)
+PATHS = (INT8_KERNEL, INT8_INT32, INT8_WEIGHT_KERNEL, NF4_KERNEL, DEQUANTIZE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,17 +51,6 @@ class PathDecision:
     reason: str
     lhs: str
     rhs: str
-
-
-@dataclasses.dataclass(frozen=True)
-class MatmulForm:
-    """How an op maps onto a plain 2-D matmul x[M, K] @ w, if it does.
-
-    `rhs_layout` is "kn" when the rhs is [K, N] and "nk" when it is [N, K] (a
-    linear weight [out, in] contracted on its input axis).
-    """
-
-    rhs_layout: str
 
 
 _RECORDERS: contextvars.ContextVar[tuple[list[PathDecision], ...]] = contextvars.ContextVar(
@@ -83,13 +78,6 @@ def describe(x) -> str:
     if isinstance(x, QArray):
         return f"{x.kind} QArray{list(operand_shape(x))}"
     return f"{jnp.result_type(x)}{list(jnp.shape(x))}"
-
-
-def operand_shape(x) -> tuple[int, ...]:
-    """Logical shape; for int8 QArrays read from the payload so it stays right under vmap."""
-    if isinstance(x, QArray):
-        return tuple(x.qvalue.shape) if x.kind == "int8" else tuple(x.shape)
-    return tuple(jnp.shape(x))
 
 
 def _int8_blocker(x, contracting: Sequence[int], side: str) -> str | None:
@@ -148,18 +136,19 @@ def _decide(lhs, rhs, lhs_contracting, rhs_contracting, out_dtype, matmul_form, 
     )
     if blocker is None:
         if matmul_form is not None:
-            from qconvert.ops import kernel_calls
-
             kernel_blocker = kernel_calls.int8_kernel_blocker(lhs, rhs, matmul_form)
             if kernel_blocker is None:
                 return INT8_KERNEL, "int8 x int8, scales factor out, plain matmul"
             return INT8_INT32, f"int8 x int8, scales factor out; no kernel: {kernel_blocker}"
         return INT8_INT32, "int8 x int8, scales factor out of the contraction"
-    if matmul_form is not None and isinstance(rhs, QArray) and rhs.kind == "nf4" and not isinstance(lhs, QArray):
-        from qconvert.ops import kernel_calls
-
-        kernel_blocker = kernel_calls.nf4_kernel_blocker(lhs, rhs, matmul_form)
-        if kernel_blocker is None:
-            return NF4_KERNEL, "float x nf4 weight, plain matmul"
-        return DEQUANTIZE, f"nf4 weight, no kernel: {kernel_blocker}"
+    if matmul_form is not None and isinstance(rhs, QArray) and not isinstance(lhs, QArray):
+        if rhs.kind == "nf4":
+            kernel_blocker = kernel_calls.nf4_kernel_blocker(lhs, rhs, matmul_form)
+            if kernel_blocker is None:
+                return NF4_KERNEL, "float x nf4 weight, plain matmul"
+        else:
+            kernel_blocker = kernel_calls.int8_weight_kernel_blocker(lhs, rhs, matmul_form)
+            if kernel_blocker is None:
+                return INT8_WEIGHT_KERNEL, "float x per-channel int8 weight, plain matmul"
+        return DEQUANTIZE, f"{blocker}; no {rhs.kind} weight kernel: {kernel_blocker}"
     return DEQUANTIZE, blocker

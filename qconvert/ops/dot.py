@@ -13,6 +13,7 @@ from qconvert.ops.dispatch import (
     DEQUANTIZE,
     INT8_INT32,
     INT8_KERNEL,
+    INT8_WEIGHT_KERNEL,
     NF4_KERNEL,
     MatmulForm,
     choose_path,
@@ -60,6 +61,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         return kernel_calls.int8_matmul(lhs, rhs, matmul_form(lhs_shape, rhs_shape, dn), out.dtype)
     if decision.path == INT8_INT32:
         return int8_dot_general(lhs, rhs, dn, out.dtype)
+    if decision.path == INT8_WEIGHT_KERNEL:
+        return kernel_calls.int8_weight_matmul(lhs, rhs, out.dtype)
     if decision.path == NF4_KERNEL:
         return kernel_calls.nf4_matmul(lhs, rhs, out.dtype)
     assert decision.path == DEQUANTIZE

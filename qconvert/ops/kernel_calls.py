@@ -1,20 +1,41 @@
 """Handing plain matmuls on QArrays to the Pallas kernels of qconvert.kernels.
 
 A "plain matmul" is lhs [..., K] contracted on its last dim with a 2-D rhs,
-no batch dims; the leading lhs dims fold into M. The kernels compute in float32
-(int32 accumulation for int8) and apply the rescale in the order the integer
-path uses, so the two agree.
+no batch dims; the leading lhs dims fold into M. The kernels take the weight
+as [N, K] (nn.Linear layout) and rescale in the order the integer path uses,
+so the int8 kernel and the int8_int32 path agree bit for bit.
+
+By default kernels run where Pallas compiles natively (TPU, GPU). On CPU
+Pallas only interprets the TPU kernel, which is far slower than XLA's own int8
+dot, so there the XLA paths are chosen; `use_kernels("cpu")` forces the
+interpreted kernels (for tests), `use_kernels(None)` turns kernels off.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qconvert.formats.qarray import QArray
-from qconvert.ops.dispatch import MatmulForm, operand_shape
+from qconvert.ops.shapes import MatmulForm, operand_shape
+
+_KERNEL_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("qconvert_ops_kernels", default="auto")
+
+
+@contextlib.contextmanager
+def use_kernels(backend: str | None) -> Iterator[None]:
+    """Within the block, run plain matmuls on this kernel backend ('auto', 'tpu', 'gpu', 'cpu'), or none (None)."""
+    token = _KERNEL_BACKEND.set(backend)
+    try:
+        yield
+    finally:
+        _KERNEL_BACKEND.reset(token)
 
 
 def _kernels():
@@ -23,74 +44,120 @@ def _kernels():
     return kernels
 
 
-def int8_kernel_blocker(lhs: QArray, rhs: QArray, form: MatmulForm) -> str | None:
-    """Why the int8 kernel cannot take this matmul, or None when it can."""
-    if not hasattr(_kernels(), "int8_matmul"):
-        return "qconvert.kernels has no int8_matmul"
-    lhs_scale = lhs.scale.shape
-    if any(d != 1 for d in lhs_scale[-1:]):
-        return "lhs scale varies along K"
-    rhs_shared = 1 if form.rhs_layout == "nk" else 0
-    if rhs.scale.shape[rhs_shared] != 1:
-        return "rhs scale varies along K"
-    return None
-
-
-def nf4_kernel_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None:
-    """Why the NF4 kernel cannot take this matmul, or None when it can."""
-    if not hasattr(_kernels(), "nf4_matmul"):
-        return "qconvert.kernels has no nf4_matmul"
-    if form.rhs_layout != "nk":
-        return "the nf4 weight is contracted on its first axis; the kernel takes [N, K] contracted on K"
-    if not jnp.issubdtype(jnp.result_type(lhs), jnp.floating):
-        return f"lhs dtype {jnp.result_type(lhs)} is not floating"
-    return None
+def kernel_backend() -> tuple[str | None, str | None]:
+    """(backend to pass to the kernels, or None with the reason no kernel runs)."""
+    setting = _KERNEL_BACKEND.get()
+    if setting is None:
+        return None, "kernels are turned off (use_kernels(None))"
+    resolved = _kernels().resolve_backend(setting)
+    if setting == "auto" and resolved == "cpu":
+        return None, "on CPU Pallas only interprets; XLA's dot is the faster path here"
+    return resolved, None
 
 
 def _rows(x_shape) -> int:
     return math.prod(x_shape[:-1])
 
 
+def int8_kernel_blocker(lhs: QArray, rhs: QArray, form: MatmulForm) -> str | None:
+    """Why the W8A8 kernel cannot take this matmul, or None when it can (scales already factor out)."""
+    backend, reason = kernel_backend()
+    if backend is None:
+        return reason
+    if _rows(operand_shape(lhs)) == 0 or 0 in operand_shape(rhs):
+        return "an empty operand"
+    return None
+
+
+def int8_weight_kernel_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None:
+    """Why the W8A16 kernel cannot take float lhs x int8 weight, or None when it can."""
+    backend, reason = kernel_backend()
+    if backend is None:
+        return reason
+    if form.rhs_layout != "nk":
+        return "the int8 weight is contracted on its first axis; the kernel takes [N, K] contracted on K"
+    if rhs.zero_point is not None or rhs.scale.ndim != 2 or rhs.scale.shape[1] != 1:
+        return "the weight scale is not one per output channel"
+    if jnp.result_type(lhs) != jnp.dtype(rhs.dtype):
+        return f"activation dtype {jnp.result_type(lhs)} differs from the weight's {rhs.dtype}"
+    if _rows(operand_shape(lhs)) == 0 or 0 in operand_shape(rhs):
+        return "an empty operand"
+    return None
+
+
+def nf4_kernel_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None:
+    """Why the NF4 kernel cannot take float lhs x NF4 weight, or None when it can."""
+    backend, reason = kernel_backend()
+    if backend is None:
+        return reason
+    if form.rhs_layout != "nk":
+        return "the nf4 weight is contracted on its first axis; the kernel takes [N, K] contracted on K"
+    if jnp.result_type(lhs) != jnp.dtype(rhs.dtype):
+        return f"activation dtype {jnp.result_type(lhs)} differs from the weight's {rhs.dtype}"
+    if _rows(operand_shape(lhs)) == 0 or 0 in operand_shape(rhs):
+        return "an empty operand"
+    return None
+
+
 def int8_matmul(lhs: QArray, rhs: QArray, form: MatmulForm, out_dtype) -> jax.Array:
-    """lhs int8 [..., K] (scale [..., 1]) times rhs int8 [K, N] or [N, K] through the kernel."""
+    """lhs int8 [..., K] (scale [..., 1]) times rhs int8 [K, N] or [N, K] through the W8A8 kernel."""
     lhs_shape = operand_shape(lhs)
     m, k = _rows(lhs_shape), lhs_shape[-1]
     x_q = lhs.qvalue.reshape(m, k)
     x_scale = jnp.broadcast_to(jnp.asarray(lhs.scale, jnp.float32), lhs_shape[:-1] + (1,)).reshape(m)
     w_q = rhs.qvalue if form.rhs_layout == "nk" else rhs.qvalue.T
-    w_scale = jnp.asarray(rhs.scale, jnp.float32).reshape(-1)
-    w_scale = jnp.broadcast_to(w_scale, (w_q.shape[0],))
-    y = _kernels().int8_matmul(x_q, w_q, x_scale, w_scale, out_dtype=out_dtype)
+    w_scale = jnp.broadcast_to(jnp.asarray(rhs.scale, jnp.float32).reshape(-1), (w_q.shape[0],))
+    backend, _ = kernel_backend()
+    y = _kernels().int8_matmul(x_q, w_q, x_scale, w_scale, out_dtype=out_dtype, backend=backend)
     return y.reshape(lhs_shape[:-1] + (w_q.shape[0],))
 
 
-def nf4_matmul(lhs, rhs: QArray, out_dtype) -> jax.Array:
-    """Float lhs [..., K] times an NF4 weight [N, K] through the kernel.
+def _with_dequantized_grad(kernel_fn, lhs, rhs: QArray):
+    """kernel_fn(x, qvalue, scale) with d/dx given by x's cotangent g @ W (W dequantized).
 
-    Pallas kernels have no autodiff rule, so the gradient w.r.t. lhs is given
-    here: d lhs = g @ W with W the dequantized weight.
+    Pallas kernels have no autodiff rule; the weight payload gets no gradient.
     """
-    lhs_shape = tuple(jnp.shape(lhs))
-    n, k = rhs.shape
 
     @jax.custom_vjp
-    def matmul(x, packed, absmax):
-        return _forward(x, packed, absmax)
+    def matmul(x, qvalue, scale):
+        return kernel_fn(x, qvalue, scale)
 
-    def _forward(x, packed, absmax):
-        x2 = x.reshape(_rows(lhs_shape), k)
-        y = _kernels().nf4_matmul(x2, packed, absmax, shape=(n, k), blocksize=rhs.block_size, out_dtype=out_dtype)
-        return y.reshape(lhs_shape[:-1] + (n,))
-
-    def fwd(x, packed, absmax):
-        return _forward(x, packed, absmax), (packed, absmax)
+    def fwd(x, qvalue, scale):
+        return kernel_fn(x, qvalue, scale), (qvalue, scale)
 
     def bwd(residuals, g):
-        packed, absmax = residuals
-        weight = QArray(packed, absmax, kind="nf4", block_size=rhs.block_size, shape=rhs.shape, dtype=rhs.dtype)
+        qvalue, scale = residuals
+        weight = QArray(qvalue, scale, kind=rhs.kind, block_size=rhs.block_size, shape=rhs.shape, dtype=rhs.dtype)
         dx = jnp.matmul(g.astype(jnp.float32), weight.dequantize(jnp.float32)).astype(jnp.result_type(lhs))
-        zero_packed = jnp.zeros(packed.shape, jax.dtypes.float0)
-        return dx, zero_packed, jnp.zeros_like(absmax)
+        return dx, np.zeros(qvalue.shape, jax.dtypes.float0), jnp.zeros_like(scale)
 
     matmul.defvjp(fwd, bwd)
     return matmul(lhs, rhs.qvalue, rhs.scale)
+
+
+def int8_weight_matmul(lhs, rhs: QArray, out_dtype) -> jax.Array:
+    """Float lhs [..., K] times an int8 weight [N, K] with per-channel scale through the W8A16 kernel."""
+    lhs_shape = tuple(jnp.shape(lhs))
+    n, k = operand_shape(rhs)
+    backend, _ = kernel_backend()
+
+    def run(x, qvalue, scale):
+        y = _kernels().int8_weight_matmul(x.reshape(_rows(lhs_shape), k), qvalue, scale.reshape(n),
+                                          out_dtype=out_dtype, backend=backend)
+        return y.reshape(lhs_shape[:-1] + (n,))
+
+    return _with_dequantized_grad(run, lhs, rhs)
+
+
+def nf4_matmul(lhs, rhs: QArray, out_dtype) -> jax.Array:
+    """Float lhs [..., K] times an NF4 weight [N, K] through the NF4 kernel."""
+    lhs_shape = tuple(jnp.shape(lhs))
+    n, k = rhs.shape
+    backend, _ = kernel_backend()
+
+    def run(x, qvalue, scale):
+        y = _kernels().nf4_matmul(x.reshape(_rows(lhs_shape), k), qvalue, scale, shape=(n, k),
+                                  blocksize=rhs.block_size, out_dtype=out_dtype, backend=backend)
+        return y.reshape(lhs_shape[:-1] + (n,))
+
+    return _with_dequantized_grad(run, lhs, rhs)
