@@ -211,3 +211,74 @@ def make_tokenizer(folder, vocab_size: int = 128) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}))
     return folder
+
+
+def make_mixtral_checkpoint(
+    folder,
+    *,
+    hidden: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 48,
+    experts: int = 4,
+    top_k: int = 2,
+    vocab: int = 128,
+    sliding_window: int | None = None,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> Path:
+    """Write a random MixtralForCausalLM checkpoint in the Hub layout
+    (block_sparse_moe.gate, block_sparse_moe.experts.<e>.w1/w2/w3); returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+
+    def w(*shape, std=0.05):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": w(vocab, hidden, std=0.5), "model.norm.weight": 1 + w(hidden),
+         "lm_head.weight": w(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        t[f"{p}.input_layernorm.weight"] = 1 + w(hidden, std=0.1)
+        t[f"{p}.post_attention_layernorm.weight"] = 1 + w(hidden, std=0.1)
+        t[f"{p}.self_attn.q_proj.weight"] = w(heads * head_dim, hidden)
+        t[f"{p}.self_attn.k_proj.weight"] = w(kv_heads * head_dim, hidden)
+        t[f"{p}.self_attn.v_proj.weight"] = w(kv_heads * head_dim, hidden)
+        t[f"{p}.self_attn.o_proj.weight"] = w(hidden, heads * head_dim)
+        # A spread-out router so that every expert gets tokens.
+        t[f"{p}.block_sparse_moe.gate.weight"] = w(experts, hidden, std=0.5)
+        for e in range(experts):
+            q = f"{p}.block_sparse_moe.experts.{e}"
+            t[f"{q}.w1.weight"] = w(intermediate, hidden)
+            t[f"{q}.w3.weight"] = w(intermediate, hidden)
+            t[f"{q}.w2.weight"] = w(hidden, intermediate)
+    t = {k: v.astype(_NP_DTYPES[dtype]) for k, v in t.items()}
+    _save_sharded(folder, t, 1)
+    config = {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_local_experts": experts,
+        "num_experts_per_tok": top_k,
+        "vocab_size": vocab,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": sliding_window,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "router_aux_loss_coef": 0.02,
+        "torch_dtype": dtype,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder

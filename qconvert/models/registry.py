@@ -132,7 +132,45 @@ BERT = Architecture(
     linear_smoothing_groups=_bert_linear_groups,
 )
 
-ARCHITECTURES: list[Architecture] = [LLAMA, BERT]
+def _mixtral_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    # post_attention_layernorm feeds the router and every expert's w1 and w3. The
+    # router (gate) is listed so its columns absorb s too and the float model stays
+    # unchanged; it is not a quantized linear (see MIXTRAL's pattern), so it stays float.
+    groups = []
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}"
+        experts = [f"{p}.block_sparse_moe.experts.{e}"
+                   for e in range(int(config["num_local_experts"]))]
+        groups.append(SmoothingGroup(f"{p}.input_layernorm",
+                                     tuple(f"{p}.self_attn.{x}_proj" for x in "qkv")))
+        groups.append(SmoothingGroup(
+            f"{p}.post_attention_layernorm",
+            tuple(f"{e}.{w}" for e in experts for w in ("w1", "w3")) + (f"{p}.block_sparse_moe.gate",)))
+    return groups
+
+
+def _mixtral_linear_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    # v -> o as in Llama; each expert's w3 (up) -> w2 (down), since w2's input is act(w1 x) * w3 x.
+    groups = [g for g in _llama_linear_groups(config) if g.norm.endswith("v_proj")]
+    for i in range(int(config["num_hidden_layers"])):
+        for e in range(int(config["num_local_experts"])):
+            q = f"model.layers.{i}.block_sparse_moe.experts.{e}"
+            groups.append(SmoothingGroup(f"{q}.w3", (f"{q}.w2",)))
+    return groups
+
+
+MIXTRAL = Architecture(
+    family="mixtral",
+    hf_architectures=("MixtralForCausalLM",),
+    # The router (block_sparse_moe.gate) is deliberately not matched: it stays float.
+    linear_pattern=re.compile(
+        r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|block_sparse_moe\.experts\.\d+\.w[123])$"),
+    smoothing_groups=_mixtral_groups,
+    default_alpha=0.85,
+    linear_smoothing_groups=_mixtral_linear_groups,
+)
+
+ARCHITECTURES: list[Architecture] = [LLAMA, BERT, MIXTRAL]
 
 
 def supported_architectures() -> list[str]:

@@ -1,0 +1,110 @@
+"""Mixtral in JAX: the Llama/Mistral decoder with a top-k routed mixture of SwiGLU experts.
+
+The experts run through the grouped hook (see hooks.py):
+
+    grouped_linear(names, x, weights, group_sizes) -> y
+
+called three times per layer, once for all experts' w1 (gate), w3 (up) and w2
+(down): `names` are the E module names "model.layers.{i}.block_sparse_moe.experts.{e}.w1"
+(.w3, .w2), x holds one row per (token, chosen expert) pair sorted by expert,
+`weights` the E checkpoint weights [out, in] (arrays or QArrays), group_sizes the
+rows per expert. Padding tokens are routed to no expert: their rows sit past
+sum(group_sizes) and come out zero, so they neither cost compute nor show up in
+calibration statistics. The default runs qconvert.kernels' grouped matmul once it
+exists, else jax.lax.ragged_dot.
+
+The router (`block_sparse_moe.gate`) is an ordinary linear: it goes through the
+`linear` hook but is not in the family's list of quantized linears, so it stays float.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from qconvert.models.hooks import GroupedLinearHook, LinearHook
+from qconvert.models.llama import ACTIVATIONS, LlamaArgs, LlamaModel
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtralArgs:
+    """The config.json fields of the mixture-of-experts feed-forward."""
+
+    num_local_experts: int
+    num_experts_per_tok: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "MixtralArgs":
+        return cls(int(config["num_local_experts"]), int(config["num_experts_per_tok"]))
+
+
+def route(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k experts per token and their weights: softmax over all experts, the k largest
+    kept and renormalized to sum to 1. Returns (expert ids int32 [N, k], weights float32 [N, k])."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    return experts.astype(jnp.int32), weights / jnp.sum(weights, axis=-1, keepdims=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtralModel(LlamaModel):
+    """MixtralForCausalLM: LlamaModel's attention, norms and head; a sparse MoE feed-forward."""
+
+    moe: MixtralArgs = MixtralArgs(1, 1)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "MixtralModel":
+        return cls(LlamaArgs.from_config(config), moe=MixtralArgs.from_config(config))
+
+    def _moe_prefix(self, i: int) -> str:
+        return f"{self._layer_prefix(i)}.block_sparse_moe"
+
+    def expert_linears(self, i: int, proj: str) -> list[str]:
+        """Module names of layer i's experts' `proj` ("w1", "w2" or "w3"), expert 0 first."""
+        return [f"{self._moe_prefix(i)}.experts.{e}.{proj}" for e in range(self.moe.num_local_experts)]
+
+    def layer_linears(self, i: int) -> list[str]:
+        """Module names of layer i's linears: attention, router, then every expert's w1, w3, w2."""
+        attention = [f"{self._layer_prefix(i)}.self_attn.{x}_proj" for x in "qkvo"]
+        experts = [m for proj in ("w1", "w3", "w2") for m in self.expert_linears(i, proj)]
+        return attention + [f"{self._moe_prefix(i)}.gate"] + experts
+
+    def _biased(self, proj: str) -> bool:
+        return proj in ("q_proj", "k_proj", "v_proj", "o_proj") and self.args.attention_bias
+
+    def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook,
+            grouped_linear: GroupedLinearHook) -> jax.Array:
+        """Sparse MoE: each token's top-k experts' SwiGLU outputs, weighted by the router."""
+        b, t, hidden = x.shape
+        k, n_experts = self.moe.num_experts_per_tok, self.moe.num_local_experts
+        tokens = x.reshape(b * t, hidden)
+        # The router sees x as [B, T, hidden] like every other linear, so observers can
+        # tell padding tokens by the attention mask.
+        router_logits = linear(f"{self._moe_prefix(i)}.gate", x,
+                               params[f"{self._moe_prefix(i)}.gate.weight"], None)
+        experts, weights = route(router_logits.reshape(b * t, n_experts), k)
+
+        # One row per (token, expert) pair, sorted by expert; padding pairs get the
+        # out-of-range id n_experts so they sort last, outside every group.
+        real = (jnp.ones((b * t,), bool) if attention_mask is None
+                else (jnp.asarray(attention_mask) > 0).reshape(b * t))
+        pair_expert = jnp.where(real[:, None], experts, n_experts).reshape(-1)
+        pair_token = jnp.repeat(jnp.arange(b * t), k)
+        order = jnp.argsort(pair_expert, stable=True)
+        group_sizes = jnp.sum(pair_expert[None, :] == jnp.arange(n_experts)[:, None], axis=1).astype(jnp.int32)
+        rows = tokens[pair_token[order]]
+
+        def experts_linear(proj: str, inputs: jax.Array) -> jax.Array:
+            names = self.expert_linears(i, proj)
+            return grouped_linear(names, inputs, [params[f"{n}.weight"] for n in names], group_sizes)
+
+        act = ACTIVATIONS[self.args.hidden_act]
+        inner = act(experts_linear("w1", rows)) * experts_linear("w3", rows)
+        out = experts_linear("w2", inner)
+        pair_weight = jnp.where(pair_expert < n_experts, weights.reshape(-1), 0.0)[order]
+        out = jnp.where(pair_weight[:, None] != 0, out * pair_weight[:, None], 0.0)
+        combined = jnp.zeros((b * t, hidden), jnp.float32).at[pair_token[order]].add(out)
+        return combined.reshape(b, t, hidden)
