@@ -202,13 +202,13 @@ def _transformed(planned: PlannedTensor, array) -> np.ndarray:
 def quantized_tensors(planned: PlannedTensor, weight: np.ndarray, options: ConvertOptions,
                       input_scale: float | None) -> dict[str, np.ndarray]:
     """One linear's weight -> its output tensors in the scheme's layout (NaN/Inf refused)."""
-    if options.scheme == "nf4":
-        q = quantize_nf4(weight)
-    else:
-        q = quantize_int8(weight, scale_dtype=np.dtype(planned.source_dtype))
-    # NaN/Inf propagate into the row or block absmax, so the scales reveal them at no extra pass.
-    if not np.isfinite(np.asarray(q.scale, dtype=np.float32)).all():
-        raise InvalidWeightError(f"{planned.source} has NaN or Inf values; fix the checkpoint")
+    try:
+        if options.scheme == "nf4":
+            q = quantize_nf4(weight)
+        else:
+            q = quantize_int8(weight, scale_dtype=np.dtype(planned.source_dtype))
+    except InvalidWeightError:
+        raise InvalidWeightError(f"{planned.source} has NaN or Inf values; fix the checkpoint") from None
     return qarray_to_tensors(planned.module, q, options.scheme, input_scale=input_scale,
                              double_quant=options.double_quant)
 

@@ -150,8 +150,11 @@ def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: A
         else:
             spec = TensorSpec(name, dtype, shape)
             tensors.append(PlannedTensor(name, None, "float", shape, dtype.name, ckpt.nbytes(name), (spec,)))
+    # Loaders build an lm_head whether or not it is stored (tied), so it is named unless quantized.
     ignore = sorted(set(_linear_candidates(ckpt)) - set(modules) - {"lm_head"})
-    return ConversionPlan(tensors=tuple(tensors), ignore=("lm_head", *ignore), dropped=tuple(sorted(dropped)),
+    if "lm_head" not in modules:
+        ignore.insert(0, "lm_head")
+    return ConversionPlan(tensors=tuple(tensors), ignore=tuple(ignore), dropped=tuple(sorted(dropped)),
                           float_dtype=ckpt.dtype(f"{modules[0]}.weight").name if modules else "float32")
 
 

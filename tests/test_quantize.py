@@ -5,29 +5,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from qconvert.errors import InvalidWeightError
 from qconvert.formats.qarray import NF4_LEVELS
 from qconvert.quantize import quantize_int8, quantize_nf4
 
-# The 16 levels typed out again from FORMATS.md, so the test does not lean on the code's table.
-LEVELS = np.array([
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
-    0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-    0.7229568362236023, 1.0], dtype=np.float32)
+from quantize_reference import LEVELS, numpy_int8, numpy_nf4
 
 
-def numpy_int8(w: np.ndarray, scale_dtype):
-    w32 = w.astype(np.float32)
-    absmax = np.abs(w32).max(axis=1, keepdims=True)
-    # Clamped away from 0 by a floor that the scale dtype can hold (fp16 cannot hold 1e-8).
-    floor = max(1e-8, float(ml_dtypes.finfo(scale_dtype).smallest_subnormal))
-    scale = np.maximum(absmax / np.float32(127), np.float32(floor)).astype(scale_dtype)
-    q = np.clip(np.rint(w32 / scale.astype(np.float32)), -127, 127).astype(np.int8)
-    return q, scale
-
-
-def numpy_nf4(w: np.ndarray, block=64):
+def looped_nf4(w: np.ndarray, block=64):
+    """The NF4 rules element by element, walking up the levels."""
     flat = w.astype(np.float32).ravel()
     n = flat.size
     codes = np.empty(n, np.uint8)
@@ -88,9 +74,11 @@ def test_nf4_packed_bytes_and_absmax_equal_independent_rules(shape):
     rng = np.random.default_rng(sum(shape))
     w = rng.standard_normal(shape).astype(np.float32)
     q = quantize_nf4(w)
-    packed_ref, absmax_ref = numpy_nf4(w)
+    packed_ref, absmax_ref = looped_nf4(w)
     np.testing.assert_array_equal(np.asarray(q.qvalue), packed_ref)
     np.testing.assert_array_equal(np.asarray(q.scale), absmax_ref)
+    # The vectorized reference the convert tests use agrees with the looped one.
+    np.testing.assert_array_equal(numpy_nf4(w)[0], packed_ref)
     assert q.block_size == 64 and q.shape == shape and q.kind == "nf4"
 
 
@@ -122,3 +110,27 @@ def test_nf4_dequantized_within_half_the_widest_level_gap(out, inp, seed):
     err = np.abs(np.asarray(q.dequantize(np.float32)) - w)
     widest_gap = np.max(np.diff(LEVELS))
     assert np.all(err <= absmax * widest_gap / 2 * (1 + 1e-5))
+
+
+def test_large_matrices_match_numpy_division_exactly():
+    # Enough values that a reciprocal-multiply shortcut would flip some roundings.
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((1024, 384)).astype(np.float32)
+    q = quantize_int8(w)
+    q_ref, scale_ref = numpy_int8(w, np.float32)
+    np.testing.assert_array_equal(np.asarray(q.scale), scale_ref)
+    np.testing.assert_array_equal(np.asarray(q.qvalue), q_ref)
+    n = quantize_nf4(w)
+    packed_ref, absmax_ref = numpy_nf4(w)
+    np.testing.assert_array_equal(np.asarray(n.qvalue), packed_ref)
+    np.testing.assert_array_equal(np.asarray(n.scale), absmax_ref)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("quantize", [quantize_int8, quantize_nf4])
+def test_nan_or_inf_anywhere_is_refused(bad, quantize):
+    for index in (3, 128 * 64 - 1):
+        w = np.ones((128, 64), np.float32)
+        w.reshape(-1)[index] = bad
+        with pytest.raises(InvalidWeightError, match="NaN or Inf"):
+            quantize(w)
