@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -52,7 +53,8 @@ def test_mixtral_logits_match_transformers_with_sliding_window(tmp_path):
     expected = _reference_logits(folder, ids, mask)
     model = build(config)
     assert isinstance(model, MixtralModel)
-    _assert_close(model.forward(params, ids, mask), expected, mask)
+    # Whole forward under one jit (op-by-op dispatch of the routing is slow on CPU).
+    _assert_close(jax.jit(model.forward)(params, ids, mask), expected, mask)
     # The same through the layer-by-layer runner (jit-compiled layers).
     _assert_close(forward_layerwise(model, params, ids, mask, batch_size=1), expected, mask)
 
@@ -103,8 +105,8 @@ def test_router_stays_float_and_smoothing_group_keeps_the_model_unchanged(tmp_pa
 
     # Fold arbitrary positive scales into every smoothing group as SmoothQuant does:
     # the norm divides by s, every listed linear's columns multiply by s.
-    model = build(config)
-    before = np.asarray(model.forward(params, ids, mask))
+    forward = jax.jit(build(config).forward)
+    before = np.asarray(forward(params, ids, mask))
     rng = np.random.default_rng(0)
     smoothed = dict(params)
     for group in arch.smoothing_groups(config):
@@ -112,6 +114,6 @@ def test_router_stays_float_and_smoothing_group_keeps_the_model_unchanged(tmp_pa
         smoothed[f"{group.norm}.weight"] = smoothed[f"{group.norm}.weight"] / s
         for linear in group.linears:
             smoothed[f"{linear}.weight"] = smoothed[f"{linear}.weight"] * s[None, :]
-    after = np.asarray(model.forward(smoothed, ids, mask))
+    after = np.asarray(forward(smoothed, ids, mask))
     valid = mask.astype(bool)
     np.testing.assert_allclose(after[valid], before[valid], atol=1e-4 * np.abs(before).max())

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from qconvert import kernels
 from qconvert.formats import QArray
 
 LinearHook = Callable[[str, jax.Array, Any, Any], jax.Array]
@@ -51,7 +52,15 @@ def dense_linear(name: str, x: jax.Array, weight: Any, bias: Any = None) -> jax.
 
 
 def _grouped_matmul(x: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """x [M, in] times rhs [E, in, out] by groups of rows; the kernels' grouped matmul."""
+    """x [M, in] times rhs [E, in, out] by groups of rows.
+
+    Runs qconvert.kernels.grouped_matmul (which picks its backend) when the
+    kernels package provides it, else XLA's ragged_dot; both define rows past
+    the last group as zero.
+    """
+    kernel = getattr(kernels, "grouped_matmul", None)
+    if kernel is not None:
+        return kernel(x, rhs, group_sizes)
     return jax.lax.ragged_dot(x, rhs, group_sizes, precision=jax.lax.Precision.HIGHEST)
 
 
