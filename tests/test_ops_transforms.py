@@ -174,3 +174,33 @@ def test_shape_ops_on_plain_arrays_are_the_lax_ops():
     np.testing.assert_array_equal(ops.transpose(x, (1, 0, 2)), jax.lax.transpose(x, (1, 0, 2)))
     np.testing.assert_array_equal(ops.reshape(x, (6, 4)), x.reshape(6, 4))
     np.testing.assert_array_equal(ops.slice_in_dim(x, 1, 3, axis=2), x[:, :, 1:3])
+
+
+def test_stack_keeps_int8_and_nf4_packed():
+    rng = np.random.default_rng(11)
+    int8s = [int8_qarray(rng.standard_normal((4, 8)), shared_axes=(1,)) for _ in range(3)]
+    s = ops.stack(int8s, axis=1)
+    assert s.shape == (4, 3, 8) and s.qvalue.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(s.dequantize()), np.stack([int8_values(q) for q in int8s], axis=1))
+    nf4s = [nf4_qarray(rng.standard_normal((2, 64))) for _ in range(3)]
+    t = ops.stack(nf4s)
+    assert t.shape == (3, 2, 64) and t.qvalue.dtype == jnp.uint8
+    np.testing.assert_array_equal(np.asarray(t.dequantize()), np.stack([nf4_values(q) for q in nf4s]))
+    with pytest.raises(ops.PackedLayoutError):
+        ops.stack([nf4_qarray(rng.standard_normal((2, 20)))] * 2)  # 40 elements: blocks would straddle
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_grouped_linear_hook_multiplies_each_row_group_by_its_expert(kind):
+    rng = np.random.default_rng(12)
+    floats = [rng.standard_normal((5, 64)).astype(np.float32) for _ in range(3)]
+    weights = [int8_qarray(w, shared_axes=(1,)) if kind == "int8" else nf4_qarray(w) for w in floats]
+    values = [int8_values(w) if kind == "int8" else nf4_values(w) for w in weights]
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    sizes = np.array([3, 0, 4])  # the last row belongs to no expert
+    y = ops.grouped_linear(["e0", "e1", "e2"], x, weights, jnp.asarray(sizes))
+    group_of_row = np.repeat(np.arange(3), sizes)
+    expected = np.zeros((8, 5), np.float32)
+    for row, e in enumerate(group_of_row):
+        expected[row] = values[e] @ x[row]
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-4)

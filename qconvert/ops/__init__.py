@@ -16,8 +16,8 @@ from qconvert.ops.dispatch import PATHS, PathDecision, choose_path, record_paths
 from qconvert.ops.dot import dot, dot_general, linear
 from qconvert.ops.einsum import einsum
 from qconvert.ops.kernel_calls import use_kernels
-from qconvert.ops.layout import PackedLayoutError, reshape, slice_in_dim, transpose
-from qconvert.ops.ragged import ragged_dot, ragged_dot_general
+from qconvert.ops.layout import PackedLayoutError, reshape, slice_in_dim, stack, transpose
+from qconvert.ops.ragged import grouped_linear, ragged_dot, ragged_dot_general
 from qconvert.ops.ste import ste
 
 __all__ = [
@@ -29,12 +29,14 @@ __all__ = [
     "dot",
     "dot_general",
     "einsum",
+    "grouped_linear",
     "linear",
     "ragged_dot",
     "ragged_dot_general",
     "record_paths",
     "reshape",
     "slice_in_dim",
+    "stack",
     "ste",
     "transpose",
     "use_kernels",

@@ -150,3 +150,36 @@ def slice_in_dim(operand, start_index: int, limit_index: int, stride: int = 1, a
     qvalue = operand.qvalue[first // 2:(end + 1) // 2]
     scale = operand.scale[first // block:-(-end // block)]
     return _replace(operand, qvalue, scale, operand.zero_point, new_shape)
+
+
+def stack(operands: Sequence, axis: int = 0):
+    """jax.numpy.stack for QArrays of one kind, shape and dtype; the result stays packed.
+
+    int8: payloads and scales stack along `axis`. NF4 (axis 0 only): the flat
+    codes and absmax of each operand are concatenated, which is the packing of
+    the stacked tensor when every operand fills whole blocks. Plain arrays go
+    to jnp.stack.
+    """
+    if not any(isinstance(x, QArray) for x in operands):
+        return jnp.stack(operands, axis=axis)
+    first = operands[0]
+    same = all(isinstance(x, QArray) and (x.kind, x.shape, x.dtype, x.block_size) ==
+               (first.kind, first.shape, first.dtype, first.block_size) for x in operands)
+    if not same:
+        raise PackedLayoutError("stack takes QArrays of one kind, shape and dtype; dequantize the others first")
+    shape = operand_shape(first)
+    axis = axis % (len(shape) + 1)
+    new_shape = shape[:axis] + (len(operands),) + shape[axis:]
+    if first.kind == "int8":
+        zero_points = None
+        if first.zero_point is not None:
+            zero_points = jnp.stack([x.zero_point for x in operands], axis=axis)
+        return _replace(first, jnp.stack([x.qvalue for x in operands], axis=axis),
+                        jnp.stack([x.scale for x in operands], axis=axis), zero_points, new_shape)
+    if axis != 0 or first.size % first.block_size or first.size % 2:
+        raise PackedLayoutError(
+            f"stacking NF4 QArrays {shape} on axis {axis} would re-block their codes; stack on axis 0 "
+            f"tensors whose size is a multiple of {first.block_size}, or call .dequantize() first"
+        )
+    return _replace(first, jnp.concatenate([x.qvalue for x in operands]),
+                    jnp.concatenate([x.scale for x in operands]), None, new_shape)

@@ -106,3 +106,21 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
     )
     return ragged_dot_general(lhs, rhs, group_sizes, dims, precision=precision,
                               preferred_element_type=preferred_element_type, group_offset=group_offset)
+
+
+def grouped_linear(names, x: jax.Array, weights, group_sizes: jax.Array) -> jax.Array:
+    """A grouped linear hook for qconvert.models MoE forwards: rows of group e times weights[e]^T.
+
+    The E expert weights [out, in] (float or QArrays of one kind) are stacked
+    packed into [E, out, in] and multiplied through ragged_dot_general; rows
+    past sum(group_sizes) give zeros.
+    """
+    del names
+    from qconvert.ops.layout import stack
+
+    stacked = stack(list(weights))
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+    )
+    return ragged_dot_general(x, stacked, jnp.asarray(group_sizes, jnp.int32), dims,
+                              preferred_element_type=jnp.float32)
