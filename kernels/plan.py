@@ -142,6 +142,12 @@ def check_tiling(problem: KernelProblem, backend: str, tiling: Tiling) -> None:
         if nf4 and tk != NF4_BLOCK:
             raise KernelArgumentError(f"the GPU NF4 kernel steps K one 64-block at a time; use tk=64, got {tk}")
         return
+    if problem.op == "transposed_grouped_matmul":
+        # lhs [K, M] tiles are (tk, tm): M on lanes, K on sublanes.
+        if tm % 128 or tk % 8 or tn % 128:
+            raise KernelArgumentError(f"TPU transposed_grouped_matmul tiles need tm % 128, tk % 8 and tn % 128 "
+                                      f"to be 0, got {tiling}")
+        return
     row_align = 32 if problem.op == "int8_matmul" else 8
     if tm % row_align or tn % 128:
         raise KernelArgumentError(f"TPU tiles need tm % {row_align} == 0 and tn % 128 == 0, got {tiling}")

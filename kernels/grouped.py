@@ -1,0 +1,200 @@
+"""The grouped (MoE) matmuls: check, plan, build group metadata, pad, launch, slice.
+
+grouped_matmul(lhs, rhs, group_sizes) computes lhs[rows of group i] @ rhs[i] with
+rhs in float, int8 per output channel (rhs_scale), or NF4 (a QArray of logical
+shape (G, N, K), one nn.Linear weight per expert). transposed_grouped_matmul is
+the weight-gradient form. Rows are sorted by group, as an MoE router's sort gives.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from qconvert.errors import KernelArgumentError
+from qconvert.formats import QArray
+from qconvert.kernels import reference, tpu_grouped
+from qconvert.kernels.grouped_metadata import make_group_metadata
+from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, select_kernel
+from qconvert.kernels.tiles import round_up, split_even_odd_columns
+
+OP = "grouped_matmul"
+
+
+def _pad(a, shape):
+    return a if a.shape == shape else jnp.pad(a, [(0, t - s) for s, t in zip(a.shape, shape)])
+
+
+def _check_common(op: str, lhs, group_sizes, preferred_element_type):
+    if jnp.ndim(lhs) != 2 or not jnp.issubdtype(jnp.asarray(lhs).dtype, jnp.floating):
+        raise KernelArgumentError(f"{op}: lhs must be a rank-2 float array, got shape {jnp.shape(lhs)} "
+                                  f"dtype {jnp.asarray(lhs).dtype}")
+    sizes = jnp.asarray(group_sizes)
+    if sizes.ndim != 1 or sizes.dtype != jnp.int32:
+        raise KernelArgumentError(f"{op}: group_sizes must be int32 [num_groups], got shape {sizes.shape} "
+                                  f"dtype {sizes.dtype}")
+    if not jnp.issubdtype(jnp.dtype(preferred_element_type), jnp.floating):
+        raise KernelArgumentError(f"{op}: preferred_element_type must be a float dtype, "
+                                  f"got {jnp.dtype(preferred_element_type)}")
+
+
+def _resolve_tiling(tiling, m, k, n):
+    if callable(tiling):
+        tiling = tiling(m, k, n)
+        if tiling is None:
+            return None, "the tiling function returned None for this shape"
+    return (None if tiling is None else Tiling(*tiling)), None
+
+
+def _rhs_parts(lhs, rhs, rhs_scale, transpose_rhs):
+    """(rhs_kind, codes/float rhs, scale or absmax, G, K, N) from the accepted rhs forms."""
+    k = lhs.shape[1]
+    if isinstance(rhs, QArray):
+        if len(rhs.shape) != 3 or not transpose_rhs:
+            raise KernelArgumentError(f"{OP}: a QArray rhs must have logical shape (G, N, K) (one nn.Linear weight "
+                                      f"per expert) with transpose_rhs=True, got shape {rhs.shape} "
+                                      f"transpose_rhs={transpose_rhs}")
+        g, n, k_w = rhs.shape
+        if rhs.kind == "nf4":
+            return "nf4", jnp.asarray(rhs.qvalue), jnp.asarray(rhs.scale, jnp.float32), g, k_w, n, rhs.block_size
+        if rhs.zero_point is not None:
+            raise KernelArgumentError(f"{OP}: int8 rhs must be symmetric (no zero point)")
+        return "int8", jnp.asarray(rhs.qvalue), jnp.asarray(rhs.scale, jnp.float32).reshape(g, n), g, k_w, n, None
+    rhs = jnp.asarray(rhs)
+    if rhs.ndim != 3:
+        raise KernelArgumentError(f"{OP}: rhs must be rank 3 [G, K, N] ([G, N, K] with transpose_rhs), "
+                                  f"got shape {rhs.shape}")
+    g, a, b = rhs.shape
+    k_w, n = (b, a) if transpose_rhs else (a, b)
+    if rhs.dtype == jnp.int8:
+        if rhs_scale is None or jnp.size(rhs_scale) != g * n:
+            raise KernelArgumentError(f"{OP}: int8 rhs needs rhs_scale [G={g}, N={n}] (per output channel), "
+                                      f"got {None if rhs_scale is None else jnp.shape(rhs_scale)}")
+        return "int8", rhs, jnp.asarray(rhs_scale, jnp.float32).reshape(g, n), g, k_w, n, None
+    if not jnp.issubdtype(rhs.dtype, jnp.floating):
+        raise KernelArgumentError(f"{OP}: rhs must be float or int8 (or an NF4 QArray), got {rhs.dtype}")
+    return "float", rhs, None, g, k_w, n, None
+
+
+def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32, tiling=None,
+                   group_offset=None, transpose_rhs: bool = False, interpret: bool = False, rhs_scale=None,
+                   backend: str = "auto", return_plan: bool = False):
+    """out[rows of group g] = lhs[rows of g] @ rhs[g - group_offset] for an MoE layer.
+
+    lhs float [M, K], rows sorted by group; group_sizes int32 [num_groups]
+    (sum <= M); rhs one of: float [G, K, N] ([G, N, K] with transpose_rhs); int8
+    codes of the same layouts with rhs_scale [G, N]; or a QArray ("int8" or
+    "nf4") of logical shape (G, N, K) with transpose_rhs=True. G may be a shard of
+    the experts starting at group_offset. Rows of groups outside the shard, and
+    rows past sum(group_sizes), are 0. tiling: (tm, tk, tn), a function of
+    (m, k, n) returning one (or None to decline), or None to let the plan choose.
+    interpret=True runs the TPU kernel in interpret mode (backend "cpu").
+    """
+    _check_common(OP, lhs, group_sizes, preferred_element_type)
+    lhs = jnp.asarray(lhs)
+    rhs_kind, rhs_data, rhs_aux, g_local, k_w, n, blocksize = _rhs_parts(lhs, rhs, rhs_scale, transpose_rhs)
+    m, k = lhs.shape
+    if k_w != k:
+        raise KernelArgumentError(f"{OP}: lhs has K={k} but rhs has K={k_w}; check transpose_rhs")
+    num_groups = jnp.shape(group_sizes)[0]
+    offset = 0 if group_offset is None else int(group_offset)
+    if not 0 <= offset <= num_groups - g_local:
+        raise KernelArgumentError(f"{OP}: group_offset={offset} with {g_local} local groups does not fit in "
+                                  f"{num_groups} groups")
+    requested, declined = _resolve_tiling(tiling, m, k, n)
+    problem = KernelProblem(OP, m, k, n, dtype_name(lhs.dtype), dtype_name(preferred_element_type),
+                            blocksize or 64, num_groups, rhs_kind)
+    plan = select_kernel(problem, "cpu" if interpret else backend, requested)
+    if declined or plan.backend == "gpu":
+        reason = declined or "no GPU kernel for grouped_matmul; the Mosaic kernel is TPU-only"
+        plan = KernelPlan(OP, f"{OP}_reference", "reference", None, plan.guarantee, fallback_reason=reason)
+    if plan.is_reference:
+        y = _grouped_reference(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, g_local, k, n, blocksize,
+                               preferred_element_type, offset, transpose_rhs)
+        return (y, plan) if return_plan else y
+    t = plan.tiling
+    mp, kp, np_ = round_up(m, t.tm), round_up(k, t.tk), round_up(n, t.tn)
+    metadata, num_tiles = make_group_metadata(group_sizes=group_sizes, m=mp, tm=t.tm, start_group=offset,
+                                              num_nonzero_groups=g_local, visit_empty_groups=False)
+    lhs_p = _pad(lhs, (mp, kp))
+    if rhs_kind == "nf4":
+        lhs_ops = split_even_odd_columns(lhs_p)
+        rhs_ops = (_pad(rhs_data.reshape(g_local, n, k // 2), (g_local, np_, kp // 2)),
+                   _pad(rhs_aux.reshape(g_local, n, k // 64), (g_local, np_, kp // 64)))
+    else:
+        lhs_ops = (lhs_p,)
+        rhs_ops = (_pad(rhs_data, (g_local, np_, kp) if transpose_rhs else (g_local, kp, np_)),)
+        if rhs_kind == "int8":
+            rhs_ops += (_pad(rhs_aux.reshape(g_local, 1, n), (g_local, 1, np_)),)
+    y = tpu_grouped.grouped_matmul_tpu(
+        metadata, jnp.full((1,), offset, jnp.int32), num_tiles.reshape(1), lhs_ops, rhs_ops, tiling=t,
+        out_dtype=jnp.dtype(preferred_element_type), rhs_kind=rhs_kind, transpose_rhs=transpose_rhs,
+        interpret=plan.interpret)[:m, :n]
+    y = jnp.where(_local_rows(group_sizes, m, offset, g_local)[:, None], y, jnp.zeros_like(y))
+    return (y, plan) if return_plan else y
+
+
+def _local_rows(group_sizes, m: int, offset: int, g_local: int) -> jax.Array:
+    """Which of the m rows belong to the groups [offset, offset + g_local)."""
+    ends = jnp.cumsum(jnp.asarray(group_sizes, jnp.int32))
+    first = jnp.where(offset > 0, ends[offset - 1], 0) if offset > 0 else 0
+    rows = jnp.arange(m)
+    return (rows >= first) & (rows < ends[offset + g_local - 1])
+
+
+def _grouped_reference(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, g_local, k, n, blocksize, out_dtype, offset,
+                       transpose_rhs):
+    if rhs_kind == "nf4":
+        dense = reference.nf4_dequantize_reference(rhs_data, rhs_aux, (g_local * n, k), blocksize)
+        return reference.grouped_matmul_reference(lhs, dense.reshape(g_local, n, k).astype(lhs.dtype), group_sizes,
+                                                  preferred_element_type=out_dtype, group_offset=offset,
+                                                  transpose_rhs=True)
+    return reference.grouped_matmul_reference(lhs, rhs_data, group_sizes, preferred_element_type=out_dtype,
+                                              group_offset=offset, transpose_rhs=transpose_rhs,
+                                              rhs_scale=rhs_aux)
+
+
+def transposed_grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32, tiling=None,
+                              group_offset=None, num_actual_groups: int | None = None, interpret: bool = False,
+                              backend: str = "auto", return_plan: bool = False):
+    """out[g] = lhs[:, cols of group g] @ rhs[rows of group g, :] (the MoE weight gradient).
+
+    lhs float [K, M], rhs float [M, N], group_sizes int32 [num_groups]; returns
+    [num_actual_groups, K, N] for the groups from group_offset on (all by
+    default); empty groups give zeros. tiling is (tm, tk, tn) as in grouped_matmul.
+    """
+    op = "transposed_grouped_matmul"
+    _check_common(op, lhs, group_sizes, preferred_element_type)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    if rhs.ndim != 2 or not jnp.issubdtype(rhs.dtype, jnp.floating):
+        raise KernelArgumentError(f"{op}: rhs must be a rank-2 float array [M, N], got shape {rhs.shape} "
+                                  f"dtype {rhs.dtype}")
+    k, m = lhs.shape
+    if rhs.shape[0] != m:
+        raise KernelArgumentError(f"{op}: lhs is [K, M={m}] but rhs has {rhs.shape[0]} rows; they must match")
+    n = rhs.shape[1]
+    num_groups = jnp.shape(group_sizes)[0]
+    offset = 0 if group_offset is None else int(group_offset)
+    count = num_groups - offset if num_actual_groups is None else int(num_actual_groups)
+    if count <= 0 or offset < 0 or offset + count > num_groups:
+        raise KernelArgumentError(f"{op}: group_offset={offset}, num_actual_groups={count} do not fit in "
+                                  f"{num_groups} groups")
+    requested, declined = _resolve_tiling(tiling, m, k, n)
+    problem = KernelProblem(op, m, k, n, dtype_name(lhs.dtype), dtype_name(preferred_element_type),
+                            num_groups=num_groups)
+    plan = select_kernel(problem, "cpu" if interpret else backend, requested)
+    if declined:
+        plan = KernelPlan(op, f"{op}_reference", "reference", None, plan.guarantee, fallback_reason=declined)
+    if plan.is_reference:
+        y = reference.transposed_grouped_matmul_reference(lhs, rhs, group_sizes,
+                                                          preferred_element_type=preferred_element_type,
+                                                          group_offset=offset, num_actual_groups=count)
+        return (y, plan) if return_plan else y
+    t = plan.tiling
+    mp, kp, np_ = round_up(m, t.tm), round_up(k, t.tk), round_up(n, t.tn)
+    metadata, num_tiles = make_group_metadata(group_sizes=group_sizes, m=mp, tm=t.tm, start_group=offset,
+                                              num_nonzero_groups=count, visit_empty_groups=True)
+    y = tpu_grouped.transposed_grouped_matmul_tpu(
+        metadata, jnp.full((1,), offset, jnp.int32), num_tiles.reshape(1), _pad(lhs, (kp, mp)), _pad(rhs, (mp, np_)),
+        tiling=t, out_dtype=jnp.dtype(preferred_element_type), num_local=count, interpret=plan.interpret)
+    return (y[:, :k, :n], plan) if return_plan else y[:, :k, :n]

@@ -1,0 +1,185 @@
+"""TPU (Mosaic) Pallas kernels for the grouped (MoE) matmuls, forward and weight-gradient form.
+
+The group metadata (make_group_metadata) is scalar-prefetched into SMEM so the
+block index maps can pick, at each grid step, the row tile and the expert's
+weight block. Operands arrive padded to whole tiles from grouped.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from qconvert.kernels.tiles import Tiling, nf4_level
+from qconvert.kernels.tpu_dense import NF4_CHUNK_BYTES, expand_block_scales
+
+NN_DIMS = (((1,), (0,)), ((), ()))
+NT_DIMS = (((1,), (1,)), ((), ()))
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _interpret(interpret: bool):
+    return pltpu.InterpretParams() if interpret else False
+
+
+def _local_group(group_ids, step, group_offset, num_local):
+    return jnp.clip(group_ids[step] - group_offset[0], 0, num_local - 1)
+
+
+def _row_mask(shape, axis, tm, m_tile, start, end):
+    rows = m_tile * tm + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+    return (rows >= start) & (rows < end)
+
+
+def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *refs, rhs_kind, transpose_rhs,
+                tm):
+    if rhs_kind == "nf4":
+        xe_ref, xo_ref, w_ref, a_ref, o_ref, acc_ref = refs
+    elif rhs_kind == "int8":
+        x_ref, w_ref, s_ref, o_ref, acc_ref = refs
+    else:
+        x_ref, w_ref, o_ref, acc_ref = refs
+    step, k = pl.program_id(1), pl.program_id(2)
+    live = step < num_tiles[0]
+
+    @pl.when(k == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(live)
+    def _accumulate():
+        if rhs_kind == "nf4":
+            tn, tile_bytes = w_ref.shape
+            chunk = min(NF4_CHUNK_BYTES, tile_bytes)
+            lane_block = jax.lax.broadcasted_iota(jnp.int32, (tn, chunk), 1) >> 5
+            acc = acc_ref[...]
+            for c in range(tile_bytes // chunk):
+                cols = slice(c * chunk, (c + 1) * chunk)
+                packed = w_ref[:, cols].astype(jnp.int32)
+                scale = expand_block_scales(a_ref[:, c * chunk // 32:(c + 1) * chunk // 32], lane_block)
+                for x_ref_half, codes in ((xe_ref, packed >> 4), (xo_ref, packed & 0xF)):
+                    w = (nf4_level(codes) * scale).astype(x_ref_half.dtype)
+                    acc += jax.lax.dot_general(x_ref_half[:, cols], w, NT_DIMS,
+                                               preferred_element_type=jnp.float32, precision=HIGHEST)
+            acc_ref[...] = acc
+        else:
+            x = x_ref[...]
+            w = w_ref[...].astype(x.dtype)
+            acc_ref[...] += jax.lax.dot_general(x, w, NT_DIMS if transpose_rhs else NN_DIMS,
+                                                preferred_element_type=jnp.float32, precision=HIGHEST)
+
+    @pl.when(live & (k == pl.num_programs(2) - 1))
+    def _store():
+        g = group_ids[step]
+        mask = _row_mask(o_ref.shape, 0, tm, m_tile_ids[step], group_offsets[g], group_offsets[g + 1])
+        y = acc_ref[...]
+        if rhs_kind == "int8":
+            y = y * s_ref[...]
+        # Rows of other groups in a shared tile keep what their own visit wrote.
+        o_ref[...] = jnp.where(mask, y.astype(o_ref.dtype), o_ref[...])
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "rhs_kind", "transpose_rhs", "interpret"))
+def grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs_operands, rhs_operands, *, tiling: Tiling, out_dtype,
+                       rhs_kind: str, transpose_rhs: bool, interpret: bool):
+    """Padded operands. lhs_operands: (lhs [Mp, Kp],) or, for NF4, (lhs_even, lhs_odd) [Mp, Kp/2].
+    rhs_operands: float/int8 (rhs [G, Kp, Np] or [G, Np, Kp] transposed,) plus int8 scale [G, 1, Np];
+    NF4 (bytes [G, Np, Kp/2], absmax [G, Np, Kp/64])."""
+    tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
+    group_offsets, group_ids, m_tile_ids = metadata
+    mp = lhs_operands[0].shape[0]
+    num_local = rhs_operands[0].shape[0]
+    if rhs_kind == "nf4":
+        np_, kp = rhs_operands[0].shape[1], 2 * rhs_operands[0].shape[2]
+    elif transpose_rhs:
+        np_, kp = rhs_operands[0].shape[1:]
+    else:
+        kp, np_ = rhs_operands[0].shape[1:]
+    grid = (np_ // tn, group_ids.shape[0], kp // tk)
+
+    def lhs_map(n, i, k, go, gi, mt, goff, nt):
+        return mt[i], k
+
+    def rhs_map(n, i, k, go, gi, mt, goff, nt):
+        g = _local_group(gi, i, goff, num_local)
+        return (g, n, k) if (transpose_rhs or rhs_kind == "nf4") else (g, k, n)
+
+    def scale_map(n, i, k, go, gi, mt, goff, nt):
+        return _local_group(gi, i, goff, num_local), 0, n
+
+    if rhs_kind == "nf4":
+        in_specs = [pl.BlockSpec((tm, tk // 2), lhs_map)] * 2 + [
+            pl.BlockSpec((None, tn, tk // 2), rhs_map), pl.BlockSpec((None, tn, tk // 64), rhs_map)]
+    else:
+        block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+        in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(block, rhs_map)]
+        if rhs_kind == "int8":
+            in_specs.append(pl.BlockSpec((None, 1, tn), scale_map))
+    return pl.pallas_call(
+        functools.partial(_gmm_kernel, rhs_kind=rhs_kind, transpose_rhs=transpose_rhs, tm=tm),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5, grid=grid, in_specs=in_specs,
+            out_specs=pl.BlockSpec((tm, tn), lambda n, i, k, go, gi, mt, goff, nt: (mt[i], n)),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)]),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=_interpret(interpret),
+    )(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *lhs_operands, *rhs_operands)
+
+
+def _tgmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, lhs_ref, rhs_ref, o_ref, acc_ref,
+                 *, tm):
+    step = pl.program_id(2)
+    last_step = pl.num_programs(2) - 1
+    g = group_ids[step]
+    live = step < num_tiles[0]
+    first_of_group = (step == 0) | (group_ids[jnp.maximum(step - 1, 0)] != g)
+    last_of_group = (step == num_tiles[0] - 1) | (group_ids[jnp.minimum(step + 1, last_step)] != g)
+
+    @pl.when(live & first_of_group)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(live)
+    def _accumulate():
+        start, end = group_offsets[g], group_offsets[g + 1]
+        lhs = lhs_ref[...]
+        rhs = rhs_ref[...]
+        lhs = jnp.where(_row_mask(lhs.shape, 1, tm, m_tile_ids[step], start, end), lhs, jnp.zeros_like(lhs))
+        rhs = jnp.where(_row_mask(rhs.shape, 0, tm, m_tile_ids[step], start, end), rhs, jnp.zeros_like(rhs))
+        acc_ref[...] += jax.lax.dot_general(lhs, rhs, NN_DIMS, preferred_element_type=jnp.float32,
+                                            precision=HIGHEST)
+
+    @pl.when(live & last_of_group)
+    def _store():
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "num_local", "interpret"))
+def transposed_grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs, rhs, *, tiling: Tiling, out_dtype,
+                                  num_local: int, interpret: bool):
+    """Padded operands: lhs [Kp, Mp], rhs [Mp, Np]; out [num_local, Kp, Np]."""
+    tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
+    group_offsets, group_ids, m_tile_ids = metadata
+    kp, _ = lhs.shape
+    np_ = rhs.shape[1]
+
+    def out_map(kk, n, i, go, gi, mt, goff, nt):
+        return _local_group(gi, i, goff, num_local), kk, n
+
+    return pl.pallas_call(
+        functools.partial(_tgmm_kernel, tm=tm),
+        out_shape=jax.ShapeDtypeStruct((num_local, kp, np_), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5, grid=(kp // tk, np_ // tn, group_ids.shape[0]),
+            in_specs=[pl.BlockSpec((tk, tm), lambda kk, n, i, go, gi, mt, goff, nt: (kk, mt[i])),
+                      pl.BlockSpec((tm, tn), lambda kk, n, i, go, gi, mt, goff, nt: (mt[i], n))],
+            out_specs=pl.BlockSpec((None, tk, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)]),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=_interpret(interpret),
+    )(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, lhs, rhs)
