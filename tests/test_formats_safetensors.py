@@ -319,3 +319,18 @@ def test_folder_without_safetensors_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\0")
     with pytest.raises(FormatError, match="no .safetensors"):
         open_checkpoint(tmp_path)
+
+
+def test_unaligned_tensor_offsets_load_in_torch(tmp_path):
+    # Odd-sized uint8 tensors push later tensors off their natural alignment; torch loaders must cope.
+    import torch
+    from safetensors.torch import load_file as torch_load_file
+
+    tensors = {"packed": np.arange(3, dtype=np.uint8), "absmax": np.array([1.5, 2.5], np.float32),
+               "shape": np.array([7, 9], np.int64), "scale": np.ones(3, np.float16)}
+    write_shards(tmp_path, specs_of(tensors), tensors.items(), 1 << 20)
+    loaded = torch_load_file(str(tmp_path / "model.safetensors"))
+    assert loaded["absmax"].tolist() == [1.5, 2.5] and loaded["absmax"].dtype == torch.float32
+    assert loaded["shape"].tolist() == [7, 9] and loaded["packed"].tolist() == [0, 1, 2]
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("absmax")[1:].tolist() == [2.5]
