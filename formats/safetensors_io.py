@@ -233,7 +233,10 @@ class SafetensorsCheckpoint:
             except Exception as exc:  # the binding raises its own error types
                 raise FormatError(f"{path}: cannot open safetensors file ({exc})") from exc
             self._handles[path] = handle
-        return handle.get_tensor(name)
+        try:
+            return handle.get_tensor(name)
+        except Exception as exc:  # e.g. the file was cut short after it was opened
+            raise FormatError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
 
     def close(self) -> None:
         """Drop the memory maps."""
@@ -284,6 +287,8 @@ def _read_index(folder: Path, index_path: Path) -> dict[str, Path]:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
         raise FormatError(f"{index_path}: invalid index (no weight_map object)")
+    if not weight_map:
+        raise FormatError(f"{index_path}: invalid index (weight_map is empty)")
     tensor_files = {name: _index_file_path(folder, index_path, fname) for name, fname in weight_map.items()}
     for path in sorted(set(tensor_files.values())):
         if not path.is_file():
@@ -381,8 +386,8 @@ def write_shards(
     folder = Path(folder)
     specs = list(specs)
     names = [spec.name for spec in specs]
-    if len(set(names)) != len(names):
-        raise ValueError("duplicate tensor names in specs")
+    if len(set(names)) != len(names) or "__metadata__" in names:
+        raise ValueError("tensor names in specs must be unique and not '__metadata__'")
     shards = plan_shards(specs, max_shard_size)
     file_names = shard_file_names(len(shards))
     source = iter(tensors)

@@ -334,3 +334,19 @@ def test_unaligned_tensor_offsets_load_in_torch(tmp_path):
     assert loaded["shape"].tolist() == [7, 9] and loaded["packed"].tolist() == [0, 1, 2]
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         assert f.get_slice("absmax")[1:].tolist() == [2.5]
+
+
+def test_empty_index_is_refused(tmp_path):
+    write_one(tmp_path / "model.safetensors")
+    write_index(tmp_path, {})
+    with pytest.raises(FormatError, match="empty"):
+        open_checkpoint(tmp_path)
+
+
+def test_a_file_cut_short_after_opening_is_reported_on_read(tmp_path):
+    write_one(tmp_path / "model.safetensors", {"a": np.arange(1024, dtype=np.float32)})
+    checkpoint = open_checkpoint(tmp_path)
+    raw = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(raw[:-100])
+    with pytest.raises(FormatError, match="model.safetensors"):
+        checkpoint.get("a")
