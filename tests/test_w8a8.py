@@ -10,7 +10,7 @@ from checkpoints import make_llama_checkpoint
 from safetensors.numpy import load_file, save_file
 
 from qconvert.calib_data import load_calibration
-from qconvert.calibrate import open_params
+from qconvert.calibrate import calibrate_model, open_params
 from qconvert.convert import ConvertOptions
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.qarray import QArray
@@ -19,7 +19,6 @@ from qconvert.w8a8 import W8A8Options, plan_w8a8, quantize_w8a8
 
 OUTLIERS = (3, 17)
 OUTLIER_SCALE = 100.0
-CALIB = dict(calib="random", calib_samples=8, calib_seqlen=32)
 
 
 def int8_per_token(x):
@@ -68,7 +67,11 @@ def outlier_llama(tmp_path_factory):
     save_file(tensors, str(folder / "model.safetensors"))
     config = json.loads((folder / "config.json").read_text())
     ids = jnp.asarray(np.random.default_rng(7).integers(0, config["vocab_size"], (2, 32)))
-    return folder, config, ids
+    # Calibrate once (`qconvert calibrate`) and reuse the statistics (--act-stats) below:
+    # each calibration compiles every layer anew.
+    stats = folder / "stats.safetensors"
+    calibrate_model(str(folder), stats, calib="random", samples=8, seqlen=32)
+    return folder, config, ids, stats
 
 
 def relative_error(y, ref):
@@ -76,10 +79,10 @@ def relative_error(y, ref):
 
 
 def test_smoothing_cuts_w8a8_error_on_outlier_channels(outlier_llama, tmp_path):
-    folder, config, ids = outlier_llama
+    folder, config, ids, stats = outlier_llama
     model = build(config)
     reference = model.forward(open_params(folder), ids)
-    convert_w8a8(folder, tmp_path / "smooth", **CALIB)
+    convert_w8a8(folder, tmp_path / "smooth", act_stats=stats)
     convert_w8a8(folder, tmp_path / "plain", smooth=False)
     err_smooth = relative_error(model.forward(quantized_params(tmp_path / "smooth"), ids,
                                               linear=w8a8_linear), reference)
@@ -92,10 +95,10 @@ def test_smoothing_cuts_w8a8_error_on_outlier_channels(outlier_llama, tmp_path):
 
 
 def test_smoothing_alone_leaves_the_float_model_unchanged(outlier_llama):
-    folder, config, ids = outlier_llama
+    folder, config, ids, stats = outlier_llama
     model, params = build(config), open_params(folder)
     raw = {name: np.asarray(params[name]) for name in params}
-    plan = plan_w8a8(folder, config, W8A8Options(**CALIB))
+    plan = plan_w8a8(folder, config, W8A8Options(act_stats=stats))
     smoothed = {name: plan.weight_transform(name, array) for name, array in raw.items()}
     assert not np.allclose(smoothed["model.layers.0.input_layernorm.weight"],
                            raw["model.layers.0.input_layernorm.weight"])
@@ -120,12 +123,12 @@ def calibration_maxima(model, params, ids):
 
 
 def test_static_activations_write_input_scale(outlier_llama, tmp_path):
-    folder, config, _ = outlier_llama
+    folder, config, _, stats = outlier_llama
     model, params = build(config), open_params(folder)
     ids = load_calibration("random", folder, config, samples=8, seqlen=32).input_ids
     maxima = calibration_maxima(model, params, ids)
 
-    convert_w8a8(folder, tmp_path / "plain", act="static", smooth=False, **CALIB)
+    convert_w8a8(folder, tmp_path / "plain", act="static", smooth=False, act_stats=stats)
     plain = open_quantized(tmp_path / "plain")
     acts = json.loads((tmp_path / "plain" / "config.json").read_text())["quantization_config"]
     acts = acts["config_groups"]["group_0"]["input_activations"]
@@ -134,7 +137,7 @@ def test_static_activations_write_input_scale(outlier_llama, tmp_path):
     for module in plain.quantized_modules:
         assert plain.input_scale(module) == pytest.approx(maxima[module].max() / 127, rel=1e-5), module
 
-    convert_w8a8(folder, tmp_path / "smooth", act="static", **CALIB)
+    convert_w8a8(folder, tmp_path / "smooth", act="static", act_stats=stats)
     smooth = open_quantized(tmp_path / "smooth")
     for layer in range(2):
         for norm, linear in (("input_layernorm", "self_attn.q_proj"), ("post_attention_layernorm", "mlp.up_proj")):
@@ -147,8 +150,9 @@ def test_static_activations_write_input_scale(outlier_llama, tmp_path):
 
 
 def test_qconvert_json_records_alpha_per_group_and_calibration(outlier_llama, tmp_path):
-    folder, _, _ = outlier_llama
-    convert_w8a8(folder, tmp_path / "out", alpha="0.6,post_attention_layernorm=0.7,mlp.up_proj=0.4", **CALIB)
+    folder, _, _, stats = outlier_llama
+    convert_w8a8(folder, tmp_path / "out", alpha="0.6,post_attention_layernorm=0.7,mlp.up_proj=0.4",
+                 act_stats=stats)
     manifest = json.loads((tmp_path / "out" / "qconvert.json").read_text())
     calibration, smoothing = manifest["calibration"], manifest["smoothing"]
     assert calibration["source"] == "random" and calibration["random"] is True
@@ -161,11 +165,12 @@ def test_qconvert_json_records_alpha_per_group_and_calibration(outlier_llama, tm
         "model.layers.0.mlp.up_proj": 0.4, "model.layers.1.mlp.up_proj": 0.4,
     }
     assert smoothing["groups"]["model.layers.0.self_attn.v_proj"] == ["model.layers.0.self_attn.o_proj"]
+    assert calibration["stats_file"]["name"] == "stats.safetensors"
     assert manifest["flags"]["act"] == "dynamic"
 
 
 def test_no_smooth_dynamic_needs_no_calibration(outlier_llama, tmp_path):
-    folder, _, _ = outlier_llama
+    folder, _, _, stats = outlier_llama
     convert_w8a8(folder, tmp_path / "out", smooth=False)
     manifest = json.loads((tmp_path / "out" / "qconvert.json").read_text())
     assert manifest["calibration"] is None and manifest["smoothing"] is None
