@@ -10,6 +10,7 @@ from qconvert.kernels.activations import quantize_activations
 from qconvert.kernels.dense import int8_matmul, int8_weight_matmul, nf4_matmul
 from qconvert.kernels.grouped import grouped_matmul, transposed_grouped_matmul
 from qconvert.kernels.grouped_metadata import make_group_metadata
+from qconvert.kernels.qlinear import qlinear
 from qconvert.kernels.plan import (BACKENDS, GUARANTEES, KernelPlan, KernelProblem, resolve_backend,
                                    select_kernel)
 from qconvert.kernels.reference import (grouped_matmul_reference, int8_matmul_reference,
@@ -21,6 +22,6 @@ __all__ = [
     "BACKENDS", "GUARANTEES", "KernelPlan", "KernelProblem", "Tiling",
     "grouped_matmul", "grouped_matmul_reference", "int8_matmul", "int8_matmul_reference", "int8_weight_matmul",
     "int8_weight_matmul_reference", "make_group_metadata", "nf4_dequantize_reference", "nf4_matmul", "nf4_matmul_reference",
-    "quantize_activations", "resolve_backend", "select_kernel", "transposed_grouped_matmul",
+    "qlinear", "quantize_activations", "resolve_backend", "select_kernel", "transposed_grouped_matmul",
     "transposed_grouped_matmul_reference",
 ]

@@ -29,10 +29,11 @@ def _check_common(op: str, lhs, group_sizes, preferred_element_type):
     if jnp.ndim(lhs) != 2 or not jnp.issubdtype(jnp.asarray(lhs).dtype, jnp.floating):
         raise KernelArgumentError(f"{op}: lhs must be a rank-2 float array, got shape {jnp.shape(lhs)} "
                                   f"dtype {jnp.asarray(lhs).dtype}")
-    sizes = jnp.asarray(group_sizes)
-    if sizes.ndim != 1 or sizes.dtype != jnp.int32:
-        raise KernelArgumentError(f"{op}: group_sizes must be int32 [num_groups], got shape {sizes.shape} "
-                                  f"dtype {sizes.dtype}")
+    # Read the caller's dtype before any conversion (JAX would narrow int64 silently).
+    sizes_dtype = jnp.dtype(getattr(group_sizes, "dtype", jnp.asarray(group_sizes).dtype))
+    if jnp.ndim(group_sizes) != 1 or sizes_dtype != jnp.int32:
+        raise KernelArgumentError(f"{op}: group_sizes must be int32 [num_groups], got shape "
+                                  f"{jnp.shape(group_sizes)} dtype {sizes_dtype}")
     if not jnp.issubdtype(jnp.dtype(preferred_element_type), jnp.floating):
         raise KernelArgumentError(f"{op}: preferred_element_type must be a float dtype, "
                                   f"got {jnp.dtype(preferred_element_type)}")
