@@ -8,7 +8,15 @@ operands (shape, dtype, preferred_element_type rules), computed by one of two
 ways chosen in qconvert.ops.dispatch.choose_path: an exact integer path when
 both operands are int8 with scales that factor out of the contraction (Pallas
 kernels for plain matmuls), otherwise dequantize-then-compute (the NF4 kernel
-for a plain matmul with an NF4 weight). `record_paths()` shows the choices.
+for a plain matmul with an NF4 weight). `record_paths()` shows the choices;
+`use_kernels(backend)` sets where the Pallas kernels run (default: TPU/GPU
+only, since on CPU Pallas merely interprets).
+
+Transformations: QArray is a pytree, so ops work under jax.jit (paths are
+chosen while tracing), jax.grad (w.r.t. float operands; the kernel paths carry
+their own VJP) and jax.vmap. int8 QArrays may be vmapped along any axis (shapes
+are read from the payload); an NF4 QArray is packed flat, so it must stay
+unbatched (in_axes=None) while the float operand is mapped.
 """
 
 from qconvert.ops.conv import conv_general_dilated
