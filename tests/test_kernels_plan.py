@@ -98,7 +98,7 @@ def test_qlinear_routes_int8_and_nf4_qarrays():
     x_q = np.clip(np.round(rows / x_scale), -127, 127)
     expected = (x_q @ codes.T.astype(np.float64)) * x_scale * scale.T
     np.testing.assert_allclose(np.asarray(y).reshape(6, 128), expected, rtol=1e-5, atol=1e-5)
-    nf4 = QArray(np.full(64 * 64, 0xF7, np.uint8), np.full(64, 2.0, np.float32), kind="nf4", block_size=64,
+    nf4 = QArray(np.full(64 * 64, 0xF7, np.uint8), np.full(128, 2.0, np.float32), kind="nf4", block_size=64,
                  shape=(64, 128), dtype="float32")
     y = qlinear(np.ones((1, 128), np.float32), nf4, backend="reference")
     # every even column decodes to level 15 (1.0) and every odd to level 7 (0.0), times absmax 2
