@@ -88,14 +88,13 @@ def _bert_prefix(config: dict[str, Any]) -> str:
 
 
 def _bert_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
-    # Post-LN: attention.output.LayerNorm feeds intermediate.dense. (The LayerNorm
-    # that feeds q/k/v also feeds the residual, so it cannot absorb scales.)
-    p = _bert_prefix(config)
-    return [
-        SmoothingGroup(f"{p}encoder.layer.{i}.attention.output.LayerNorm",
-                       (f"{p}encoder.layer.{i}.intermediate.dense",))
-        for i in range(int(config["num_hidden_layers"]))
-    ]
+    # Post-LN: every LayerNorm's output also feeds a residual (attention.output.LayerNorm's
+    # output h comes back in output.LayerNorm(FFN(h) + h); the previous layer's
+    # output.LayerNorm feeds q/k/v and attention.output.LayerNorm's residual), so
+    # no LayerNorm can absorb 1/s without changing the model. BERT smooths only
+    # value -> attention.output.dense (see _bert_linear_groups).
+    del config
+    return []
 
 
 def _bert_linear_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
