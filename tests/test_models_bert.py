@@ -65,7 +65,8 @@ def test_minilm_hidden_states_and_mean_pooled_embeddings_match_transformers():
     params = _params(folder)
     got = np.asarray(forward_layerwise(model, params, batch.input_ids, batch.attention_mask))
     valid = batch.attention_mask.astype(bool)
-    np.testing.assert_allclose(got[valid], expected[valid], atol=1e-4, rtol=0)
+    # Hidden states reach |h| ~ 6; the measured max abs diff is ~3e-6.
+    np.testing.assert_allclose(got[valid], expected[valid], atol=2e-5, rtol=0)
 
     # sentence-transformers' mean pooling, written out in numpy on the reference.
     m = batch.attention_mask[..., None].astype(np.float32)

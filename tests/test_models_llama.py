@@ -87,6 +87,17 @@ def test_llama_gqa_logits_match_transformers(tmp_path):
     _assert_logits_match(folder, json.loads((folder / "config.json").read_text()))
 
 
+def test_left_padded_batch_matches_transformers_on_real_tokens(tmp_path):
+    folder = make_llama_checkpoint(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    ids, mask = _batch(config["vocab_size"])
+    mask = mask[:, ::-1].copy()  # padding on the left: positions still count from 0, as transformers
+    expected = _reference_logits(folder, ids, mask)
+    got = np.asarray(build(config).forward(LazyCheckpoint(folder), ids, mask))
+    valid = mask.astype(bool)
+    assert np.abs(got[valid] - expected[valid]).max() <= RTOL * np.abs(expected[valid]).max()
+
+
 def test_llama3_rope_scaling_matches_transformers(tmp_path):
     folder = make_llama_checkpoint(tmp_path, hidden=64, heads=2, kv_heads=1)
     # head_dim 32 with original context 16 puts frequencies in all three llama3 bands.
