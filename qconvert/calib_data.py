@@ -131,14 +131,22 @@ def _special_ends(tokenizer) -> tuple[list[int], list[int]]:
 
 
 def load_tokenizer(model_folder: Path):
-    """The model's tokenizer.json as a `tokenizers.Tokenizer`; UsageError when there is none."""
-    from tokenizers import Tokenizer
+    """The model's tokenizer.json as a `tokenizers.Tokenizer` with no truncation or padding.
+
+    UsageError when the folder has none (random ids need no tokenizer).
+    """
+    from qconvert import tokenizer as model_tokenizer
 
     path = Path(model_folder) / "tokenizer.json"
     if not path.is_file():
         raise UsageError(f"{model_folder} has no tokenizer.json to tokenize calibration text; "
                          f"pass '--calib {RANDOM}' to calibrate on random token ids")
-    return Tokenizer.from_file(str(path))
+    tokenizer = model_tokenizer.load_tokenizer(model_folder).tokenizer
+    # Some tokenizer.json files (all-MiniLM-L6-v2's) truncate to 128 tokens; the
+    # calibration text is one long stream, cut into windows here.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
 
 
 def token_windows(tokenizer, texts: list[str], samples: int, seqlen: int) -> np.ndarray:

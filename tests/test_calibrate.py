@@ -126,6 +126,18 @@ def test_random_calibration_is_reproducible_and_says_random(llama):
     assert a.record()["random"] is True and "random" in a.record()["description"]
 
 
+def test_long_text_is_not_truncated_by_the_tokenizer_json():
+    # all-MiniLM-L6-v2's tokenizer.json truncates to 128 tokens; calibration cuts its own windows
+    from checkpoints import minilm_path
+
+    folder = minilm_path()
+    config = json.loads((folder / "config.json").read_text())
+    data = load_calibration("builtin", folder, config, samples=4, seqlen=256)
+    assert data.input_ids.shape == (4, 256)
+    assert (data.input_ids[:, 0] == 101).all() and (data.input_ids[:, -1] == 102).all()  # [CLS] ... [SEP]
+    assert not np.isin(data.input_ids[:, 1:-1], [0, 101, 102]).any()
+
+
 def test_builtin_corpus_and_seqlen_cap(llama):
     folder, config = llama
     data = load_calibration("builtin", folder, config, samples=2, seqlen=1000)
