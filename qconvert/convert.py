@@ -18,7 +18,7 @@ from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoi
 from qconvert.hub import ResolvedModel, resolve_model
 from qconvert.models.registry import architecture_for
 from qconvert.output import (
-    MANIFEST_NAME, check_output_free, copy_side_files, side_files, source_file_hashes, staged_output, write_json,
+    MANIFEST_NAME, check_output_free, copy_side_files, hash_in_background, side_files, staged_output, write_json,
 )
 from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
 from qconvert.quantize import quantize_int8, quantize_nf4
@@ -134,13 +134,14 @@ def convert(
             _check_input_scales(plan, input_scales or {})
         files: dict[str, str] = {}
         if not options.dry_run:
+            source_hashes = hash_in_background(resolved.folder, input_files(resolved.folder, ckpt))
             with staged_output(out, options.overwrite) as staging:
                 stream = stream_tensors(ckpt, plan, options, weight_transform, input_scales or {}, progress)
                 files.update(write_shards(staging, plan.specs, stream, options.max_shard_size))
                 files.update(copy_side_files(resolved.folder, staging))
                 files["config.json"] = write_json(staging / "config.json",
                                                   quantized_config(resolved.config, plan, options))
-                write_json(staging / MANIFEST_NAME, manifest(resolved, ckpt, options, files,
+                write_json(staging / MANIFEST_NAME, manifest(resolved, source_hashes(), options, files,
                                                              calibration_record, smoothing_record))
     except FormatError as err:
         raise InvalidCheckpointError(f"{err}") from None
@@ -222,20 +223,24 @@ def quantized_config(config: dict[str, Any], plan: ConversionPlan, options: Conv
         compute_dtype=compute_dtype)}
 
 
-def manifest(resolved: ResolvedModel, ckpt: SafetensorsCheckpoint, options: ConvertOptions,
-             files: Mapping[str, str], calibration_record: dict | None,
-             smoothing_record: dict | None) -> dict[str, Any]:
-    """qconvert.json: tool version, source and its file hashes, scheme, flags, records, output hashes."""
-    folder = resolved.folder
+def input_files(folder: Path, ckpt: SafetensorsCheckpoint) -> list[str]:
+    """The files of the source folder a conversion reads (relative paths)."""
     inputs = [p.relative_to(folder).as_posix() for p in ckpt.files] + ["config.json"] + side_files(folder)
     if (folder / "model.safetensors.index.json").exists():
         inputs.append("model.safetensors.index.json")
+    return inputs
+
+
+def manifest(resolved: ResolvedModel, source_hashes: Mapping[str, str], options: ConvertOptions,
+             files: Mapping[str, str], calibration_record: dict | None,
+             smoothing_record: dict | None) -> dict[str, Any]:
+    """qconvert.json: tool version, source and its file hashes, scheme, flags, records, output hashes."""
     flags = {k: v for k, v in dataclasses.asdict(options).items() if k not in PRESENTATION_OPTIONS}
     flags["include"], flags["exclude"] = list(options.include), list(options.exclude)
     return {
         "qconvert_version": __version__,
         "source": {"model": resolved.model_id, "is_hub": resolved.is_hub, "revision": resolved.revision,
-                   "commit": resolved.commit, "files": source_file_hashes(folder, inputs)},
+                   "commit": resolved.commit, "files": dict(sorted(source_hashes.items()))},
         "scheme": options.scheme,
         "flags": flags,
         "calibration": calibration_record,

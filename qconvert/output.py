@@ -8,7 +8,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +100,29 @@ def write_json(path: Path, data: Any) -> str:
 def source_file_hashes(folder: Path, names: list[str]) -> dict[str, str]:
     """{relative path: sha256} of the input files a conversion read."""
     return {name: sha256_file(folder / name) for name in sorted(set(names))}
+
+
+def hash_in_background(folder: Path, names: list[str]) -> Callable[[], dict[str, str]]:
+    """Start hashing the input files on a second thread (hashlib releases the GIL); call the result to wait.
+
+    The conversion is busy reading and quantizing meanwhile, so on two or more
+    cores the input hashes cost little wall time.
+    """
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["hashes"] = source_file_hashes(folder, names)
+        except BaseException as err:  # handed to the caller on result()
+            box["error"] = err
+
+    thread = threading.Thread(target=work, name="qconvert-input-sha256", daemon=True)
+    thread.start()
+
+    def result() -> dict[str, str]:
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["hashes"]
+
+    return result
