@@ -1,4 +1,24 @@
-"""Supported architectures: which tensors are linears, how they are smoothed, a JAX forward."""
+"""Supported architectures: which tensors are linears, how they are smoothed, a JAX forward.
+
+`build(config)` gives the family's model (LlamaModel, BertModel, MixtralModel), a
+frozen dataclass whose methods are pure functions of `params`, any Mapping from
+checkpoint tensor name to array (lazy readers and QArray weights included):
+
+    model.num_layers
+    model.embed_tensor_names() / layer_tensor_names(i) / head_tensor_names()
+    model.layer_linears(i)                      module names, in call order
+    model.embed(params, input_ids, attention_mask=None) -> hidden float32 [B, T, H]
+    model.layer(i, params, hidden, attention_mask=None, linear=dense_linear,
+                grouped_linear=dense_grouped_linear) -> hidden
+    model.head(params, hidden, attention_mask=None, linear=dense_linear)
+        -> logits [B, T, V] (causal LMs) | last_hidden_state (BERT)
+    model.forward(params, input_ids, attention_mask=None, linear=..., grouped_linear=...)
+
+Every linear runs through the `linear` hook, experts through `grouped_linear`
+(hooks.py). `iterate_layers` / `forward_layerwise` (runner.py) run a model one
+jit-compiled layer at a time from lazily read weights and report what an
+observer computes from each linear's input.
+"""
 
 from __future__ import annotations
 
