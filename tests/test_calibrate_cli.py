@@ -1,0 +1,71 @@
+"""`qconvert calibrate` and the w8a8 flags of `qconvert quantize`, through the console entry point."""
+
+import json
+
+import pytest
+from checkpoints import make_llama_checkpoint, make_tokenizer
+
+from qconvert.cli import main
+from qconvert.formats.layouts import open_quantized
+
+
+def run(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    return exit_info.value.code
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = make_llama_checkpoint(tmp_path_factory.mktemp("m") / "model", outlier_channels=(2,))
+    make_tokenizer(folder, vocab_size=256)
+    return folder
+
+
+def test_calibrate_then_quantize_with_act_stats(model, tmp_path, capsys):
+    stats = tmp_path / "stats.safetensors"
+    assert run(["calibrate", str(model), "-o", str(stats), "--calib-samples", "3", "--calib-seqlen", "16",
+                "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["linears"] == 15  # 14 block linears and lm_head
+    assert summary["calibration"]["source"] == "builtin" and summary["calibration"]["tokens"] == 48
+
+    out = tmp_path / "out"
+    assert run(["quantize", str(model), "-o", str(out), "--scheme", "w8a8", "--act", "static",
+                "--act-stats", str(stats), "--alpha", "0.5", "-q"]) == 0
+    manifest = json.loads((out / "qconvert.json").read_text())
+    assert manifest["calibration"]["description"] == "qconvert's built-in English prose corpus"
+    assert manifest["calibration"]["stats_file"]["name"] == "stats.safetensors"
+    assert set(manifest["smoothing"]["alpha"].values()) == {0.5}
+    q = open_quantized(out)
+    assert all(q.input_scale(m) > 0 for m in q.quantized_modules)
+
+
+def test_alpha_auto_records_the_search(model, tmp_path):
+    out = tmp_path / "auto"
+    assert run(["quantize", str(model), "-o", str(out), "--scheme", "w8a8", "--alpha", "auto",
+                "--calib", "random", "--calib-samples", "2", "--calib-seqlen", "16", "-q"]) == 0
+    smoothing = json.loads((out / "qconvert.json").read_text())["smoothing"]
+    assert smoothing["alpha_mode"] == "auto"
+    for source, errors in smoothing["alpha_search"].items():
+        assert len(errors) == 21
+        chosen = smoothing["alpha"][source]
+        assert errors[f"{chosen:.2f}"] == min(errors.values())
+    # the planted outlier channel (x50) pulls the choice well away from alpha = 0
+    assert smoothing["alpha"]["model.layers.0.input_layernorm"] >= 0.2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--scheme", "int8", "--alpha", "0.5"], "apply to --scheme w8a8 only"),
+    (["--scheme", "w8a8", "--no-smooth", "--alpha", "0.5"], "--alpha has no effect with --no-smooth"),
+    (["--scheme", "w8a8", "--alpha", "1.5"], "outside [0, 1]"),
+    (["--scheme", "w8a8", "--alpha", "nope=0.5"], "matches no smoothing group"),
+    (["--scheme", "w8a8", "--calib", "missing.txt"], "does not exist"),
+    (["--scheme", "w8a8", "--act-stats", "missing.safetensors"], "does not exist"),
+    (["--scheme", "w8a8", "--act-stats", "s.safetensors", "--calib", "random"], "drop --calib"),
+])
+def test_bad_w8a8_flags_exit_2_with_one_line(model, tmp_path, capsys, argv, message):
+    assert run(["quantize", str(model), "-o", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists()
