@@ -244,7 +244,10 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
     except (QConvertError, FormatError) as err:
         # Bad input, not a failed check: exit 2 whatever the error's own code.
         fail(str(err), 2)
-    console = Console(stderr=json_path == "-")
+    to_stderr = json_path == "-"
+    # CI logs are not terminals: give the table room so layer names are not cut.
+    tty = (sys.stderr if to_stderr else sys.stdout).isatty()
+    console = Console(stderr=to_stderr, width=None if tty else 200)
     render(report, console)
     if json_path == "-":
         click.echo(to_json(report))
