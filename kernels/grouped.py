@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from qconvert.errors import KernelArgumentError
 from qconvert.formats import QArray
-from qconvert.kernels import reference, tpu_grouped
+from qconvert.kernels import gpu_grouped, reference, tpu_grouped
 from qconvert.kernels.grouped_metadata import make_group_metadata
 from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, select_kernel
 from qconvert.kernels.tiles import round_up, split_even_odd_columns
@@ -89,7 +89,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
     the experts starting at group_offset. Rows of groups outside the shard, and
     rows past sum(group_sizes), are 0. tiling: (tm, tk, tn), a function of
     (m, k, n) returning one (or None to decline), or None to let the plan choose.
-    interpret=True runs the TPU kernel in interpret mode (backend "cpu").
+    interpret=True runs the TPU kernel in interpret mode (backend "cpu"); on
+    backend "gpu" the Triton kernel runs.
     """
     _check_common(OP, lhs, group_sizes, preferred_element_type)
     lhs = jnp.asarray(lhs)
@@ -106,12 +107,16 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
     problem = KernelProblem(OP, m, k, n, dtype_name(lhs.dtype), dtype_name(preferred_element_type),
                             blocksize or 64, num_groups, rhs_kind)
     plan = select_kernel(problem, "cpu" if interpret else backend, requested)
-    if declined or plan.backend == "gpu":
-        reason = declined or "no GPU kernel for grouped_matmul; the Mosaic kernel is TPU-only"
-        plan = KernelPlan(OP, f"{OP}_reference", "reference", None, plan.guarantee, fallback_reason=reason)
+    if declined:
+        plan = KernelPlan(OP, f"{OP}_reference", "reference", None, plan.guarantee, fallback_reason=declined)
     if plan.is_reference:
         y = _grouped_reference(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, g_local, k, n, blocksize,
                                preferred_element_type, offset, transpose_rhs)
+        return (y, plan) if return_plan else y
+    if plan.backend == "gpu":
+        y = gpu_grouped.run_grouped_matmul(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, offset=offset,
+                                           num_local=g_local, n=n, tiling=plan.tiling,
+                                           out_dtype=preferred_element_type, transpose_rhs=transpose_rhs)
         return (y, plan) if return_plan else y
     t = plan.tiling
     mp, kp, np_ = round_up(m, t.tm), round_up(k, t.tk), round_up(n, t.tn)
@@ -190,6 +195,10 @@ def transposed_grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=j
         y = reference.transposed_grouped_matmul_reference(lhs, rhs, group_sizes,
                                                           preferred_element_type=preferred_element_type,
                                                           group_offset=offset, num_actual_groups=count)
+        return (y, plan) if return_plan else y
+    if plan.backend == "gpu":
+        y = gpu_grouped.run_transposed_grouped_matmul(lhs, rhs, group_sizes, offset=offset, num_local=count,
+                                                      tiling=plan.tiling, out_dtype=preferred_element_type)
         return (y, plan) if return_plan else y
     t = plan.tiling
     mp, kp, np_ = round_up(m, t.tm), round_up(k, t.tk), round_up(n, t.tn)

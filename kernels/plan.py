@@ -114,6 +114,9 @@ def default_tiling(problem: KernelProblem, backend: str) -> Tiling:
     m, k, n, op = problem.m, problem.k, problem.n, problem.op
     nf4 = op == "nf4_matmul" or (op == "grouped_matmul" and problem.rhs_kind == "nf4")
     if backend == "gpu":
+        if op == "transposed_grouped_matmul":
+            # M is the contraction here, walked in row chunks; the output tile is tk x tn.
+            return Tiling(min(64, _gpu_rows(m)), 64, 64 if n <= 64 else 128)
         tm = _gpu_rows(m)
         tn = 32 if m <= 16 else 64 if m <= 64 else 128
         tk = NF4_BLOCK if nf4 else 128 if op == "int8_matmul" else 64
@@ -180,8 +183,6 @@ def _fallback_reason(problem: KernelProblem, backend: str) -> str | None:
     if nf4 and problem.k % NF4_BLOCK:
         return (f"K={problem.k} is not a multiple of the NF4 block size {NF4_BLOCK}, so blocks straddle "
                 "weight rows and cannot be tiled")
-    if backend == "gpu" and problem.op == "transposed_grouped_matmul":
-        return "no GPU kernel for transposed_grouped_matmul (the weight-gradient form is TPU-only)"
     return None
 
 
