@@ -91,8 +91,9 @@ def iterate_layers(model, params: Mapping, input_ids, attention_mask=None, *,
         return out, sink
 
     step = jax.jit(run_layer, static_argnums=0) if jit else run_layer
+    embed = jax.jit(model.embed) if jit else model.embed
     embed_params = read_tensors(params, model.embed_tensor_names())
-    hidden = jnp.concatenate([model.embed(embed_params, input_ids[s:s + batch_size], mask[s:s + batch_size])
+    hidden = jnp.concatenate([embed(embed_params, input_ids[s:s + batch_size], mask[s:s + batch_size])
                               for s in range(0, n, batch_size)])
     del embed_params
     for i in range(model.num_layers):
@@ -121,4 +122,8 @@ def forward_layerwise(model, params: Mapping, input_ids, attention_mask=None, *,
         hidden = model.embed(read_tensors(params, model.embed_tensor_names()), input_ids, attention_mask)
     head_params = read_tensors(params, model.head_tensor_names())
     mask = None if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
-    return model.head(head_params, hidden, mask, linear)
+
+    def head(head_params, hidden, mask):
+        return model.head(head_params, hidden, mask, linear)
+
+    return (jax.jit(head) if jit else head)(head_params, hidden, mask)
