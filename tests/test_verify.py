@@ -1,0 +1,226 @@
+"""qconvert verify on correct conversions: it passes, runs the Pallas kernels, and its per-layer
+figures equal an independent computation (transformers for the activations, numpy for the rest)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import make_llama_checkpoint
+from safetensors.numpy import load_file
+
+from qconvert.cli import main
+
+# FORMATS.md: the 16 NF4 levels, code 0..15.
+NF4 = np.array([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+    0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+])
+VOCAB = 128
+# One linear shape per role kept small: every q/o/gate/up/down is 64x64, k/v 32x64.
+TINY = dict(hidden=64, layers=1, heads=4, kv_heads=2, intermediate=64, vocab=VOCAB)
+QUICK_SAMPLES, QUICK_SEQLEN = 2, 32
+
+
+def run_cli(args, capsys):
+    """Run `qconvert ...`; (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+@pytest.fixture(scope="module")
+def tiny_source(tmp_path_factory):
+    return make_llama_checkpoint(tmp_path_factory.mktemp("src") / "llama", **TINY)
+
+
+@pytest.fixture(scope="module")
+def conversions(tiny_source, tmp_path_factory):
+    """int8, nf4 and smoothed w8a8 conversions of the tiny Llama (module-wide, built once)."""
+    root = tmp_path_factory.mktemp("out")
+    outs = {}
+    for scheme, extra in (("int8", ()), ("nf4", ()),
+                          ("w8a8", ("--calib", "random", "--calib-samples", "4", "--calib-seqlen", "32"))):
+        args = ["quantize", str(tiny_source), "-o", str(root / scheme), "--scheme", scheme, "--quiet", *extra]
+        with pytest.raises(SystemExit) as exc:
+            main(args)
+        assert exc.value.code == 0, scheme
+        outs[scheme] = root / scheme
+    return outs
+
+
+def verify_json(folder, capsys, *extra):
+    code, out, err = run_cli(["verify", str(folder), "--quick", "--backend", "cpu", "--json", "-", *extra], capsys)
+    return code, (json.loads(out) if out.strip() else None), err
+
+
+def reference_inputs(source, ids):
+    """{module: input rows [N, in] float64} of every linear, from transformers on the float source."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+    captured = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: captured.__setitem__(
+        name, args[0].detach().double().reshape(-1, args[0].shape[-1]).numpy()))
+        for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        model(torch.tensor(ids, dtype=torch.long))
+    for h in hooks:
+        h.remove()
+    return captured
+
+
+def dequantize_file(tensors, module, scheme):
+    """The float64 [out, in] weight a layout stores, decoded here with numpy from FORMATS.md."""
+    if scheme == "int8":
+        out_f, in_f = tensors[f"{module}.weight_shape"]
+        words = tensors[f"{module}.weight_packed"].astype(np.int64) & 0xFFFFFFFF
+        bytes_ = np.stack([(words >> (8 * j)) & 0xFF for j in range(4)], axis=-1).reshape(out_f, -1)
+        codes = bytes_[:, :in_f] - 128
+        return codes * tensors[f"{module}.weight_scale"].astype(np.float64)
+    if scheme == "w8a8":
+        return tensors[f"{module}.weight"].astype(np.float64) * tensors[f"{module}.weight_scale"].astype(np.float64)
+    state = json.loads(tensors[f"{module}.weight.quant_state.bitsandbytes__nf4"].tobytes())
+    packed = tensors[f"{module}.weight"].reshape(-1).astype(np.int64)
+    codes = np.stack([packed >> 4, packed & 15], axis=-1).reshape(-1)
+    n = int(np.prod(state["shape"]))
+    absmax = np.repeat(tensors[f"{module}.weight.absmax"].astype(np.float64), 64)[:n]
+    return (NF4[codes[:n]] * absmax).reshape(state["shape"])
+
+
+def per_token_fake_quant(x):
+    scale = np.abs(x).max(axis=1, keepdims=True) / 127
+    scale = np.where(scale > 0, scale, 1.0)
+    return np.clip(np.rint(x.astype(np.float32) / scale.astype(np.float32)), -127, 127) * scale
+
+
+def numpy_metrics(ref, out):
+    err = ref - out
+    return {"sqnr_db": 10 * np.log10((ref**2).sum() / (err**2).sum()),
+            "rel_error": np.sqrt((err**2).sum() / (ref**2).sum()),
+            "cosine": (ref * out).sum() / np.sqrt((ref**2).sum() * (out**2).sum()),
+            "max_abs_error": np.abs(err).max()}
+
+
+def smoothing_of(src, conv, modules):
+    """Per linear: the factor its input was divided by (norm ratio, or the source linear's row ratio)."""
+    s_in, s_out = {}, {}
+    for m in modules:
+        p, role = m.rsplit(".", 2)[0], m.rsplit(".", 1)[1]
+        norm = {"q_proj": "input_layernorm", "k_proj": "input_layernorm", "v_proj": "input_layernorm",
+                "gate_proj": "post_attention_layernorm", "up_proj": "post_attention_layernorm"}.get(role)
+        if norm:
+            layer = m.split(".self_attn")[0].split(".mlp")[0]
+            s_in[m] = src[f"{layer}.{norm}.weight"].astype(np.float64) / conv[f"{layer}.{norm}.weight"]
+    for m in modules:
+        layer = m.split(".self_attn")[0].split(".mlp")[0]
+        source = {"o_proj": f"{layer}.self_attn.v_proj", "down_proj": f"{layer}.mlp.up_proj"}.get(m.rsplit(".", 1)[1])
+        if source:
+            a = src[f"{source}.weight"].astype(np.float64) * s_in[source][None, :]
+            b = dequantize_file(conv, source, "w8a8")
+            s = np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)  # the test's own estimator
+            s_out[source] = s
+            rep = TINY["heads"] // TINY["kv_heads"] if "o_proj" in m else 1
+            hd = TINY["hidden"] // TINY["heads"]
+            idx = np.arange(src[f"{m}.weight"].shape[1])
+            s_in[m] = s[((idx // hd) // rep) * hd + idx % hd] if "o_proj" in m else s
+    return s_in, s_out
+
+
+@pytest.mark.parametrize("scheme", ["int8", "nf4", "w8a8"])
+def test_correct_conversion_passes_and_layers_match_an_independent_computation(
+        scheme, conversions, tiny_source, capsys):
+    folder = conversions[scheme]
+    code, record, err = verify_json(folder, capsys)
+    assert code == 0, err
+    assert record["passed"] and record["verdict"].startswith("PASS")
+    assert record["integrity"]["passed"]
+    layers = {r["name"]: r for r in record["layers"]}
+    assert len(layers) == 7
+    for r in layers.values():
+        # The Pallas kernel ran (TPU interpret mode on CPU), with its tiling recorded.
+        assert r["kernel"]["pallas"] and r["kernel"]["interpret"], r
+        assert r["kernel"]["name"].endswith("_mosaic") and r["kernel"]["fallback_reason"] is None
+        assert set(r["kernel"]["tiling"]) == {"tm", "tk", "tn"}
+    expected_kernel = {"int8": "int8_weight_matmul", "nf4": "nf4_matmul", "w8a8": "int8_matmul"}[scheme]
+    assert {r["kernel"]["name"] for r in layers.values()} == {f"{expected_kernel}_mosaic"}
+
+    # The same evaluation tokens: calib_data's documented random ids (seed 0).
+    assert record["evaluation"]["source"] == "random"
+    ids = np.random.default_rng(0).integers(0, VOCAB, size=(QUICK_SAMPLES, QUICK_SEQLEN))
+    inputs = reference_inputs(tiny_source, ids)
+    src = load_file(str(tiny_source / "model.safetensors"))
+    conv = load_file(str(folder / "model.safetensors"))
+    s_in, s_out = smoothing_of(src, conv, layers) if scheme == "w8a8" else ({}, {})
+    if scheme == "w8a8":
+        assert record["reference"]["from"] == "qconvert.json"
+        assert any(np.abs(v - 1).max() > 1e-3 for v in s_in.values()), "the w8a8 model should be smoothed"
+    for name, r in layers.items():
+        x = inputs[name]
+        y_float = x @ src[f"{name}.weight"].astype(np.float64).T
+        x_dep = x / s_in[name] if name in s_in else x
+        if scheme == "w8a8":
+            x_dep = per_token_fake_quant(x_dep)
+        y_quant = x_dep @ dequantize_file(conv, name, scheme).T
+        if name in s_out:
+            y_quant = y_quant * s_out[name][None, :]
+        expected = numpy_metrics(y_float, y_quant)
+        assert r["sqnr_db"] == pytest.approx(expected["sqnr_db"], abs=0.05), name
+        assert r["rel_error"] == pytest.approx(expected["rel_error"], rel=0.01), name
+        assert r["cosine"] == pytest.approx(expected["cosine"], abs=1e-5), name
+        assert r["max_abs_error"] == pytest.approx(expected["max_abs_error"], rel=0.05, abs=1e-5), name
+        assert r["sqnr_db"] >= record["thresholds"]["min_layer_sqnr_db"]
+    model = record["model"]
+    assert model["kind"] == "causal_lm" and model["passed"]
+    assert model["perplexity_ratio"] == pytest.approx(model["perplexity_quantized"] / model["perplexity_float"])
+
+
+def fake_quant_logits(source, conv, scheme, ids):
+    """transformers logits with every quantized linear's weight replaced by its decoded file weight
+    (and, for w8a8, per-token int8 inputs); norms as the converted folder stores them."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+    state = model.state_dict()
+    hooks = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            state[f"{name}.weight"] = torch.tensor(dequantize_file(conv, name, scheme), dtype=torch.float32)
+            if scheme == "w8a8":
+                hooks.append(module.register_forward_pre_hook(lambda mod, args: (torch.tensor(
+                    per_token_fake_quant(args[0].double().reshape(-1, args[0].shape[-1]).numpy())
+                ).float().reshape(args[0].shape),)))
+    for key in state:
+        if key.endswith("norm.weight"):
+            state[key] = torch.tensor(conv[key].astype(np.float32))
+    model.load_state_dict(state)
+    with torch.no_grad():
+        logits = model(torch.tensor(ids, dtype=torch.long)).logits.double().numpy()
+    for h in hooks:
+        h.remove()
+    return logits
+
+
+@pytest.mark.parametrize("scheme", ["int8", "nf4", "w8a8"])
+def test_whole_model_figures_match_transformers_with_decoded_weights(scheme, conversions, tiny_source, capsys):
+    code, record, err = verify_json(conversions[scheme], capsys)
+    assert code == 0, err
+    ids = np.random.default_rng(0).integers(0, VOCAB, size=(QUICK_SAMPLES, QUICK_SEQLEN))
+    from transformers import LlamaForCausalLM
+
+    ref_model = LlamaForCausalLM.from_pretrained(str(tiny_source), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = ref_model(torch.tensor(ids, dtype=torch.long)).logits.double().numpy()
+    quant = fake_quant_logits(tiny_source, load_file(str(conversions[scheme] / "model.safetensors")), scheme, ids)
+    log_p = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    log_q = quant - np.log(np.exp(quant).sum(-1, keepdims=True))
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(-1).mean()
+    nll = -np.take_along_axis(log_p[:, :-1], ids[:, 1:, None], -1).mean()
+    model = record["model"]
+    assert model["mean_kl"] == pytest.approx(kl, rel=0.05)
+    assert model["top1_agreement"] == pytest.approx((ref.argmax(-1) == quant.argmax(-1)).mean(), abs=1 / ids.size)
+    assert model["perplexity_float"] == pytest.approx(np.exp(nll), rel=1e-4)
