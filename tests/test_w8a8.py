@@ -174,3 +174,24 @@ def test_no_smooth_dynamic_needs_no_calibration(outlier_llama, tmp_path):
     convert_w8a8(folder, tmp_path / "out", smooth=False)
     manifest = json.loads((tmp_path / "out" / "qconvert.json").read_text())
     assert manifest["calibration"] is None and manifest["smoothing"] is None
+
+
+def test_mixtral_experts_are_calibrated_and_smoothed_without_changing_the_model(tmp_path):
+    from checkpoints import make_mixtral_checkpoint
+
+    folder = make_mixtral_checkpoint(tmp_path / "mixtral")
+    config = json.loads((folder / "config.json").read_text())
+    params = open_params(folder)
+    raw = {name: np.asarray(params[name]) for name in params}
+    plan = plan_w8a8(folder, config, W8A8Options(act="static", calib="random", calib_samples=4, calib_seqlen=16))
+    # every expert linear got a static scale from the tokens routed to it
+    experts = [m for m in plan.input_scales if ".experts." in m]
+    assert len(experts) == 2 * 4 * 3 and all(plan.input_scales[m] > 0 for m in experts)
+    # the router's columns are smoothed with the experts', so routing and output stay the same
+    assert "model.layers.0.block_sparse_moe.gate.weight" in plan.folds
+    model = build(config)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, config["vocab_size"], (2, 16)))
+    smoothed = {name: plan.weight_transform(name, array) for name, array in raw.items()}
+    reference = model.forward(raw, ids)
+    np.testing.assert_allclose(model.forward(smoothed, ids), reference, rtol=1e-4,
+                               atol=1e-5 * float(jnp.max(jnp.abs(reference))))
