@@ -59,6 +59,21 @@ def test_mixtral_logits_match_transformers_with_sliding_window(tmp_path):
     _assert_close(forward_layerwise(model, params, ids, mask, batch_size=1), expected, mask)
 
 
+def test_experts_through_the_grouped_matmul_kernel_match_transformers(tmp_path):
+    from qconvert.kernels import grouped_matmul
+
+    folder, config, params, ids, mask = _setup(tmp_path, layers=1)
+    expected = _reference_logits(folder, ids, mask)
+
+    def kernel_grouped_linear(names, x, weights, group_sizes):
+        rhs = jnp.stack([jnp.asarray(w, jnp.float32) for w in weights])  # [E, out, in]
+        return grouped_matmul(x, rhs, group_sizes, transpose_rhs=True, backend="cpu")
+
+    model = build(config)
+    _assert_close(jax.jit(lambda p, i, m: model.forward(p, i, m, grouped_linear=kernel_grouped_linear))(
+        params, ids, mask), expected, mask)
+
+
 def test_experts_go_through_the_grouped_hook_with_rows_sorted_by_expert(tmp_path):
     _, config, params, ids, mask = _setup(tmp_path, layers=1)
     model = build(config)

@@ -15,7 +15,8 @@ Mixture-of-experts layers run their experts through one grouped call instead:
 with `names` the E expert module names, x [M, in] whose rows are sorted by
 expert (expert e owns the next group_sizes[e] rows), `weights` the E expert
 weights [out, in], group_sizes int32 [E]. Rows past sum(group_sizes) belong to
-no expert; their output is zero.
+no expert; their output is zero. The float default runs the kernels' grouped matmul
+(see _grouped_matmul).
 
 Both hooks are pure functions of their arrays, so a forward that uses them can
 be traced by jax.jit.
@@ -52,16 +53,15 @@ def dense_linear(name: str, x: jax.Array, weight: Any, bias: Any = None) -> jax.
 
 
 def _grouped_matmul(x: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """x [M, in] times rhs [E, in, out] by groups of rows.
+    """x [M, in] times rhs [E, in, out] by groups of rows (rows past the groups give 0).
 
-    Runs qconvert.kernels.grouped_matmul (which picks its backend) when the
-    kernels package provides it, else XLA's ragged_dot; both define rows past
-    the last group as zero.
+    On TPU and GPU this is qconvert.kernels.grouped_matmul. On CPU that kernel
+    runs interpreted (a testing aid), and XLA's ragged_dot computes the same
+    ~3x faster (4096 rows, 8 experts, 384 -> 1536), which keeps calibration fast.
     """
-    kernel = getattr(kernels, "grouped_matmul", None)
-    if kernel is not None:
-        return kernel(x, rhs, group_sizes)
-    return jax.lax.ragged_dot(x, rhs, group_sizes, precision=jax.lax.Precision.HIGHEST)
+    if jax.default_backend() == "cpu":
+        return jax.lax.ragged_dot(x, rhs, group_sizes, precision=jax.lax.Precision.HIGHEST)
+    return kernels.grouped_matmul(x, rhs, group_sizes)
 
 
 def dense_grouped_linear(names: Sequence[str], x: jax.Array, weights: Sequence[Any],
