@@ -1,0 +1,190 @@
+"""qconvert verify can fail: corrupted scales, flipped bytes, dropped tensors, edited shards, bad input,
+and layers that fell back from the Pallas kernel; each with its message and exit code."""
+
+import hashlib
+import json
+import shutil
+
+import numpy as np
+import pytest
+from checkpoints import make_llama_checkpoint
+from safetensors.numpy import load_file, save_file
+
+from qconvert.cli import main
+
+TINY = dict(hidden=64, layers=1, heads=4, kv_heads=2, intermediate=64, vocab=128)
+LAYER = "model.layers.0.mlp.up_proj"
+
+
+def run_cli(args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def verify(folder, capsys, *extra):
+    code, out, err = run_cli(["verify", str(folder), "--quick", "--backend", "cpu", "--json", "-", *extra], capsys)
+    return code, (json.loads(out) if out.strip() else None), err
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A tiny Llama and its int8 conversion cut into several shards."""
+    root = tmp_path_factory.mktemp("fail")
+    source = make_llama_checkpoint(root / "src", **TINY)
+    out = root / "int8"
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", str(source), "-o", str(out), "--scheme", "int8", "--max-shard-size", "20KB", "--quiet"])
+    assert exc.value.code == 0
+    return out
+
+
+@pytest.fixture
+def copy(converted, tmp_path):
+    target = tmp_path / "copy"
+    shutil.copytree(converted, target)
+    return target
+
+
+def shard_of(folder, tensor):
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return folder / index["weight_map"][tensor]
+
+
+def rewrite_shard(path, change):
+    """Load a shard, let `change` edit the dict of tensors, save it back (a valid safetensors file)."""
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def rehash(folder):
+    """Record the current sha256 of every file, as a buggy converter would have written it."""
+    record = json.loads((folder / "qconvert.json").read_text())
+    for name in record["files"]:
+        record["files"][name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    (folder / "qconvert.json").write_text(json.dumps(record))
+
+
+def test_the_unchanged_sharded_conversion_passes(converted, capsys):
+    assert len(list(converted.glob("model-*.safetensors"))) > 1
+    code, record, err = verify(converted, capsys)
+    assert code == 0, err
+    assert record["passed"]
+
+
+def test_a_scale_off_by_two_fails_that_layer(copy, capsys):
+    def double(t):
+        t[f"{LAYER}.weight_scale"] = t[f"{LAYER}.weight_scale"] * 2
+    rewrite_shard(shard_of(copy, f"{LAYER}.weight_scale"), double)
+    rehash(copy)  # the hashes agree: only the numbers can tell
+    code, record, err = verify(copy, capsys)
+    assert code == 1
+    assert record["integrity"]["passed"] and not record["passed"]
+    bad = {r["name"]: r for r in record["layers"] if not r["passed"]}
+    assert set(bad) == {LAYER}
+    # Output doubled: the error is as large as the signal, SQNR 0 dB.
+    assert bad[LAYER]["sqnr_db"] == pytest.approx(0.0, abs=0.1)
+    assert record["verdict"].startswith(f"FAIL int8 {copy}: {LAYER}: sqnr_db")
+    assert f"FAIL int8 {copy}: {LAYER}: sqnr_db" in err  # the one-line verdict in the log
+    # On a random tiny model one doubled MLP barely moves the near-uniform logits; the
+    # per-layer check is what catches it.
+
+
+def test_flipped_payload_bytes_fail_integrity_naming_the_file(copy, capsys):
+    path = shard_of(copy, f"{LAYER}.weight_packed")
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) - 64, len(data) - 32):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+    code, record, err = verify(copy, capsys)
+    assert code == 1
+    assert not record["integrity"]["passed"] and record["layers"] == []
+    assert record["integrity"]["problems"] == [
+        f"{path.name}: sha256 mismatch (recorded {json.loads((copy / 'qconvert.json').read_text())['files'][path.name][:12]}"
+        f"..., found {hashlib.sha256(path.read_bytes()).hexdigest()[:12]}...); the file changed after conversion"]
+    assert record["verdict"].startswith(f"FAIL int8 {copy}: integrity: {path.name}: sha256 mismatch")
+
+
+def test_a_dropped_tensor_fails_naming_tensor_and_file(copy, capsys):
+    path = shard_of(copy, f"{LAYER}.weight_scale")
+    rewrite_shard(path, lambda t: t.pop(f"{LAYER}.weight_scale"))
+    index_path = copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"][f"{LAYER}.weight_scale"]
+    index_path.write_text(json.dumps(index))
+    rehash(copy)
+    code, record, err = verify(copy, capsys)
+    assert code == 1
+    problems = record["integrity"]["problems"]
+    assert any(f"tensor {LAYER}.weight_scale is missing" in p for p in problems), problems
+    assert any(p.startswith(path.name) or path.name in p for p in problems), problems
+
+
+def test_a_dropped_float_tensor_fails(copy, capsys):
+    name = "model.layers.0.input_layernorm.weight"
+    rewrite_shard(shard_of(copy, name), lambda t: t.pop(name))
+    index_path = copy / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"][name]
+    index_path.write_text(json.dumps(index))
+    rehash(copy)
+    code, record, _ = verify(copy, capsys)
+    assert code == 1
+    assert any(f"tensor {name} is missing" in p for p in record["integrity"]["problems"])
+
+
+def test_a_shard_edited_after_writing_fails_naming_it(copy, capsys):
+    name = "model.norm.weight"
+    path = shard_of(copy, name)
+
+    def nudge(t):
+        t[name] = (t[name] * np.float32(1.01)).astype(t[name].dtype)
+    rewrite_shard(path, nudge)
+    code, record, err = verify(copy, capsys)
+    assert code == 1
+    assert [p.split(":")[0] for p in record["integrity"]["problems"]] == [path.name]
+    assert f"{path.name}: sha256 mismatch" in err
+
+
+def test_bad_input_exits_2(tmp_path, converted, capsys):
+    code, out, err = run_cli(["verify", str(tmp_path / "nowhere")], capsys)
+    assert code == 2 and "not a folder" in err and out == ""
+    code, _, err = run_cli(["verify", str(tmp_path)], capsys)
+    assert code == 2 and "qconvert.json" in err
+    code, _, err = run_cli(["verify", str(converted), "--reference", str(tmp_path / "missing")], capsys)
+    assert code == 2 and "missing" in err
+    code, _, err = run_cli(["verify", str(converted), "--backend", "fpga"], capsys)
+    assert code == 2
+
+
+def test_a_threshold_flag_can_fail_a_correct_conversion(converted, capsys):
+    code, record, _ = verify(converted, capsys, "--min-sqnr", "99")
+    assert code == 1
+    assert record["thresholds"]["min_layer_sqnr_db"] == 99.0
+    assert all(not r["passed"] for r in record["layers"])
+
+
+def test_a_layer_that_fell_back_says_why_and_strict_fails_it(tmp_path, capsys):
+    # hidden 96: K=96 is not a multiple of NF4's 64-blocks, so those layers cannot use the kernel;
+    # down_proj (K=128) still can.
+    source = make_llama_checkpoint(tmp_path / "src", hidden=96, layers=1, heads=4, kv_heads=4,
+                                   intermediate=128, vocab=128)
+    out = tmp_path / "nf4"
+    with pytest.raises(SystemExit):
+        main(["quantize", str(source), "-o", str(out), "--scheme", "nf4", "--quiet"])
+    code, record, err = verify(out, capsys)
+    assert code == 0, err
+    layers = {r["name"]: r for r in record["layers"]}
+    assert layers["model.layers.0.mlp.down_proj"]["kernel"]["name"] == "nf4_matmul_mosaic"
+    fell_back = [r for r in layers.values() if not r["kernel"]["pallas"]]
+    assert {r["name"].rsplit(".", 1)[1] for r in fell_back} == {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj"}
+    for r in fell_back:
+        assert r["kernel"]["name"] == "nf4_matmul_reference"
+        assert "not a multiple of the NF4 block size" in r["kernel"]["fallback_reason"]
+    assert "fallback:" in err
+    code, record, _ = verify(out, capsys, "--strict")
+    assert code == 1
+    assert any("pallas_kernel" in f for f in record["failures"])
