@@ -9,6 +9,7 @@ padding and every token counts in the statistics.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 from importlib import resources
@@ -37,6 +38,7 @@ class CalibrationData:
     description: str
     requested_samples: int
     requested_seqlen: int
+    sha256: str | None = None  # of the calibration file, for file sources
 
     @property
     def samples(self) -> int:
@@ -61,6 +63,7 @@ class CalibrationData:
             "tokens": self.tokens,
             "requested_samples": self.requested_samples,
             "requested_seqlen": self.requested_seqlen,
+            **({"sha256": self.sha256} if self.sha256 else {}),
         }
 
 
@@ -194,13 +197,14 @@ def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
         description = (f"random token ids, uniform over the vocabulary of {vocab}, seed {RANDOM_SEED}: "
                        "not real text")
         return CalibrationData(ids, RANDOM, description, samples, seqlen)
+    digest = None
     if calib == BUILTIN:
         texts, description = [builtin_corpus_text()], "qconvert's built-in English prose corpus"
-    elif calib.startswith("hf://"):
-        local = download_dataset_file(calib)
-        texts, description = read_texts(local), f"Hub dataset file {calib}"
     else:
-        texts, description = read_texts(Path(calib)), f"local file {Path(calib).name}"
+        local = download_dataset_file(calib) if calib.startswith("hf://") else Path(calib)
+        texts = read_texts(local)
+        description = f"Hub dataset file {calib}" if calib.startswith("hf://") else f"local file {local.name}"
+        digest = hashlib.sha256(local.read_bytes()).hexdigest()
     tokenizer = load_tokenizer(model_folder)
     ids = token_windows(tokenizer, texts, samples, effective_seqlen)
-    return CalibrationData(ids, calib, description, samples, seqlen)
+    return CalibrationData(ids, calib, description, samples, seqlen, digest)

@@ -93,7 +93,8 @@ def group_act_absmax(act_absmax: Mapping[str, np.ndarray], group: SmoothingGroup
 
 
 def _calibrate(folder: Path, config: dict[str, Any], params: Mapping, groups: list[SmoothingGroup],
-               spec: AlphaSpec, options: W8A8Options, progress: Callable[[str], None]) -> tuple[ActStats, dict[str, GroupScales], dict]:
+               spec: AlphaSpec, options: W8A8Options, progress: Callable[[str], None],
+               ) -> tuple[ActStats, dict[str, GroupScales], dict]:
     """Run calibration; with --alpha auto, search each group's alpha once its layer is done."""
     data = load_calibration(options.calib or BUILTIN, folder, config,
                             samples=options.calib_samples, seqlen=options.calib_seqlen)

@@ -94,6 +94,9 @@ def test_text_windows_carry_the_models_special_tokens(llama, tmp_path):
     assert (data.input_ids[:, 0] == 1).all()  # <s> starts every window, as the tokenizer's template
     assert set(np.unique(data.input_ids[:, 1:])) <= {4, 5, 6, 7, 8, 9} | set(range(4, 256))
     assert data.record()["random"] is False and data.record()["tokens"] == 48
+    import hashlib
+
+    assert data.record()["sha256"] == hashlib.sha256(text.read_bytes()).hexdigest()
 
 
 def test_jsonl_reads_the_text_field_and_rejects_bad_lines(llama, tmp_path):
