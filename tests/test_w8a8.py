@@ -88,10 +88,10 @@ def test_smoothing_cuts_w8a8_error_on_outlier_channels(outlier_llama, tmp_path):
                                               linear=w8a8_linear), reference)
     err_plain = relative_error(model.forward(quantized_params(tmp_path / "plain"), ids,
                                              linear=w8a8_linear), reference)
-    # Measured on this checkpoint: plain ~0.08, smoothed ~0.009 (the error of the
-    # same model without outliers): a ratio of ~9. Require at least 5.
-    assert err_smooth * 5 < err_plain, (err_smooth, err_plain)
-    assert err_smooth < 0.02
+    # Measured on this checkpoint: plain 0.083, smoothed 0.0034, a ratio of ~24.
+    # Require at least 10.
+    assert err_smooth * 10 < err_plain, (err_smooth, err_plain)
+    assert err_smooth < 0.01
 
 
 def test_smoothing_alone_leaves_the_float_model_unchanged(outlier_llama):
