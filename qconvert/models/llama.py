@@ -127,7 +127,6 @@ class LlamaModel:
     def num_layers(self) -> int:
         return self.args.num_hidden_layers
 
-    # -- names ---------------------------------------------------------------
     def _layer_prefix(self, i: int) -> str:
         return f"{self.prefix}.layers.{i}"
 
@@ -156,7 +155,6 @@ class LlamaModel:
         bias = params[f"{module}.bias"] if self._biased(module.rsplit(".", 1)[1]) else None
         return linear(module, x, params[f"{module}.weight"], bias)
 
-    # -- forward -------------------------------------------------------------
     def embed_tensor_names(self) -> list[str]:
         """Tensor names the embedding reads."""
         return [f"{self.prefix}.embed_tokens.weight"]
