@@ -1,33 +1,71 @@
-"""Weight quantization math: per-output-channel symmetric int8 and NF4 blocks of 64, in jitted JAX."""
+"""Weight quantization math: per-output-channel symmetric int8 and NF4 blocks of 64, in jitted JAX.
+
+Both schemes divide (w / scale, x / absmax) and then round or compare, and the
+FORMATS.md rules are stated on the correctly rounded float32 quotient. XLA turns
+a division by a broadcast value into a multiplication by its reciprocal, which is
+an ulp off now and then; `f32_quotient` gets the exact float32 quotient from one
+float64 multiply instead (proof in its docstring), so the kernels stay single
+fused passes over the weight.
+
+Weights are processed in chunks of a bucketed size (whole rows for int8, whole
+blocks for NF4), so a model compiles a handful of kernels, not one per tensor
+shape, and the XLA buffers stay small whatever the tensor size.
+"""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from qconvert.errors import InvalidWeightError
-from qconvert.formats.packing import pack_nf4_codes
 from qconvert.formats.qarray import NF4_LEVELS, QArray
 
 INT8_QMAX = 127
 NF4_BLOCK_SIZE = 64
+# Elements per jitted call: large enough that dispatch costs nothing, small enough to stay in cache-sized buffers.
+CHUNK_ELEMENTS = 1 << 20
 
 # Decision thresholds between neighbouring NF4 levels: a value goes to the
 # number of thresholds it lies strictly above, so a tie lands on the lower code.
 NF4_THRESHOLDS = ((NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / np.float32(2)).astype(np.float32)
 
 
-def exact_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
-    """numerator / denominator, correctly rounded as IEEE (and numpy) divide.
+def f32_quotient(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+    """numerator / denominator rounded to float32 exactly as an IEEE float32 division rounds it.
 
-    XLA rewrites a division by a broadcast value into a multiplication by its
-    reciprocal, which is off by an ulp now and then and so flips a rounding at a
-    .5 boundary; materializing the broadcast behind a barrier keeps a true division.
+    Both operands hold float32 (or narrower) values. Why one float64 multiply is
+    exact: the product with the float64 reciprocal is within 2**-52 (relative) of
+    the true quotient t, whether or not XLA rewrites the division. A float32
+    rounding boundary is a midpoint m = M * 2**e with M odd and 2**24 <= M < 2**25;
+    with a = A * 2**i, d = D * 2**j (A, D < 2**24), a - m * d is a non-zero
+    multiple of 2**(e + j) (zero would need the odd part of A, < 2**24, to equal
+    M times the odd part of D), so t is at least 1 / (M * D) > 2**-49 (relative)
+    away from every boundary and both round to the same float32. Needs 64-bit
+    types on inside the trace (`x64`).
     """
-    return numerator / jax.lax.optimization_barrier(jnp.broadcast_to(denominator, numerator.shape))
+    return (numerator.astype(jnp.float64) * (1.0 / denominator.astype(jnp.float64))).astype(jnp.float32)
+
+
+def x64():
+    """The context the kernels must be traced and called in (float64 on, this thread only)."""
+    return jax.enable_x64(True)
+
+
+def _all_finite_hint(w: jax.Array) -> jax.Array:
+    # Any NaN or Inf makes a float sum NaN/Inf whatever the order of additions
+    # (a reduced max does not reliably carry a NaN); a huge finite weight can
+    # overflow it too, so a False here is confirmed exactly (`_all_finite`).
+    # The barrier keeps this reduction reading w itself, not a float32 copy shared with the max.
+    return jnp.isfinite(jnp.sum(jax.lax.optimization_barrier(w), dtype=jnp.float32))
+
+
+@jax.jit
+def _all_finite(w: jax.Array) -> jax.Array:
+    return jnp.all(jnp.isfinite(w))
 
 
 def _scale_floor(scale_dtype) -> float:
@@ -40,61 +78,163 @@ def _scale_floor(scale_dtype) -> float:
 def int8_codes_and_scales(w: jax.Array, scale_dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per output row: scale = absmax / 127 (rounded to scale_dtype), q = round_half_even(w / scale).
 
-    The third result says whether every value of w is finite.
+    The third result is False when w may hold NaN/Inf (see `_all_finite_hint`).
+    Call inside `x64()`.
     """
-    w32 = w.astype(jnp.float32)
-    absmax = jnp.max(jnp.abs(w32), axis=1, keepdims=True)
-    scale = jnp.maximum(exact_divide(absmax, jnp.float32(INT8_QMAX)), _scale_floor(scale_dtype))
+    # max|w| is exact in w's own dtype; reducing it there keeps XLA from materializing a float32 copy.
+    absmax = jnp.max(jnp.abs(w), axis=1, keepdims=True).astype(jnp.float32)
+    scale = jnp.maximum(f32_quotient(absmax, jnp.float32(INT8_QMAX)), _scale_floor(scale_dtype))
     scale = scale.astype(scale_dtype)
     # Divide by the scale exactly as loaders will multiply it back: the rounded one.
-    q = jnp.clip(jnp.round(exact_divide(w32, scale.astype(jnp.float32))), -INT8_QMAX, INT8_QMAX)
-    return q.astype(jnp.int8), scale, jnp.all(jnp.isfinite(w32))
+    q = jnp.clip(jnp.round(f32_quotient(w, scale)), -INT8_QMAX, INT8_QMAX)
+    return q.astype(jnp.int8), scale, _all_finite_hint(w)
 
 
-def _check_finite(finite: jax.Array) -> None:
-    # An explicit flag: XLA's vectorized max does not reliably carry a NaN into the scales.
-    if not bool(finite):
+def _bucket(count: int, full: int) -> int:
+    """The padded length of a tail chunk of `count` items: a power of two, at most `full`."""
+    return min(full, 1 << max(0, count - 1).bit_length())
+
+
+def _padded(part: np.ndarray, length: int) -> np.ndarray:
+    if part.shape[0] == length:
+        return part
+    out = np.zeros((length,) + part.shape[1:], part.dtype)
+    out[: part.shape[0]] = part
+    return out
+
+
+def _host_weight(w) -> np.ndarray:
+    w = np.asarray(w)
+    # float64 input is taken as float32, as JAX takes it with 64-bit types off.
+    return np.ascontiguousarray(w.astype(np.float32) if w.dtype == np.float64 else w)
+
+
+def _check_finite(w: np.ndarray, hints) -> None:
+    if all(bool(h) for h in hints):
+        return
+    with x64():
+        finite = bool(_all_finite(w))
+    if not finite:
         raise InvalidWeightError("the weight has NaN or Inf values")
 
 
 def quantize_int8(w, *, scale_dtype=None) -> QArray:
     """Symmetric per-output-channel int8 of a [out, in] weight; scale_dtype defaults to w's dtype.
 
+    Rows go through the kernel in chunks of a power-of-two row count (about
+    CHUNK_ELEMENTS values); a tail chunk is padded with zero rows, whose codes are dropped.
     Raises InvalidWeightError for NaN/Inf values.
     """
-    w = jnp.asarray(w)
+    w = _host_weight(w)
     if w.ndim != 2:
         raise ValueError(f"int8 quantization takes a 2-D [out, in] weight, got shape {tuple(w.shape)}")
     scale_dtype = jnp.dtype(scale_dtype if scale_dtype is not None else w.dtype)
-    q, scale, finite = int8_codes_and_scales(w, scale_dtype)
-    _check_finite(finite)
+    rows, cols = w.shape
+    step = 1 << max(0, (CHUNK_ELEMENTS // max(cols, 1)).bit_length() - 1)
+    q = np.empty((rows, cols), np.int8)
+    scale = np.empty((rows, 1), scale_dtype)
+    pending = []
+    with x64():
+        # Dispatch every chunk first: XLA runs them while later ones are still being handed over.
+        for start in range(0, rows, step):
+            part = w[start:start + step]
+            pending.append((start, part.shape[0], int8_codes_and_scales(
+                _padded(part, _bucket(part.shape[0], step)), scale_dtype)))
+        for start, count, (q_part, scale_part, _) in pending:
+            q[start:start + count] = np.asarray(q_part)[:count]
+            scale[start:start + count] = np.asarray(scale_part)[:count]
+        _check_finite(w, [hint for _, _, (_, _, hint) in pending])
     return QArray(qvalue=q, scale=scale, kind="int8", shape=w.shape, dtype=w.dtype)
 
 
+def _block_absmax(blocks: jax.Array) -> jax.Array:
+    # Halving elementwise maxima: XLA's CPU reduction over a short minor axis is far slower.
+    x = jnp.abs(blocks)
+    while x.shape[1] > 1:
+        half = x.shape[1] // 2
+        x = jnp.maximum(x[:, :half], x[:, half:])
+    return x[:, 0].astype(jnp.float32)
+
+
 @functools.partial(jax.jit, static_argnames=("block_size",))
-def nf4_codes_and_absmax(w: jax.Array, block_size: int = NF4_BLOCK_SIZE) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Row-major flattened NF4 codes (uint8, one per element), float32 absmax per block, and all-finite."""
-    flat = w.astype(jnp.float32).reshape(-1)
-    n = flat.shape[0]
-    nblocks = -(-n // block_size)
-    blocks = jnp.pad(flat, (0, nblocks * block_size - n)).reshape(nblocks, block_size)
-    absmax = jnp.max(jnp.abs(blocks), axis=1)
+def nf4_codes_and_absmax(flat: jax.Array, block_size: int = NF4_BLOCK_SIZE) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """NF4 codes (uint8, one per element) of whole blocks, float32 absmax per block, and a finite hint.
+
+    `flat` holds a whole number of blocks. Call inside `x64()`.
+    """
+    blocks = flat.reshape(-1, block_size)
+    if block_size & (block_size - 1) == 0:
+        absmax = _block_absmax(blocks)
+    else:
+        absmax = jnp.max(jnp.abs(blocks), axis=1).astype(jnp.float32)
     # An all-zero block normalizes to 0 (code 7, the level 0.0) instead of NaN.
-    normalized = exact_divide(blocks, jnp.where(absmax == 0, 1.0, absmax)[:, None])
-    thresholds = jnp.asarray(NF4_THRESHOLDS)
-    codes = jnp.sum(normalized[..., None] > thresholds, axis=-1, dtype=jnp.int32)
-    return codes.reshape(-1)[:n].astype(jnp.uint8), absmax, jnp.all(jnp.isfinite(flat))
+    normalized = f32_quotient(blocks, jnp.where(absmax == 0, 1.0, absmax)[:, None])
+    return nf4_codes(normalized).reshape(-1), absmax, _all_finite_hint(flat)
+
+
+def _pick(bits: list[jax.Array], table: list[float]) -> jax.Array:
+    # The table entry indexed by the bits read as a binary number, most significant first.
+    if not bits:
+        return jnp.float32(table[0])
+    half = len(table) // 2
+    return jnp.where(bits[0], _pick(bits[1:], table[half:]), _pick(bits[1:], table[:half]))
+
+
+def nf4_codes(normalized: jax.Array) -> jax.Array:
+    """The number of NF4 thresholds each value lies strictly above (its code), as uint8.
+
+    A branch-free binary search over the 15 sorted thresholds: four comparisons,
+    each against the threshold the bits found so far select, all in one fused
+    elementwise loop (cheaper than 15 comparisons, and a reduction over a
+    thresholds axis does not fuse at all).
+    """
+    bits: list[jax.Array] = []
+    for level in range(4):
+        step = 8 >> level
+        table = [float(NF4_THRESHOLDS[p * 2 * step + step - 1]) for p in range(1 << level)]
+        bits.append(normalized > _pick(bits, table))
+    return sum(bit.astype(jnp.uint8) << (3 - level) for level, bit in enumerate(bits)).astype(jnp.uint8)
+
+
+@jax.jit
+def pack_nf4_pairs(codes: jax.Array, valid: jax.Array) -> jax.Array:
+    """uint8 codes [2k] -> bytes [k], byte = (code[2i] << 4) | code[2i+1].
+
+    With an odd count `valid` of real codes, the low nibble after the last one is 0.
+    """
+    pairs = codes.reshape(-1, 2)
+    packed = (pairs[:, 0] << 4) | pairs[:, 1]
+    last = jnp.minimum(valid // 2, packed.shape[0] - 1)
+    return packed.at[last].set(jnp.where(valid % 2 == 1, packed[last] & 0xF0, packed[last]))
 
 
 def quantize_nf4(w, block_size: int = NF4_BLOCK_SIZE) -> QArray:
     """NF4 of a weight: absmax per block of `block_size` over the row-major flattened values.
 
-    Raises InvalidWeightError for NaN/Inf values.
+    The flat values go through the kernel in chunks of whole blocks (an even
+    count); a tail chunk is padded with zeros to a power-of-two number of blocks,
+    and the padding's codes and blocks are dropped (zeros do not change a partial
+    block's absmax). Raises InvalidWeightError for NaN/Inf values.
     """
-    w = jnp.asarray(w)
+    w = _host_weight(w)
     if w.size == 0:
         raise ValueError(f"NF4 quantization takes a non-empty weight, got shape {tuple(w.shape)}")
-    codes, absmax, finite = nf4_codes_and_absmax(w, block_size)
-    _check_finite(finite)
-    return QArray(qvalue=pack_nf4_codes(np.asarray(codes)), scale=absmax, kind="nf4",
-                  block_size=block_size, shape=w.shape, dtype=w.dtype)
+    flat = w.reshape(-1)
+    n = flat.size
+    unit = 2 * block_size  # whole blocks and whole bytes in every chunk
+    step = max(unit, CHUNK_ELEMENTS // unit * unit)
+    packed = np.empty(-(-n // 2), np.uint8)
+    absmax = np.empty(-(-n // block_size), np.float32)
+    pending = []
+    with x64():
+        for start in range(0, n, step):
+            part = flat[start:start + step]
+            length = unit * _bucket(-(-part.size // unit), step // unit)
+            codes, part_absmax, hint = nf4_codes_and_absmax(_padded(part, length), block_size)
+            pending.append((start, part.size, pack_nf4_pairs(codes, np.int32(part.size)), part_absmax, hint))
+        for start, count, part_packed, part_absmax, _ in pending:
+            packed[start // 2:(start + count + 1) // 2] = np.asarray(part_packed)[:(count + 1) // 2]
+            absmax[start // block_size:-(-(start + count) // block_size)] = (
+                np.asarray(part_absmax)[:-(-count // block_size)])
+        _check_finite(w, [item[-1] for item in pending])
+    return QArray(qvalue=packed, scale=absmax, kind="nf4", block_size=block_size, shape=w.shape, dtype=w.dtype)
