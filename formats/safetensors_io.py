@@ -1,8 +1,12 @@
 """Safetensors folders: a validating lazy reader and a streaming, byte-deterministic shard writer.
 
 The reader checks the index and every header before any tensor is touched, so a
-truncated or corrupt file is reported from its first few kilobytes; tensors are
-then read one at a time through memory-mapped `safe_open`.
+truncated or corrupt file is reported from its first few kilobytes; each file is
+also opened once with `safe_open` (the library's own checks), and tensors are
+then read one at a time with positional reads of the byte ranges the header
+gives, into fresh 64-byte-aligned arrays. Nothing stays mapped, so a pass over a
+large checkpoint keeps only the tensors still referenced in memory (the pages of
+a memory map would stay resident), and JAX can use the arrays without a copy.
 
 The writer emits each shard's header first and then the tensor bytes one at a
 time, hashing as it goes, so memory stays near one tensor whatever the model size.
@@ -16,6 +20,8 @@ import json
 import math
 import os
 import struct
+import sys
+import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -64,6 +70,7 @@ class SafetensorsCheckpoint:
         self._tensor_files = tensor_files
         self._headers = headers
         self._handles: dict[Path, object] = {}
+        self._lock = threading.Lock()
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensor_files
@@ -98,30 +105,69 @@ class SafetensorsCheckpoint:
         """The `__metadata__` of one of this checkpoint's files."""
         return dict(self._headers[Path(path)].metadata)
 
-    def get(self, name: str) -> np.ndarray:
-        """Read tensor `name` (only its bytes are touched: the file is memory-mapped)."""
-        path = self.file_of(name)
+    def _file(self, path: Path):
+        """An open unbuffered handle on one of the files, checked once by `safe_open`."""
         handle = self._handles.get(path)
         if handle is None:
             try:
-                handle = safe_open(str(path), framework="numpy")
+                with safe_open(str(path), framework="numpy"):
+                    pass
+                handle = open(path, "rb", buffering=0)
             except Exception as exc:  # the binding raises its own error types
                 raise FormatError(f"{path}: cannot open safetensors file ({exc})") from exc
             self._handles[path] = handle
+        return handle
+
+    def get(self, name: str) -> np.ndarray:
+        """Read tensor `name` into a new array (only its bytes are read; safe to call from threads)."""
+        path = self.file_of(name)
+        entry = self._entry(name)
+        with self._lock:
+            handle = self._file(path)
+        array = _aligned_bytes(entry.end - entry.begin)
+        offset = self._headers[path].data_start + entry.begin
         try:
-            return handle.get_tensor(name)
-        except Exception as exc:  # e.g. the file was cut short after it was opened
-            raise FormatError(f"{path}: cannot read tensor {name!r} ({exc})") from exc
+            done = 0
+            while done < array.size:
+                got = _read_at(handle, memoryview(array[done:]), offset + done, self._lock)
+                if not got:
+                    raise FormatError(f"{path}: cannot read tensor {name!r} (the file ends early; "
+                                      "re-download or re-create it)")
+                done += got
+        except OSError as exc:
+            raise FormatError(f"{path}: cannot read tensor {name!r} ({exc.strerror or exc})") from exc
+        tensor = array.view(entry.dtype).reshape(entry.shape)
+        # Safetensors bytes are little-endian; a big-endian host swaps them into native values.
+        return tensor if sys.byteorder == "little" else tensor.byteswap()
 
     def close(self) -> None:
-        """Drop the memory maps."""
-        self._handles.clear()
+        """Close the open files."""
+        with self._lock:
+            for handle in self._handles.values():
+                handle.close()
+            self._handles.clear()
 
     def __enter__(self) -> "SafetensorsCheckpoint":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _aligned_bytes(nbytes: int, alignment: int = 64) -> np.ndarray:
+    """A new uint8 array of `nbytes` whose data starts on an `alignment`-byte boundary."""
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start:start + nbytes]
+
+
+def _read_at(handle, buffer: memoryview, offset: int, lock: threading.Lock) -> int:
+    """Read into `buffer` from `offset` of an open file; returns the byte count (0 at the end)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(handle.fileno(), [buffer], offset)
+    with lock:  # seek + read share the handle's position
+        handle.seek(offset)
+        return handle.readinto(buffer)
 
 
 def open_checkpoint(folder) -> SafetensorsCheckpoint:
