@@ -71,6 +71,11 @@ def make_quantized_linear(quantized, scheme: str, backend: str = "auto"
         if name not in input_scales:
             input_scales[name] = quantized.input_scale(name) if scheme == "w8a8" else None
         y, plan = run_quantized_linear(x, q, bias, scheme, backend=backend, input_scale=input_scales[name])
+        if plan.interpret and not isinstance(y, jax.core.Tracer):
+            # Interpret mode runs the kernel through host callbacks that dispatch JAX
+            # ops themselves; letting the caller dispatch more work while they run
+            # can deadlock the CPU client, so an eager call finishes before returning.
+            y.block_until_ready()
         choices[name] = kernel_choice(plan)
         return y.astype(jnp.float32), choices[name]
 
