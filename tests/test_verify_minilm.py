@@ -1,0 +1,75 @@
+"""qconvert verify on the real all-MiniLM-L6-v2: int8, NF4 and smoothed W8A8 conversions pass through the
+Pallas kernels, and the pooled-output cosine equals transformers' on the decoded weights."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import minilm_path
+from safetensors.numpy import load_file
+from test_verify import dequantize_file, per_token_fake_quant, run_cli
+
+from qconvert.calib_data import load_calibration
+from qconvert.cli import main
+
+
+@pytest.fixture(scope="module")
+def minilm_conversions(tmp_path_factory):
+    root = tmp_path_factory.mktemp("minilm")
+    outs = {}
+    for scheme, extra in (("int8", ()), ("nf4", ()), ("w8a8", ("--calib-samples", "16", "--calib-seqlen", "128"))):
+        with pytest.raises(SystemExit) as exc:
+            main(["quantize", str(minilm_path()), "-o", str(root / scheme), "--scheme", scheme, "--quiet", *extra])
+        assert exc.value.code == 0
+        outs[scheme] = root / scheme
+    return outs
+
+
+def pooled(model, ids, pre_hooks=None):
+    with torch.no_grad():
+        hidden = model(input_ids=torch.tensor(ids, dtype=torch.long)).last_hidden_state.double().numpy()
+    return hidden.mean(axis=1)  # the windows have no padding
+
+
+def decoded_bert(folder, scheme):
+    """transformers BertModel with the folder's float tensors and decoded linear weights."""
+    from transformers import BertModel
+
+    model = BertModel.from_pretrained(str(minilm_path()), dtype=torch.float32).eval()
+    tensors = load_file(str(folder / "model.safetensors"))
+    state = model.state_dict()
+    for key in state:
+        if key in tensors and tensors[key].dtype.kind == "f":
+            state[key] = torch.tensor(tensors[key].astype(np.float32))
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.startswith("encoder."):
+            state[f"{name}.weight"] = torch.tensor(dequantize_file(tensors, name, scheme), dtype=torch.float32)
+            if scheme == "w8a8":
+                module.register_forward_pre_hook(lambda mod, args: (torch.tensor(
+                    per_token_fake_quant(args[0].double().reshape(-1, args[0].shape[-1]).numpy())
+                ).float().reshape(args[0].shape),))
+    model.load_state_dict(state)
+    return model
+
+
+@pytest.mark.parametrize("scheme", ["int8", "nf4", "w8a8"])
+def test_minilm_conversion_passes_and_pooled_cosine_matches_transformers(scheme, minilm_conversions, capsys):
+    from transformers import BertModel
+
+    folder = minilm_conversions[scheme]
+    code, out, err = run_cli(["verify", str(folder), "--quick", "--backend", "cpu", "--json", "-"], capsys)
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["passed"] and len(record["layers"]) == 36
+    assert all(r["kernel"]["pallas"] and r["kernel"]["name"].endswith("_mosaic") for r in record["layers"])
+    assert record["evaluation"]["source"] == "builtin"
+    config = json.loads((minilm_path() / "config.json").read_text())
+    ids = load_calibration("builtin", minilm_path(), config, samples=2, seqlen=32).input_ids
+    ref = pooled(BertModel.from_pretrained(str(minilm_path()), dtype=torch.float32).eval(), ids)
+    quant = pooled(decoded_bert(folder, scheme), ids)
+    cosines = (ref * quant).sum(1) / np.linalg.norm(ref, axis=1) / np.linalg.norm(quant, axis=1)
+    model = record["model"]
+    assert model["kind"] == "encoder"
+    assert model["pooled_cosine_min"] == pytest.approx(cosines.min(), abs=2e-4)
+    assert model["pooled_cosine_mean"] == pytest.approx(cosines.mean(), abs=2e-4)
