@@ -224,3 +224,34 @@ def test_whole_model_figures_match_transformers_with_decoded_weights(scheme, con
     assert model["mean_kl"] == pytest.approx(kl, rel=0.05)
     assert model["top1_agreement"] == pytest.approx((ref.argmax(-1) == quant.argmax(-1)).mean(), abs=1 / ids.size)
     assert model["perplexity_float"] == pytest.approx(np.exp(nll), rel=1e-4)
+
+
+def test_moe_experts_run_through_grouped_matmul_and_a_bad_expert_fails(tmp_path, capsys):
+    import hashlib
+
+    from checkpoints import make_mixtral_checkpoint
+    from safetensors.numpy import save_file
+
+    source = make_mixtral_checkpoint(tmp_path / "src", hidden=64, layers=1, intermediate=64)
+    out = tmp_path / "int8"
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", str(source), "-o", str(out), "--scheme", "int8", "--quiet"])
+    assert exc.value.code == 0
+    code, record, err = verify_json(out, capsys)
+    assert code == 0, err
+    experts = [r for r in record["layers"] if ".experts." in r["name"]]
+    assert len(experts) == 4 * 3
+    assert {r["kernel"]["name"] for r in experts} == {"grouped_matmul_mosaic"}
+    assert all(r["tokens"] > 0 for r in experts)  # every expert saw routed tokens
+
+    # One expert's scales doubled (hashes updated): that expert, and only it, fails.
+    bad = "model.layers.0.block_sparse_moe.experts.2.w1"
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors[f"{bad}.weight_scale"] = tensors[f"{bad}.weight_scale"] * 2
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    manifest = json.loads((out / "qconvert.json").read_text())
+    manifest["files"]["model.safetensors"] = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    (out / "qconvert.json").write_text(json.dumps(manifest))
+    code, record, _ = verify_json(out, capsys)
+    assert code == 1
+    assert [r["name"] for r in record["layers"] if not r["passed"]] == [bad]

@@ -15,7 +15,7 @@ import numpy as np
 
 from qconvert.formats import QArray
 from qconvert.models import forward_layerwise
-from qconvert.models.hooks import dense_linear
+from qconvert.models.hooks import dense_grouped_linear, dense_linear
 from qconvert.verify import metrics
 from qconvert.verify.kernel_path import QuantizedLinear
 from qconvert.verify.results import ModelResult
@@ -32,6 +32,17 @@ def kernel_linear_hook(quantized_linear: QuantizedLinear):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     return linear
+
+
+def kernel_grouped_hook(quantized_linear: QuantizedLinear):
+    """A models grouped hook: experts with QArray weights through grouped_matmul, float ones as before."""
+
+    def grouped_linear(names, x, weights, group_sizes):
+        if not all(isinstance(w, QArray) for w in weights):
+            return dense_grouped_linear(names, x, weights, group_sizes)
+        return quantized_linear.grouped(names, x, weights, group_sizes)
+
+    return grouped_linear
 
 
 def mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -89,7 +100,8 @@ def verify_model(model, reference: Mapping, converted: Mapping, input_ids, atten
     if float_output is None:
         float_output = forward_layerwise(model, reference, input_ids, mask, batch_size=batch_size, jit=jit)
     quant_output = forward_layerwise(model, converted, input_ids, mask, batch_size=batch_size,
-                                     linear=kernel_linear_hook(quantized_linear), jit=jit)
+                                     linear=kernel_linear_hook(quantized_linear),
+                                     grouped_linear=kernel_grouped_hook(quantized_linear), jit=jit)
     float_output, quant_output = np.asarray(float_output), np.asarray(quant_output)
     if causal_lm:
         return compare_causal_lm(float_output, quant_output, np.asarray(input_ids), mask, thresholds)
