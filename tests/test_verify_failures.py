@@ -188,3 +188,18 @@ def test_a_layer_that_fell_back_says_why_and_strict_fails_it(tmp_path, capsys):
     code, record, _ = verify(out, capsys, "--strict")
     assert code == 1
     assert any("pallas_kernel" in f for f in record["failures"])
+
+
+def test_a_source_changed_since_conversion_is_refused_unless_a_reference_is_given(tmp_path, capsys):
+    source = make_llama_checkpoint(tmp_path / "src", **TINY)
+    out = tmp_path / "int8"
+    with pytest.raises(SystemExit):
+        main(["quantize", str(source), "-o", str(out), "--scheme", "int8", "--quiet"])
+    original = tmp_path / "original"
+    shutil.copytree(source, original)
+    make_llama_checkpoint(source, **{**TINY, "seed": 1})  # the folder now holds another model
+    code, _, err = run_cli(["verify", str(out), "--quick", "--backend", "cpu"], capsys)
+    assert code == 2 and "model.safetensors: sha256 differs" in err
+    code, record, err = verify(out, capsys, "--reference", str(original))
+    assert code == 0, err
+    assert record["reference"]["from"] == "--reference"

@@ -21,7 +21,7 @@ from qconvert.hub import resolve_model
 from qconvert.models import build, read_tensors
 from qconvert.models.registry import architecture_for
 from qconvert.verify.integrity import (IntegrityResult, check_config, check_files, read_config,
-                                       read_record)
+                                       read_record, sha256_of)
 from qconvert.verify.kernel_path import make_quantized_linear
 from qconvert.verify.layers import smoothing_factors, verify_layers
 from qconvert.verify.model import verify_model
@@ -64,6 +64,15 @@ def evaluation_tokens(options: VerifyOptions, reference_folder: Path, config: di
     return load_calibration(calib, reference_folder, config, samples=samples, seqlen=seqlen)
 
 
+def check_source_unchanged(folder: Path, recorded: Mapping[str, str]) -> None:
+    """The recorded source still has the bytes it was converted from; UsageError naming the file if not."""
+    for name, digest in sorted(recorded.items()):
+        path = Path(folder) / name
+        if path.is_file() and sha256_of(path) != digest:
+            raise UsageError(f"the source {folder} changed since the conversion ({name}: sha256 differs "
+                             "from qconvert.json); pass --reference with the original float model")
+
+
 def _integrity_only(folder, scheme, options, thresholds, files, problems, started) -> VerifyReport:
     return VerifyReport(
         folder=str(folder), scheme=scheme, reference={}, backend=options.backend,
@@ -104,6 +113,8 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
         # A Hub source is pinned to the commit it was converted from; a local folder has no revision.
         revision = record.source_revision if record.raw.get("source", {}).get("is_hub") else None
     resolved = resolve_model(reference_id, revision)
+    if not options.reference:
+        check_source_unchanged(resolved.folder, record.raw.get("source", {}).get("files") or {})
     reference_ckpt = open_checkpoint(resolved.folder)
     problems = check_tensors(quantized, reference_ckpt, config)
     if problems:
