@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -21,7 +22,8 @@ from qconvert.output import (
     MANIFEST_NAME, check_output_free, copy_side_files, hash_in_background, side_files, staged_output, write_json,
 )
 from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
-from qconvert.quantize import quantize_int8, quantize_nf4
+from qconvert.prefetch import run_ahead
+from qconvert.quantize import all_finite as _all_finite_jax, quantize_int8, quantize_nf4
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
 # Options that change no output byte stay out of qconvert.json, so reruns with them stay identical.
@@ -137,7 +139,10 @@ def convert(
             source_hashes = hash_in_background(resolved.folder, input_files(resolved.folder, ckpt))
             with staged_output(out, options.overwrite) as staging:
                 stream = stream_tensors(ckpt, plan, options, weight_transform, input_scales or {}, progress)
-                files.update(write_shards(staging, plan.specs, stream, options.max_shard_size))
+                try:
+                    files.update(write_shards(staging, plan.specs, stream, options.max_shard_size))
+                finally:
+                    stream.close()  # stops the worker at once if writing failed
                 files.update(copy_side_files(resolved.folder, staging))
                 files["config.json"] = write_json(staging / "config.json",
                                                   quantized_config(resolved.config, plan, options))
@@ -164,32 +169,50 @@ def _check_input_scales(plan: ConversionPlan, input_scales: Mapping[str, float])
 
 
 def all_finite(array: np.ndarray, chunk_elements: int = 1 << 22) -> bool:
-    """Whether a float array has no NaN/Inf, checked in chunks so no full-size mask is allocated."""
+    """Whether a float array has no NaN/Inf (float64 in numpy chunks, so no full-size mask is allocated)."""
+    if np.dtype(array.dtype).name in FLOAT_WEIGHT_DTYPES:
+        return _all_finite_jax(array)
     flat = array.reshape(-1)
     return all(np.isfinite(flat[i:i + chunk_elements]).all() for i in range(0, flat.size, chunk_elements))
+
+
+def prefetch_limit(plan: ConversionPlan) -> int:
+    """Bytes of source tensors that may be in flight (read or quantized ahead, or being written) at once.
+
+    One largest tensor's worth: peak memory stays near the largest tensor, while
+    the linears of a layer (each a fraction of it) overlap their reads and
+    quantization with the writing of the ones before.
+    """
+    return max((t.source_bytes for t in plan.tensors), default=0)
 
 
 def stream_tensors(ckpt: SafetensorsCheckpoint, plan: ConversionPlan, options: ConvertOptions,
                    weight_transform, input_scales: Mapping[str, float],
                    progress: Progress | None) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, array) for every output tensor in plan order: read, transform, check, quantize, one at a time."""
+    """(name, array) for every output tensor in plan order.
+
+    Reading, transforming, checking and quantizing run on a worker thread a few
+    tensors ahead of the consumer (the shard writer), within `prefetch_limit` bytes.
+    """
     if progress is not None:
         progress.start(sum(t.source_bytes for t in plan.tensors), len(plan.tensors))
-    for planned in plan.tensors:
-        array = ckpt.get(planned.source)
-        if weight_transform is not None:
-            array = _transformed(planned, weight_transform(planned.source, array))
-        if planned.module is None:
-            if is_float_array(array) and not all_finite(array):
-                raise InvalidWeightError(f"{planned.source} has NaN or Inf values; fix the checkpoint")
-            yield planned.source, array
-        else:
-            tensors = quantized_tensors(planned, array, options, input_scales.get(planned.module))
-            del array
-            for spec in planned.specs:
-                yield spec.name, tensors.pop(spec.name)
-        if progress is not None:
-            progress.advance(planned.source_bytes)
+    tasks = ((planned.source_bytes, functools.partial(output_tensors, ckpt, planned, options, weight_transform,
+                                                      input_scales)) for planned in plan.tensors)
+    return run_ahead(tasks, prefetch_limit(plan), on_done=progress.advance if progress is not None else None)
+
+
+def output_tensors(ckpt: SafetensorsCheckpoint, planned: PlannedTensor, options: ConvertOptions,
+                   weight_transform, input_scales: Mapping[str, float]) -> list[tuple[str, np.ndarray]]:
+    """The (name, array) output tensors of one planned tensor: read, transform, check, quantize."""
+    array = ckpt.get(planned.source)
+    if weight_transform is not None:
+        array = _transformed(planned, weight_transform(planned.source, array))
+    if planned.module is None:
+        if is_float_array(array) and not all_finite(array):
+            raise InvalidWeightError(f"{planned.source} has NaN or Inf values; fix the checkpoint")
+        return [(planned.source, array)]
+    tensors = quantized_tensors(planned, array, options, input_scales.get(planned.module))
+    return [(spec.name, tensors.pop(spec.name)) for spec in planned.specs]
 
 
 def _transformed(planned: PlannedTensor, array) -> np.ndarray:
