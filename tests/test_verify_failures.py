@@ -203,3 +203,9 @@ def test_a_source_changed_since_conversion_is_refused_unless_a_reference_is_give
     code, record, err = verify(out, capsys, "--reference", str(original))
     assert code == 0, err
     assert record["reference"]["from"] == "--reference"
+
+
+@pytest.mark.skipif(__import__("jax").default_backend() == "tpu", reason="needs a machine without a TPU")
+def test_a_backend_the_machine_lacks_exits_2(converted, capsys):
+    code, _, err = run_cli(["verify", str(converted), "--backend", "tpu"], capsys)
+    assert code == 2 and "--backend tpu needs a TPU" in err

@@ -64,6 +64,16 @@ def evaluation_tokens(options: VerifyOptions, reference_folder: Path, config: di
     return load_calibration(calib, reference_folder, config, samples=samples, seqlen=seqlen)
 
 
+def check_backend(backend: str) -> None:
+    """--backend tpu/gpu needs that platform (cpu interprets the TPU kernels anywhere); UsageError if absent."""
+    platform = jax.default_backend()
+    if backend not in (AUTO, "cpu", "tpu", "gpu"):
+        raise UsageError(f"unknown --backend {backend!r}; choose auto, tpu, gpu or cpu")
+    if backend in ("tpu", "gpu") and platform.replace("cuda", "gpu").replace("rocm", "gpu") != backend:
+        raise UsageError(f"--backend {backend} needs a {backend.upper()}, but JAX runs on {platform}; "
+                         "use --backend auto or cpu")
+
+
 def check_source_unchanged(folder: Path, recorded: Mapping[str, str]) -> None:
     """The recorded source still has the bytes it was converted from; UsageError naming the file if not."""
     for name, digest in sorted(recorded.items()):
@@ -89,6 +99,7 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
     tensors, numbers) yields a failing report instead.
     """
     started = time.perf_counter()
+    check_backend(options.backend)
     folder = Path(folder)
     record = read_record(folder)
     thresholds = thresholds_for(record.scheme, **dict(options.thresholds))
