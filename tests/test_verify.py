@@ -132,7 +132,7 @@ def smoothing_of(src, conv, modules):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "nf4", "w8a8"])
-def test_correct_conversion_passes_and_layers_match_an_independent_computation(
+def test_correct_conversion_passes_and_its_figures_match_an_independent_computation(
         scheme, conversions, tiny_source, capsys):
     folder = conversions[scheme]
     code, record, err = verify_json(folder, capsys)
@@ -177,6 +177,7 @@ def test_correct_conversion_passes_and_layers_match_an_independent_computation(
     model = record["model"]
     assert model["kind"] == "causal_lm" and model["passed"]
     assert model["perplexity_ratio"] == pytest.approx(model["perplexity_quantized"] / model["perplexity_float"])
+    check_whole_model_against_transformers(record, scheme, conversions, tiny_source)
 
 
 def fake_quant_logits(source, conv, scheme, ids):
@@ -205,10 +206,8 @@ def fake_quant_logits(source, conv, scheme, ids):
     return logits
 
 
-@pytest.mark.parametrize("scheme", ["int8", "nf4", "w8a8"])
-def test_whole_model_figures_match_transformers_with_decoded_weights(scheme, conversions, tiny_source, capsys):
-    code, record, err = verify_json(conversions[scheme], capsys)
-    assert code == 0, err
+def check_whole_model_against_transformers(record, scheme, conversions, tiny_source):
+    """The whole-model figures equal transformers' float model vs the same with decoded weights."""
     ids = np.random.default_rng(0).integers(0, VOCAB, size=(QUICK_SAMPLES, QUICK_SEQLEN))
     from transformers import LlamaForCausalLM
 
