@@ -254,3 +254,29 @@ def test_moe_experts_run_through_grouped_matmul_and_a_bad_expert_fails(tmp_path,
     code, record, _ = verify_json(out, capsys)
     assert code == 1
     assert [r["name"] for r in record["layers"] if not r["passed"]] == [bad]
+
+
+def test_static_w8a8_uses_each_layers_input_scale(tiny_source, tmp_path, capsys):
+    out = tmp_path / "static"
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", str(tiny_source), "-o", str(out), "--scheme", "w8a8", "--act", "static", "--quiet",
+              "--calib", "random", "--calib-samples", "4", "--calib-seqlen", "32"])
+    assert exc.value.code == 0
+    code, record, err = verify_json(out, capsys)
+    assert code == 0, err
+    assert {r["kernel"]["name"] for r in record["layers"]} == {"int8_matmul_mosaic"}
+    # A static scale 100x too small clips nearly every activation: the check must catch it.
+    tensors = load_file(str(out / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.input_scale"
+    tensors[name] = tensors[name] / 100
+    from safetensors.numpy import save_file
+
+    import hashlib
+
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    manifest = json.loads((out / "qconvert.json").read_text())
+    manifest["files"]["model.safetensors"] = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    (out / "qconvert.json").write_text(json.dumps(manifest))
+    code, record, _ = verify_json(out, capsys)
+    assert code == 1
+    assert [r["name"] for r in record["layers"] if not r["passed"]] == ["model.layers.0.self_attn.q_proj"]
