@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from qconvert.kernels import gpu_dense, reference, tpu_dense
 from qconvert.kernels.checks import check_int8_matmul, check_int8_weight_matmul, check_nf4_matmul
-from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, select_kernel
+from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
 from qconvert.kernels.tiles import pad2d, round_up, split_even_odd_columns
 
 
@@ -24,10 +24,6 @@ def _padded(plan: KernelPlan, m: int, k: int, n: int, k_multiple: int = 1) -> tu
 def _col_vector(v, n: int, np_: int) -> jax.Array:
     v = jnp.zeros((n,), jnp.float32) if v is None else jnp.asarray(v, jnp.float32).reshape(-1)
     return pad2d(v.reshape(1, n), 1, np_)
-
-
-def _result(y, plan: KernelPlan, return_plan: bool):
-    return (y, plan) if return_plan else y
 
 
 def int8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32, backend: str = "auto",
@@ -42,7 +38,7 @@ def int8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32,
     m, k, n = check_int8_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype)
     plan = select_kernel(KernelProblem("int8_matmul", m, k, n, "int8", dtype_name(out_dtype)), backend, tiling)
     if plan.is_reference:
-        return _result(reference.int8_matmul_reference(x_q, w_q, x_scale, w_scale, bias=bias, out_dtype=out_dtype),
+        return plan_result(reference.int8_matmul_reference(x_q, w_q, x_scale, w_scale, bias=bias, out_dtype=out_dtype),
                        plan, return_plan)
     mp, kp, np_ = _padded(plan, m, k, n)
     x_scale = jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,)).reshape(m, 1)
@@ -50,7 +46,7 @@ def int8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32,
     y = kernel(pad2d(jnp.asarray(x_q), mp, kp), pad2d(jnp.asarray(w_q), np_, kp), pad2d(x_scale, mp, 1),
                _col_vector(w_scale, n, np_), _col_vector(bias, n, np_), tiling=plan.tiling,
                out_dtype=jnp.dtype(out_dtype), has_bias=bias is not None, interpret=plan.interpret)
-    return _result(y[:m, :n], plan, return_plan)
+    return plan_result(y[:m, :n], plan, return_plan)
 
 
 def int8_weight_matmul(x, w_q, w_scale, *, bias=None, out_dtype=jnp.float32, backend: str = "auto",
@@ -65,14 +61,14 @@ def int8_weight_matmul(x, w_q, w_scale, *, bias=None, out_dtype=jnp.float32, bac
     problem = KernelProblem("int8_weight_matmul", m, k, n, dtype_name(x.dtype), dtype_name(out_dtype))
     plan = select_kernel(problem, backend, tiling)
     if plan.is_reference:
-        return _result(reference.int8_weight_matmul_reference(x, w_q, w_scale, bias=bias, out_dtype=out_dtype),
+        return plan_result(reference.int8_weight_matmul_reference(x, w_q, w_scale, bias=bias, out_dtype=out_dtype),
                        plan, return_plan)
     mp, kp, np_ = _padded(plan, m, k, n)
     kernel = gpu_dense.int8_weight_matmul_gpu if plan.backend == "gpu" else tpu_dense.int8_weight_matmul_tpu
     y = kernel(pad2d(x, mp, kp), pad2d(jnp.asarray(w_q), np_, kp), _col_vector(w_scale, n, np_),
                _col_vector(bias, n, np_), tiling=plan.tiling, out_dtype=jnp.dtype(out_dtype),
                has_bias=bias is not None, interpret=plan.interpret)
-    return _result(y[:m, :n], plan, return_plan)
+    return plan_result(y[:m, :n], plan, return_plan)
 
 
 def nf4_operands(x, w_packed, absmax, n: int, k: int, mp: int, kp: int, np_: int):
@@ -105,10 +101,10 @@ def nf4_matmul(x, w_packed, absmax, *, shape, blocksize: int = 64, bias=None, ou
     if plan.is_reference:
         y = reference.nf4_matmul_reference(x, w_packed, absmax, shape=(n, k), blocksize=blocksize, bias=bias,
                                            out_dtype=out_dtype)
-        return _result(y, plan, return_plan)
+        return plan_result(y, plan, return_plan)
     mp, kp, np_ = _padded(plan, m, k, n, k_multiple=64)
     x_even, x_odd, w_bytes, block_absmax = nf4_operands(x, w_packed, absmax, n, k, mp, kp, np_)
     kernel = gpu_dense.nf4_matmul_gpu if plan.backend == "gpu" else tpu_dense.nf4_matmul_tpu
     y = kernel(x_even, x_odd, w_bytes, block_absmax, _col_vector(bias, n, np_), tiling=plan.tiling,
                out_dtype=jnp.dtype(out_dtype), has_bias=bias is not None, interpret=plan.interpret)
-    return _result(y[:m, :n], plan, return_plan)
+    return plan_result(y[:m, :n], plan, return_plan)

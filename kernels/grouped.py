@@ -15,7 +15,7 @@ from qconvert.errors import KernelArgumentError
 from qconvert.formats import QArray
 from qconvert.kernels import gpu_grouped, reference, tpu_grouped
 from qconvert.kernels.grouped_metadata import make_group_metadata
-from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, select_kernel
+from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
 from qconvert.kernels.tiles import round_up, split_even_odd_columns
 
 OP = "grouped_matmul"
@@ -112,12 +112,12 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
     if plan.is_reference:
         y = _grouped_reference(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, g_local, k, n, blocksize,
                                preferred_element_type, offset, transpose_rhs)
-        return (y, plan) if return_plan else y
+        return plan_result(y, plan, return_plan)
     if plan.backend == "gpu":
         y = gpu_grouped.run_grouped_matmul(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, offset=offset,
                                            num_local=g_local, n=n, tiling=plan.tiling,
                                            out_dtype=preferred_element_type, transpose_rhs=transpose_rhs)
-        return (y, plan) if return_plan else y
+        return plan_result(y, plan, return_plan)
     t = plan.tiling
     mp, kp, np_ = round_up(m, t.tm), round_up(k, t.tk), round_up(n, t.tn)
     metadata, num_tiles = make_group_metadata(group_sizes=group_sizes, m=mp, tm=t.tm, start_group=offset,
@@ -137,7 +137,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
         out_dtype=jnp.dtype(preferred_element_type), rhs_kind=rhs_kind, transpose_rhs=transpose_rhs,
         interpret=plan.interpret)[:m, :n]
     y = jnp.where(_local_rows(group_sizes, m, offset, g_local)[:, None], y, jnp.zeros_like(y))
-    return (y, plan) if return_plan else y
+    return plan_result(y, plan, return_plan)
 
 
 def _local_rows(group_sizes, m: int, offset: int, g_local: int) -> jax.Array:
@@ -195,11 +195,11 @@ def transposed_grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=j
         y = reference.transposed_grouped_matmul_reference(lhs, rhs, group_sizes,
                                                           preferred_element_type=preferred_element_type,
                                                           group_offset=offset, num_actual_groups=count)
-        return (y, plan) if return_plan else y
+        return plan_result(y, plan, return_plan)
     if plan.backend == "gpu":
         y = gpu_grouped.run_transposed_grouped_matmul(lhs, rhs, group_sizes, offset=offset, num_local=count,
                                                       tiling=plan.tiling, out_dtype=preferred_element_type)
-        return (y, plan) if return_plan else y
+        return plan_result(y, plan, return_plan)
     t = plan.tiling
     mp, kp, np_ = round_up(m, t.tm), round_up(k, t.tk), round_up(n, t.tn)
     metadata, num_tiles = make_group_metadata(group_sizes=group_sizes, m=mp, tm=t.tm, start_group=offset,
@@ -207,4 +207,4 @@ def transposed_grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=j
     y = tpu_grouped.transposed_grouped_matmul_tpu(
         metadata, jnp.full((1,), offset, jnp.int32), num_tiles.reshape(1), _pad(lhs, (kp, mp)), _pad(rhs, (mp, np_)),
         tiling=t, out_dtype=jnp.dtype(preferred_element_type), num_local=count, interpret=plan.interpret)
-    return (y[:, :k, :n], plan) if return_plan else y[:, :k, :n]
+    return plan_result(y[:, :k, :n], plan, return_plan)

@@ -222,3 +222,15 @@ def select_kernel(problem: KernelProblem, backend: str = "auto", tiling: Tiling 
 def dtype_name(dtype) -> str:
     """Canonical dtype name ('bfloat16', 'float32', ...) for KernelProblem fields."""
     return str(jnp.dtype(dtype))
+
+
+def plan_result(y, plan: KernelPlan, return_plan: bool):
+    """What an entry point returns: y, or (y, plan); an eager interpret-mode call finishes first.
+
+    Interpret mode runs the kernel through host callbacks that dispatch JAX ops
+    themselves; letting the caller dispatch more work while they still run can
+    deadlock the CPU client, so an eager interpreted call completes before it returns.
+    """
+    if plan.interpret and not isinstance(y, jax.core.Tracer):
+        y.block_until_ready()
+    return (y, plan) if return_plan else y
