@@ -2,6 +2,7 @@
 
     python bench/convert.py              # a 2 GB bf16 Llama-shaped checkpoint (the recorded run)
     python bench/convert.py --gb 0.2     # small, for a quick check
+    python bench/convert.py --rounds 3   # copy/int8/nf4 three times over, and the median ratios
 
 A synthetic bf16 checkpoint (hidden 2048, intermediate 5632, vocab 32000; as many
 layers as the size asks for) is written into a temporary folder. Then, in this
@@ -9,7 +10,9 @@ process, each of: copy (every tensor read and written back unchanged, the same
 reader and streaming writer), int8, NF4. Each line: seconds, MB/s of input, the
 ratio to the copy's MB/s, and the peak RSS (total, and anonymous memory alone:
 file-backed pages of the memory-mapped input count in RSS but are the page
-cache's, not allocations) sampled every 5 ms during that phase.
+cache's, not allocations) sampled every 5 ms during that phase. With --rounds,
+the three phases repeat in turn (so a busy spell on a shared machine hits them
+alike) and each ratio is taken against the copy of its own round.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -113,6 +117,7 @@ def copy_checkpoint(source: Path, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=2.0, help="checkpoint size in GB (bf16), default 2")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat copy/int8/nf4 this many times, default 1")
     parser.add_argument("--dir", default=None, help="where to put the temporary folders (default: system temp)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="qconvert-bench-", dir=args.dir))
@@ -125,23 +130,27 @@ def main() -> None:
         phases = [("copy", lambda out: copy_checkpoint(source, out)),
                   ("int8", lambda out: convert(str(source), out, ConvertOptions(scheme="int8"))),
                   ("nf4", lambda out: convert(str(source), out, ConvertOptions(scheme="nf4")))]
-        copy_rate = None
-        for name, run in [phases[0]] + phases:  # the first copy warms the page cache and is not reported
-            out = work / f"out-{name}"
+        ratios: dict[str, list[float]] = {"int8": [], "nf4": []}
+        # The first copy warms the page cache and is not reported.
+        for round_index, (name, run) in enumerate([(None, phases[0][1])] + phases * max(1, args.rounds)):
+            out = work / f"out-{round_index}"
             with PeakMemory() as memory:
                 start = time.perf_counter()
                 run(out)
                 seconds = time.perf_counter() - start
             shutil.rmtree(out)
-            rate = total / 1e6 / seconds
-            if copy_rate is None:
-                copy_rate = 0.0
+            if name is None:
                 continue
-            copy_rate = copy_rate or rate
+            rate = total / 1e6 / seconds
+            copy_rate = rate if name == "copy" else copy_rate
+            if name in ratios:
+                ratios[name].append(rate / copy_rate)
             limit = 1.5 * largest + 500e6
             print(f"{name:5s} {seconds:7.2f} s  {rate:8.1f} MB/s  {rate / copy_rate:5.2f}x copy  "
                   f"peak RSS {memory.peak_total / 1e6:7.0f} MB (anon {memory.peak_anon / 1e6:6.0f} MB; "
                   f"target < {limit / 1e6:.0f} MB)")
+        if args.rounds > 1:
+            print("median vs copy: " + ", ".join(f"{k} {statistics.median(v):.2f}x" for k, v in ratios.items()))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
