@@ -99,20 +99,25 @@ def int8_weight_matmul_gpu(x, w_q, w_scale, bias, *, tiling: Tiling, out_dtype, 
     )(x, w_q, w_scale, bias)
 
 
+def nf4_block_dot(acc, xe, xo, packed, scale):
+    """acc + one 64-code NF4 block's products: high nibbles meet xe, low nibbles meet xo.
+
+    Codes decode with the exact table, times the block's absmax in float32, cast
+    to the activation dtype; both products accumulate in float32.
+    """
+    w_high = (nf4_level(packed >> 4) * scale).astype(xe.dtype)
+    w_low = (nf4_level(packed & 0xF) * scale).astype(xe.dtype)
+    acc = acc + jax.lax.dot_general(xe, w_high, NT_DIMS, preferred_element_type=jnp.float32, precision=HIGHEST)
+    return acc + jax.lax.dot_general(xo, w_low, NT_DIMS, preferred_element_type=jnp.float32, precision=HIGHEST)
+
+
 def _nf4_kernel(xe_ref, xo_ref, w_ref, a_ref, b_ref, o_ref, *, has_bias):
     half = NF4_BLOCK // 2  # one 64-block = 32 bytes = 32 high and 32 low codes
 
     def step(blk, acc):
         cols = pl.ds(pl.multiple_of(blk * half, half), half)
         packed = w_ref[:, cols].astype(jnp.int32)
-        scale = a_ref[:, pl.ds(blk, 1)]
-        xe = xe_ref[:, cols]
-        w_high = (nf4_level(packed >> 4) * scale).astype(xe.dtype)
-        w_low = (nf4_level(packed & 0xF) * scale).astype(xe.dtype)
-        acc = acc + jax.lax.dot_general(xe, w_high, NT_DIMS, preferred_element_type=jnp.float32,
-                                        precision=HIGHEST)
-        return acc + jax.lax.dot_general(xo_ref[:, cols], w_low, NT_DIMS,
-                                         preferred_element_type=jnp.float32, precision=HIGHEST)
+        return nf4_block_dot(acc, xe_ref[:, cols], xo_ref[:, cols], packed, a_ref[:, pl.ds(blk, 1)])
 
     acc = jax.lax.fori_loop(0, a_ref.shape[1], step, jnp.zeros(o_ref.shape, jnp.float32))
     if has_bias:

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from qconvert.kernels.tiles import Tiling, nf4_level, round_up, split_even_odd_columns
+from qconvert.kernels.gpu_dense import nf4_block_dot
+from qconvert.kernels.tiles import Tiling, round_up, split_even_odd_columns
 
 NN_DIMS = (((1,), (0,)), ((), ()))
 NT_DIMS = (((1,), (1,)), ((), ()))
@@ -80,14 +81,7 @@ def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rh
             def step(blk, acc):
                 cols = pl.ds(pl.multiple_of(blk * NF4_HALF_BLOCK, NF4_HALF_BLOCK), NF4_HALF_BLOCK)
                 packed = w_ref[g, :, cols].astype(jnp.int32)
-                scale = a_ref[g, :, pl.ds(blk, 1)]
-                xe = xe_ref[:, cols]
-                w_high = (nf4_level(packed >> 4) * scale).astype(xe.dtype)
-                w_low = (nf4_level(packed & 0xF) * scale).astype(xe.dtype)
-                acc = acc + jax.lax.dot_general(xe, w_high, NT_DIMS, preferred_element_type=jnp.float32,
-                                                precision=HIGHEST)
-                return acc + jax.lax.dot_general(xo_ref[:, cols], w_low, NT_DIMS,
-                                                 preferred_element_type=jnp.float32, precision=HIGHEST)
+                return nf4_block_dot(acc, xe_ref[:, cols], xo_ref[:, cols], packed, a_ref[g, :, pl.ds(blk, 1)])
 
             return step, a_ref.shape[2]
 
