@@ -23,7 +23,8 @@ from qconvert.output import (
 )
 from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
 from qconvert.prefetch import run_ahead
-from qconvert.quantize import all_finite as _all_finite_jax, quantize_int8, quantize_nf4
+from qconvert.quantize import CHUNK_ELEMENTS, quantize_int8, quantize_nf4
+from qconvert.quantize import all_finite as _all_finite_jax
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
 # Options that change no output byte stay out of qconvert.json, so reruns with them stay identical.
@@ -169,11 +170,17 @@ def _check_input_scales(plan: ConversionPlan, input_scales: Mapping[str, float])
 
 
 def all_finite(array: np.ndarray, chunk_elements: int = 1 << 22) -> bool:
-    """Whether a float array has no NaN/Inf (float64 in numpy chunks, so no full-size mask is allocated)."""
-    if np.dtype(array.dtype).name in FLOAT_WEIGHT_DTYPES:
-        return _all_finite_jax(array)
-    flat = array.reshape(-1)
-    return all(np.isfinite(flat[i:i + chunk_elements]).all() for i in range(0, flat.size, chunk_elements))
+    """Whether a float array has no NaN/Inf, checked in chunks so no full-size mask is allocated.
+
+    Whole kernel chunks of float32/16/bf16 go through the jitted check; the rest
+    (small tensors, a tail, float64) through numpy, so no kernel is compiled per size.
+    """
+    flat = np.ascontiguousarray(array).reshape(-1)
+    head = flat.size - flat.size % CHUNK_ELEMENTS if np.dtype(flat.dtype).name in FLOAT_WEIGHT_DTYPES else 0
+    if head and not _all_finite_jax(flat[:head]):
+        return False
+    rest = flat[head:]
+    return all(np.isfinite(rest[i:i + chunk_elements]).all() for i in range(0, rest.size, chunk_elements))
 
 
 def prefetch_limit(plan: ConversionPlan) -> int:

@@ -105,3 +105,14 @@ def test_nan_or_inf_in_a_padded_tail_chunk_is_refused(monkeypatch, bad):
     for quantize in (quantize_int8, quantize_nf4):
         with pytest.raises(InvalidWeightError, match="NaN or Inf"):
             quantize(w)
+
+
+@pytest.mark.parametrize("index", [5, (1 << 20) + 3])
+def test_the_float_tensor_check_sees_nan_in_whole_chunks_and_in_the_tail(index):
+    from qconvert.convert import all_finite as float_tensor_finite
+
+    w = np.ones((1 << 20) + 7, ml_dtypes.bfloat16)
+    assert float_tensor_finite(w)
+    w[index] = np.nan
+    assert not float_tensor_finite(w)
+    assert not float_tensor_finite(np.where(np.arange(9) == 4, np.inf, 1.0))  # float64: numpy only
