@@ -341,7 +341,7 @@ class QuantizedCheckpoint:
                       shape=shape, dtype=dtype)
 
     def close(self) -> None:
-        """Drop the memory maps."""
+        """Close the checkpoint's open files."""
         self.checkpoint.close()
 
 
