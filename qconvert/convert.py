@@ -144,6 +144,7 @@ def convert(
                     files.update(write_shards(staging, plan.specs, stream, options.max_shard_size))
                 finally:
                     stream.close()  # stops the worker at once if writing failed
+                    ckpt.close()
                 files.update(copy_side_files(resolved.folder, staging))
                 files["config.json"] = write_json(staging / "config.json",
                                                   quantized_config(resolved.config, plan, options))
