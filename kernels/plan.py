@@ -98,6 +98,11 @@ def resolve_backend(backend: str) -> str:
     return "cpu"
 
 
+def _decodes_nf4(problem: KernelProblem) -> bool:
+    """Whether the kernel for the problem decodes NF4 weights (which constrains its K tiling)."""
+    return problem.op == "nf4_matmul" or (problem.op == "grouped_matmul" and problem.rhs_kind == "nf4")
+
+
 def _gpu_rows(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
 
@@ -112,7 +117,7 @@ def default_tiling(problem: KernelProblem, backend: str) -> Tiling:
     tiles of at least 16; small M (decode) uses narrow N tiles for more programs.
     """
     m, k, n, op = problem.m, problem.k, problem.n, problem.op
-    nf4 = op == "nf4_matmul" or (op == "grouped_matmul" and problem.rhs_kind == "nf4")
+    nf4 = _decodes_nf4(problem)
     if backend == "gpu":
         if op == "transposed_grouped_matmul":
             # M is the contraction here, walked in row chunks; the output tile is tk x tn.
@@ -135,7 +140,7 @@ def default_tiling(problem: KernelProblem, backend: str) -> Tiling:
 
 def check_tiling(problem: KernelProblem, backend: str, tiling: Tiling) -> None:
     """Raise KernelArgumentError when a requested tiling breaks the backend's layout rules."""
-    nf4 = problem.op == "nf4_matmul" or (problem.op == "grouped_matmul" and problem.rhs_kind == "nf4")
+    nf4 = _decodes_nf4(problem)
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
     if min(tm, tk, tn) <= 0:
         raise KernelArgumentError(f"tile sizes must be positive, got {tiling}")
@@ -176,8 +181,8 @@ def _reference_plan(problem: KernelProblem, reason: str | None) -> KernelPlan:
                       fallback_reason=reason)
 
 
-def _fallback_reason(problem: KernelProblem, backend: str) -> str | None:
-    nf4 = problem.op == "nf4_matmul" or (problem.op == "grouped_matmul" and problem.rhs_kind == "nf4")
+def _fallback_reason(problem: KernelProblem) -> str | None:
+    nf4 = _decodes_nf4(problem)
     if nf4 and problem.blocksize != NF4_BLOCK:
         return f"the NF4 kernels decode blocks of {NF4_BLOCK}, not {problem.blocksize}"
     if nf4 and problem.k % NF4_BLOCK:
@@ -202,7 +207,7 @@ def select_kernel(problem: KernelProblem, backend: str = "auto", tiling: Tiling 
     resolved = resolve_backend(backend)
     if resolved == "reference":
         return _reference_plan(problem, None)
-    reason = _fallback_reason(problem, resolved)
+    reason = _fallback_reason(problem)
     if reason:
         return _reference_plan(problem, reason)
     kernel_backend = "gpu" if resolved == "gpu" else "tpu"
