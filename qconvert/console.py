@@ -10,6 +10,7 @@ from rich.table import Table
 
 from qconvert.convert import ConvertResult
 from qconvert.inspection import InspectReport
+from qconvert.plan import UNCHANGED
 
 
 def human_bytes(n: float) -> str:
@@ -59,7 +60,7 @@ def print_convert_result(result: ConvertResult, console: Console) -> None:
     verb = "would write" if result.dry_run else f"wrote {result.out}:"
     console.print(
         f"{verb} {len(result.quantized_modules)} {result.scheme} linears, "
-        f"{sum(t.module is None for t in result.tensors)} float tensors; "
+        f"{sum(t.module is None for t in result.tensors)} tensors unchanged; "
         f"{human_bytes(result.input_bytes)} -> {human_bytes(result.output_bytes)} "
         f"({result.compression_ratio:.2f}x smaller) in {result.seconds:.1f} s"
     )
@@ -73,8 +74,8 @@ def print_inspect_report(report: InspectReport, console: Console) -> None:
     for t in report.tensors:
         table.add_row(t.name, t.kind, "x".join(map(str, t.shape)), t.dtype, human_bytes(t.stored_bytes))
     console.print(table)
-    quantized = sum(t.kind != "float" for t in report.tensors)
-    console.print(f"{quantized} quantized linears, {len(report.tensors) - quantized} float tensors; "
+    quantized = sum(t.kind != UNCHANGED for t in report.tensors)
+    console.print(f"{quantized} quantized linears, {len(report.tensors) - quantized} tensors unchanged; "
                   f"{human_bytes(report.stored_bytes)} stored for {human_bytes(report.float_bytes)} of float "
                   f"weights ({report.compression_ratio:.2f}x)")
     if report.hashes_ok is None:

@@ -95,7 +95,7 @@ class ConvertResult:
         return {
             "out": str(self.out) if self.out else None, "source": self.source, "scheme": self.scheme,
             "dry_run": self.dry_run, "quantized_modules": len(self.quantized_modules),
-            "float_tensors": sum(t.module is None for t in self.tensors),
+            "unchanged_tensors": sum(t.module is None for t in self.tensors),
             "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
             "compression_ratio": round(self.compression_ratio, 4), "seconds": round(self.seconds, 3),
             "files": self.files,

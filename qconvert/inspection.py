@@ -15,16 +15,17 @@ from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.safetensors_io import sha256_file
 from qconvert.output import MANIFEST_NAME
+from qconvert.plan import UNCHANGED
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorRow:
-    """A quantized linear (kind = scheme) or a float tensor (kind = "float")."""
+    """A quantized linear (kind = scheme) or a tensor stored as the source held it (kind = UNCHANGED)."""
 
     name: str
     kind: str
     shape: tuple[int, ...]
-    dtype: str  # the float dtype it stands for
+    dtype: str  # the dtype it stands for (a quantized linear's float dtype)
     stored_bytes: int
 
     @property
@@ -78,8 +79,8 @@ class InspectReport:
         """The machine-readable form `inspect --json` prints."""
         return {
             "folder": str(self.folder), "scheme": self.scheme,
-            "quantized_modules": sum(t.kind != "float" for t in self.tensors),
-            "float_tensors": sum(t.kind == "float" for t in self.tensors),
+            "quantized_modules": sum(t.kind != UNCHANGED for t in self.tensors),
+            "unchanged_tensors": sum(t.kind == UNCHANGED for t in self.tensors),
             "stored_bytes": self.stored_bytes, "float_bytes": self.float_bytes,
             "compression_ratio": round(self.compression_ratio, 4), "hashes_ok": self.hashes_ok,
             "files": [{"name": f.name, "expected": f.expected, "actual": f.actual, "ok": f.ok} for f in self.files],
@@ -121,7 +122,7 @@ def _tensor_rows(qc) -> list[TensorRow]:
                      if n.startswith(module + ".weight") or n == module + ".input_scale")
         rows.append(TensorRow(module, qc.scheme, q.shape, q.dtype, stored))
     for name in qc.float_names:
-        rows.append(TensorRow(name, "float", ckpt.shape(name), ckpt.dtype(name).name, ckpt.nbytes(name)))
+        rows.append(TensorRow(name, UNCHANGED, ckpt.shape(name), ckpt.dtype(name).name, ckpt.nbytes(name)))
     return sorted(rows, key=lambda r: r.name)
 
 

@@ -21,6 +21,8 @@ from qconvert.formats.safetensors_io import SafetensorsCheckpoint, TensorSpec
 from qconvert.models.registry import Architecture
 
 FLOAT_WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+# The kind of a tensor written as the source holds it (float or not: int64 position_ids too).
+UNCHANGED = "unchanged"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -51,7 +53,7 @@ class PlannedTensor:
 
     source: str  # the source tensor name; for a quantized linear, its `.weight`
     module: str | None  # set for a quantized linear
-    kind: str  # "float", or the scheme for a quantized linear
+    kind: str  # UNCHANGED, or the scheme for a quantized linear
     shape: tuple[int, ...]
     source_dtype: str
     source_bytes: int
@@ -149,7 +151,7 @@ def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: A
             tensors.append(PlannedTensor(name, module, scheme, shape, dtype.name, ckpt.nbytes(name), tuple(specs)))
         else:
             spec = TensorSpec(name, dtype, shape)
-            tensors.append(PlannedTensor(name, None, "float", shape, dtype.name, ckpt.nbytes(name), (spec,)))
+            tensors.append(PlannedTensor(name, None, UNCHANGED, shape, dtype.name, ckpt.nbytes(name), (spec,)))
     # Loaders build an lm_head whether or not it is stored (tied), so it is named unless quantized.
     ignore = sorted(set(_linear_candidates(ckpt)) - set(modules) - {"lm_head"})
     if "lm_head" not in modules:

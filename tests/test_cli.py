@@ -211,6 +211,7 @@ def test_json_summary_and_inspect_json(source, tmp_path, capsys):
     report = json.loads(stdout)
     assert exit_code == 0 and report["scheme"] == "nf4" and report["hashes_ok"] is True
     assert report["quantized_modules"] == 14 and report["stored_bytes"] == summary["output_bytes"]
+    assert report["unchanged_tensors"] == summary["unchanged_tensors"] == len(report["tensors"]) - 14
 
 
 def test_inspect_exits_1_when_a_file_changed(source, tmp_path, capsys):
@@ -218,7 +219,7 @@ def test_inspect_exits_1_when_a_file_changed(source, tmp_path, capsys):
     run(["quantize", str(source), "-o", str(out), "--quiet"], capsys)
     (out / "config.json").write_text((out / "config.json").read_text() + " ")
     exit_code, stdout, _ = run(["inspect", str(out)], capsys)
-    assert exit_code == 1 and "config.json" in stdout and "differs" in stdout
+    assert exit_code == 1 and "config.json" in stdout and "differs" in stdout and "unchanged" in stdout
 
 
 def test_inspect_missing_folder_exits_3(tmp_path, capsys):

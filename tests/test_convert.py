@@ -175,7 +175,7 @@ def test_dry_run_writes_nothing_and_predicts_the_size(llama_bf16, tmp_path):
     real = convert(str(llama_bf16), tmp_path / "out", ConvertOptions(scheme="nf4"))
     data_bytes = sum(a.nbytes for a in read_folder(tmp_path / "out").values())
     assert planned.output_bytes == real.output_bytes == data_bytes
-    assert {t.kind for t in planned.tensors} == {"nf4", "float"}
+    assert {t.kind for t in planned.tensors} == {"nf4", "unchanged"}
 
 
 def test_minilm_round_trips_within_each_scheme_bound(tmp_path):
@@ -199,6 +199,13 @@ def test_minilm_round_trips_within_each_scheme_bound(tmp_path):
                 absmax = np.repeat(numpy_nf4(w)[1], 64)[: w.size].reshape(w.shape)
                 assert np.all(np.abs(deq - w) <= absmax * np.max(np.diff(LEVELS)) / 2 * (1 + 1e-5))
         assert "pooler.dense.weight" in qc.float_names
+        # int64 position_ids pass through as they are: inspect calls them unchanged, not float.
+        report = inspect_checkpoint(out)
+        kinds = {t["name"]: (t["kind"], t["dtype"]) for t in report.summary()["tensors"]}
+        assert kinds["embeddings.position_ids"] == ("unchanged", "int64")
+        assert kinds["pooler.dense.weight"] == ("unchanged", "float32")
+        assert kinds["encoder.layer.0.attention.self.query"] == (scheme, "float32")
+        assert {t.kind for t in report.tensors} == {scheme, "unchanged"}
         ignore = json.loads((out / "config.json").read_text())["quantization_config"]
         assert "pooler.dense" in (ignore.get("ignore") or ignore.get("llm_int8_skip_modules"))
 
