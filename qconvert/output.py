@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import hashlib
 import json
 import os
 import shutil
@@ -92,9 +93,10 @@ def copy_side_files(source: Path, out: Path) -> dict[str, str]:
 
 def write_json(path: Path, data: Any) -> str:
     """Write JSON deterministically (2-space indent, newline at the end); returns its sha256."""
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    raw = (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    path.write_bytes(raw)
     os.chmod(path, 0o644)
-    return sha256_file(path)
+    return hashlib.sha256(raw).hexdigest()  # of the bytes just written, not read back
 
 
 def source_file_hashes(folder: Path, names: list[str]) -> dict[str, str]:
