@@ -33,7 +33,7 @@ SAMPLE_ROWS = 512  # tokens kept per linear input for --alpha auto
 
 
 class CheckpointParams(Mapping):
-    """A read-only Mapping view of a checkpoint: tensors are read (memory-mapped) when asked for."""
+    """A read-only Mapping view of a checkpoint: each tensor is read from its shard when asked for."""
 
     def __init__(self, checkpoint: SafetensorsCheckpoint):
         self.checkpoint = checkpoint
@@ -43,7 +43,11 @@ class CheckpointParams(Mapping):
             raise KeyError(name)
         return self.checkpoint.get(name)
 
-    def __iter__(self):
+    def __contains__(self, name: object) -> bool:
+        # Mapping's default would read the whole tensor just to answer `in`.
+        return name in self.checkpoint
+
+    def __iter__(self) -> Iterator[str]:
         return iter(self.checkpoint.tensor_names)
 
     def __len__(self) -> int:

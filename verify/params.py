@@ -1,8 +1,9 @@
 """The float reference and the converted folder as model params, and the tensor-level consistency check.
 
-The models take any Mapping from checkpoint tensor name to array; these two
-read lazily from the memory-mapped shards, and the converted one hands out a
-QArray under "<module>.weight" for every quantized linear.
+The models take any Mapping from checkpoint tensor name to array; both read
+each tensor from its shard only when asked for (the reference through
+calibrate's CheckpointParams), and the converted one hands out a QArray under
+"<module>.weight" for every quantized linear.
 """
 
 from __future__ import annotations
@@ -12,30 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from qconvert.calibrate import CheckpointParams  # the reference side; run.py and bench import it here
 from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import NF4_STATE_SUFFIX, linear_tensor_specs
 from qconvert.models.registry import architecture_for
-
-
-class CheckpointParams(Mapping):
-    """A SafetensorsCheckpoint as a lazy name -> numpy array Mapping."""
-
-    def __init__(self, checkpoint):
-        self.checkpoint = checkpoint
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self.checkpoint:
-            raise KeyError(name)
-        return self.checkpoint.get(name)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.checkpoint
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.checkpoint.tensor_names)
-
-    def __len__(self) -> int:
-        return len(self.checkpoint.tensor_names)
 
 
 class QuantizedParams(Mapping):
