@@ -130,17 +130,19 @@ def expand_block_scales(absmax_chunk: jax.Array, lane_block: jax.Array) -> jax.A
     return scale
 
 
-def _nf4_kernel(xe_ref, xo_ref, w_ref, a_ref, b_ref, o_ref, acc_ref, *, chunk: int, has_bias):
-    @pl.when(pl.program_id(2) == 0)
-    def _init():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+def nf4_tile_dot(acc, xe_ref, xo_ref, w_ref, a_ref):
+    """acc + one tile's products: packed NF4 bytes w_ref [tn, tile_bytes] with absmax a_ref [tn, tile_bytes/32].
 
+    High nibbles meet xe_ref, low nibbles xo_ref. Codes decode with the exact
+    table times the block absmax in float32, cast to the activation dtype; both
+    products accumulate in float32.
+    """
     tn, tile_bytes = w_ref.shape
+    chunk = min(NF4_CHUNK_BYTES, tile_bytes)
     compute_dtype = xe_ref.dtype
     # A shift, not //: floor division lowers through sign(), whose TPU lowering
     # needs the chip at hand; the shift is cheaper and lowers anywhere.
     lane_block = jax.lax.broadcasted_iota(jnp.int32, (tn, chunk), 1) >> 5
-    acc = acc_ref[...]
     # Decode a chunk at a time so the float weight planes in VMEM stay small.
     for c in range(tile_bytes // chunk):
         cols = slice(c * chunk, (c + 1) * chunk)
@@ -152,7 +154,15 @@ def _nf4_kernel(xe_ref, xo_ref, w_ref, a_ref, b_ref, o_ref, acc_ref, *, chunk: i
                                    preferred_element_type=jnp.float32, precision=HIGHEST)
         acc += jax.lax.dot_general(xo_ref[:, cols], w_low, NT_DIMS,
                                    preferred_element_type=jnp.float32, precision=HIGHEST)
-    acc_ref[...] = acc
+    return acc
+
+
+def _nf4_kernel(xe_ref, xo_ref, w_ref, a_ref, b_ref, o_ref, acc_ref, *, has_bias):
+    @pl.when(pl.program_id(2) == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    acc_ref[...] = nf4_tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, a_ref)
 
     @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
     def _store():
@@ -170,9 +180,8 @@ def nf4_matmul_tpu(x_even, x_odd, w_bytes, absmax, bias, *, tiling: Tiling, out_
     np_, kp_half = w_bytes.shape
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
     grid, out_spec, _, col_vec = _grid_specs(tiling, mp, np_, 2 * kp_half)
-    chunk = min(NF4_CHUNK_BYTES, tk // 2)
     return pl.pallas_call(
-        functools.partial(_nf4_kernel, chunk=chunk, has_bias=has_bias),
+        functools.partial(_nf4_kernel, has_bias=has_bias),
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=0, grid=grid,

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from qconvert.kernels.tiles import Tiling, nf4_level
-from qconvert.kernels.tpu_dense import NF4_CHUNK_BYTES, expand_block_scales
+from qconvert.kernels.tiles import Tiling
+from qconvert.kernels.tpu_dense import nf4_tile_dot
 
 NN_DIMS = (((1,), (0,)), ((), ()))
 NT_DIMS = (((1,), (1,)), ((), ()))
@@ -53,19 +53,7 @@ def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *
     @pl.when(live)
     def _accumulate():
         if rhs_kind == "nf4":
-            tn, tile_bytes = w_ref.shape
-            chunk = min(NF4_CHUNK_BYTES, tile_bytes)
-            lane_block = jax.lax.broadcasted_iota(jnp.int32, (tn, chunk), 1) >> 5
-            acc = acc_ref[...]
-            for c in range(tile_bytes // chunk):
-                cols = slice(c * chunk, (c + 1) * chunk)
-                packed = w_ref[:, cols].astype(jnp.int32)
-                scale = expand_block_scales(a_ref[:, c * chunk // 32:(c + 1) * chunk // 32], lane_block)
-                for x_ref_half, codes in ((xe_ref, packed >> 4), (xo_ref, packed & 0xF)):
-                    w = (nf4_level(codes) * scale).astype(x_ref_half.dtype)
-                    acc += jax.lax.dot_general(x_ref_half[:, cols], w, NT_DIMS,
-                                               preferred_element_type=jnp.float32, precision=HIGHEST)
-            acc_ref[...] = acc
+            acc_ref[...] = nf4_tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, a_ref)
         else:
             x = x_ref[...]
             w = w_ref[...].astype(x.dtype)
