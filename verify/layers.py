@@ -36,7 +36,6 @@ from qconvert.verify.results import LayerResult
 from qconvert.verify.thresholds import Thresholds, check
 
 
-
 @dataclasses.dataclass(frozen=True)
 class SmoothingFactors:
     """Where the converted model differs from the reference by smoothing, per quantized linear.
@@ -100,10 +99,6 @@ def smoothing_factors(arch: Architecture, config: Mapping[str, Any], reference: 
     return SmoothingFactors(inputs, outputs)
 
 
-def _capture(name: str, x, valid):
-    return x, valid
-
-
 def captured_inputs(observed: Mapping[str, list], modules: set[str]) -> dict[str, np.ndarray]:
     """{module: float32 [rows, in]} of the real-token rows of each captured input."""
     inputs = {}
@@ -141,7 +136,7 @@ def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, atte
     final_hidden = None
 
     def observe(name, x, valid):
-        return _capture(name, x, valid) if name in wanted else None
+        return (x, valid) if name in wanted else None
 
     # Eager layers: the float ops are cheap, and each kernel compiles once per
     # shape and is reused by the whole-model pass (same token count), where

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import jax.numpy as jnp
 import numpy as np
 
 from qconvert.formats import QArray

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert.calib_data import BUILTIN, RANDOM, load_calibration
-from qconvert.errors import InvalidCheckpointError, UsageError
+from qconvert.errors import UsageError
 from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.safetensors_io import open_checkpoint
