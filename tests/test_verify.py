@@ -1,13 +1,14 @@
 """qconvert verify on correct conversions: it passes, runs the Pallas kernels, and its per-layer
 figures equal an independent computation (transformers for the activations, numpy for the rest)."""
 
+import hashlib
 import json
 
 import numpy as np
 import pytest
 import torch
 from checkpoints import make_llama_checkpoint
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 from qconvert.cli import main
 
@@ -23,6 +24,16 @@ VOCAB = 128
 # One linear shape per role kept small: every q/o/gate/up/down is 64x64, k/v 32x64.
 TINY = dict(hidden=64, layers=1, heads=4, kv_heads=2, intermediate=64, vocab=VOCAB)
 QUICK_SAMPLES, QUICK_SEQLEN = 2, 32
+
+
+def scale_tensor_and_rehash(folder, name, factor):
+    """Multiply one tensor of model.safetensors by `factor` and record the new sha256 (a buggy converter)."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors[name] = tensors[name] * factor
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    manifest = json.loads((folder / "qconvert.json").read_text())
+    manifest["files"]["model.safetensors"] = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    (folder / "qconvert.json").write_text(json.dumps(manifest))
 
 
 def run_cli(args, capsys):
@@ -226,10 +237,7 @@ def check_whole_model_against_transformers(record, scheme, conversions, tiny_sou
 
 
 def test_moe_experts_run_through_grouped_matmul_and_a_bad_expert_fails(tmp_path, capsys):
-    import hashlib
-
     from checkpoints import make_mixtral_checkpoint
-    from safetensors.numpy import save_file
 
     source = make_mixtral_checkpoint(tmp_path / "src", hidden=64, layers=1, intermediate=64)
     out = tmp_path / "int8"
@@ -245,12 +253,7 @@ def test_moe_experts_run_through_grouped_matmul_and_a_bad_expert_fails(tmp_path,
 
     # One expert's scales doubled (hashes updated): that expert, and only it, fails.
     bad = "model.layers.0.block_sparse_moe.experts.2.w1"
-    tensors = load_file(str(out / "model.safetensors"))
-    tensors[f"{bad}.weight_scale"] = tensors[f"{bad}.weight_scale"] * 2
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    manifest = json.loads((out / "qconvert.json").read_text())
-    manifest["files"]["model.safetensors"] = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
-    (out / "qconvert.json").write_text(json.dumps(manifest))
+    scale_tensor_and_rehash(out, f"{bad}.weight_scale", 2)
     code, record, _ = verify_json(out, capsys)
     assert code == 1
     assert [r["name"] for r in record["layers"] if not r["passed"]] == [bad]
@@ -266,17 +269,7 @@ def test_static_w8a8_uses_each_layers_input_scale(tiny_source, tmp_path, capsys)
     assert code == 0, err
     assert {r["kernel"]["name"] for r in record["layers"]} == {"int8_matmul_mosaic"}
     # A static scale 100x too small clips nearly every activation: the check must catch it.
-    tensors = load_file(str(out / "model.safetensors"))
-    name = "model.layers.0.self_attn.q_proj.input_scale"
-    tensors[name] = tensors[name] / 100
-    from safetensors.numpy import save_file
-
-    import hashlib
-
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    manifest = json.loads((out / "qconvert.json").read_text())
-    manifest["files"]["model.safetensors"] = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
-    (out / "qconvert.json").write_text(json.dumps(manifest))
+    scale_tensor_and_rehash(out, "model.layers.0.self_attn.q_proj.input_scale", 1 / 100)
     code, record, _ = verify_json(out, capsys)
     assert code == 1
     assert [r["name"] for r in record["layers"] if not r["passed"]] == ["model.layers.0.self_attn.q_proj"]
