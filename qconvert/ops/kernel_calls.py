@@ -69,14 +69,14 @@ def int8_kernel_blocker(lhs: QArray, rhs: QArray, form: MatmulForm) -> str | Non
     return None
 
 
-def int8_weight_kernel_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None:
-    """Why the W8A16 kernel cannot take float lhs x int8 weight, or None when it can."""
+def _weight_only_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None:
+    """Why a weight-only kernel (W8A16, NF4) cannot take float lhs x this weight, or None when it can."""
     backend, reason = kernel_backend()
     if backend is None:
         return reason
     if form.rhs_layout != "nk":
-        return "the int8 weight is contracted on its first axis; the kernel takes [N, K] contracted on K"
-    if rhs.zero_point is not None or rhs.scale.ndim != 2 or rhs.scale.shape[1] != 1:
+        return f"the {rhs.kind} weight is contracted on its first axis; the kernel takes [N, K] contracted on K"
+    if rhs.kind == "int8" and (rhs.zero_point is not None or rhs.scale.ndim != 2 or rhs.scale.shape[1] != 1):
         return "the weight scale is not one per output channel"
     if jnp.result_type(lhs) != jnp.dtype(rhs.dtype):
         return f"activation dtype {jnp.result_type(lhs)} differs from the weight's {rhs.dtype}"
@@ -85,18 +85,14 @@ def int8_weight_kernel_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None
     return None
 
 
+def int8_weight_kernel_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None:
+    """Why the W8A16 kernel cannot take float lhs x int8 weight, or None when it can."""
+    return _weight_only_blocker(lhs, rhs, form)
+
+
 def nf4_kernel_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None:
     """Why the NF4 kernel cannot take float lhs x NF4 weight, or None when it can."""
-    backend, reason = kernel_backend()
-    if backend is None:
-        return reason
-    if form.rhs_layout != "nk":
-        return "the nf4 weight is contracted on its first axis; the kernel takes [N, K] contracted on K"
-    if jnp.result_type(lhs) != jnp.dtype(rhs.dtype):
-        return f"activation dtype {jnp.result_type(lhs)} differs from the weight's {rhs.dtype}"
-    if _rows(operand_shape(lhs)) == 0 or 0 in operand_shape(rhs):
-        return "an empty operand"
-    return None
+    return _weight_only_blocker(lhs, rhs, form)
 
 
 def int8_matmul(lhs: QArray, rhs: QArray, form: MatmulForm, out_dtype) -> jax.Array:
