@@ -17,10 +17,10 @@ from qconvert.errors import UsageError
 from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.safetensors_io import open_checkpoint
-from qconvert.hub import resolve_model
+from qconvert.hub import ResolvedModel, resolve_model
 from qconvert.models import build, read_tensors
 from qconvert.models.registry import architecture_for
-from qconvert.verify.integrity import (IntegrityResult, check_config, check_files, read_config,
+from qconvert.verify.integrity import (ConversionRecord, IntegrityResult, check_config, check_files, read_config,
                                        read_record, sha256_of)
 from qconvert.verify.kernel_path import make_quantized_linear
 from qconvert.verify.layers import smoothing_factors, verify_layers
@@ -83,6 +83,23 @@ def check_source_unchanged(folder: Path, recorded: Mapping[str, str]) -> None:
                              "from qconvert.json); pass --reference with the original float model")
 
 
+def resolve_reference(record: ConversionRecord, options: VerifyOptions) -> tuple[str, ResolvedModel]:
+    """(model id, ResolvedModel) of the float reference: --reference, else the source qconvert.json records.
+
+    UsageError when there is none, or when the recorded source changed since the conversion.
+    """
+    reference_id = options.reference or record.source_model
+    if not reference_id:
+        raise UsageError("qconvert.json records no source model; pass --reference MODEL")
+    if options.reference:
+        return reference_id, resolve_model(reference_id, options.revision)
+    source = record.raw.get("source", {})
+    # A Hub source is pinned to the commit it was converted from; a local folder has no revision.
+    resolved = resolve_model(reference_id, record.source_revision if source.get("is_hub") else None)
+    check_source_unchanged(resolved.folder, source.get("files") or {})
+    return reference_id, resolved
+
+
 def _integrity_only(folder, scheme, options, thresholds, files, problems, started) -> VerifyReport:
     return VerifyReport(
         folder=str(folder), scheme=scheme, reference={}, backend=options.backend,
@@ -115,17 +132,7 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
     except FormatError as exc:
         return _integrity_only(folder, record.scheme, options, thresholds, files, [str(exc)], started)
 
-    reference_id = options.reference or record.source_model
-    if not reference_id:
-        raise UsageError("qconvert.json records no source model; pass --reference MODEL")
-    if options.reference:
-        revision = options.revision
-    else:
-        # A Hub source is pinned to the commit it was converted from; a local folder has no revision.
-        revision = record.source_revision if record.raw.get("source", {}).get("is_hub") else None
-    resolved = resolve_model(reference_id, revision)
-    if not options.reference:
-        check_source_unchanged(resolved.folder, record.raw.get("source", {}).get("files") or {})
+    reference_id, resolved = resolve_reference(record, options)
     reference_ckpt = open_checkpoint(resolved.folder)
     problems = check_tensors(quantized, reference_ckpt, config)
     if problems:
