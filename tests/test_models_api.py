@@ -101,6 +101,13 @@ def test_unsupported_rope_scaling_is_a_clear_error(tmp_path):
         build(config)
 
 
+def test_unsupported_activation_is_a_clear_error(tmp_path):
+    _, config, _, _ = _tiny(tmp_path)
+    config["hidden_act"] = "relu2"
+    with pytest.raises(UnsupportedModelError, match="relu2"):
+        build(config)
+
+
 def test_unsupported_architecture_is_a_clear_error():
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
         build({"architectures": ["GPT2LMHeadModel"]})

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
+from qconvert.errors import UnsupportedModelError
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32,
                                    dense_grouped_linear, dense_linear)
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
@@ -41,6 +42,9 @@ class LlamaArgs:
         """Read a LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM config.json."""
         heads = int(config["num_attention_heads"])
         layers = int(config["num_hidden_layers"])
+        if config.get("hidden_act", "silu") not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"hidden_act {config['hidden_act']!r} is not supported; supported: " + ", ".join(ACTIVATIONS))
         return cls(
             hidden_size=int(config["hidden_size"]),
             intermediate_size=int(config["intermediate_size"]),
