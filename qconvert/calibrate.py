@@ -54,12 +54,17 @@ class CheckpointParams(Mapping):
         return len(self.checkpoint)
 
 
-def open_params(folder: Path) -> CheckpointParams:
-    """A lazy params Mapping over a model folder's safetensors."""
+def open_params(folder: Path, config: dict[str, Any] | None = None) -> CheckpointParams:
+    """A lazy params Mapping over a model folder's safetensors; with `config`, checked against it first."""
+    from qconvert.consistency import check_weights_match_config
+
     try:
-        return CheckpointParams(open_checkpoint(folder))
+        params = CheckpointParams(open_checkpoint(folder))
     except FormatError as err:
         raise InvalidCheckpointError(str(err)) from None
+    if config is not None:
+        check_weights_match_config(params.checkpoint, config)
+    return params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,10 +228,11 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
     from qconvert.models import build
 
     resolved = resolve_model(model, revision)
+    params = open_params(resolved.folder, resolved.config)
     data = load_calibration(calib or BUILTIN, resolved.folder, resolved.config, samples=samples, seqlen=seqlen)
     if message is not None:
         message(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
-    stats = collect_act_stats(build(resolved.config), open_params(resolved.folder), data.input_ids,
+    stats = collect_act_stats(build(resolved.config), params, data.input_ids,
                               batch_size=batch_size, calibration=data.record())
     save_act_stats(out, stats, model=resolved.model_id)
     return {"out": str(out), "model": resolved.model_id, "linears": len(stats.act_absmax),

@@ -1,7 +1,8 @@
 """The click face of qconvert: parses, prints, sets exit codes; no math lives here.
 
-Exit codes: 0 success; 1 verification failed; 2 usage errors; 3..9 the kinds of
-bad input in qconvert.errors; 130 interrupted (Ctrl-C).
+Exit codes (qconvert.errors.EXIT_CODES, listed in every command's --help): 0
+success; 1 a check failed; 2 usage errors; 3..9 the kinds of bad input in
+qconvert.errors; 70 an internal error; 129/130/143 interrupted by SIGHUP/SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -11,14 +12,31 @@ from pathlib import Path
 
 import click
 
-from qconvert import __version__
-from qconvert.errors import INTERRUPTED_EXIT_CODE, QConvertError, UsageError
+from qconvert import __version__, interrupts
+from qconvert.errors import EXIT_CODES, QConvertError, UsageError
+from qconvert.stages import DEBUG_VARIABLE, INTERNAL_ERROR_EXIT_CODE, internal_error_line, stage
+
+# Every command's --help ends with the same exit-code table as the README.
+EXIT_CODES_EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_EPILOG)
 @click.version_option(__version__, prog_name="qconvert")
 def cli() -> None:
     """Quantize Hugging Face checkpoints (W8A8, int8, NF4) and verify the result."""
+
+
+def _out_path(ctx, param, value):
+    """-o must name something: an empty string would silently mean the current folder."""
+    del ctx
+    if value is not None and not str(value).strip():
+        raise click.BadParameter("is empty; name the output to write", param=param)
+    return None if value is None else Path(value)
+
+
+def _verbose_option(command):
+    return click.option("--verbose", is_flag=True,
+                        help="Also show huggingface_hub's own messages (retries, warnings) on stderr.")(command)
 
 
 def fail(message: str, exit_code: int) -> None:
@@ -34,9 +52,9 @@ def _w8a8_options(command):
                      help="Calibration text: builtin (the default: a small English corpus shipped with "
                           "qconvert, works offline), FILE.txt, FILE.jsonl (a \"text\" field), "
                           "hf://datasets/OWNER/NAME[@REV]/FILE, or random (random token ids)."),
-        click.option("--calib-samples", type=int, default=None,
+        click.option("--calib-samples", type=click.IntRange(min=1), default=None,
                      help="Calibration windows (default 128; fewer when the text runs out)."),
-        click.option("--calib-seqlen", type=int, default=None,
+        click.option("--calib-seqlen", type=click.IntRange(min=2), default=None,
                      help="Tokens per window (default 512, capped at the model's positions)."),
         click.option("--alpha", default=None, metavar="ALPHA",
                      help="SmoothQuant migration strength: a number in [0, 1], 'auto' (grid search per "
@@ -54,9 +72,9 @@ def _w8a8_options(command):
     return command
 
 
-@cli.command()
+@cli.command(epilog=EXIT_CODES_EPILOG)
 @click.argument("model")
-@click.option("-o", "--out", "out", required=True, type=click.Path(path_type=Path),
+@click.option("-o", "--out", "out", required=True, callback=_out_path,
               help="Output folder (written beside, then renamed into place).")
 @click.option("--scheme", type=click.Choice(["int8", "nf4", "w8a8"]), default="int8", show_default=True,
               help="int8: W8A16 pack-quantized; nf4: bitsandbytes 4-bit; w8a8: int8 weights and activations.")
@@ -67,15 +85,18 @@ def _w8a8_options(command):
               help="Keep modules matching a glob or re:REGEX in float (repeatable).")
 @click.option("--max-shard-size", default="5GiB", show_default=True, help="Largest shard, e.g. 5GiB, 500MB.")
 @click.option("--double-quant", is_flag=True, help="NF4: quantize the absmax values too (bitsandbytes).")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT if it is a folder qconvert wrote (it has qconvert.json) or an empty folder.")
 @click.option("--dry-run", is_flag=True, help="List what would be quantized and the expected size; write nothing.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
+@_verbose_option
 @_w8a8_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
              exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, overwrite: bool,
-             dry_run: bool, quiet: bool, as_json: bool, **w8a8_flags) -> int:
+             dry_run: bool, quiet: bool, as_json: bool, verbose: bool, **w8a8_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
+    _hub_messages(verbose)
     from qconvert.convert import ConvertOptions, convert
     from qconvert.plan import parse_size
 
@@ -112,24 +133,27 @@ def _w8a8_run(model: str, out: Path, options, flags: dict, quiet: bool):
     return lambda progress: quantize_w8a8(model, out, options, w8a8, progress=progress, message=message)
 
 
-@cli.command()
+@cli.command(epilog=EXIT_CODES_EPILOG)
 @click.argument("model")
-@click.option("-o", "--out", "out", required=True, type=click.Path(path_type=Path),
+@click.option("-o", "--out", "out", required=True, callback=_out_path,
               help="The statistics file to write (safetensors).")
 @click.option("--revision", default=None, help="Hub branch, tag or commit (Hub ids only).")
 @click.option("--calib", default=None, metavar="SOURCE",
               help="builtin (default, offline), FILE.txt, FILE.jsonl, hf://datasets/OWNER/NAME/FILE, or random.")
-@click.option("--calib-samples", type=int, default=None, help="Calibration windows (default 128).")
-@click.option("--calib-seqlen", type=int, default=None, help="Tokens per window (default 512).")
+@click.option("--calib-samples", type=click.IntRange(min=1), default=None,
+              help="Calibration windows (default 128).")
+@click.option("--calib-seqlen", type=click.IntRange(min=2), default=None, help="Tokens per window (default 512).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
+@_verbose_option
 def calibrate(model: str, out: Path, revision: str | None, calib: str | None, calib_samples: int | None,
-              calib_seqlen: int | None, as_json: bool) -> int:
+              calib_seqlen: int | None, as_json: bool, verbose: bool) -> int:
     """Run calibration text through MODEL and save every linear input's max|x| to OUT.
 
     `qconvert quantize MODEL --scheme w8a8 --act-stats OUT` reuses the file.
     """
     import json
 
+    _hub_messages(verbose)
     from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
     from qconvert.calibrate import calibrate_model
 
@@ -173,7 +197,7 @@ def _print_result(result, quiet: bool, as_json: bool) -> None:
         print_convert_result(result, Console())
 
 
-@cli.command(name="inspect")
+@cli.command(name="inspect", epilog=EXIT_CODES_EPILOG)
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON on stdout.")
 def inspect_command(out: Path, as_json: bool) -> int:
@@ -196,7 +220,7 @@ def inspect_command(out: Path, as_json: bool) -> int:
     return 1 if report.hashes_ok is False else 0
 
 
-@cli.command(name="verify")
+@cli.command(name="verify", epilog=EXIT_CODES_EPILOG)
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--reference", default=None, metavar="MODEL",
               help="Float model to compare against (folder or Hub id); default: the source in qconvert.json.")
@@ -218,16 +242,20 @@ def inspect_command(out: Path, as_json: bool) -> int:
 @click.option("--min-top1", type=float, default=None, help="Whole-model top-1 agreement floor (0..1).")
 @click.option("--max-ppl-ratio", type=float, default=None, help="Quantized/float perplexity ceiling.")
 @click.option("--min-pooled-cosine", type=float, default=None, help="Encoders: pooled-output cosine floor.")
+@_verbose_option
 def verify_command(out: Path, reference: str | None, revision: str | None, calib: str, samples: int | None,
                    seqlen: int | None, quick: bool, backend: str, json_path: str | None, strict: bool,
                    min_sqnr: float | None, min_cosine: float | None, max_kl: float | None,
                    min_top1: float | None, max_ppl_ratio: float | None,
-                   min_pooled_cosine: float | None) -> int:
+                   min_pooled_cosine: float | None, verbose: bool) -> int:
     """Prove a converted folder: hashes, then every quantized linear and the whole model through the kernels.
 
     Exits 0 when every check passes, 1 when any fails (integrity included),
     2 on usage or input errors.
     """
+    _hub_messages(verbose)
+    if json_path not in (None, "-"):
+        _check_json_target(Path(json_path))  # before the check runs, not after
     from rich.console import Console
 
     from qconvert.formats.errors import FormatError
@@ -256,20 +284,55 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
     return 0 if report.passed else 1
 
 
+def _check_json_target(path: Path) -> None:
+    if not path.parent.is_dir():
+        raise UsageError(f"--json {path}: the folder {path.parent} does not exist; create it or choose another path")
+    if path.is_dir():
+        raise UsageError(f"--json {path} is a folder; give a file name")
+
+
+def _hub_messages(verbose: bool) -> None:
+    """huggingface_hub's own retry lines and warnings stay off stderr unless --verbose."""
+    from qconvert.hub import quiet_hub_logging
+
+    quiet_hub_logging(not verbose)
+
+
+def _internal_error(err: Exception, command: str | None) -> None:
+    import os
+
+    if os.environ.get(DEBUG_VARIABLE, "").strip() not in ("", "0"):
+        import traceback
+
+        traceback.print_exception(err)
+    click.echo(internal_error_line(err, command or "qconvert"), err=True)
+    sys.exit(INTERNAL_ERROR_EXIT_CODE)
+
+
+def _command_name(argv: list[str] | None) -> str | None:
+    args = sys.argv[1:] if argv is None else argv
+    return next((a for a in args if a in cli.commands), None)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: every known failure becomes one line and an exit code."""
+    command = _command_name(argv)
     try:
-        exit_code = cli.main(args=argv, prog_name="qconvert", standalone_mode=False)
+        with stage(command or "qconvert"):
+            exit_code = cli.main(args=argv, prog_name="qconvert", standalone_mode=False)
+        interrupts.check()  # a signal that something swallowed still ends the run as interrupted
     except QConvertError as err:
         fail(str(err), err.exit_code)
     except click.exceptions.Abort:
-        fail("interrupted", INTERRUPTED_EXIT_CODE)
-    except KeyboardInterrupt:
-        fail("interrupted", INTERRUPTED_EXIT_CODE)
+        fail("interrupted", interrupts.exit_code_for(KeyboardInterrupt()))
+    except KeyboardInterrupt as err:
+        fail(interrupts.message_for(err), interrupts.exit_code_for(err))
     except click.ClickException as err:
         fail(err.format_message(), 2)
     except OSError as err:
         fail(f"{err.strerror or err}: {err.filename or ''}".rstrip(": "), 9)
+    except Exception as err:  # noqa: BLE001 - anything unforeseen is one line and exit 70, never a traceback
+        _internal_error(err, command)
     # A command may return its exit code (verify returns 1 when a check fails).
     sys.exit(exit_code if isinstance(exit_code, int) else 0)
 

@@ -19,12 +19,14 @@ from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoi
 from qconvert.hub import ResolvedModel, resolve_model
 from qconvert.models.registry import architecture_for
 from qconvert.output import (
-    MANIFEST_NAME, check_output_free, copy_side_files, hash_in_background, side_files, staged_output, write_json,
+    MANIFEST_NAME, check_output_free, check_output_location, copy_side_files, hash_in_background, side_files,
+    staged_output, write_json,
 )
 from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
 from qconvert.prefetch import run_ahead
 from qconvert.quantize import CHUNK_ELEMENTS, quantize_int8, quantize_nf4
 from qconvert.quantize import all_finite as _all_finite_jax
+from qconvert.stages import stage
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
 # Options that change no output byte stay out of qconvert.json, so reruns with them stay identical.
@@ -125,20 +127,24 @@ def convert(
     started = time.perf_counter()
     out = Path(out)
     if not options.dry_run:
-        check_output_free(out, options.overwrite)  # before any download
-    resolved = resolve_model(model, options.revision)
-    arch = architecture_for(resolved.config)
+        check_output_target(model, out, options.overwrite)  # before any download
+    with stage("resolving the model"):
+        resolved = resolve_model(model, options.revision)
+        arch = architecture_for(resolved.config)
+    if not options.dry_run:
+        check_output_location(out, resolved.folder)
     try:
-        ckpt = open_checkpoint(resolved.folder)
-        plan = plan_conversion(ckpt, resolved.config, arch, scheme=options.scheme, include=options.include,
-                               exclude=options.exclude, double_quant=options.double_quant,
-                               static_act=options.act == "static")
-        if options.act == "static":
-            _check_input_scales(plan, input_scales or {})
+        with stage("planning"):
+            ckpt = open_checkpoint(resolved.folder)
+            plan = plan_conversion(ckpt, resolved.config, arch, scheme=options.scheme, include=options.include,
+                                   exclude=options.exclude, double_quant=options.double_quant,
+                                   static_act=options.act == "static")
+            if options.act == "static":
+                _check_input_scales(plan, input_scales or {})
         files: dict[str, str] = {}
         if not options.dry_run:
             source_hashes = hash_in_background(resolved.folder, input_files(resolved.folder, ckpt))
-            with staged_output(out, options.overwrite) as staging:
+            with stage("writing the output"), staged_output(out, options.overwrite) as staging:
                 stream = stream_tensors(ckpt, plan, options, weight_transform, input_scales or {}, progress)
                 try:
                     files.update(write_shards(staging, plan.specs, stream, options.max_shard_size))
@@ -161,6 +167,13 @@ def convert(
         output_bytes=sum(spec.nbytes for spec in plan.specs),
         seconds=time.perf_counter() - started, files=dict(sorted(files.items())),
     )
+
+
+def check_output_target(model: str, out: Path, overwrite: bool) -> None:
+    """OUT may not destroy the input (a local MODEL) or the current folder, nor replace what qconvert did not write."""
+    local = Path(model).expanduser()
+    check_output_location(out, local if local.is_dir() else None)
+    check_output_free(out, overwrite)
 
 
 def _check_input_scales(plan: ConversionPlan, input_scales: Mapping[str, float]) -> None:

@@ -70,3 +70,21 @@ class VerificationFailed(QConvertError):
 
 
 INTERRUPTED_EXIT_CODE = 130
+
+# The exit codes of every command, as the README and each command's --help list them.
+EXIT_CODES: tuple[tuple[int, str], ...] = (
+    (0, "success"),
+    (1, "a check failed (verify, or inspect finding a changed file)"),
+    (2, "usage error (bad flags or arguments, OUT that would overwrite the input or the current folder)"),
+    (3, "model not found"),
+    (4, "Hub unreachable and nothing cached"),
+    (5, "unsupported architecture or pickle-only checkpoint"),
+    (6, "invalid checkpoint (config.json that disagrees with the weights, index or safetensors file)"),
+    (7, "a weight with NaN/Inf or a shape the scheme cannot take"),
+    (8, "OUT exists (and is not a folder qconvert wrote, or --overwrite was not given)"),
+    (9, "writing the output failed (e.g. a full disk)"),
+    (70, "internal error: a bug in qconvert (QCONVERT_DEBUG=1 shows the traceback)"),
+    (129, "interrupted by SIGHUP"),
+    (130, "interrupted (Ctrl-C, SIGINT)"),
+    (143, "interrupted by SIGTERM"),
+)

@@ -32,6 +32,9 @@ ALLOW_PATTERNS = (
 )
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# Seconds the one reachability probe of the Hub may take (huggingface_hub would retry for ~25 s).
+PROBE_TIMEOUT_SECONDS = 3.0
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +105,7 @@ def _hub_error(err: Exception, model_id: str, revision: str | None) -> Exception
             f"Hub model {model_id} not found (or private/gated); check the id, or set HF_TOKEN for a private model"
         )
     if isinstance(err, hf.LocalEntryNotFoundError):
-        return HubUnavailableError(
-            f"the Hub cannot be reached (or HF_HUB_OFFLINE is set) and {model_id}{rev} is not in the cache "
-            f"({_cache_dir() or 'the default HF_HOME'}); connect, or download it first"
-        )
+        return HubUnavailableError(_not_cached_message(model_id, revision))
     if isinstance(err, hf.EntryNotFoundError):
         return InvalidCheckpointError(f"Hub model {model_id}{rev} has no config.json; it is not a transformers checkpoint")
     if isinstance(err, hf.HFValidationError):
@@ -113,6 +113,49 @@ def _hub_error(err: Exception, model_id: str, revision: str | None) -> Exception
     if isinstance(err, hf.HfHubHTTPError) and getattr(err.response, "status_code", None) in (401, 403):
         return ModelNotFoundError(f"Hub model {model_id} needs access rights; set HF_TOKEN to a token that has them")
     return HubUnavailableError(f"the Hub cannot be reached for {model_id}{rev}: {type(err).__name__}: {err}".splitlines()[0])
+
+
+def _not_cached_message(model_id: str, revision: str | None, why: str = "") -> str:
+    rev = f" at revision {revision}" if revision else ""
+    download = f"hf download {model_id}" + (f" --revision {revision}" if revision else "")
+    return (f"the Hub cannot be reached{why or ' (or HF_HUB_OFFLINE is set)'} and {model_id}{rev} is not in the "
+            f"cache ({_cache_dir() or 'the default HF_HOME'}); run `{download}` where the Hub is reachable "
+            "and copy its HF_HOME here, or pass a local folder")
+
+
+def quiet_hub_logging(quiet: bool) -> None:
+    """Keep huggingface_hub's own log lines (retries, warnings) off stderr, or let them through (--verbose)."""
+    import logging
+    import warnings
+
+    logging.getLogger("huggingface_hub").setLevel(logging.CRITICAL + 1 if quiet else logging.NOTSET)
+    if quiet:
+        warnings.filterwarnings("ignore", module=r"huggingface_hub(\..*)?$")
+
+
+def hub_unreachable_reason(endpoint: str | None = None, timeout: float = PROBE_TIMEOUT_SECONDS) -> str | None:
+    """Probe the Hub endpoint once (one TCP connect, `timeout` seconds); None if reachable, else why not.
+
+    Behind a proxy the endpoint is not dialled directly, so no probe is made there.
+    """
+    import socket
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(v) for v in _PROXY_VARIABLES):
+        return None
+    if endpoint is None:
+        from huggingface_hub import constants
+
+        endpoint = constants.ENDPOINT
+    url = urlsplit(endpoint)
+    if not url.hostname:
+        return None
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname, port), timeout=timeout):
+            return None
+    except OSError as err:
+        return f" ({url.hostname}:{port}: {err.strerror or type(err).__name__})"
 
 
 def _transport_errors() -> tuple[type[Exception], ...]:
@@ -134,6 +177,15 @@ def _resolve_hub(model_id: str, revision: str | None) -> ResolvedModel:
     cache_dir = _cache_dir()
     hub_failures = (hf.HfHubHTTPError, hf.EntryNotFoundError, hf.HFValidationError,
                     hf.OfflineModeIsEnabled) + _transport_errors()
+    unreachable = None if offline else hub_unreachable_reason()
+    if unreachable is not None:
+        # One failed probe, then the cache only: no retries, no long timeouts.
+        try:
+            return _resolve_cached(model_id, revision, cache_dir)
+        except hf.LocalEntryNotFoundError:
+            raise HubUnavailableError(_not_cached_message(model_id, revision, unreachable)) from None
+        except hub_failures as err:
+            raise _hub_error(err, model_id, revision) from None
     try:
         config_path = Path(hf_hub_download(model_id, "config.json", revision=revision,
                                            cache_dir=cache_dir, local_files_only=offline))
@@ -157,6 +209,22 @@ def _resolve_hub(model_id: str, revision: str | None) -> ResolvedModel:
                                         allow_patterns=list(ALLOW_PATTERNS), local_files_only=offline))
     except hub_failures as err:
         raise _hub_error(err, model_id, revision) from None
+    check_weights_are_safetensors(folder, f"Hub model {model_id}")
+    return ResolvedModel(folder=folder, model_id=model_id, revision=revision, commit=commit,
+                         is_hub=True, config=config)
+
+
+def _resolve_cached(model_id: str, revision: str | None, cache_dir: str | None) -> ResolvedModel:
+    """A Hub id from the local cache alone (the Hub is unreachable)."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    config_path = Path(hf_hub_download(model_id, "config.json", revision=revision, cache_dir=cache_dir,
+                                       local_files_only=True))
+    config = read_config(config_path.parent)
+    architecture_for(config)
+    commit = config_path.parent.name
+    folder = Path(snapshot_download(model_id, revision=commit, cache_dir=cache_dir,
+                                    allow_patterns=list(ALLOW_PATTERNS), local_files_only=True))
     check_weights_are_safetensors(folder, f"Hub model {model_id}")
     return ResolvedModel(folder=folder, model_id=model_id, revision=revision, commit=commit,
                          is_hub=True, config=config)

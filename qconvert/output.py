@@ -7,6 +7,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -14,10 +15,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from qconvert.errors import OutputExistsError, OutputWriteError
+from qconvert import interrupts
+from qconvert.errors import OutputExistsError, OutputWriteError, UsageError
 from qconvert.formats.safetensors_io import sha256_file
 
 MANIFEST_NAME = "qconvert.json"
+# Inside every temporary folder qconvert makes beside OUT: proof that it is ours (and whose: a pid).
+TEMPORARY_MARKER = ".qconvert-temporary"
+TEMPORARY_SUFFIXES = (".partial", ".old")
 # Tokenizer, generation and sentence-transformers files travel with the weights unchanged.
 SIDE_FILE_PATTERNS = (
     "tokenizer*", "special_tokens_map.json", "added_tokens.json", "generation_config.json",
@@ -27,45 +32,153 @@ SIDE_FILE_PATTERNS = (
 )
 
 
+def check_output_location(out: Path, source: Path | None = None) -> None:
+    """Refuse (UsageError, exit 2) an OUT whose replacement would destroy the input or the current folder.
+
+    OUT may not be empty, the current folder or one that holds it, the input
+    folder, a folder that holds the input, or a folder inside the input.
+    """
+    if not str(out).strip():
+        raise UsageError("-o is empty; name the output folder to write")
+    target = Path(os.path.abspath(out))
+    real = target.resolve()
+    cwd = Path.cwd().resolve()
+    if real == cwd or real in cwd.parents:
+        raise UsageError(f"-o {out} is the current folder or holds it; name a new folder for the output")
+    if source is None:
+        return
+    src = Path(source).resolve()
+    if real == src:
+        raise UsageError(f"-o {out} is the input model's folder; write the output to a new folder")
+    if real in src.parents:
+        raise UsageError(f"-o {out} holds the input model ({source}); write the output to a new folder")
+    if src in real.parents:
+        raise UsageError(f"-o {out} lies inside the input model's folder ({source}); write the output elsewhere")
+
+
 def check_output_free(out: Path, overwrite: bool) -> None:
-    """Refuse an existing OUT unless overwriting; refuse to overwrite something that is not a folder."""
-    if out.exists() or out.is_symlink():
-        if not overwrite:
-            raise OutputExistsError(f"{out} already exists; pass --overwrite to replace it, or choose another -o")
-        if not out.is_dir() or out.is_symlink():
-            raise OutputExistsError(f"{out} exists and is not a folder; remove it or choose another -o")
+    """Refuse an existing OUT, unless overwriting a folder that qconvert wrote (qconvert.json) or an empty one."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if out.is_symlink() or not out.is_dir():
+        raise OutputExistsError(f"{out} exists and is not a folder; move it away or choose another -o")
+    if not overwrite:
+        raise OutputExistsError(f"{out} already exists; pass --overwrite to replace it, or choose another -o")
+    if not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
+        raise OutputExistsError(
+            f"{out} is not a folder qconvert wrote (no {MANIFEST_NAME}) and is not empty; --overwrite replaces "
+            "only those: choose another -o")
+
+
+def _temporary_pattern(out: Path) -> re.Pattern:
+    return re.compile(rf"^\.{re.escape(out.name)}\.[A-Za-z0-9_]+({'|'.join(map(re.escape, TEMPORARY_SUFFIXES))})$")
+
+
+def _make_temporary(out: Path, suffix: str) -> Path:
+    """A private folder beside OUT holding the marker (made with signals held back, so it never lacks it)."""
+    with interrupts.deferred():
+        path = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=suffix, dir=out.parent))
+        interrupts.register_temporary(path)
+        (path / TEMPORARY_MARKER).write_text(f"{os.getpid()}\n", encoding="ascii")
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_temporaries(out: Path) -> list[Path]:
+    """Temporary folders beside OUT left by an earlier run that was killed: named like ours, holding our
+    marker, made by a process that no longer runs. Nothing else is ever listed."""
+    parent, pattern = out.parent, _temporary_pattern(out)
+    if not parent.is_dir():
+        return []
+    stale = []
+    for entry in sorted(parent.iterdir()):
+        marker = entry / TEMPORARY_MARKER
+        if not pattern.match(entry.name) or entry.is_symlink() or not entry.is_dir() or not marker.is_file():
+            continue
+        try:
+            pid = int(marker.read_text(encoding="ascii").strip())
+        except (OSError, ValueError):
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            stale.append(entry)
+    return stale
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Remove what `stale_temporaries` finds; returns the folders removed."""
+    removed = stale_temporaries(out)
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def _discard(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    interrupts.unregister_temporary(path)
+
+
+def _swap_in(staging: Path, out: Path, committed: Callable[[], None]) -> None:
+    """Replace the existing OUT by `staging`; if the second rename fails, the old OUT goes back."""
+    old = _make_temporary(out, ".old")
+    try:
+        os.replace(out, old / "previous")
+    except OSError:
+        _discard(old)
+        raise
+    try:
+        os.replace(staging, out)
+    except OSError:
+        os.replace(old / "previous", out)
+        _discard(old)
+        raise
+    committed()
+    _discard(old)
 
 
 @contextlib.contextmanager
 def staged_output(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a temporary folder beside OUT; on success it becomes OUT, on any failure it is removed.
 
-    A full disk, a failed write or Ctrl-C therefore never leaves a half-written OUT.
+    A full disk, a failed write or a signal therefore never leaves a half-written
+    OUT. The folder holds a marker, so a run that was killed outright leaves a
+    temporary that the next run writing the same OUT recognises and removes.
     """
     check_output_free(out, overwrite)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        remove_stale_temporaries(out)
+        staging = _make_temporary(out, ".partial")
     except OSError as err:
         raise OutputWriteError(f"cannot create the output beside {out}: {err.strerror or err}") from None
     try:
         yield staging
-        os.chmod(staging, 0o755)  # mkdtemp makes it private; OUT is an ordinary folder
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.replace(out, old / "previous")
-            os.replace(staging, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, out)
+        with interrupts.commit_zone() as committed:
+            (staging / TEMPORARY_MARKER).unlink()
+            os.chmod(staging, 0o755)  # mkdtemp makes it private; OUT is an ordinary folder
+            if out.exists():
+                check_output_free(out, overwrite)  # it may have changed while we wrote
+                _swap_in(staging, out, committed)
+            else:
+                os.replace(staging, out)
+                committed()
+        interrupts.unregister_temporary(staging)
     except OSError as err:
-        shutil.rmtree(staging, ignore_errors=True)
+        _discard(staging)
         raise OutputWriteError(
             f"writing {out} failed: {err.strerror or err}; nothing was left behind, free space or fix "
             "permissions and run again"
         ) from None
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        _discard(staging)
         raise
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from qconvert.consistency import check_weights_match_config
 from qconvert.errors import InvalidWeightError, UnsupportedModelError, UsageError
 from qconvert.formats.layouts import linear_tensor_specs
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, TensorSpec
@@ -110,6 +111,9 @@ def select_modules(ckpt: SafetensorsCheckpoint, arch: Architecture, include: tup
         if not hit:
             raise UsageError(f"--exclude {pattern} matches no quantized module; check the pattern")
         selected -= hit
+    if not selected:
+        raise UsageError("no linear module is left to quantize (--exclude "
+                         f"{' '.join(exclude)} removes them all); narrow the pattern")
     return sorted(selected)
 
 
@@ -152,6 +156,8 @@ def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: A
         else:
             spec = TensorSpec(name, dtype, shape)
             tensors.append(PlannedTensor(name, None, UNCHANGED, shape, dtype.name, ckpt.nbytes(name), (spec,)))
+    # After the per-linear checks (a weight of the wrong rank or dtype is exit 7), before any byte is read.
+    check_weights_match_config(ckpt, config)
     # Loaders build an lm_head whether or not it is stored (tied), so it is named unless quantized.
     ignore = sorted(set(_linear_candidates(ckpt)) - set(modules) - {"lm_head"})
     if "lm_head" not in modules:

@@ -127,7 +127,7 @@ def plan_w8a8(folder: Path, config: dict[str, Any], options: W8A8Options,
     if not options.smooth and options.act == "dynamic":
         return W8A8Plan({}, None, None, None)  # plain per-token W8A8 needs no statistics
     arch = architecture_for(config)
-    params = open_params(folder)
+    params = open_params(folder, config)  # config vs weights before any calibration time is spent
     linears = arch.linear_names(params)
     groups = smoothing_groups(arch, config) if options.smooth else []
     unknown = unmatched_alpha_keys(spec, [g.norm for g in groups])
@@ -190,9 +190,10 @@ def quantize_w8a8(model: str, out: Path, options, w8a8: W8A8Options, *, progress
     A dry run skips calibration unless static scales are asked for (the plan
     needs one per linear).
     """
-    from qconvert.convert import convert
+    from qconvert.convert import check_output_target, convert
     from qconvert.hub import resolve_model
-    from qconvert.output import check_output_free
+    from qconvert.output import check_output_location
+    from qconvert.stages import stage
 
     if options.scheme != "w8a8":
         raise UsageError("calibration and smoothing flags apply to --scheme w8a8 only")
@@ -200,12 +201,16 @@ def quantize_w8a8(model: str, out: Path, options, w8a8: W8A8Options, *, progress
         raise UsageError(f"--act {w8a8.act} and the conversion's act {options.act} disagree")
     check_options(w8a8)
     if not options.dry_run:
-        check_output_free(Path(out), options.overwrite)  # before the calibration's time is spent
+        check_output_target(model, Path(out), options.overwrite)  # before the calibration's time is spent
     if options.dry_run and w8a8.act == "dynamic":
         plan = W8A8Plan({}, None, None, None)
     else:
-        resolved = resolve_model(model, options.revision)
-        plan = plan_w8a8(resolved.folder, resolved.config, w8a8, progress=message)
+        with stage("resolving the model"):
+            resolved = resolve_model(model, options.revision)
+        if not options.dry_run:
+            check_output_location(Path(out), resolved.folder)
+        with stage("calibration"):
+            plan = plan_w8a8(resolved.folder, resolved.config, w8a8, progress=message)
     return convert(model, out, options, weight_transform=plan.weight_transform if plan.folds else None,
                    input_scales=plan.input_scales, calibration_record=plan.calibration_record,
                    smoothing_record=plan.smoothing_record, progress=progress)

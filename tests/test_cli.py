@@ -155,8 +155,16 @@ def test_existing_output_is_refused_and_left_alone(source, tmp_path, capsys):
     exit_code, _, stderr = run(["quantize", str(source), "-o", str(out)], capsys)
     assert exit_code == 8 and "--overwrite" in stderr and len(stderr.strip().splitlines()) == 1
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    # --overwrite replaces only a folder qconvert wrote (or an empty one): this one stays as it is.
+    exit_code, _, stderr = run(["quantize", str(source), "-o", str(out), "--overwrite", "--quiet"], capsys)
+    assert exit_code == 8 and "not a folder qconvert wrote" in stderr and len(stderr.strip().splitlines()) == 1
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
     exit_code, _, _ = run(["quantize", str(source), "-o", str(out), "--overwrite", "--quiet"], capsys)
-    assert exit_code == 0 and (out / "qconvert.json").exists() and not (out / "keep.txt").exists()
+    assert exit_code == 0 and (out / "qconvert.json").exists()
+    exit_code, _, _ = run(["quantize", str(source), "-o", str(out), "--overwrite", "--quiet", "--scheme", "nf4"],
+                          capsys)
+    assert exit_code == 0 and json.loads((out / "qconvert.json").read_text())["scheme"] == "nf4"
 
 
 def test_full_disk_exits_9_and_leaves_nothing(source, tmp_path, capsys, monkeypatch):

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from qconvert.errors import UnsupportedModelError
+from qconvert.models.config_values import config_float, config_int, require_divides
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32,
                                    dense_grouped_linear, dense_linear)
 
@@ -27,6 +28,10 @@ class BertArgs:
     num_attention_heads: int
     layer_norm_eps: float = 1e-12
     hidden_act: str = "gelu"
+    # transformers' BertConfig defaults, for configs that leave them out.
+    vocab_size: int = 30522
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "BertArgs":
@@ -39,13 +44,18 @@ class BertArgs:
             raise UnsupportedModelError(
                 f"BERT hidden_act {config['hidden_act']!r} is not supported; supported: "
                 + ", ".join(ACTIVATIONS))
+        hidden, heads = config_int(config, "hidden_size"), config_int(config, "num_attention_heads")
+        require_divides(config, "num_attention_heads", heads, "hidden_size", hidden)
         return cls(
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
-            num_hidden_layers=int(config["num_hidden_layers"]),
-            num_attention_heads=int(config["num_attention_heads"]),
-            layer_norm_eps=float(config.get("layer_norm_eps", 1e-12)),
+            hidden_size=hidden,
+            intermediate_size=config_int(config, "intermediate_size"),
+            num_hidden_layers=config_int(config, "num_hidden_layers"),
+            num_attention_heads=heads,
+            layer_norm_eps=config_float(config, "layer_norm_eps", 1e-12),
             hidden_act=config.get("hidden_act", "gelu"),
+            vocab_size=config_int(config, "vocab_size", 30522),
+            max_position_embeddings=config_int(config, "max_position_embeddings", 512),
+            type_vocab_size=config_int(config, "type_vocab_size", 2),
         )
 
 
@@ -80,8 +90,33 @@ class BertModel:
     def num_layers(self) -> int:
         return self.args.num_hidden_layers
 
+    @property
+    def layers_prefix(self) -> str:
+        """What every encoder layer's tensor names start with (then the layer index)."""
+        return f"{self.prefix}encoder.layer."
+
     def _layer_prefix(self, i: int) -> str:
         return f"{self.prefix}encoder.layer.{i}"
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the forward reads, with the shape config.json implies."""
+        a = self.args
+        h, inner = a.hidden_size, a.intermediate_size
+        e = f"{self.prefix}embeddings"
+        shapes: dict[str, tuple[int, ...]] = {
+            f"{e}.word_embeddings.weight": (a.vocab_size, h),
+            f"{e}.position_embeddings.weight": (a.max_position_embeddings, h),
+            f"{e}.token_type_embeddings.weight": (a.type_vocab_size, h),
+            f"{e}.LayerNorm.weight": (h,), f"{e}.LayerNorm.bias": (h,),
+        }
+        for i in range(self.num_layers):
+            p = self._layer_prefix(i)
+            linears = dict(zip(self.layer_linears(i), ((h, h), (h, h), (h, h), (h, h), (inner, h), (h, inner))))
+            for module, (out, inp) in linears.items():
+                shapes[f"{module}.weight"], shapes[f"{module}.bias"] = (out, inp), (out,)
+            for norm in ("attention.output.LayerNorm", "output.LayerNorm"):
+                shapes[f"{p}.{norm}.weight"] = shapes[f"{p}.{norm}.bias"] = (h,)
+        return shapes
 
     def layer_linears(self, i: int) -> list[str]:
         """Module names of layer i's linears, in the order the forward calls them."""

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from qconvert.errors import UnsupportedModelError
+from qconvert.models.config_values import config_bool, config_float, config_int, require_divides
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32,
                                    dense_grouped_linear, dense_linear)
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
@@ -40,26 +41,34 @@ class LlamaArgs:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "LlamaArgs":
         """Read a LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM config.json."""
-        heads = int(config["num_attention_heads"])
-        layers = int(config["num_hidden_layers"])
+        hidden = config_int(config, "hidden_size")
+        heads = config_int(config, "num_attention_heads")
+        layers = config_int(config, "num_hidden_layers")
+        kv_heads = config_int(config, "num_key_value_heads", None) if config.get("num_key_value_heads") else heads
+        require_divides(config, "num_key_value_heads", kv_heads, "num_attention_heads", heads)
+        if config.get("head_dim"):
+            head_dim = config_int(config, "head_dim")
+        else:
+            require_divides(config, "num_attention_heads", heads, "hidden_size", hidden)
+            head_dim = hidden // heads
         if config.get("hidden_act", "silu") not in ACTIVATIONS:
             raise UnsupportedModelError(
                 f"hidden_act {config['hidden_act']!r} is not supported; supported: " + ", ".join(ACTIVATIONS))
         return cls(
-            hidden_size=int(config["hidden_size"]),
-            intermediate_size=int(config["intermediate_size"]),
+            hidden_size=hidden,
+            intermediate_size=config_int(config, "intermediate_size"),
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
-            vocab_size=int(config["vocab_size"]),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=config_int(config, "vocab_size"),
+            rms_norm_eps=config_float(config, "rms_norm_eps", 1e-6),
             rope=RopeConfig.from_config(config),
             hidden_act=config.get("hidden_act", "silu"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", False)),
+            tie_word_embeddings=config_bool(config, "tie_word_embeddings", False),
+            attention_bias=config_bool(config, "attention_bias", False),
             qkv_bias=config.get("model_type") == "qwen2",
-            mlp_bias=bool(config.get("mlp_bias", False)),
+            mlp_bias=config_bool(config, "mlp_bias", False),
             sliding_windows=sliding_windows(config, layers),
         )
 
@@ -131,8 +140,40 @@ class LlamaModel:
     def num_layers(self) -> int:
         return self.args.num_hidden_layers
 
+    @property
+    def layers_prefix(self) -> str:
+        """What every decoder layer's tensor names start with (then the layer index)."""
+        return f"{self.prefix}.layers."
+
     def _layer_prefix(self, i: int) -> str:
         return f"{self.prefix}.layers.{i}"
+
+    def linear_shapes(self, i: int) -> dict[str, tuple[int, int]]:
+        """[out, in] of layer i's linears as config.json implies them."""
+        a, p = self.args, self._layer_prefix(i)
+        q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+        return {f"{p}.self_attn.q_proj": (q, a.hidden_size), f"{p}.self_attn.k_proj": (kv, a.hidden_size),
+                f"{p}.self_attn.v_proj": (kv, a.hidden_size), f"{p}.self_attn.o_proj": (a.hidden_size, q),
+                f"{p}.mlp.gate_proj": (a.intermediate_size, a.hidden_size),
+                f"{p}.mlp.up_proj": (a.intermediate_size, a.hidden_size),
+                f"{p}.mlp.down_proj": (a.hidden_size, a.intermediate_size)}
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the forward reads, with the shape config.json implies (lm_head omitted when tied)."""
+        a = self.args
+        shapes: dict[str, tuple[int, ...]] = {f"{self.prefix}.embed_tokens.weight": (a.vocab_size, a.hidden_size)}
+        for i in range(self.num_layers):
+            p = self._layer_prefix(i)
+            shapes[f"{p}.input_layernorm.weight"] = (a.hidden_size,)
+            shapes[f"{p}.post_attention_layernorm.weight"] = (a.hidden_size,)
+            for module, (out, inp) in self.linear_shapes(i).items():
+                shapes[f"{module}.weight"] = (out, inp)
+                if self._biased(module.rsplit(".", 1)[1]):
+                    shapes[f"{module}.bias"] = (out,)
+        shapes[f"{self.prefix}.norm.weight"] = (a.hidden_size,)
+        if not a.tie_word_embeddings:
+            shapes["lm_head.weight"] = (a.vocab_size, a.hidden_size)
+        return shapes
 
     def _biased(self, proj: str) -> bool:
         if proj in ("gate_proj", "up_proj", "down_proj"):

@@ -25,6 +25,8 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
+from qconvert.errors import InvalidCheckpointError
+from qconvert.models.config_values import config_int
 from qconvert.models.hooks import GroupedLinearHook, LinearHook
 from qconvert.models.llama import ACTIVATIONS, LlamaArgs, LlamaModel
 
@@ -38,7 +40,11 @@ class MixtralArgs:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "MixtralArgs":
-        return cls(int(config["num_local_experts"]), int(config["num_experts_per_tok"]))
+        experts, per_token = config_int(config, "num_local_experts"), config_int(config, "num_experts_per_tok")
+        if per_token > experts:
+            raise InvalidCheckpointError(f"config.json: num_experts_per_tok = {per_token} exceeds "
+                                         f"num_local_experts = {experts}; the config is inconsistent")
+        return cls(experts, per_token)
 
 
 def route(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
@@ -74,6 +80,17 @@ class MixtralModel(LlamaModel):
 
     def _biased(self, proj: str) -> bool:
         return proj in ("q_proj", "k_proj", "v_proj", "o_proj") and self.args.attention_bias
+
+    def linear_shapes(self, i: int) -> dict[str, tuple[int, int]]:
+        """[out, in] of layer i's attention linears, router and experts as config.json implies them."""
+        a = self.args
+        shapes = {m: s for m, s in super().linear_shapes(i).items() if ".self_attn." in m}
+        shapes[f"{self._moe_prefix(i)}.gate"] = (self.moe.num_local_experts, a.hidden_size)
+        for proj, shape in (("w1", (a.intermediate_size, a.hidden_size)),
+                            ("w3", (a.intermediate_size, a.hidden_size)),
+                            ("w2", (a.hidden_size, a.intermediate_size))):
+            shapes.update({m: shape for m in self.expert_linears(i, proj)})
+        return shapes
 
     def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook,
             grouped_linear: GroupedLinearHook) -> jax.Array:

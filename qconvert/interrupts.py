@@ -1,0 +1,193 @@
+"""SIGINT, SIGTERM and SIGHUP made deterministic: one exception in the main thread, temporaries removed, one exit code.
+
+Only the standard library is imported here, so the console entry point can
+install the handlers before click, JAX or numpy are imported.
+
+Once `install()` has run, the first signal raises `Interrupted` in the main
+thread, where `finally` blocks remove the temporaries. A library that swallows
+the exception (a bare `except:` during an import, say) cannot make it vanish:
+`check()` re-raises a received signal, and the output is committed only through
+`commit_zone()`, which refuses to commit after a signal. A signal that arrives
+once the output is committed is ignored: the run is then complete, so the
+outcome is either "interrupted, nothing written" or "finished".
+
+A main thread stuck in native code (a backend that never finishes starting)
+never runs a Python handler; a watchdog thread woken by the signal then removes
+the registered temporaries itself and ends the process after a grace period, or
+at once on a second signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+# Seconds the main thread gets to clean up after a signal before the watchdog does it.
+GRACE_SECONDS = 3.0
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal asked qconvert to stop; exit code 128 + the signal number (SIGINT 130, SIGTERM 143, SIGHUP 129)."""
+
+    def __init__(self, signum: int = signal.SIGINT):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    @property
+    def message(self) -> str:
+        return "interrupted" if self.signum == signal.SIGINT else f"interrupted by {signal.Signals(self.signum).name}"
+
+
+class _State:
+    def __init__(self) -> None:
+        self.installed = False
+        self.received: int | None = None
+        self.raised = False
+        self.deferred = 0
+        self.committed = False
+        self.temporaries: set[Path] = set()
+        self.lock = threading.Lock()
+
+
+_state = _State()
+
+
+def exit_code_for(err: BaseException) -> int:
+    """The exit code of an interruption (a plain KeyboardInterrupt is SIGINT)."""
+    return err.exit_code if isinstance(err, Interrupted) else 128 + signal.SIGINT
+
+
+def message_for(err: BaseException) -> str:
+    return err.message if isinstance(err, Interrupted) else "interrupted"
+
+
+def _handle(signum: int, frame) -> None:
+    del frame
+    if _state.received is None:
+        _state.received = signum
+    if _state.committed or _state.deferred or _state.raised:
+        return  # committed: the run is complete; deferred: check() raises on leaving the zone
+    _state.raised = True
+    raise Interrupted(signum)
+
+
+def install() -> None:
+    """Install the handlers (main thread only) and start the watchdog. Call before heavy imports."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    _state.__init__()
+    for sig in SIGNALS:
+        signal.signal(sig, _handle)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=_watchdog, args=(read_fd,), name="qconvert-signal-watchdog", daemon=True).start()
+    _state.installed = True
+
+
+def _watchdog(read_fd: int) -> None:
+    """Wake on a signal; if the process is still alive after the grace period (or on a second signal), end it."""
+    while True:
+        data = os.read(read_fd, 64)
+        if not data:
+            return
+        ours = [n for n in data if n in SIGNALS]
+        if not ours or _state.committed:
+            continue
+        _wait_for_second_signal(read_fd)
+        if _state.committed:
+            continue
+        signum = _state.received or ours[0]
+        remove_temporaries()
+        try:
+            os.write(2, f"qconvert: error: {Interrupted(signum).message}\n".encode())
+        finally:
+            os._exit(128 + signum)
+
+
+def _wait_for_second_signal(read_fd: int) -> bool:
+    """Sleep up to GRACE_SECONDS, returning early (True) if another signal arrives."""
+    import select
+
+    ready, _, _ = select.select([read_fd], [], [], GRACE_SECONDS)
+    if ready:
+        os.read(read_fd, 64)
+        return True
+    return False
+
+
+def received() -> int | None:
+    """The first signal received since install(), or None."""
+    return _state.received
+
+
+def check() -> None:
+    """Raise Interrupted if a signal arrived (even if something swallowed the first exception)."""
+    if _state.received is not None and not _state.committed:
+        _state.raised = True
+        raise Interrupted(_state.received)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Signals inside the block are held back and raised on leaving it (temporaries get their marker first)."""
+    _state.deferred += 1
+    try:
+        yield
+    finally:
+        _state.deferred -= 1
+    if not _state.deferred:
+        check()
+
+
+@contextlib.contextmanager
+def commit_zone() -> Iterator[callable]:
+    """The output's final renames: refused after a signal; once `committed()` is called, signals are ignored."""
+    def committed() -> None:
+        if _state.installed:
+            _state.committed = True
+
+    with deferred():
+        check()
+        yield committed
+
+
+def register_temporary(path: Path) -> None:
+    """A temporary folder to remove if the watchdog has to end the process."""
+    with _state.lock:
+        _state.temporaries.add(Path(path))
+
+
+def unregister_temporary(path: Path) -> None:
+    with _state.lock:
+        _state.temporaries.discard(Path(path))
+
+
+def remove_temporaries() -> None:
+    """Remove every registered temporary folder (a few tries: a writer may still be adding files)."""
+    with _state.lock:
+        paths = list(_state.temporaries)
+    for path in paths:
+        for _ in range(5):
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.lexists(path):
+                break
+
+
+def flush_and_exit(code: int) -> None:
+    """Leave at once after an interruption: no interpreter teardown while native threads still run."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
