@@ -21,6 +21,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from qconvert import interrupts
 from qconvert.errors import InvalidCheckpointError, UsageError
 from qconvert.formats.errors import FormatError
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint
@@ -118,6 +119,7 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
     for result in iterate_layers(model, params, input_ids, attention_mask, observe=observe,
                                  batch_size=batch_size):
         hidden = result.hidden
+        interrupts.check()  # between layers: a signal that a callee swallowed still stops calibration
         yield _layer_stats(result.index, result.observed, keep_inputs, sample_rows)
     if hidden is not None:
         observed = _head_observed(model, params, hidden, attention_mask, observe, batch_size)

@@ -326,6 +326,27 @@ def _internal_error(err: Exception, command: str | None) -> None:
     sys.exit(INTERNAL_ERROR_EXIT_CODE)
 
 
+def _fail_for(err: BaseException, command: str | None) -> None:
+    signum = interrupts.received()
+    if signum is not None:
+        # Whatever surfaced (click's Abort, an ImportError wrapping the interrupt), a signal caused it.
+        interrupted = interrupts.Interrupted(signum)
+        if not interrupts.claim_exit():  # the watchdog has printed the line and is ending the process
+            sys.exit(interrupted.exit_code)
+        fail(interrupted.message, interrupted.exit_code)
+    if isinstance(err, QConvertError):
+        fail(str(err), err.exit_code)
+    if isinstance(err, (KeyboardInterrupt, interrupts.Interrupted, click.exceptions.Abort)):
+        fail(interrupts.message_for(err), interrupts.exit_code_for(err))
+    if isinstance(err, click.ClickException):
+        fail(err.format_message(), 2)
+    if isinstance(err, OSError):
+        fail(f"{err.strerror or err}: {err.filename or ''}".rstrip(": "), 9)
+    if isinstance(err, Exception):  # anything unforeseen: one line and exit 70, never a traceback
+        _internal_error(err, command)
+    raise err
+
+
 def _command_name(argv: list[str] | None) -> str | None:
     args = sys.argv[1:] if argv is None else argv
     return next((a for a in args if a in cli.commands), None)
@@ -338,18 +359,10 @@ def main(argv: list[str] | None = None) -> None:
         with stage(command or "qconvert"):
             exit_code = cli.main(args=argv, prog_name="qconvert", standalone_mode=False)
         interrupts.check()  # a signal that something swallowed still ends the run as interrupted
-    except QConvertError as err:
-        fail(str(err), err.exit_code)
-    except click.exceptions.Abort:
-        fail("interrupted", interrupts.exit_code_for(KeyboardInterrupt()))
-    except KeyboardInterrupt as err:
-        fail(interrupts.message_for(err), interrupts.exit_code_for(err))
-    except click.ClickException as err:
-        fail(err.format_message(), 2)
-    except OSError as err:
-        fail(f"{err.strerror or err}: {err.filename or ''}".rstrip(": "), 9)
-    except Exception as err:  # noqa: BLE001 - anything unforeseen is one line and exit 70, never a traceback
-        _internal_error(err, command)
+    except SystemExit:
+        raise
+    except BaseException as err:  # noqa: BLE001 - every failure is one line and an exit code
+        _fail_for(err, command)
     # A command may return its exit code (verify returns 1 when a check fails).
     sys.exit(exit_code if isinstance(exit_code, int) else 0)
 

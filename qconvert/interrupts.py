@@ -33,8 +33,12 @@ SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP"
 GRACE_SECONDS = 3.0
 
 
-class Interrupted(KeyboardInterrupt):
-    """A signal asked qconvert to stop; exit code 128 + the signal number (SIGINT 130, SIGTERM 143, SIGHUP 129)."""
+class Interrupted(BaseException):
+    """A signal asked qconvert to stop; exit code 128 + the signal number (SIGINT 130, SIGTERM 143, SIGHUP 129).
+
+    Like KeyboardInterrupt it is no Exception, so `except Exception` does not swallow it; unlike it, click
+    does not turn it into Abort (and print an empty line first).
+    """
 
     def __init__(self, signum: int = signal.SIGINT):
         super().__init__(signum)
@@ -57,6 +61,7 @@ class _State:
         self.deferred = 0
         self.committed = False
         self.temporaries: set[Path] = set()
+        self.exiting = False
         self.lock = threading.Lock()
 
 
@@ -72,12 +77,21 @@ def message_for(err: BaseException) -> str:
     return err.message if isinstance(err, Interrupted) else "interrupted"
 
 
+def _importing(frame) -> bool:
+    """Whether the main thread is inside an import: native extensions initialising there can abort or print
+    their own traceback when an exception appears mid-way, so the signal waits for the next check()."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _handle(signum: int, frame) -> None:
-    del frame
     if _state.received is None:
         _state.received = signum
-    if _state.committed or _state.deferred or _state.raised:
-        return  # committed: the run is complete; deferred: check() raises on leaving the zone
+    if _state.committed or _state.deferred or _state.raised or _importing(frame):
+        return  # committed: the run is complete; otherwise the next check() raises
     _state.raised = True
     raise Interrupted(signum)
 
@@ -87,13 +101,26 @@ def install() -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     _state.__init__()
-    for sig in SIGNALS:
-        signal.signal(sig, _handle)
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
-    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     threading.Thread(target=_watchdog, args=(read_fd,), name="qconvert-signal-watchdog", daemon=True).start()
+    sys.unraisablehook = _unraisable_hook(sys.unraisablehook)
     _state.installed = True
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    for sig in SIGNALS:
+        signal.signal(sig, _handle)
+
+
+def _unraisable_hook(previous):
+    """Where Python can only ignore an exception (a gc callback, __del__), an Interrupted is dropped quietly,
+    and the next signal raises again; check() still sees the first."""
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, Interrupted):
+            _state.raised = False
+            return
+        previous(unraisable)
+
+    return hook
 
 
 def _watchdog(read_fd: int) -> None:
@@ -109,11 +136,23 @@ def _watchdog(read_fd: int) -> None:
         if _state.committed:
             continue
         signum = _state.received or ours[0]
+        if not claim_exit():  # the main thread is printing its line and leaving: give it a moment
+            _wait_for_second_signal(read_fd)
+            os._exit(128 + signum)
         remove_temporaries()
         try:
             os.write(2, f"qconvert: error: {Interrupted(signum).message}\n".encode())
         finally:
             os._exit(128 + signum)
+
+
+def claim_exit() -> bool:
+    """True for the one caller (main thread or watchdog) that prints the interruption's line."""
+    with _state.lock:
+        if _state.exiting:
+            return False
+        _state.exiting = True
+        return True
 
 
 def _wait_for_second_signal(read_fd: int) -> bool:

@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
+from qconvert import interrupts
+
 T = TypeVar("T")
 
 
@@ -111,6 +113,7 @@ def run_ahead(tasks: Iterable[tuple[int, Callable[[], list[T]]]], limit_bytes: i
             window.release(cost)
             if on_done is not None:
                 on_done(cost)
+            interrupts.check()  # a signal that a callee swallowed still stops the stream
     finally:
         window.cancel()
         worker.join()

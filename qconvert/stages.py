@@ -12,9 +12,16 @@ _ATTRIBUTE = "_qconvert_stage"
 
 @contextlib.contextmanager
 def stage(name: str) -> Iterator[None]:
-    """Run a block as stage `name`: an exception leaving it is tagged with the innermost stage it crossed."""
+    """Run a block as stage `name`: an exception leaving it is tagged with the innermost stage it crossed.
+
+    Entering and leaving a stage is also where a received signal stops the run (see interrupts.check).
+    """
+    from qconvert import interrupts
+
+    interrupts.check()
     try:
         yield
+        interrupts.check()
     except BaseException as err:
         if getattr(err, _ATTRIBUTE, None) is None:
             with contextlib.suppress(AttributeError, TypeError):
