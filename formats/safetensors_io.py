@@ -186,6 +186,13 @@ def open_checkpoint(folder) -> SafetensorsCheckpoint:
         for name, path in tensor_files.items():
             if name not in headers[path].entries:
                 raise FormatError(f"{index_path}: tensor {name!r} is mapped to {path.name}, which lacks it")
+        for path in files:  # every tensor a shard holds is indexed, and to that shard
+            for name in headers[path].entries:
+                if name not in tensor_files:
+                    raise FormatError(f"{index_path} omits tensor {name!r}, which {path.name} holds; fix the index")
+                if tensor_files[name] != path:
+                    raise FormatError(f"tensor {name!r} is in both {tensor_files[name].name} and {path.name}; "
+                                      "keep one copy and fix the index")
         return SafetensorsCheckpoint(folder, files, tensor_files, headers)
     files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())
     if not files:

@@ -7,7 +7,9 @@ qconvert.errors; 70 an internal error; 129/130/143 interrupted by SIGHUP/SIGINT/
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -96,6 +98,7 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
              exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, overwrite: bool,
              dry_run: bool, quiet: bool, as_json: bool, verbose: bool, **w8a8_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
+    started = time.perf_counter()
     _hub_messages(verbose)
     from qconvert.convert import ConvertOptions, convert
     from qconvert.plan import parse_size
@@ -111,6 +114,8 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
             for k in ("calib", "calib_samples", "calib_seqlen", "alpha", "no_smooth", "act_stats")):
         raise UsageError("--calib, --alpha, --no-smooth, --act and --act-stats apply to --scheme w8a8 only")
     result = _run_with_progress(run, show=not (quiet or as_json or dry_run))
+    # The whole command, imports and model resolution included, not only the conversion.
+    result = dataclasses.replace(result, seconds=time.perf_counter() - started)
     _print_result(result, quiet, as_json)
     return 0
 
@@ -187,14 +192,12 @@ def _run_with_progress(run, show: bool):
 def _print_result(result, quiet: bool, as_json: bool) -> None:
     import json
 
-    from rich.console import Console
-
-    from qconvert.console import print_convert_result
+    from qconvert.console import print_convert_result, stdout_console
 
     if as_json:
         click.echo(json.dumps(result.summary(), indent=2))
     elif not quiet:
-        print_convert_result(result, Console())
+        print_convert_result(result, stdout_console())
 
 
 @cli.command(name="inspect", epilog=EXIT_CODES_EPILOG)
@@ -207,16 +210,14 @@ def inspect_command(out: Path, as_json: bool) -> int:
     """
     import json
 
-    from rich.console import Console
-
-    from qconvert.console import print_inspect_report
+    from qconvert.console import print_inspect_report, stdout_console
     from qconvert.inspection import inspect_checkpoint
 
     report = inspect_checkpoint(out)
     if as_json:
         click.echo(json.dumps(report.summary(), indent=2))
     else:
-        print_inspect_report(report, Console())
+        print_inspect_report(report, stdout_console())
     return 1 if report.hashes_ok is False else 0
 
 

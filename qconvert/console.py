@@ -62,8 +62,23 @@ def print_convert_result(result: ConvertResult, console: Console) -> None:
         f"{verb} {len(result.quantized_modules)} {result.scheme} linears, "
         f"{sum(t.module is None for t in result.tensors)} tensors unchanged; "
         f"{human_bytes(result.input_bytes)} -> {human_bytes(result.output_bytes)} "
-        f"({result.compression_ratio:.2f}x smaller) in {result.seconds:.1f} s"
+        f"({result.compression_ratio:.2f}x smaller) in {result.seconds:.1f} s{_phases(result)}"
     )
+
+
+def _phases(result: ConvertResult) -> str:
+    """' (calibrated in 11.2 s, wrote in 1.0 s)', or nothing for a run of one phase."""
+    if len(result.phases) < 2:
+        return ""
+    return " (" + ", ".join(f"{name} in {seconds:.1f} s" for name, seconds in result.phases) + ")"
+
+
+def stdout_console() -> Console:
+    """The console for tables on stdout: terminal width on a terminal; unbounded in pipes and logs, so
+    tensor names are never cut."""
+    import sys
+
+    return Console() if sys.stdout.isatty() else Console(width=100_000)
 
 
 def print_inspect_report(report: InspectReport, console: Console) -> None:

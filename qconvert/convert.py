@@ -83,6 +83,8 @@ class ConvertResult:
     output_bytes: int
     seconds: float
     files: dict[str, str]
+    # Named phases and their seconds, in order (e.g. calibrated, wrote); `seconds` is the whole run.
+    phases: tuple[tuple[str, float], ...] = ()
 
     @property
     def compression_ratio(self) -> float:
@@ -100,6 +102,7 @@ class ConvertResult:
             "unchanged_tensors": sum(t.module is None for t in self.tensors),
             "input_bytes": self.input_bytes, "output_bytes": self.output_bytes,
             "compression_ratio": round(self.compression_ratio, 4), "seconds": round(self.seconds, 3),
+            "phases": {name: round(seconds, 3) for name, seconds in self.phases},
             "files": self.files,
             "tensors": [{"name": t.module or t.source, "kind": t.kind, "shape": list(t.shape),
                          "source_bytes": t.source_bytes, "output_bytes": t.output_bytes} for t in self.tensors],
@@ -142,6 +145,7 @@ def convert(
             if options.act == "static":
                 _check_input_scales(plan, input_scales or {})
         files: dict[str, str] = {}
+        writing_started = time.perf_counter()
         if not options.dry_run:
             source_hashes = hash_in_background(resolved.folder, input_files(resolved.folder, ckpt))
             with stage("writing the output"), staged_output(out, options.overwrite) as staging:
@@ -166,6 +170,7 @@ def convert(
         input_bytes=sum(ckpt.nbytes(name) for name in ckpt.tensor_names),
         output_bytes=sum(spec.nbytes for spec in plan.specs),
         seconds=time.perf_counter() - started, files=dict(sorted(files.items())),
+        phases=() if options.dry_run else (("wrote", time.perf_counter() - writing_started),),
     )
 
 

@@ -134,6 +134,7 @@ def _read_manifest(folder: Path) -> dict[str, Any] | None:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise InvalidCheckpointError(f"{path} is not valid JSON ({err})") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or not manifest["files"]:
+        # Without the map there is nothing to check: "all 0 files match" would pass vacuously.
         raise InvalidCheckpointError(f"{path} has no files map; it was not written by qconvert")
     return manifest

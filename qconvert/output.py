@@ -182,12 +182,23 @@ def staged_output(out: Path, overwrite: bool) -> Iterator[Path]:
         raise
 
 
+def _inside_model(path: Path, folder: Path) -> bool:
+    """A regular file inside the model folder, or a Hub cache snapshot's link to its own blobs/; a link that
+    leads anywhere else (a tokenizer_config.json pointing at /etc/passwd) is not copied."""
+    real, root = path.resolve(), folder.resolve()
+    if root in real.parents:
+        return True
+    snapshots = folder.absolute().parent
+    return snapshots.name == "snapshots" and (snapshots.parent / "blobs").resolve() in real.parents
+
+
 def side_files(folder: Path) -> list[str]:
     """Relative paths (sorted) of the tokenizer/generation files in a model folder."""
     found = []
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder).as_posix()
-        if path.is_file() and any(fnmatch.fnmatchcase(rel, p) for p in SIDE_FILE_PATTERNS):
+        if (path.is_file() and any(fnmatch.fnmatchcase(rel, p) for p in SIDE_FILE_PATTERNS)
+                and _inside_model(path, folder)):
             found.append(rel)
     return found
 

@@ -9,6 +9,7 @@ activation scales, and the two records go into qconvert.json.
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -26,6 +27,8 @@ from qconvert.smooth import (INT8_QMAX, MIN_SCALE, AlphaSpec, GroupScales, Tenso
                              smoothed_input_absmax, unmatched_alpha_keys)
 
 ACT_MODES = ("dynamic", "static")
+# The smallest static input_scale written (float32); the weight scales have the same floor.
+MIN_INPUT_SCALE = 1e-8
 REMEDY = ("linear->linear smoothing of the inputs no norm feeds: v_proj rows -> o_proj columns "
           "(one scale per KV-head channel, shared by the query heads of its group), "
           "up_proj rows -> down_proj columns")
@@ -157,10 +160,16 @@ def plan_w8a8(folder: Path, config: dict[str, Any], options: W8A8Options,
     input_scales = None
     if options.act == "static":
         smoothed = {m: g.input_scales for g in scales for m in g.group.linears}
-        input_scales = {m: smoothed_input_absmax(stats.act_absmax[m], smoothed.get(m)) / INT8_QMAX
+        input_scales = {m: static_input_scale(smoothed_input_absmax(stats.act_absmax[m], smoothed.get(m)))
                         for m in linears}
     return W8A8Plan(fold_plan(scales), input_scales, calibration_record,
                     _smoothing_record(scales, spec, arch, errors) if options.smooth else None)
+
+
+def static_input_scale(act_absmax: float) -> float:
+    """The per-tensor input_scale max|x| / 127, clamped away from zero as the weight scales are (an input that
+    was all zeros in calibration must not make a loader divide by zero)."""
+    return max(float(act_absmax) / INT8_QMAX, MIN_INPUT_SCALE)
 
 
 def _smoothing_record(scales: list[GroupScales], spec: AlphaSpec, arch: Architecture,
@@ -200,6 +209,7 @@ def quantize_w8a8(model: str, out: Path, options, w8a8: W8A8Options, *, progress
     if options.act != w8a8.act:
         raise UsageError(f"--act {w8a8.act} and the conversion's act {options.act} disagree")
     check_options(w8a8)
+    started = time.perf_counter()
     if not options.dry_run:
         check_output_target(model, Path(out), options.overwrite)  # before the calibration's time is spent
     if options.dry_run and w8a8.act == "dynamic":
@@ -211,6 +221,9 @@ def quantize_w8a8(model: str, out: Path, options, w8a8: W8A8Options, *, progress
             check_output_location(Path(out), resolved.folder)
         with stage("calibration"):
             plan = plan_w8a8(resolved.folder, resolved.config, w8a8, progress=message)
-    return convert(model, out, options, weight_transform=plan.weight_transform if plan.folds else None,
-                   input_scales=plan.input_scales, calibration_record=plan.calibration_record,
-                   smoothing_record=plan.smoothing_record, progress=progress)
+    calibrated = time.perf_counter() - started
+    result = convert(model, out, options, weight_transform=plan.weight_transform if plan.folds else None,
+                     input_scales=plan.input_scales, calibration_record=plan.calibration_record,
+                     smoothing_record=plan.smoothing_record, progress=progress)
+    phases = ((("calibrated", calibrated),) if plan.calibration_record is not None else ()) + result.phases
+    return dataclasses.replace(result, seconds=time.perf_counter() - started, phases=phases)

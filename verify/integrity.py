@@ -96,10 +96,11 @@ def check_files(folder: Path, record: ConversionRecord) -> list[str]:
                     f"{name}: sha256 mismatch (recorded {record.files[name][:12]}..., found "
                     f"{found[:12]}...); the file changed after conversion"
                 )
-    # A stray shard would be picked up by loaders that glob *.safetensors.
-    for path in sorted(folder.glob("*.safetensors")):
-        if path.name not in record.files:
-            problems.append(f"{path.name}: not recorded in qconvert.json (a stray or renamed shard)")
+    # A stray shard would be picked up by loaders that glob *.safetensors (some look in subfolders too).
+    for path in sorted(folder.rglob("*.safetensors")):
+        name = path.relative_to(folder).as_posix()
+        if name not in record.files:
+            problems.append(f"{name}: not recorded in qconvert.json (a stray or renamed shard)")
     if "config.json" not in record.files:
         problems.append(f"{RECORD_NAME}: does not record config.json")
     return problems

@@ -29,13 +29,17 @@ def _pair(reference, test) -> tuple[np.ndarray, np.ndarray]:
 def sqnr_db(reference, test) -> float:
     """Signal-to-quantization-noise ratio 10*log10(sum(ref^2) / sum((ref - test)^2)); inf when exact."""
     ref, out = _pair(reference, test)
+    if not (np.isfinite(ref).all() and np.isfinite(out).all()):
+        return -math.inf  # an output with Inf/NaN carries no usable signal: the check fails, it does not crash
+    peak = max(float(np.max(np.abs(ref), initial=0.0)), float(np.max(np.abs(out), initial=0.0)))
+    if peak > 0.0:  # the ratio does not change; huge values (a 1e38 weight) no longer overflow the sums
+        ref, out = ref / peak, out / peak
     noise = float(np.sum((ref - out) ** 2))
     signal = float(np.sum(ref**2))
     if noise == 0.0:
         return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
+    ratio = signal / noise
+    return 10.0 * math.log10(ratio) if ratio > 0.0 else -math.inf
 
 
 def relative_frobenius_error(reference, test) -> float:

@@ -11,7 +11,7 @@ import dataclasses
 import re
 from typing import Any, Callable
 
-from qconvert.errors import UnsupportedModelError
+from qconvert.errors import InvalidCheckpointError, UnsupportedModelError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +184,10 @@ def register(arch: Architecture) -> None:
 def architecture_for(config: dict[str, Any]) -> Architecture:
     """The Architecture for a parsed config.json, or UnsupportedModelError naming what is supported."""
     names = config.get("architectures") or []
+    if isinstance(names, str) or (isinstance(names, list) and names and not isinstance(names[0], str)):
+        raise InvalidCheckpointError(
+            f"config.json: \"architectures\" is {names!r}; it must be a list of names, "
+            f"e.g. [\"{names if isinstance(names, str) else 'LlamaForCausalLM'}\"]")
     if not isinstance(names, list) or not names:
         raise UnsupportedModelError(
             "config.json names no architecture (\"architectures\" is missing); supported: "
