@@ -1,0 +1,99 @@
+"""`-o` never destroys anything: not the input, not the current folder, not a folder qconvert did not write."""
+
+import hashlib
+import shutil
+
+import pytest
+
+from checkpoints import make_llama_checkpoint
+from qconvert.cli import main
+
+
+def tree(root):
+    """Every path under root with the sha256 of its bytes (None for a folder)."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+            for p in sorted(root.rglob("*"))}
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def model_source(tmp_path_factory):
+    return make_llama_checkpoint(tmp_path_factory.mktemp("safety") / "model")
+
+
+@pytest.fixture
+def parent(model_source, tmp_path):
+    """tmp/parent holding the model and an unrelated file of the user's."""
+    parent = tmp_path / "parent"
+    shutil.copytree(model_source, parent / "model")
+    (parent / "notes.txt").write_text("the user's own file")
+    return parent
+
+
+@pytest.mark.parametrize("out,cwd,words", [
+    ("{model}", None, "is the input model's folder"),
+    ("{parent}", None, "holds the input model"),
+    ("{model}/sub", None, "lies inside the input model's folder"),
+    (".", "{parent}", "is the current folder"),
+    ("{parent}", "{parent}/model", "is the current folder or holds it"),
+    ("", None, "is empty"),
+], ids=["input", "holds-input", "inside-input", "cwd", "holds-cwd", "empty"])
+@pytest.mark.parametrize("overwrite", [False, True], ids=["plain", "overwrite"])
+def test_an_out_that_would_destroy_the_input_or_the_cwd_is_refused_with_exit_2(parent, capsys, monkeypatch, out,
+                                                                                 cwd, words, overwrite):
+    root = parent.parent
+    before = tree(root)
+    paths = {"model": str(parent / "model"), "parent": str(parent)}
+    if cwd is not None:
+        monkeypatch.chdir(cwd.format(**paths))
+    argv = ["quantize", paths["model"], "-o", out.format(**paths)] + (["--overwrite"] if overwrite else [])
+    exit_code, _, stderr = run(argv, capsys)
+    assert exit_code == 2
+    assert len(stderr.strip().splitlines()) == 1 and words in stderr, stderr
+    assert tree(root) == before
+
+
+def test_overwrite_refuses_a_folder_qconvert_did_not_write(parent, capsys):
+    out = parent.parent / "theirs"
+    out.mkdir()
+    (out / "data.csv").write_text("1,2,3")
+    before = tree(parent.parent)
+    exit_code, _, stderr = run(["quantize", str(parent / "model"), "-o", str(out), "--overwrite"], capsys)
+    assert exit_code == 8 and stderr.strip() == (
+        f"qconvert: error: {out} is not a folder qconvert wrote (no qconvert.json) and is not empty; "
+        "--overwrite replaces only those: choose another -o")
+    assert tree(parent.parent) == before
+
+
+def test_overwrite_replaces_an_empty_folder_and_its_own_output(parent, capsys):
+    out = parent.parent / "out"
+    out.mkdir()
+    before = {k: v for k, v in tree(parent.parent).items() if not k.startswith("out")}
+    assert run(["quantize", str(parent / "model"), "-o", str(out), "--overwrite", "-q"], capsys)[0] == 0
+    assert run(["quantize", str(parent / "model"), "-o", str(out), "--overwrite", "-q", "--scheme", "nf4"],
+               capsys)[0] == 0
+    after = tree(parent.parent)
+    assert {k: v for k, v in after.items() if not k.startswith("out")} == before
+    assert '"scheme": "nf4"' in (out / "qconvert.json").read_text()
+    assert not [p for p in parent.parent.iterdir() if p.name.startswith(".out.")]
+
+
+def test_an_out_that_is_a_file_gets_a_hint_that_works(parent, capsys):
+    out = parent.parent / "out.txt"
+    out.write_text("keep me")
+    for extra in ([], ["--overwrite"]):
+        exit_code, _, stderr = run(["quantize", str(parent / "model"), "-o", str(out), *extra], capsys)
+        assert exit_code == 8 and "--overwrite" not in stderr and "is not a folder" in stderr
+        assert out.read_text() == "keep me"
+
+
+def test_a_relative_out_beside_the_input_is_fine(parent, capsys, monkeypatch):
+    monkeypatch.chdir(parent)
+    assert run(["quantize", "model", "-o", "model-int8", "-q"], capsys)[0] == 0
+    assert (parent / "model-int8" / "qconvert.json").is_file() and (parent / "notes.txt").exists()
