@@ -69,7 +69,8 @@ def outlier_llama(tmp_path_factory):
     ids = jnp.asarray(np.random.default_rng(7).integers(0, config["vocab_size"], (2, 32)))
     # Calibrate once (`qconvert calibrate`) and reuse the statistics (--act-stats) below:
     # each calibration compiles every layer anew.
-    stats = folder / "stats.safetensors"
+    # Beside the model, not inside it: a *.safetensors in the folder would be read as part of the weights.
+    stats = tmp_path_factory.mktemp("outlier-stats") / "stats.safetensors"
     calibrate_model(str(folder), stats, calib="random", samples=8, seqlen=32)
     return folder, config, ids, stats
 

@@ -1,0 +1,51 @@
+"""The README's setup-and-first-run commands work as written, offline (HF_HUB_OFFLINE=1, no test extra needed)."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def first_run_commands() -> list[str]:
+    """The indented command block of README.md's "Setup and first run" section, line by line."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Setup and first run"):]
+    section = section[:section.index("\n## ", 3)]
+    block = re.search(r"\n\n((?:    \S.*\n)+)", section)
+    return [line.strip() for line in block.group(1).splitlines()]
+
+
+def test_the_first_run_is_an_install_then_qconvert_commands():
+    commands = first_run_commands()
+    assert commands[0].startswith("pip install ") and len(commands) >= 3
+    assert all(c.startswith("qconvert ") for c in commands[1:])
+
+
+def test_the_install_line_names_an_extra_that_exists_and_is_installed():
+    line = first_run_commands()[0]
+    target = shlex.split(line)[-1]
+    match = re.fullmatch(r"\.\[(\w+)\]", target)
+    assert match, f"the README installs {target!r}"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert match.group(1) in extras
+    for requirement in extras[match.group(1)]:
+        name = re.split(r"[<>=!~\[ ;]", requirement)[0]
+        assert metadata.version(name)  # raises PackageNotFoundError if the extra's package is missing
+
+
+def test_the_first_run_commands_work_offline_as_written(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-hf-home"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for command in first_run_commands()[1:]:
+        done = subprocess.run(["bash", "-c", f"set -euo pipefail; {command}"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{command}: {done.stderr}"
+    outputs = [p for p in tmp_path.iterdir() if (p / "qconvert.json").is_file()]
+    assert [p.name for p in outputs] == ["minilm-int8"]
+    assert re.search(r"all \d+ files match the sha256 in qconvert.json", done.stdout)
