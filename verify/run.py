@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert.calib_data import BUILTIN, RANDOM, load_calibration
+from qconvert.consistency import check_weights_match_config
 from qconvert.errors import UsageError
 from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import open_quantized
@@ -134,6 +135,7 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
 
     reference_id, resolved = resolve_reference(record, options)
     reference_ckpt = open_checkpoint(resolved.folder)
+    check_weights_match_config(reference_ckpt, resolved.config)  # a reference whose config misfits: one line
     problems = check_tensors(quantized, reference_ckpt, config)
     if problems:
         return _integrity_only(folder, record.scheme, options, thresholds, files, problems, started)
