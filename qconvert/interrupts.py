@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,6 +61,7 @@ class _State:
         self.raised = False
         self.deferred = 0
         self.committed = False
+        self.committing = False
         self.temporaries: set[Path] = set()
         self.exiting = False
         self.lock = threading.Lock()
@@ -133,6 +135,8 @@ def _watchdog(read_fd: int) -> None:
         if not ours or _state.committed:
             continue
         _wait_for_second_signal(read_fd)
+        while _state.committing:  # the renames into OUT are short: let them finish, then decide
+            time.sleep(0.01)
         if _state.committed:
             continue
         signum = _state.received or ours[0]
@@ -199,7 +203,11 @@ def commit_zone() -> Iterator[callable]:
 
     with deferred():
         check()
-        yield committed
+        _state.committing = True
+        try:
+            yield committed
+        finally:
+            _state.committing = False
 
 
 def register_temporary(path: Path) -> None:
