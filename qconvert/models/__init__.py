@@ -1,10 +1,15 @@
 """Supported architectures: which tensors are linears, how they are smoothed, a JAX forward.
 
 `build(config)` gives the family's model (LlamaModel, BertModel, MixtralModel), a
-frozen dataclass whose methods are pure functions of `params`, any Mapping from
+frozen dataclass whose methods are pure functions of `params` (its `from_config`
+raises InvalidCheckpointError, exit 6, naming the key, for a config.json value of
+the wrong type or an inconsistent one), any Mapping from
 checkpoint tensor name to array (lazy readers and QArray weights included):
 
     model.num_layers
+    model.expected_shapes()                     every tensor name the forward reads -> the shape
+                                                config.json implies (a tied lm_head omitted)
+    model.layers_prefix                         what layer tensor names start with ("model.layers.")
     model.embed_tensor_names() / layer_tensor_names(i) / head_tensor_names()
     model.layer_linears(i)                      module names, in call order
     model.embed(params, input_ids, attention_mask=None) -> hidden float32 [B, T, H]
