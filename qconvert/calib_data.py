@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
 from importlib import resources
 from pathlib import Path
@@ -107,17 +108,23 @@ def download_dataset_file(address: str) -> Path:
     import huggingface_hub
     from huggingface_hub import errors as hub_errors
 
+    from qconvert.hub import hub_unreachable_reason
+
+    # One short probe instead of huggingface_hub's retries: unreachable means the cache alone.
+    cache_only = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() not in {"1", "ON", "YES", "TRUE"} \
+        and hub_unreachable_reason() is not None
     try:
         local = huggingface_hub.hf_hub_download(
-            repo_id=match["repo"], filename=match["path"], repo_type="dataset", revision=match["rev"])
+            repo_id=match["repo"], filename=match["path"], repo_type="dataset", revision=match["rev"],
+            local_files_only=cache_only)
+    except (hub_errors.LocalEntryNotFoundError, OSError) as err:  # before EntryNotFoundError, its base
+        raise HubUnavailableError(f"cannot download {address}: the Hub is unreachable and the file "
+                                  f"is not cached ({type(err).__name__}); pass a local file or "
+                                  f"'--calib {BUILTIN}'") from None
     except (hub_errors.RepositoryNotFoundError, hub_errors.EntryNotFoundError,
             hub_errors.RevisionNotFoundError) as err:
         raise ModelNotFoundError(f"calibration file {address} not found on the Hub "
                                  f"({type(err).__name__}); check the repository and path") from None
-    except (hub_errors.LocalEntryNotFoundError, OSError) as err:
-        raise HubUnavailableError(f"cannot download {address}: the Hub is unreachable and the file "
-                                  f"is not cached ({type(err).__name__}); pass a local file or "
-                                  f"'--calib {BUILTIN}'") from None
     return Path(local)
 
 

@@ -237,3 +237,14 @@ def test_pytest_quiet_keeps_its_summary_line(tmp_path):
                            "--rootdir", str(tmp_path), "-p", "no:cacheprovider", str(tmp_path / "test_one.py")],
                           capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0 and re.search(r"^1 passed in [\d.]+s", done.stdout, re.M), done.stdout
+
+
+def test_an_unreachable_hub_for_calibration_text_is_one_line_within_seconds(source, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}
+    started = time.monotonic()
+    done = subprocess.run([QCONVERT, "calibrate", str(source), "-o", str(tmp_path / "stats.safetensors"),
+                           "--calib", "hf://datasets/some-org/texts/train.txt"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 4 and time.monotonic() - started < 10
+    assert len(done.stderr.splitlines()) == 1 and "hf://datasets/some-org/texts/train.txt" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
