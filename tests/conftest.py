@@ -16,3 +16,9 @@ from hypothesis import settings  # noqa: E402
 
 settings.register_profile("qconvert", derandomize=True, database=None, print_blob=True)
 settings.load_profile("qconvert")
+
+# Every Triton and Mosaic module a test lowers is run through MLIR's verifier, as
+# the GPU and TPU compilers would: a CPU lowering alone never reaches it.
+import mlir_verify  # noqa: E402
+
+mlir_verify.install()
