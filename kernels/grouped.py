@@ -8,6 +8,8 @@ the weight-gradient form. Rows are sorted by group, as an MoE router's sort give
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -113,11 +115,22 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
         y = _grouped_reference(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, g_local, k, n, blocksize,
                                preferred_element_type, offset, transpose_rhs)
         return plan_result(y, plan, return_plan)
+    y = _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, plan=plan, rhs_kind=rhs_kind, offset=offset,
+                        g_local=g_local, n=n, out_dtype=jnp.dtype(preferred_element_type), transpose_rhs=transpose_rhs)
+    return plan_result(y, plan, return_plan)
+
+
+# Jitted with the plan static: metadata, padding and layout run at trace time into
+# one compiled call (an eager call pays the checks, a cached plan and one dispatch).
+@functools.partial(jax.jit, static_argnames=("plan", "rhs_kind", "offset", "g_local", "n", "out_dtype",
+                                             "transpose_rhs"))
+def _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, *, plan: KernelPlan, rhs_kind: str, offset: int,
+                    g_local: int, n: int, out_dtype, transpose_rhs: bool):
     if plan.backend == "gpu":
-        y = gpu_grouped.run_grouped_matmul(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, offset=offset,
-                                           num_local=g_local, n=n, tiling=plan.tiling,
-                                           out_dtype=preferred_element_type, transpose_rhs=transpose_rhs)
-        return plan_result(y, plan, return_plan)
+        return gpu_grouped.run_grouped_matmul(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, offset=offset,
+                                              num_local=g_local, n=n, tiling=plan.tiling, out_dtype=out_dtype,
+                                              transpose_rhs=transpose_rhs)
+    m, k = lhs.shape
     t = plan.tiling
     mp, kp, np_ = round_up(m, t.tm), round_up(k, t.tk), round_up(n, t.tn)
     metadata, num_tiles = make_group_metadata(group_sizes=group_sizes, m=mp, tm=t.tm, start_group=offset,
@@ -134,10 +147,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
             rhs_ops += (_pad(rhs_aux.reshape(g_local, 1, n), (g_local, 1, np_)),)
     y = tpu_grouped.grouped_matmul_tpu(
         metadata, jnp.full((1,), offset, jnp.int32), num_tiles.reshape(1), lhs_ops, rhs_ops, tiling=t,
-        out_dtype=jnp.dtype(preferred_element_type), rhs_kind=rhs_kind, transpose_rhs=transpose_rhs,
-        interpret=plan.interpret)[:m, :n]
-    y = jnp.where(_local_rows(group_sizes, m, offset, g_local)[:, None], y, jnp.zeros_like(y))
-    return plan_result(y, plan, return_plan)
+        out_dtype=out_dtype, rhs_kind=rhs_kind, transpose_rhs=transpose_rhs, interpret=plan.interpret)[:m, :n]
+    return jnp.where(_local_rows(group_sizes, m, offset, g_local)[:, None], y, jnp.zeros_like(y))
 
 
 def _local_rows(group_sizes, m: int, offset: int, g_local: int) -> jax.Array:

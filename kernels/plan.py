@@ -8,6 +8,7 @@ says why (a fallback is never silent).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -278,14 +279,22 @@ def select_kernel(problem: KernelProblem, backend: str = "auto", tiling: Tiling 
     'cpu' runs the TPU kernel in TPU interpret mode (for tests; slow), unless the
     grid is larger than CPU_INTERPRET_MAX_STEPS, where it falls back to the
     reference and says so. A requested tiling is checked, never silently changed.
+    Plans are pure functions of their arguments and cached: an eager call pays
+    for planning once per shape.
     """
+    if tiling is not None and not isinstance(tiling, Tiling):
+        tiling = Tiling(*tiling)
+    return _select_kernel(problem, resolve_backend(backend), tiling)
+
+
+@functools.lru_cache(maxsize=4096)
+def _select_kernel(problem: KernelProblem, resolved: str, tiling: Tiling | None) -> KernelPlan:
     if problem.op not in OPS:
         raise KernelArgumentError(f"unknown kernel operation {problem.op!r}; choose one of {', '.join(OPS)}")
     if problem.rhs_kind not in RHS_KINDS:
         raise KernelArgumentError(f"unknown rhs kind {problem.rhs_kind!r}; choose one of {', '.join(RHS_KINDS)}")
     if min(problem.m, problem.k, problem.n) <= 0:
         raise KernelArgumentError(f"{problem.op} needs non-empty operands, got m={problem.m} k={problem.k} n={problem.n}")
-    resolved = resolve_backend(backend)
     if resolved == "reference":
         return _reference_plan(problem, None)
     reason = _fallback_reason(problem)
@@ -297,7 +306,6 @@ def select_kernel(problem: KernelProblem, backend: str = "auto", tiling: Tiling 
         tiling = default_tiling(problem, kernel_backend)
         table = table_name(kernel_backend, problem)
     else:
-        tiling = Tiling(*tiling) if not isinstance(tiling, Tiling) else tiling
         check_tiling(problem, kernel_backend, tiling)
     if resolved == "cpu" and grid_steps(problem, tiling) > CPU_INTERPRET_MAX_STEPS:
         return _reference_plan(problem, (
