@@ -21,13 +21,6 @@ S = jax.ShapeDtypeStruct
 I32 = jnp.int32
 
 
-@pytest.fixture
-def triton_interpreted(monkeypatch):
-    """Make backend "gpu" run the Triton kernel bodies in the generic interpreter (no GPU here)."""
-    for name in ("grouped_matmul_gpu", "transposed_grouped_matmul_gpu"):
-        monkeypatch.setattr(gpu_grouped, name, functools.partial(getattr(gpu_grouped, name), interpret=True))
-
-
 def bounds(sizes):
     return np.concatenate([[0], np.cumsum(sizes)])
 
