@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from qconvert.errors import KernelArgumentError
 from qconvert.formats import QArray
 from qconvert.kernels import gpu_grouped, reference, tpu_grouped
+from qconvert.kernels.checks import dtype_of as _dtype
 from qconvert.kernels.grouped_metadata import make_group_metadata
 from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
 from qconvert.kernels.tiles import round_up, split_even_odd_columns
@@ -28,11 +29,12 @@ def _pad(a, shape):
 
 
 def _check_common(op: str, lhs, group_sizes, preferred_element_type):
-    if jnp.ndim(lhs) != 2 or not jnp.issubdtype(jnp.asarray(lhs).dtype, jnp.floating):
+    lhs_dtype = _dtype(lhs)
+    if jnp.ndim(lhs) != 2 or not jnp.issubdtype(lhs_dtype, jnp.floating):
         raise KernelArgumentError(f"{op}: lhs must be a rank-2 float array, got shape {jnp.shape(lhs)} "
-                                  f"dtype {jnp.asarray(lhs).dtype}")
+                                  f"dtype {lhs_dtype}")
     # Read the caller's dtype before any conversion (JAX would narrow int64 silently).
-    sizes_dtype = jnp.dtype(getattr(group_sizes, "dtype", jnp.asarray(group_sizes).dtype))
+    sizes_dtype = _dtype(group_sizes)
     if jnp.ndim(group_sizes) != 1 or sizes_dtype != jnp.int32:
         raise KernelArgumentError(f"{op}: group_sizes must be int32 [num_groups], got shape "
                                   f"{jnp.shape(group_sizes)} dtype {sizes_dtype}")
