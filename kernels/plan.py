@@ -1,6 +1,7 @@
 """Kernel selection: describe a matmul problem, get back the kernel plan that will run it.
 
-A plan names the kernel, the backend it runs on, its tiling and its numerical
+A plan names the kernel, the backend it runs on, its tiling (from TILE_TABLES,
+one table per backend and M regime, named in the plan) and its numerical
 guarantee; when no kernel takes the problem it names the pure-jnp reference and
 says why (a fallback is never silent).
 """
