@@ -1,18 +1,31 @@
-"""Time the quantized matmul kernels beside the XLA bf16 matmul on the dequantized weight.
+"""Per-layer time of the quantized matmul kernels as a forward pass runs them, beside XLA's own matmuls.
 
-    python bench/kernels.py            # M in {1, 16, 512, 4096}, (K, N) in {(4096, 4096), (4096, 14336)}
-    python bench/kernels.py --quick    # small shapes, for a CPU (interpret mode) run in a minute or two
-    python bench/kernels.py --m 1 16 --kn 1024x1024 --backend cpu
+    python bench/kernels.py                  # M in {1, 16, 64, 512, 4096}, (K, N) in {(4096, 4096), (4096, 14336)}
+    python bench/kernels.py --quick          # small shapes, for a CPU (interpret mode) run
+    python bench/kernels.py --m 1 16 --kn 1024x1024 --layers 8 --backend cpu
 
-Each line: kernel plan, kernel time, XLA baseline time, baseline/kernel ratio
-(> 1 means the kernel is faster), and the kernel's TFLOP/s. On CPU the Pallas
-kernels run in TPU interpret mode: those times check the plumbing, they are not
-performance figures.
+Every method runs L stacked layers of the same shape inside one jitted
+lax.scan (bf16 in and out), as a forward pass runs its layers; the time per
+layer is the scan's time over L. Beside each kernel run three XLA baselines on
+the same weights: bf16 `dot`, XLA's own int8 dot_general (int32 accumulation;
+activations quantized per token in both it and W8A8) and an XLA NF4
+dequantize-then-dot. Ratios are baseline time / method time (> 1: the method is
+faster). The memory-bound floor is the bytes a layer must read (weights in each
+format plus activations) over the device's read bandwidth, measured here
+(a jitted sum over 256 MiB).
+
+Also printed: each entry point's eager per-call overhead, the time of an eager
+call whose kernel is swapped for a no-op of the same output (checks, cached
+plan, padding and one dispatch), next to the same call inside jax.jit.
+
+On CPU the Pallas kernels run in TPU interpret mode, which simulates every grid
+step: those times check the plumbing and are not performance figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import time
 
@@ -20,7 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.kernels import int8_matmul, int8_weight_matmul, nf4_matmul, quantize_activations, resolve_backend
+from qconvert.formats import NF4_LEVELS
+from qconvert.kernels import (int8_matmul, int8_weight_matmul, nf4_matmul, quantize_activations, resolve_backend,
+                              select_kernel, KernelProblem)
+from qconvert.kernels import gpu_dense, tpu_dense
+
+BF16 = jnp.bfloat16
+NT = (((1,), (1,)), ((), ()))
 
 
 def timed(fn, repeats: int) -> float:
@@ -34,35 +53,143 @@ def timed(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
-def operands(m: int, k: int, n: int, seed: int = 0):
+def stacked_operands(layers: int, m: int, k: int, n: int, seed: int = 0) -> dict:
+    """x [M, K] bf16 and every layer's weight in each format, stacked on a leading layer axis."""
     rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.normal(size=(m, k)).astype(np.float32)).astype(jnp.bfloat16)
-    w_q = jnp.asarray(rng.integers(-127, 128, (n, k)).astype(np.int8))
-    w_scale = jnp.asarray(rng.uniform(1e-3, 1e-2, n).astype(np.float32))
-    codes = rng.integers(0, 16, n * k)
-    packed = jnp.asarray(((codes[0::2] << 4) | codes[1::2]).astype(np.uint8))
-    absmax = jnp.asarray(rng.uniform(0.1, 1.0, n * k // 64).astype(np.float32))
-    return x, w_q, w_scale, packed, absmax
-
-
-def bench_shape(m: int, k: int, n: int, backend: str, repeats: int) -> list[str]:
-    x, w_q, w_scale, packed, absmax = operands(m, k, n)
-    w_bf16 = (w_q.astype(jnp.float32) * w_scale[:, None]).astype(jnp.bfloat16)
-    baseline_fn = jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    baseline = timed(lambda: baseline_fn(x, w_bf16), repeats)
-    x_q, x_scale = quantize_activations(x)
-    cases = {
-        "int8_matmul": lambda **kw: int8_matmul(x_q, w_q, x_scale, w_scale, out_dtype=jnp.bfloat16, **kw),
-        "int8_weight_matmul": lambda **kw: int8_weight_matmul(x, w_q, w_scale, out_dtype=jnp.bfloat16, **kw),
-        "nf4_matmul": lambda **kw: nf4_matmul(x, packed, absmax, shape=(n, k), out_dtype=jnp.bfloat16, **kw),
+    w_q = rng.integers(-127, 128, (layers, n, k)).astype(np.int8)
+    w_scale = rng.uniform(1e-3, 1e-2, (layers, n)).astype(np.float32)
+    codes = rng.integers(0, 16, (layers, n * k))
+    return {
+        "x": jnp.asarray(rng.normal(size=(m, k)).astype(np.float32)).astype(BF16),
+        "w_bf16": jnp.asarray(w_q.astype(np.float32) * w_scale[:, :, None]).astype(BF16),
+        "w_q": jnp.asarray(w_q), "w_scale": jnp.asarray(w_scale),
+        "packed": jnp.asarray(((codes[:, 0::2] << 4) | codes[:, 1::2]).astype(np.uint8)),
+        "absmax": jnp.asarray(rng.uniform(0.1, 1.0, (layers, n * k // 64)).astype(np.float32)),
     }
+
+
+def nf4_dequantize_then_dot(x, packed, absmax, n: int, k: int):
+    """XLA's way without a kernel: decode the whole NF4 weight to bf16 (table gather), then dot."""
+    codes = jnp.stack([packed >> 4, packed & 0xF], axis=-1).reshape(-1).astype(jnp.int32)
+    w = (jnp.asarray(NF4_LEVELS, jnp.float32)[codes] * jnp.repeat(absmax, 64)).reshape(n, k).astype(BF16)
+    return jax.lax.dot_general(x, w, NT, preferred_element_type=jnp.float32).astype(BF16)
+
+
+def xla_int8_dot(x, w_q, w_scale):
+    """XLA's own int8 dot_general on per-token int8 activations, rescaled as W8A8 does."""
+    x_q, x_scale = quantize_activations(x)
+    acc = jax.lax.dot_general(x_q, w_q, NT, preferred_element_type=jnp.int32)
+    return (acc.astype(jnp.float32) * x_scale[:, None] * w_scale[None, :]).astype(BF16)
+
+
+def layer_methods(n: int, k: int, backend: str) -> dict:
+    """name -> (per-layer function of (x, layer weights), the stacked operands it scans over)."""
+    def w8a8(x, w):
+        x_q, x_scale = quantize_activations(x)
+        return int8_matmul(x_q, w["w_q"], x_scale, w["w_scale"], out_dtype=BF16, backend=backend)
+
+    return {
+        "bf16 XLA": (lambda x, w: jax.lax.dot_general(x, w["w_bf16"], NT, preferred_element_type=jnp.float32)
+                     .astype(BF16), ("w_bf16",)),
+        "int8 XLA dot": (lambda x, w: xla_int8_dot(x, w["w_q"], w["w_scale"]), ("w_q", "w_scale")),
+        "NF4 XLA dequant+dot": (lambda x, w: nf4_dequantize_then_dot(x, w["packed"], w["absmax"], n, k),
+                                ("packed", "absmax")),
+        "W8A8 int8_matmul": (w8a8, ("w_q", "w_scale")),
+        "W8A16 int8_weight_matmul": (lambda x, w: int8_weight_matmul(x, w["w_q"], w["w_scale"], out_dtype=BF16,
+                                                                     backend=backend), ("w_q", "w_scale")),
+        "NF4 nf4_matmul": (lambda x, w: nf4_matmul(x, w["packed"], w["absmax"], shape=(n, k), out_dtype=BF16,
+                                                   backend=backend), ("packed", "absmax")),
+    }
+
+
+def scan_time_per_layer(layer_fn, x, stacked: dict, layers: int, repeats: int) -> float:
+    """Seconds per layer of one jitted lax.scan running layer_fn over the stacked layers."""
+    @jax.jit
+    def forward(x, stacked):
+        def body(carry, w):
+            return carry, layer_fn(carry, w)
+        return jax.lax.scan(body, x, stacked)[1]
+
+    return timed(lambda: forward(x, stacked), repeats) / layers
+
+
+def read_bandwidth(repeats: int) -> float:
+    """Bytes per second the device reads in a jitted sum over 256 MiB (a weight-streaming stand-in)."""
+    a = jnp.ones((64 * 1024 * 1024,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    return a.nbytes / timed(lambda: total(a), repeats)
+
+
+def floors(m: int, k: int, n: int, bandwidth: float) -> dict[str, float]:
+    """Memory-bound floor (seconds) per layer: weight bytes in each format plus bf16 activations in and out."""
+    act = 2 * m * k + 2 * m * n
+    weights = {"bf16": 2 * n * k, "int8": n * k + 4 * n, "nf4": n * k // 2 + 4 * n * k // 64}
+    return {name: (b + act) / bandwidth for name, b in weights.items()}
+
+
+@contextlib.contextmanager
+def no_op_kernels():
+    """Swap every dense Pallas kernel for a no-op returning zeros of its output shape."""
+    names = ("int8_matmul_tpu", "int8_weight_matmul_tpu", "nf4_matmul_tpu"), (
+        "int8_matmul_gpu", "int8_weight_matmul_gpu", "nf4_matmul_gpu")
+    saved = []
+    for module, module_names in zip((tpu_dense, gpu_dense), names):
+        for name in module_names:
+            saved.append((module, name, getattr(module, name)))
+
+            def no_op(*args, tiling, out_dtype, **_):
+                return jnp.zeros((args[0].shape[0], args[-1].shape[1]), out_dtype)
+
+            setattr(module, name, no_op)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+        jax.clear_caches()
+
+
+def entry_overheads(backend: str, repeats: int) -> list[str]:
+    """Per entry point: eager call and jitted call (microseconds), kernel swapped for a no-op."""
+    m, k, n = 16, 4096, 4096
+    ops = stacked_operands(1, m, k, n)
+    x, w_q, w_scale = ops["x"], ops["w_q"][0], ops["w_scale"][0]
+    x_q, x_scale = quantize_activations(x)
+    packed, absmax = ops["packed"][0], ops["absmax"][0]
+    calls = {
+        "int8_matmul": lambda a, b, c, d: int8_matmul(a, b, c, d, out_dtype=BF16, backend=backend),
+        "int8_weight_matmul": lambda a, b, c, d: int8_weight_matmul(a, b, c, out_dtype=BF16, backend=backend),
+        "nf4_matmul": lambda a, b, c, d: nf4_matmul(a, b, c, shape=(n, k), out_dtype=BF16, backend=backend),
+    }
+    operands = {"int8_matmul": (x_q, w_q, x_scale, w_scale), "int8_weight_matmul": (x, w_q, w_scale, None),
+                "nf4_matmul": (x, packed, absmax, None)}
     lines = []
-    flops = 2.0 * m * k * n
-    for name, run in cases.items():
-        _, plan = run(backend=backend, return_plan=True)
-        seconds = timed(lambda: run(backend=backend), repeats)
-        lines.append(f"| {name} | {m} | {k}x{n} | {plan.describe()} | {seconds * 1e3:.3f} | {baseline * 1e3:.3f} | "
-                     f"{baseline / seconds:.2f} | {flops / seconds / 1e12:.4f} |")
+    with no_op_kernels():
+        for name, call in calls.items():
+            args = operands[name]
+            plan = select_kernel(KernelProblem(name, m, k, n), backend)
+            eager = timed(lambda: call(*args), repeats * 20)
+            jitted_fn = jax.jit(call)
+            jitted = timed(lambda: jitted_fn(*args), repeats * 20)
+            lines.append(f"| {name} | {m}x{k}x{n} | {plan.describe()} | {eager * 1e6:.0f} | {jitted * 1e6:.0f} | "
+                         f"{(eager - jitted) * 1e6:.0f} |")
+    return lines
+
+
+def bench_shape(m: int, k: int, n: int, layers: int, backend: str, repeats: int, bandwidth: float) -> list[str]:
+    ops = stacked_operands(layers, m, k, n)
+    times = {}
+    for name, (fn, keys) in layer_methods(n, k, backend).items():
+        times[name] = scan_time_per_layer(fn, ops["x"], {key: ops[key] for key in keys}, layers, repeats)
+    floor = floors(m, k, n, bandwidth)
+    bf16, int8_xla, nf4_xla = times["bf16 XLA"], times["int8 XLA dot"], times["NF4 XLA dequant+dot"]
+    lines = []
+    for name, seconds in times.items():
+        fmt = "nf4" if "NF4" in name else "int8" if ("int8" in name or "W8" in name) else "bf16"
+        own = {"int8": int8_xla, "nf4": nf4_xla, "bf16": bf16}[fmt]
+        lines.append(f"| {name} | {m} | {k}x{n} | {seconds * 1e6:.1f} | {bf16 / seconds:.2f} | {own / seconds:.2f} | "
+                     f"{floor[fmt] * 1e6:.1f} ({fmt}) |")
     return lines
 
 
@@ -71,20 +198,31 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes (CPU interpret mode)")
     parser.add_argument("--m", type=int, nargs="*", help="row counts M")
     parser.add_argument("--kn", nargs="*", help="KxN pairs, e.g. 4096x14336")
+    parser.add_argument("--layers", type=int, help="stacked layers in the scan (default 16; 4 with --quick)")
     parser.add_argument("--backend", default="auto", help="auto, tpu, gpu, cpu or reference")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    ms = args.m or ([1, 16] if args.quick else [1, 16, 512, 4096])
+    ms = args.m or ([1, 16] if args.quick else [1, 16, 64, 512, 4096])
     kns = [tuple(int(v) for v in kn.split("x")) for kn in args.kn] if args.kn else (
-        [(512, 512), (1024, 1024)] if args.quick else [(4096, 4096), (4096, 14336)])
+        [(512, 512), (576, 1536)] if args.quick else [(4096, 4096), (4096, 14336)])
+    layers = args.layers or (4 if args.quick else 16)
+    backend = resolve_backend(args.backend)
     device = jax.devices()[0]
+    bandwidth = read_bandwidth(args.repeats)
     print(f"# device: {device.platform} {device.device_kind}; host: {platform.processor() or platform.machine()}; "
-          f"jax {jax.__version__}; backend {resolve_backend(args.backend)}")
-    print("| kernel | M | KxN | plan | kernel ms | XLA bf16 ms | XLA/kernel | kernel TFLOP/s |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"jax {jax.__version__}; backend {backend}; {layers} layers per scan; "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print("\n## Eager per-call overhead (kernel swapped for a no-op)\n")
+    print("| entry point | MxKxN | plan | eager us | inside jit us | overhead us |")
+    print("|---|---|---|---|---|---|")
+    for line in entry_overheads(backend, args.repeats):
+        print(line, flush=True)
+    print("\n## Per-layer time in one jitted lax.scan (bf16 in and out)\n")
+    print("| method | M | KxN | us per layer | bf16 XLA / method | same-format XLA / method | memory floor us |")
+    print("|---|---|---|---|---|---|---|")
     for k, n in kns:
         for m in ms:
-            for line in bench_shape(m, k, n, args.backend, args.repeats):
+            for line in bench_shape(m, k, n, layers, backend, args.repeats, bandwidth):
                 print(line, flush=True)
 
 

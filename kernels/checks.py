@@ -13,8 +13,12 @@ def _shape(a) -> tuple[int, ...]:
     return tuple(getattr(a, "shape", ()))
 
 
-def _dtype(a):
-    return jnp.dtype(getattr(a, "dtype", jnp.asarray(a).dtype))
+def dtype_of(a):
+    """The dtype of an array, or of the array a plain Python value would become."""
+    # Only a plain Python value needs converting to learn its dtype; converting
+    # every array on every call would cost more than the kernel launch itself.
+    dtype = getattr(a, "dtype", None)
+    return jnp.dtype(jnp.asarray(a).dtype if dtype is None else dtype)
 
 
 def require_matrix(op: str, name: str, a, dtypes: tuple | None = None, what: str = "") -> tuple[int, int]:
@@ -22,19 +26,19 @@ def require_matrix(op: str, name: str, a, dtypes: tuple | None = None, what: str
     shape = _shape(a)
     if len(shape) != 2:
         raise KernelArgumentError(f"{op}: {name} must be rank 2 {what}, got shape {shape}")
-    if dtypes is not None and _dtype(a) not in [jnp.dtype(d) for d in dtypes]:
+    if dtypes is not None and dtype_of(a) not in [jnp.dtype(d) for d in dtypes]:
         names = "/".join(str(jnp.dtype(d)) for d in dtypes)
-        raise KernelArgumentError(f"{op}: {name} must be {names}, got {_dtype(a)}")
+        raise KernelArgumentError(f"{op}: {name} must be {names}, got {dtype_of(a)}")
     return shape
 
 
 def require_float(op: str, name: str, a) -> None:
     """a must have a floating dtype."""
-    if not jnp.issubdtype(_dtype(a), jnp.floating):
-        raise KernelArgumentError(f"{op}: {name} must be a float array, got {_dtype(a)}")
+    if not jnp.issubdtype(dtype_of(a), jnp.floating):
+        raise KernelArgumentError(f"{op}: {name} must be a float array, got {dtype_of(a)}")
 
 
-def require_float_dtype(op: str, out_dtype) -> None:
+def require_floatdtype_of(op: str, out_dtype) -> None:
     """out_dtype must be a float dtype."""
     if not jnp.issubdtype(jnp.dtype(out_dtype), jnp.floating):
         raise KernelArgumentError(f"{op}: out_dtype must be a float dtype, got {jnp.dtype(out_dtype)}")
@@ -60,7 +64,7 @@ def check_int8_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype) -> tuple[int,
     require_vector(op, "w_scale", w_scale, (n,), f"[{n}] or [{n}, 1] (per output channel)")
     if bias is not None:
         require_vector(op, "bias", bias, (n,), f"[{n}]")
-    require_float_dtype(op, out_dtype)
+    require_floatdtype_of(op, out_dtype)
     return m, k, n
 
 
@@ -75,7 +79,7 @@ def check_int8_weight_matmul(x, w_q, w_scale, bias, out_dtype) -> tuple[int, int
     require_vector(op, "w_scale", w_scale, (n,), f"[{n}] or [{n}, 1] (per output channel)")
     if bias is not None:
         require_vector(op, "bias", bias, (n,), f"[{n}]")
-    require_float_dtype(op, out_dtype)
+    require_floatdtype_of(op, out_dtype)
     return m, k, n
 
 
@@ -91,21 +95,21 @@ def check_nf4_matmul(x, w_packed, absmax, shape, blocksize, bias, out_dtype) -> 
         raise KernelArgumentError(f"{op}: x has K={k_x} but the weight shape is (N={n}, K={k})")
     if blocksize <= 0:
         raise KernelArgumentError(f"{op}: blocksize must be positive, got {blocksize}")
-    if _dtype(w_packed) != jnp.uint8:
-        raise KernelArgumentError(f"{op}: w_packed must be uint8 (two NF4 codes per byte), got {_dtype(w_packed)}")
+    if dtype_of(w_packed) != jnp.uint8:
+        raise KernelArgumentError(f"{op}: w_packed must be uint8 (two NF4 codes per byte), got {dtype_of(w_packed)}")
     count = n * k
     packed_shape = _shape(w_packed)
     if math.prod(packed_shape) != -(-count // 2) or len([d for d in packed_shape if d != 1]) > 1:
         raise KernelArgumentError(f"{op}: w_packed has shape {packed_shape}; a ({n}, {k}) NF4 weight packs into "
                                   f"[{-(-count // 2)}] (or [{-(-count // 2)}, 1]) bytes")
-    if _dtype(absmax) != jnp.float32:
+    if dtype_of(absmax) != jnp.float32:
         raise KernelArgumentError(f"{op}: absmax must be float32 (decode double-quantized absmax first), "
-                                  f"got {_dtype(absmax)}")
+                                  f"got {dtype_of(absmax)}")
     blocks = -(-count // blocksize)
     if math.prod(_shape(absmax)) != blocks:
         raise KernelArgumentError(f"{op}: absmax has shape {_shape(absmax)}; a ({n}, {k}) weight in blocks of "
                                   f"{blocksize} needs [{blocks}]")
     if bias is not None:
         require_vector(op, "bias", bias, (n,), f"[{n}]")
-    require_float_dtype(op, out_dtype)
+    require_floatdtype_of(op, out_dtype)
     return m, k, n

@@ -7,6 +7,8 @@ return_plan=True it also returns the KernelPlan, so callers can report it.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -26,6 +28,44 @@ def _col_vector(v, n: int, np_: int) -> jax.Array:
     return pad2d(v.reshape(1, n), 1, np_)
 
 
+# The launches below are jitted with the plan static: padding, layout and the
+# slice back run at trace time into one compiled call, so an eager call costs
+# the argument checks, a cached plan lookup and one dispatch, and a call inside
+# a caller's jit adds nothing beyond the kernel.
+
+@functools.partial(jax.jit, static_argnames=("plan", "out_dtype"))
+def _int8_matmul_launch(x_q, w_q, x_scale, w_scale, bias, *, plan: KernelPlan, out_dtype):
+    (m, k), n = x_q.shape, w_q.shape[0]
+    mp, kp, np_ = _padded(plan, m, k, n)
+    x_scale = jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,)).reshape(m, 1)
+    kernel = gpu_dense.int8_matmul_gpu if plan.backend == "gpu" else tpu_dense.int8_matmul_tpu
+    y = kernel(pad2d(x_q, mp, kp), pad2d(w_q, np_, kp), pad2d(x_scale, mp, 1), _col_vector(w_scale, n, np_),
+               _col_vector(bias, n, np_), tiling=plan.tiling, out_dtype=out_dtype, has_bias=bias is not None,
+               interpret=plan.interpret)
+    return y[:m, :n]
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "out_dtype"))
+def _int8_weight_matmul_launch(x, w_q, w_scale, bias, *, plan: KernelPlan, out_dtype):
+    (m, k), n = x.shape, w_q.shape[0]
+    mp, kp, np_ = _padded(plan, m, k, n)
+    kernel = gpu_dense.int8_weight_matmul_gpu if plan.backend == "gpu" else tpu_dense.int8_weight_matmul_tpu
+    y = kernel(pad2d(x, mp, kp), pad2d(w_q, np_, kp), _col_vector(w_scale, n, np_), _col_vector(bias, n, np_),
+               tiling=plan.tiling, out_dtype=out_dtype, has_bias=bias is not None, interpret=plan.interpret)
+    return y[:m, :n]
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "n", "out_dtype"))
+def _nf4_matmul_launch(x, w_packed, absmax, bias, *, plan: KernelPlan, n: int, out_dtype):
+    m, k = x.shape
+    mp, kp, np_ = _padded(plan, m, k, n, k_multiple=64)
+    x_even, x_odd, w_bytes, block_absmax = nf4_operands(x, w_packed, absmax, n, k, mp, kp, np_)
+    kernel = gpu_dense.nf4_matmul_gpu if plan.backend == "gpu" else tpu_dense.nf4_matmul_tpu
+    y = kernel(x_even, x_odd, w_bytes, block_absmax, _col_vector(bias, n, np_), tiling=plan.tiling,
+               out_dtype=out_dtype, has_bias=bias is not None, interpret=plan.interpret)
+    return y[:m, :n]
+
+
 def int8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32, backend: str = "auto",
                 tiling: Tiling | None = None, return_plan: bool = False):
     """W8A8 matmul: y[m, n] = f32(sum_k x_q[m, k] w_q[n, k]) * x_scale[m] * w_scale[n] + bias[n].
@@ -40,13 +80,8 @@ def int8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32,
     if plan.is_reference:
         return plan_result(reference.int8_matmul_reference(x_q, w_q, x_scale, w_scale, bias=bias, out_dtype=out_dtype),
                        plan, return_plan)
-    mp, kp, np_ = _padded(plan, m, k, n)
-    x_scale = jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,)).reshape(m, 1)
-    kernel = gpu_dense.int8_matmul_gpu if plan.backend == "gpu" else tpu_dense.int8_matmul_tpu
-    y = kernel(pad2d(jnp.asarray(x_q), mp, kp), pad2d(jnp.asarray(w_q), np_, kp), pad2d(x_scale, mp, 1),
-               _col_vector(w_scale, n, np_), _col_vector(bias, n, np_), tiling=plan.tiling,
-               out_dtype=jnp.dtype(out_dtype), has_bias=bias is not None, interpret=plan.interpret)
-    return plan_result(y[:m, :n], plan, return_plan)
+    y = _int8_matmul_launch(x_q, w_q, x_scale, w_scale, bias, plan=plan, out_dtype=jnp.dtype(out_dtype))
+    return plan_result(y, plan, return_plan)
 
 
 def int8_weight_matmul(x, w_q, w_scale, *, bias=None, out_dtype=jnp.float32, backend: str = "auto",
@@ -57,18 +92,13 @@ def int8_weight_matmul(x, w_q, w_scale, *, bias=None, out_dtype=jnp.float32, bac
     inside the kernel by an exact cast to x's dtype; w_scale float [N] (or [N, 1]).
     """
     m, k, n = check_int8_weight_matmul(x, w_q, w_scale, bias, out_dtype)
-    x = jnp.asarray(x)
     problem = KernelProblem("int8_weight_matmul", m, k, n, dtype_name(x.dtype), dtype_name(out_dtype))
     plan = select_kernel(problem, backend, tiling)
     if plan.is_reference:
         return plan_result(reference.int8_weight_matmul_reference(x, w_q, w_scale, bias=bias, out_dtype=out_dtype),
                        plan, return_plan)
-    mp, kp, np_ = _padded(plan, m, k, n)
-    kernel = gpu_dense.int8_weight_matmul_gpu if plan.backend == "gpu" else tpu_dense.int8_weight_matmul_tpu
-    y = kernel(pad2d(x, mp, kp), pad2d(jnp.asarray(w_q), np_, kp), _col_vector(w_scale, n, np_),
-               _col_vector(bias, n, np_), tiling=plan.tiling, out_dtype=jnp.dtype(out_dtype),
-               has_bias=bias is not None, interpret=plan.interpret)
-    return plan_result(y[:m, :n], plan, return_plan)
+    y = _int8_weight_matmul_launch(x, w_q, w_scale, bias, plan=plan, out_dtype=jnp.dtype(out_dtype))
+    return plan_result(y, plan, return_plan)
 
 
 def nf4_operands(x, w_packed, absmax, n: int, k: int, mp: int, kp: int, np_: int):
@@ -95,16 +125,11 @@ def nf4_matmul(x, w_packed, absmax, *, shape, blocksize: int = 64, bias=None, ou
     x's dtype; accumulation is float32. K % 64 != 0 falls back to the reference.
     """
     m, k, n = check_nf4_matmul(x, w_packed, absmax, shape, blocksize, bias, out_dtype)
-    x = jnp.asarray(x)
     problem = KernelProblem("nf4_matmul", m, k, n, dtype_name(x.dtype), dtype_name(out_dtype), blocksize)
     plan = select_kernel(problem, backend, tiling)
     if plan.is_reference:
         y = reference.nf4_matmul_reference(x, w_packed, absmax, shape=(n, k), blocksize=blocksize, bias=bias,
                                            out_dtype=out_dtype)
         return plan_result(y, plan, return_plan)
-    mp, kp, np_ = _padded(plan, m, k, n, k_multiple=64)
-    x_even, x_odd, w_bytes, block_absmax = nf4_operands(x, w_packed, absmax, n, k, mp, kp, np_)
-    kernel = gpu_dense.nf4_matmul_gpu if plan.backend == "gpu" else tpu_dense.nf4_matmul_tpu
-    y = kernel(x_even, x_odd, w_bytes, block_absmax, _col_vector(bias, n, np_), tiling=plan.tiling,
-               out_dtype=jnp.dtype(out_dtype), has_bias=bias is not None, interpret=plan.interpret)
-    return plan_result(y[:m, :n], plan, return_plan)
+    y = _nf4_matmul_launch(x, w_packed, absmax, bias, plan=plan, n=n, out_dtype=jnp.dtype(out_dtype))
+    return plan_result(y, plan, return_plan)

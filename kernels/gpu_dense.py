@@ -99,27 +99,34 @@ def int8_weight_matmul_gpu(x, w_q, w_scale, bias, *, tiling: Tiling, out_dtype, 
     )(x, w_q, w_scale, bias)
 
 
-def nf4_block_dot(acc, xe, xo, packed, scale):
-    """acc + one 64-code NF4 block's products: high nibbles meet xe, low nibbles meet xo.
+def nf4_step_dot(acc, xe, xo, packed, block_scales):
+    """acc + one K step's products: packed int32 [tn, tk/2] bytes, block_scales the tk/64 absmax columns [tn, 1].
 
-    Codes decode with the exact table, times the block's absmax in float32, cast
-    to the activation dtype; both products accumulate in float32.
+    The step's weight tile is decoded once (exact table, times each byte's 64-block
+    absmax in float32, cast to the activation dtype) into two planes, high nibbles
+    meeting xe [tm, tk/2] and low nibbles xo; both products accumulate in float32.
+    Each byte column's block is picked by a select over a lane-index map, so no
+    gather, reshape or repeat is needed.
     """
+    lane_block = jax.lax.broadcasted_iota(jnp.int32, packed.shape, 1) >> 5  # 32 bytes = one 64-block
+    scale = jnp.broadcast_to(block_scales[0], packed.shape)
+    for b in range(1, len(block_scales)):
+        scale = jnp.where(lane_block == b, block_scales[b], scale)
     w_high = (nf4_level(packed >> 4) * scale).astype(xe.dtype)
     w_low = (nf4_level(packed & 0xF) * scale).astype(xe.dtype)
     acc = acc + jax.lax.dot_general(xe, w_high, NT_DIMS, preferred_element_type=jnp.float32, precision=HIGHEST)
     return acc + jax.lax.dot_general(xo, w_low, NT_DIMS, preferred_element_type=jnp.float32, precision=HIGHEST)
 
 
-def _nf4_kernel(xe_ref, xo_ref, w_ref, a_ref, b_ref, o_ref, *, has_bias):
-    half = NF4_BLOCK // 2  # one 64-block = 32 bytes = 32 high and 32 low codes
+def _nf4_kernel(xe_ref, xo_ref, w_ref, a_ref, b_ref, o_ref, *, tk, has_bias):
+    half, blocks = tk // 2, tk // NF4_BLOCK  # a K step is tk codes: tk/2 bytes, tk/64 absmax blocks
 
-    def step(blk, acc):
-        cols = pl.ds(pl.multiple_of(blk * half, half), half)
-        packed = w_ref[:, cols].astype(jnp.int32)
-        return nf4_block_dot(acc, xe_ref[:, cols], xo_ref[:, cols], packed, a_ref[:, pl.ds(blk, 1)])
+    def step(k, acc):
+        cols = pl.ds(pl.multiple_of(k * half, half), half)
+        scales = [a_ref[:, pl.ds(k * blocks + b, 1)] for b in range(blocks)]
+        return nf4_step_dot(acc, xe_ref[:, cols], xo_ref[:, cols], w_ref[:, cols].astype(jnp.int32), scales)
 
-    acc = jax.lax.fori_loop(0, a_ref.shape[1], step, jnp.zeros(o_ref.shape, jnp.float32))
+    acc = jax.lax.fori_loop(0, w_ref.shape[1] // half, step, jnp.zeros(o_ref.shape, jnp.float32))
     if has_bias:
         acc = acc + b_ref[...]
     o_ref[...] = acc.astype(o_ref.dtype)
@@ -133,7 +140,7 @@ def nf4_matmul_gpu(x_even, x_odd, w_bytes, absmax, bias, *, tiling: Tiling, out_
     np_ = w_bytes.shape[0]
     tm, tn = tiling.tm, tiling.tn
     return pl.pallas_call(
-        functools.partial(_nf4_kernel, has_bias=has_bias),
+        functools.partial(_nf4_kernel, tk=tiling.tk, has_bias=has_bias),
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         grid=(mp // tm, np_ // tn),
         in_specs=[pl.BlockSpec((tm, kp_half), lambda i, j: (i, 0)),

@@ -22,13 +22,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from qconvert.kernels.gpu_dense import nf4_block_dot
+from qconvert.kernels.gpu_dense import NF4_BLOCK, nf4_step_dot
 from qconvert.kernels.tiles import Tiling, round_up, split_even_odd_columns
 
 NN_DIMS = (((1,), (0,)), ((), ()))
 NT_DIMS = (((1,), (1,)), ((), ()))
 HIGHEST = jax.lax.Precision.HIGHEST
-NF4_HALF_BLOCK = 32  # one 64-code NF4 block is 32 bytes: 32 high and 32 low nibbles
 
 
 def _compiler_params(tiling: Tiling):
@@ -65,6 +64,11 @@ def tile_group_map(local_offsets: jax.Array, mp: int, tm: int) -> tuple[jax.Arra
     return first.astype(jnp.int32), count.astype(jnp.int32)
 
 
+def live_count(count, live) -> jax.Array:
+    """count where live, else 0, as an int32 loop bound (an int32 product, never a select)."""
+    return jnp.asarray(count, jnp.int32) * live.astype(jnp.int32)
+
+
 def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rhs, tiling):
     if rhs_kind == "nf4":
         xe_ref, xo_ref, w_ref, a_ref, o_ref = refs
@@ -78,12 +82,15 @@ def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rh
 
     def k_loop(g):
         if rhs_kind == "nf4":
-            def step(blk, acc):
-                cols = pl.ds(pl.multiple_of(blk * NF4_HALF_BLOCK, NF4_HALF_BLOCK), NF4_HALF_BLOCK)
-                packed = w_ref[g, :, cols].astype(jnp.int32)
-                return nf4_block_dot(acc, xe_ref[:, cols], xo_ref[:, cols], packed, a_ref[g, :, pl.ds(blk, 1)])
+            half, blocks = tk // 2, tk // NF4_BLOCK
 
-            return step, a_ref.shape[2]
+            def step(k, acc):
+                cols = pl.ds(pl.multiple_of(k * half, half), half)
+                scales = [a_ref[g, :, pl.ds(k * blocks + b, 1)] for b in range(blocks)]
+                return nf4_step_dot(acc, xe_ref[:, cols], xo_ref[:, cols], w_ref[g, :, cols].astype(jnp.int32),
+                                    scales)
+
+            return step, w_ref.shape[2] // half
 
         def step(k, acc):
             cols = pl.ds(pl.multiple_of(k * tk, tk), tk)
@@ -99,7 +106,9 @@ def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rh
         start, end = offsets_ref[g], offsets_ref[g + 1]
         step, num_k = k_loop(g)
         # An empty group inside the tile's run of groups owns no row: skip its K walk.
-        acc = jax.lax.fori_loop(0, jnp.where(end > start, num_k, 0), step, jnp.zeros((tm, tn), jnp.float32))
+        # The bound is built in int32 arithmetic: a select of Python ints lowers to an
+        # i1 loop bound, which Triton's verifier refuses ('scf.for' bounds differ in type).
+        acc = jax.lax.fori_loop(0, live_count(num_k, end > start), step, jnp.zeros((tm, tn), jnp.float32))
         if rhs_kind == "int8":
             acc = acc * s_ref[pl.ds(g, 1), :]
         return jnp.where((rows >= start) & (rows < end), acc, y)
@@ -149,7 +158,7 @@ def _tgmm_kernel(offsets_ref, lhs_ref, rhs_ref, o_ref, *, tiling):
     g = pl.program_id(2)
     start, end = offsets_ref[g], offsets_ref[g + 1]
     first_tile = start // tm
-    num_chunks = jnp.where(end > start, (end + tm - 1) // tm - first_tile, 0)
+    num_chunks = live_count((end + tm - 1) // tm - first_tile, end > start)
 
     def step(t, acc):
         row0 = (first_tile + t) * tm

@@ -8,12 +8,15 @@ the weight-gradient form. Rows are sorted by group, as an MoE router's sort give
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from qconvert.errors import KernelArgumentError
 from qconvert.formats import QArray
 from qconvert.kernels import gpu_grouped, reference, tpu_grouped
+from qconvert.kernels.checks import dtype_of as _dtype
 from qconvert.kernels.grouped_metadata import make_group_metadata
 from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
 from qconvert.kernels.tiles import round_up, split_even_odd_columns
@@ -26,11 +29,12 @@ def _pad(a, shape):
 
 
 def _check_common(op: str, lhs, group_sizes, preferred_element_type):
-    if jnp.ndim(lhs) != 2 or not jnp.issubdtype(jnp.asarray(lhs).dtype, jnp.floating):
+    lhs_dtype = _dtype(lhs)
+    if jnp.ndim(lhs) != 2 or not jnp.issubdtype(lhs_dtype, jnp.floating):
         raise KernelArgumentError(f"{op}: lhs must be a rank-2 float array, got shape {jnp.shape(lhs)} "
-                                  f"dtype {jnp.asarray(lhs).dtype}")
+                                  f"dtype {lhs_dtype}")
     # Read the caller's dtype before any conversion (JAX would narrow int64 silently).
-    sizes_dtype = jnp.dtype(getattr(group_sizes, "dtype", jnp.asarray(group_sizes).dtype))
+    sizes_dtype = _dtype(group_sizes)
     if jnp.ndim(group_sizes) != 1 or sizes_dtype != jnp.int32:
         raise KernelArgumentError(f"{op}: group_sizes must be int32 [num_groups], got shape "
                                   f"{jnp.shape(group_sizes)} dtype {sizes_dtype}")
@@ -113,11 +117,22 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
         y = _grouped_reference(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, g_local, k, n, blocksize,
                                preferred_element_type, offset, transpose_rhs)
         return plan_result(y, plan, return_plan)
+    y = _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, plan=plan, rhs_kind=rhs_kind, offset=offset,
+                        g_local=g_local, n=n, out_dtype=jnp.dtype(preferred_element_type), transpose_rhs=transpose_rhs)
+    return plan_result(y, plan, return_plan)
+
+
+# Jitted with the plan static: metadata, padding and layout run at trace time into
+# one compiled call (an eager call pays the checks, a cached plan and one dispatch).
+@functools.partial(jax.jit, static_argnames=("plan", "rhs_kind", "offset", "g_local", "n", "out_dtype",
+                                             "transpose_rhs"))
+def _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, *, plan: KernelPlan, rhs_kind: str, offset: int,
+                    g_local: int, n: int, out_dtype, transpose_rhs: bool):
     if plan.backend == "gpu":
-        y = gpu_grouped.run_grouped_matmul(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, offset=offset,
-                                           num_local=g_local, n=n, tiling=plan.tiling,
-                                           out_dtype=preferred_element_type, transpose_rhs=transpose_rhs)
-        return plan_result(y, plan, return_plan)
+        return gpu_grouped.run_grouped_matmul(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, offset=offset,
+                                              num_local=g_local, n=n, tiling=plan.tiling, out_dtype=out_dtype,
+                                              transpose_rhs=transpose_rhs)
+    m, k = lhs.shape
     t = plan.tiling
     mp, kp, np_ = round_up(m, t.tm), round_up(k, t.tk), round_up(n, t.tn)
     metadata, num_tiles = make_group_metadata(group_sizes=group_sizes, m=mp, tm=t.tm, start_group=offset,
@@ -134,10 +149,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
             rhs_ops += (_pad(rhs_aux.reshape(g_local, 1, n), (g_local, 1, np_)),)
     y = tpu_grouped.grouped_matmul_tpu(
         metadata, jnp.full((1,), offset, jnp.int32), num_tiles.reshape(1), lhs_ops, rhs_ops, tiling=t,
-        out_dtype=jnp.dtype(preferred_element_type), rhs_kind=rhs_kind, transpose_rhs=transpose_rhs,
-        interpret=plan.interpret)[:m, :n]
-    y = jnp.where(_local_rows(group_sizes, m, offset, g_local)[:, None], y, jnp.zeros_like(y))
-    return plan_result(y, plan, return_plan)
+        out_dtype=out_dtype, rhs_kind=rhs_kind, transpose_rhs=transpose_rhs, interpret=plan.interpret)[:m, :n]
+    return jnp.where(_local_rows(group_sizes, m, offset, g_local)[:, None], y, jnp.zeros_like(y))
 
 
 def _local_rows(group_sizes, m: int, offset: int, g_local: int) -> jax.Array:

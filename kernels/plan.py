@@ -1,6 +1,7 @@
 """Kernel selection: describe a matmul problem, get back the kernel plan that will run it.
 
-A plan names the kernel, the backend it runs on, its tiling and its numerical
+A plan names the kernel, the backend it runs on, its tiling (from TILE_TABLES,
+one table per backend and M regime, named in the plan) and its numerical
 guarantee; when no kernel takes the problem it names the pure-jnp reference and
 says why (a fallback is never silent).
 """
@@ -8,6 +9,7 @@ says why (a fallback is never silent).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +70,7 @@ class KernelPlan:
     guarantee: str
     interpret: bool = False
     fallback_reason: str | None = None
+    tile_table: str | None = None
 
     @property
     def is_reference(self) -> bool:
@@ -78,7 +81,7 @@ class KernelPlan:
         mode = " (interpret)" if self.interpret else ""
         text = f"{self.name} on {self.backend}{mode}"
         if self.tiling is not None:
-            text += f" [{self.tiling}]"
+            text += f" [{self.tiling}; {self.tile_table or 'requested'} tiles]"
         if self.fallback_reason:
             text += f"; fell back: {self.fallback_reason}"
         return text
@@ -103,39 +106,118 @@ def _decodes_nf4(problem: KernelProblem) -> bool:
     return problem.op == "nf4_matmul" or (problem.op == "grouped_matmul" and problem.rhs_kind == "nf4")
 
 
-def _gpu_rows(m: int) -> int:
-    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+# Tile tables: (tm, tk, tn) per backend, per M regime and per operation. Decode
+# (M <= DECODE_MAX_M rows: one token per sequence) is memory-bound: the weight must
+# stream from memory exactly once, so the row tile covers every row and the N axis
+# is cut into many narrow blocks (one program each) that together read each weight
+# byte once; K steps are long so each program issues few, wide loads. Prefill
+# (more rows) is compute-bound: square-ish tiles feed the matrix units, and each K
+# step decodes its weight tile once for all tm rows. tm is an upper bound (a
+# smaller M takes the smallest aligned tile that holds it); tk and tn are upper
+# bounds clamped to the padded K and N.
+DECODE_MAX_M = 16
+NF4_TPU_MAX_TK = 8192
+REGIMES = ("decode", "prefill")
+TILE_TABLES: dict[tuple[str, str], dict[str, Tiling]] = {
+    # Triton: power-of-two tiles >= 16. NF4 steps K by whole 64-blocks, several at
+    # a time (tk 256 = four blocks = 128 bytes of each weight row per step).
+    ("gpu", "decode"): {
+        "int8_matmul": Tiling(16, 256, 32),
+        "int8_weight_matmul": Tiling(16, 128, 32),
+        "nf4_matmul": Tiling(16, 256, 32),
+        "grouped_matmul": Tiling(16, 128, 32),
+        "transposed_grouped_matmul": Tiling(16, 64, 64),
+    },
+    ("gpu", "prefill"): {
+        "int8_matmul": Tiling(128, 128, 128),
+        "int8_weight_matmul": Tiling(128, 64, 128),
+        "nf4_matmul": Tiling(128, 128, 128),
+        "grouped_matmul": Tiling(64, 64, 128),
+        "transposed_grouped_matmul": Tiling(64, 64, 128),
+    },
+    # Mosaic: (8, 128) vreg tiling ((32, 128) for int8 rows); double-buffered tiles
+    # stay far below VMEM. NF4's K tile is the whole padded K (up to 8192) so its
+    # per-64-block absmax tile [tn, tk/64] is a full-width block.
+    ("tpu", "decode"): {
+        "int8_matmul": Tiling(32, 1024, 512),
+        "int8_weight_matmul": Tiling(16, 1024, 512),
+        "nf4_matmul": Tiling(16, NF4_TPU_MAX_TK, 256),
+        "grouped_matmul": Tiling(16, 512, 256),
+        "transposed_grouped_matmul": Tiling(256, 256, 256),
+    },
+    ("tpu", "prefill"): {
+        "int8_matmul": Tiling(256, 512, 256),
+        "int8_weight_matmul": Tiling(256, 512, 256),
+        "nf4_matmul": Tiling(256, NF4_TPU_MAX_TK, 256),
+        "grouped_matmul": Tiling(256, 512, 256),
+        "transposed_grouped_matmul": Tiling(256, 256, 256),
+    },
+}
+
+
+def regime(problem: KernelProblem) -> str:
+    """'decode' for a few rows (memory-bound), 'prefill' otherwise; the weight-gradient form is always prefill."""
+    if problem.op == "transposed_grouped_matmul":
+        return "prefill"
+    return "decode" if problem.m <= DECODE_MAX_M else "prefill"
+
+
+def table_name(backend: str, problem: KernelProblem) -> str:
+    """The name of the tile table a backend uses for a problem, e.g. 'gpu/decode'."""
+    return f"{backend}/{regime(problem)}"
+
+
+def _power_of_two_at_least(value: int, floor: int = 16) -> int:
+    size = floor
+    while size < value:
+        size *= 2
+    return size
+
+
+def _k_tile(k: int, tk_max: int, align: int, powers_of_two: bool) -> int:
+    """The K tile for K: the largest allowed tile <= tk_max that divides the aligned K, so the weight
+    needs no K padding, unless that takes over 4x the fewest steps; then an even split of the fewest."""
+    k_aligned = round_up(k, align)
+    if powers_of_two:
+        sizes = [align << i for i in range(16) if align << i <= tk_max]
+    else:
+        sizes = list(range(align, tk_max + 1, align))
+    fewest = -(-k_aligned // max(sizes))
+    dividing = [t for t in sizes if k_aligned % t == 0]
+    if dividing and k_aligned // max(dividing) <= 4 * fewest:
+        return max(dividing)
+    even = round_up(-(-k_aligned // fewest), align)
+    return _power_of_two_at_least(even, align) if powers_of_two else even
 
 
 def default_tiling(problem: KernelProblem, backend: str) -> Tiling:
-    """The tiling a backend uses for a problem when none is asked for.
-
-    TPU (and CPU, which interprets the TPU kernel): blocks aligned to the (8, 128)
-    vreg tiling ((32, 128) for int8 rows), at most 256 x 512 x 256 so double-buffered
-    tiles stay far below VMEM; NF4 takes the whole K (up to 8192) per tile so its
-    per-64-block absmax tile is a full-width block. GPU (Triton): power-of-two
-    tiles of at least 16; small M (decode) uses narrow N tiles for more programs.
-    """
+    """The tiling a backend ('tpu' or 'gpu') uses for a problem: its tile table's entry, fitted to the sizes."""
     m, k, n, op = problem.m, problem.k, problem.n, problem.op
+    table = TILE_TABLES[(backend, regime(problem))]
+    entry = table[op]
     nf4 = _decodes_nf4(problem)
     if backend == "gpu":
         if op == "transposed_grouped_matmul":
             # M is the contraction here, walked in row chunks; the output tile is tk x tn.
-            return Tiling(min(64, _gpu_rows(m)), 64, 64 if n <= 64 else 128)
-        tm = _gpu_rows(m)
-        tn = 32 if m <= 16 else 64 if m <= 64 else 128
-        tk = NF4_BLOCK if nf4 else 128 if op == "int8_matmul" else 64
-        return Tiling(tm, tk, tn)
-    row_align = 32 if op == "int8_matmul" else 16
-    tm = min(256, round_up(m, row_align))
-    tn = min(256, round_up(n, 128))
+            return Tiling(min(entry.tm, _power_of_two_at_least(m)), entry.tk,
+                          min(entry.tn, _power_of_two_at_least(n, 64)))
+        # Grouped NF4 experts step K as the dense NF4 kernel does.
+        tk_max = table["nf4_matmul"].tk if nf4 else entry.tk
+        tk = _k_tile(k, tk_max, NF4_BLOCK if nf4 else 16, powers_of_two=True)
+        return Tiling(min(entry.tm, _power_of_two_at_least(m)), tk, min(entry.tn, _power_of_two_at_least(n)))
     if op == "transposed_grouped_matmul":
         # There K is the output rows and M the contraction; both are lane/sublane dims.
-        return Tiling(min(256, round_up(m, 128)), min(256, round_up(k, 16)), tn)
+        return Tiling(min(entry.tm, round_up(m, 128)), min(entry.tk, round_up(k, 16)),
+                      min(entry.tn, round_up(n, 128)))
+    row_align = 32 if op == "int8_matmul" else 16
+    tm = min(entry.tm, round_up(m, row_align))
+    tn = min(entry.tn, round_up(n, 128))
     if nf4:
+        # The whole padded K in one tile, or tiles of 8192: the absmax tile [tn, tk/64]
+        # must span its array's full width or a multiple of 128 lanes.
         kp = round_up(k, 256)
-        return Tiling(tm, kp if kp <= 8192 else 8192, tn)
-    return Tiling(tm, min(512, round_up(k, 128)), tn)
+        return Tiling(tm, min(kp, NF4_TPU_MAX_TK), tn)
+    return Tiling(tm, _k_tile(k, entry.tk, 128, powers_of_two=False), tn)
 
 
 def check_tiling(problem: KernelProblem, backend: str, tiling: Tiling) -> None:
@@ -147,8 +229,9 @@ def check_tiling(problem: KernelProblem, backend: str, tiling: Tiling) -> None:
     if backend == "gpu":
         if any(t < 16 or t & (t - 1) for t in (tm, tk, tn)):
             raise KernelArgumentError(f"GPU tiles must be powers of two >= 16, got {tiling}")
-        if nf4 and tk != NF4_BLOCK:
-            raise KernelArgumentError(f"the GPU NF4 kernel steps K one 64-block at a time; use tk=64, got {tk}")
+        if nf4 and tk % NF4_BLOCK:
+            raise KernelArgumentError(f"the GPU NF4 kernel steps K by whole 64-blocks; tk must be a multiple of "
+                                      f"{NF4_BLOCK}, got {tk}")
         return
     if problem.op == "transposed_grouped_matmul":
         # lhs [K, M] tiles are (tk, tm): M on lanes, K on sublanes.
@@ -161,7 +244,7 @@ def check_tiling(problem: KernelProblem, backend: str, tiling: Tiling) -> None:
         raise KernelArgumentError(f"TPU tiles need tm % {row_align} == 0 and tn % 128 == 0, got {tiling}")
     if nf4:
         full_k = round_up(problem.k, 256)
-        if tk % 256 or (tk != full_k and tk % 8192):
+        if tk % 256 or (tk != full_k and tk % NF4_TPU_MAX_TK):
             raise KernelArgumentError(f"TPU NF4 tiles need tk = the padded K ({full_k}) or a multiple of 8192, "
                                       f"got {tk}")
     elif tk % 128:
@@ -197,31 +280,41 @@ def select_kernel(problem: KernelProblem, backend: str = "auto", tiling: Tiling 
     'cpu' runs the TPU kernel in TPU interpret mode (for tests; slow), unless the
     grid is larger than CPU_INTERPRET_MAX_STEPS, where it falls back to the
     reference and says so. A requested tiling is checked, never silently changed.
+    Plans are pure functions of their arguments and cached: an eager call pays
+    for planning once per shape.
     """
+    if tiling is not None and not isinstance(tiling, Tiling):
+        tiling = Tiling(*tiling)
+    return _select_kernel(problem, resolve_backend(backend), tiling)
+
+
+@functools.lru_cache(maxsize=4096)
+def _select_kernel(problem: KernelProblem, resolved: str, tiling: Tiling | None) -> KernelPlan:
     if problem.op not in OPS:
         raise KernelArgumentError(f"unknown kernel operation {problem.op!r}; choose one of {', '.join(OPS)}")
     if problem.rhs_kind not in RHS_KINDS:
         raise KernelArgumentError(f"unknown rhs kind {problem.rhs_kind!r}; choose one of {', '.join(RHS_KINDS)}")
     if min(problem.m, problem.k, problem.n) <= 0:
         raise KernelArgumentError(f"{problem.op} needs non-empty operands, got m={problem.m} k={problem.k} n={problem.n}")
-    resolved = resolve_backend(backend)
     if resolved == "reference":
         return _reference_plan(problem, None)
     reason = _fallback_reason(problem)
     if reason:
         return _reference_plan(problem, reason)
     kernel_backend = "gpu" if resolved == "gpu" else "tpu"
+    table = None
     if tiling is None:
         tiling = default_tiling(problem, kernel_backend)
+        table = table_name(kernel_backend, problem)
     else:
-        tiling = Tiling(*tiling) if not isinstance(tiling, Tiling) else tiling
         check_tiling(problem, kernel_backend, tiling)
     if resolved == "cpu" and grid_steps(problem, tiling) > CPU_INTERPRET_MAX_STEPS:
         return _reference_plan(problem, (
             f"on CPU the Pallas kernel runs in TPU interpret mode, and {grid_steps(problem, tiling)} grid steps "
             f"(over {CPU_INTERPRET_MAX_STEPS}) would take far too long"))
     name = f"{problem.op}_{'triton' if kernel_backend == 'gpu' else 'mosaic'}"
-    return KernelPlan(problem.op, name, resolved, tiling, GUARANTEES[problem.op], interpret=resolved == "cpu")
+    return KernelPlan(problem.op, name, resolved, tiling, GUARANTEES[problem.op], interpret=resolved == "cpu",
+                      tile_table=table)
 
 
 def dtype_name(dtype) -> str:

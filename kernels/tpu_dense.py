@@ -138,16 +138,18 @@ def nf4_tile_dot(acc, xe_ref, xo_ref, w_ref, a_ref):
     products accumulate in float32.
     """
     tn, tile_bytes = w_ref.shape
-    chunk = min(NF4_CHUNK_BYTES, tile_bytes)
     compute_dtype = xe_ref.dtype
-    # A shift, not //: floor division lowers through sign(), whose TPU lowering
-    # needs the chip at hand; the shift is cheaper and lowers anywhere.
-    lane_block = jax.lax.broadcasted_iota(jnp.int32, (tn, chunk), 1) >> 5
-    # Decode a chunk at a time so the float weight planes in VMEM stay small.
-    for c in range(tile_bytes // chunk):
-        cols = slice(c * chunk, (c + 1) * chunk)
+    # Decode a chunk at a time so the float weight planes in VMEM stay small. The
+    # chunks must cover the whole tile: a tile of an odd number of 128-byte lane
+    # widths (tk = 768, 1280, ...: K = 576, 640, 768, 2816, 4864) ends in a
+    # half-size chunk, which a whole-chunk count would silently drop.
+    for start, width in nf4_chunks(tile_bytes):
+        cols = slice(start, start + width)
+        # A shift, not //: floor division lowers through sign(), whose TPU lowering
+        # needs the chip at hand; the shift is cheaper and lowers anywhere.
+        lane_block = jax.lax.broadcasted_iota(jnp.int32, (tn, width), 1) >> 5
         packed = w_ref[:, cols].astype(jnp.int32)
-        scale = expand_block_scales(a_ref[:, c * chunk // 32:(c + 1) * chunk // 32], lane_block)
+        scale = expand_block_scales(a_ref[:, start // 32:(start + width) // 32], lane_block)
         w_high = (nf4_level(packed >> 4) * scale).astype(compute_dtype)
         w_low = (nf4_level(packed & 0xF) * scale).astype(compute_dtype)
         acc += jax.lax.dot_general(xe_ref[:, cols], w_high, NT_DIMS,
@@ -155,6 +157,14 @@ def nf4_tile_dot(acc, xe_ref, xo_ref, w_ref, a_ref):
         acc += jax.lax.dot_general(xo_ref[:, cols], w_low, NT_DIMS,
                                    preferred_element_type=jnp.float32, precision=HIGHEST)
     return acc
+
+
+def nf4_chunks(tile_bytes: int) -> list[tuple[int, int]]:
+    """(first byte, width) of each decode chunk of a tile: NF4_CHUNK_BYTES each, the rest in the last one.
+
+    Together they cover [0, tile_bytes) exactly once, whatever tile_bytes is.
+    """
+    return [(start, min(NF4_CHUNK_BYTES, tile_bytes - start)) for start in range(0, tile_bytes, NF4_CHUNK_BYTES)]
 
 
 def _nf4_kernel(xe_ref, xo_ref, w_ref, a_ref, b_ref, o_ref, acc_ref, *, has_bias):

@@ -123,6 +123,18 @@ def test_nf4_matmul_matches_float64_table_decode(m, k, n):
     np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ weight.T, rtol=2e-5, atol=2e-4 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("k", [576, 768, 2816])
+def test_nf4_matmul_tpu_kernel_is_right_when_its_k_tile_is_an_odd_multiple_of_256(k):
+    # K = 576 pads to one K tile of 768 (384 bytes: three 128-byte lane widths);
+    # the decode loop must cover the last, half-size chunk of such a tile too.
+    m, n = 3, 128
+    packed, absmax, weight = nf4_weight(n, k)
+    x = RNG.normal(size=(m, k)).astype(np.float32)
+    y, plan = nf4_matmul(x, packed, absmax, shape=(n, k), backend="cpu", return_plan=True)
+    assert plan.name == "nf4_matmul_mosaic" and (plan.tiling.tk // 256) % 2 == 1
+    np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ weight.T, rtol=2e-5, atol=2e-4 * np.sqrt(k))
+
+
 def test_nf4_matmul_bf16_activations_and_output_with_bias():
     m, k, n = 16, 256, 128
     packed, absmax, weight = nf4_weight(n, k)

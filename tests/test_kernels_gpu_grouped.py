@@ -21,13 +21,6 @@ S = jax.ShapeDtypeStruct
 I32 = jnp.int32
 
 
-@pytest.fixture
-def triton_interpreted(monkeypatch):
-    """Make backend "gpu" run the Triton kernel bodies in the generic interpreter (no GPU here)."""
-    for name in ("grouped_matmul_gpu", "transposed_grouped_matmul_gpu"):
-        monkeypatch.setattr(gpu_grouped, name, functools.partial(getattr(gpu_grouped, name), interpret=True))
-
-
 def bounds(sizes):
     return np.concatenate([[0], np.cumsum(sizes)])
 
@@ -62,7 +55,9 @@ def test_tile_group_map_hand_worked():
 def test_plan_picks_the_triton_kernels_on_gpu():
     plan = select_kernel(KernelProblem("grouped_matmul", 512, 4096, 14336, num_groups=8, rhs_kind="nf4"), "gpu")
     assert (plan.name, plan.backend, plan.fallback_reason) == ("grouped_matmul_triton", "gpu", None)
-    assert plan.tiling.tk == 64 and "grouped_matmul_triton on gpu [tm=" in plan.describe()
+    # a prefill tile that decodes two whole NF4 blocks per K step, named after its table
+    assert plan.tiling == Tiling(64, 128, 128) and plan.tile_table == "gpu/prefill"
+    assert "grouped_matmul_triton on gpu [tm=64 tk=128 tn=128; gpu/prefill tiles]" == plan.describe()
     plan = select_kernel(KernelProblem("transposed_grouped_matmul", 4096, 4096, 14336, num_groups=8), "gpu")
     assert (plan.name, plan.fallback_reason) == ("transposed_grouped_matmul_triton", None)
     assert all(t >= 16 and t & (t - 1) == 0 for t in (plan.tiling.tm, plan.tiling.tk, plan.tiling.tn))
@@ -115,7 +110,8 @@ def test_nf4_qarray_rhs_decoded_in_kernel_with_group_offset(triton_interpreted):
     lhs = RNG.normal(size=(21, k)).astype(np.float32)
     y, plan = grouped_matmul(lhs, q, jnp.asarray(sizes), transpose_rhs=True, group_offset=1, backend="gpu",
                              return_plan=True)
-    assert plan.name == "grouped_matmul_triton" and plan.tiling.tk == 64
+    # one K step decodes both 64-blocks of every row
+    assert plan.name == "grouped_matmul_triton" and plan.tiling.tk == 128
     np.testing.assert_allclose(np.asarray(y), numpy_grouped(lhs, [w.T for w in dense], sizes, offset=1),
                                rtol=1e-5, atol=1e-3)
 

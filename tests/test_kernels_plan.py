@@ -9,6 +9,7 @@ from qconvert.formats import QArray
 from qconvert.kernels import (KernelProblem, grouped_matmul, int8_matmul, nf4_matmul, qlinear, quantize_activations,
                               select_kernel)
 from qconvert.kernels.plan import CPU_INTERPRET_MAX_STEPS
+from qconvert.kernels.tiles import Tiling
 
 
 def test_plan_reports_kernel_backend_tiling_and_guarantee():
@@ -18,7 +19,8 @@ def test_plan_reports_kernel_backend_tiling_and_guarantee():
     assert "bit-identical" in plan.guarantee and plan.fallback_reason is None
     assert "int8_matmul_mosaic on tpu [tm=" in plan.describe()
     gpu = select_kernel(KernelProblem("nf4_matmul", 1, 4096, 4096), backend="gpu")
-    assert gpu.name == "nf4_matmul_triton" and gpu.tiling.tk == 64
+    # decode: one row tile, narrow N blocks, four whole 64-blocks per K step
+    assert gpu.name == "nf4_matmul_triton" and gpu.tiling == Tiling(16, 256, 32) and gpu.tile_table == "gpu/decode"
 
 
 def test_plan_on_cpu_falls_back_for_large_grids_and_says_why():

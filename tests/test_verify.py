@@ -157,6 +157,7 @@ def test_correct_conversion_passes_and_its_figures_match_an_independent_computat
         assert r["kernel"]["pallas"] and r["kernel"]["interpret"], r
         assert r["kernel"]["name"].endswith("_mosaic") and r["kernel"]["fallback_reason"] is None
         assert set(r["kernel"]["tiling"]) == {"tm", "tk", "tn"}
+        assert r["kernel"]["tile_table"] in ("tpu/decode", "tpu/prefill")
     expected_kernel = {"int8": "int8_weight_matmul", "nf4": "nf4_matmul", "w8a8": "int8_matmul"}[scheme]
     assert {r["kernel"]["name"] for r in layers.values()} == {f"{expected_kernel}_mosaic"}
 

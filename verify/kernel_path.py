@@ -37,7 +37,8 @@ def kernel_choice(plan: KernelPlan) -> KernelChoice:
     if plan.tiling is not None:
         tiling = {"tm": plan.tiling.tm, "tk": plan.tiling.tk, "tn": plan.tiling.tn}
     return KernelChoice(name=plan.name, backend=plan.backend, pallas=not plan.is_reference,
-                        tiling=tiling, fallback_reason=plan.fallback_reason, interpret=plan.interpret)
+                        tiling=tiling, fallback_reason=plan.fallback_reason, interpret=plan.interpret,
+                        tile_table=plan.tile_table)
 
 
 def deployment_dtype(q: QArray):

@@ -12,7 +12,8 @@ from qconvert.verify.thresholds import Check, Thresholds
 
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
-    """The kernel that computed a layer: its name, backend, tiling, and why it fell back, if it did."""
+    """The kernel that computed a layer: its name, backend, tiling (and the tile table it came from,
+    e.g. "gpu/decode"), and why it fell back, if it did."""
 
     name: str
     backend: str
@@ -20,6 +21,7 @@ class KernelChoice:
     tiling: dict[str, Any] | None = None
     fallback_reason: str | None = None
     interpret: bool = False
+    tile_table: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

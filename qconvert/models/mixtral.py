@@ -10,8 +10,8 @@ called three times per layer, once for all experts' w1 (gate), w3 (up) and w2
 `weights` the E checkpoint weights [out, in] (arrays or QArrays), group_sizes the
 rows per expert. Padding tokens are routed to no expert: their rows sit past
 sum(group_sizes) and come out zero, so they neither cost compute nor show up in
-calibration statistics. The default runs qconvert.kernels' grouped matmul once it
-exists, else jax.lax.ragged_dot.
+calibration statistics. The float default runs XLA's jax.lax.ragged_dot; verify
+swaps in the grouped kernels for quantized experts.
 
 The router (`block_sparse_moe.gate`) is an ordinary linear: it goes through the
 `linear` hook but is not in the family's list of quantized linears, so it stays float.
