@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+
 # Per family: the transformers config class and the fields of a tiny model of it.
 TINY = {
     "qwen3": ("Qwen3Config", dict(head_dim=16, attention_bias=False)),
@@ -20,12 +21,13 @@ TINY = {
 
 def make_hf_checkpoint(folder, family: str, *, hidden: int = 64, layers: int = 2, heads: int = 4,
                        kv_heads: int = 2, intermediate: int = 96, vocab: int = 128, seed: int = 0,
-                       **overrides) -> Path:
+                       peaked: bool = False, **overrides) -> Path:
     """Build a tiny random `family` model with transformers and save it (float32 safetensors).
 
     The weights are redrawn from a seeded numpy generator at scales that keep
     every layer busy: norms 1 +- 0.1, embeddings 0.5, projections 1/sqrt(in),
-    routers 0.5 so that the top-k experts are well separated.
+    routers 0.5 so that the top-k experts are well separated. `peaked` gives
+    sharp next-token distributions (see below).
     """
     import torch
     import transformers
@@ -49,6 +51,11 @@ def make_hf_checkpoint(folder, family: str, *, hidden: int = 64, layers: int = 2
             else:
                 value = rng.standard_normal(shape) / np.sqrt(shape[-1])
             param.copy_(torch.from_numpy(value.astype(np.float32)))
+        if peaked:
+            # lm_head reads the embedding directions back: the residual stream's own token gets
+            # a clear lead over the rest, as in trained LMs, so next-token top-1 is not a coin toss.
+            head = model.lm_head.weight
+            head.copy_(model.model.embed_tokens.weight * 0.5 + head)
     folder = Path(folder)
     model.save_pretrained(str(folder))
     return folder
