@@ -108,7 +108,7 @@ def test_smoothing_groups_fold_without_changing_the_float_model(family):
     assert_logits_close(forward(smoothed, ids, mask), before, mask, rtol=1e-4)
 
 
-def test_a_config_value_of_the_wrong_type_names_its_key(family):
+def test_a_config_value_that_does_not_fit_names_its_key(family):
     name, _, config, _ = family
     key = {"qwen3": "head_dim", "phi3": "partial_rotary_factor", "qwen2_moe": "moe_intermediate_size",
            "qwen3_moe": "num_experts_per_tok"}[name]
@@ -117,3 +117,40 @@ def test_a_config_value_of_the_wrong_type_names_its_key(family):
         bad = {**config, "rope_parameters": {**config["rope_parameters"], key: "16"}}
     with pytest.raises(InvalidCheckpointError, match=key):
         build(bad)
+    if "moe" in name:  # more experts per token than there are
+        with pytest.raises(InvalidCheckpointError, match="num_experts_per_tok"):
+            build({**config, "num_experts_per_tok": 9})
+
+
+def _assert_matches_transformers(folder, seq: int = 10):
+    config = load_config(folder)
+    params = load_file(str(folder / "model.safetensors"))
+    ids, mask = token_batch(config["vocab_size"], seq=seq)
+    model = build(config)
+    assert_logits_close(jax.jit(model.forward)(params, ids, mask), reference_logits(folder, ids, mask), mask)
+    assert model.expected_shapes() == {name: tuple(array.shape) for name, array in params.items()}
+    return model
+
+
+def test_phi3_partial_rotary_and_sliding_window_match_transformers(tmp_path):
+    folder = make_hf_checkpoint(tmp_path, "phi3", layers=1, partial_rotary_factor=0.5, sliding_window=4)
+    model = _assert_matches_transformers(folder)
+    assert model.rotary_dim == 8 and model.args.sliding_windows == (4,)
+
+
+def test_qwen3_sliding_layers_past_max_window_layers_match_transformers(tmp_path):
+    folder = make_hf_checkpoint(tmp_path, "qwen3", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    model = _assert_matches_transformers(folder)
+    assert model.args.sliding_windows == (None, 4)
+
+
+def test_qwen2_moe_dense_mlp_only_layer_and_renormalized_top_k_match_transformers(tmp_path):
+    folder = make_hf_checkpoint(tmp_path, "qwen2_moe", mlp_only_layers=[0], norm_topk_prob=True)
+    model = _assert_matches_transformers(folder)
+    assert model.moe.sparse_layers == (False, True) and model.moe.norm_topk_prob
+    assert "model.layers.0.mlp.gate_proj" in model.layer_linears(0)
+    groups = {g.norm: g.linears for g in architecture_for(load_config(folder)).smoothing_groups(load_config(folder))}
+    assert groups["model.layers.0.post_attention_layernorm"] == ("model.layers.0.mlp.gate_proj",
+                                                                 "model.layers.0.mlp.up_proj")
+    assert "model.layers.1.mlp.gate" in groups["model.layers.1.post_attention_layernorm"]
+
