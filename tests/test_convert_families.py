@@ -112,3 +112,31 @@ def main_quantize(source, out) -> int:
     with pytest.raises(SystemExit) as exit_info:
         main(["quantize", str(source), "-o", str(out), "--scheme", "int8", "--quiet"])
     return exit_info.value.code
+
+
+def test_w8a8_smoothing_plan_keeps_the_float_model_and_smooths_fused_slices(source):
+    from qconvert.w8a8 import W8A8Options, plan_w8a8
+
+    config = load_config(source)
+    raw = load_file(str(source / "model.safetensors"))
+    plan = plan_w8a8(source, config, W8A8Options(calib="random", calib_samples=4, calib_seqlen=16))
+    smoothed = {name: plan.weight_transform(name, array) for name, array in raw.items()}
+    model = build(config)
+    ids, mask = token_batch(config["vocab_size"])
+    forward = jax.jit(model.forward)
+    reference = np.asarray(forward(raw, ids, mask))
+    valid = mask.astype(bool)
+    got = np.asarray(forward(smoothed, ids, mask))
+    assert np.abs(got[valid] - reference[valid]).max() <= 1e-4 * np.abs(reference[valid]).max()
+    if config["model_type"] == "phi3":
+        # Only the value rows of qkv_proj and the up rows of gate_up_proj were divided by s.
+        a = model.args
+        qkv = "model.layers.0.self_attn.qkv_proj.weight"
+        fold = plan.folds[qkv]
+        assert fold.row_offset == (a.num_attention_heads + a.num_key_value_heads) * a.head_dim
+        assert len(fold.row_divisor) == a.num_key_value_heads * a.head_dim
+        ratio = smoothed[qkv] / (raw[qkv] * fold.col_multiplier[None, :])
+        np.testing.assert_allclose(ratio[: fold.row_offset], 1.0, rtol=1e-6)
+        np.testing.assert_allclose(ratio[fold.row_offset:], 1 / fold.row_divisor[:, None] * np.ones_like(
+            ratio[fold.row_offset:]), rtol=1e-6)
+        assert plan.folds["model.layers.0.mlp.gate_up_proj.weight"].row_offset == a.intermediate_size

@@ -80,8 +80,7 @@ def test_smoothing_groups_fold_without_changing_the_float_model(family):
     sources = {g.norm for g in groups}
     assert {f"model.layers.{i}.{n}" for i in range(2)
             for n in ("input_layernorm", "post_attention_layernorm")} <= sources
-    if name != "phi3":
-        assert "model.layers.1.self_attn.v_proj" in sources
+    assert ("model.layers.1.self_attn.qkv_proj" if name == "phi3" else "model.layers.1.self_attn.v_proj") in sources
     rng = np.random.default_rng(0)
     smoothed = dict(params)
     covered = set()
@@ -89,19 +88,21 @@ def test_smoothing_groups_fold_without_changing_the_float_model(family):
         in_features = params[f"{group.linears[0]}.weight"].shape[1]
         index = channel_map(group, in_features)
         s = rng.uniform(0.25, 4.0, size=int(index.max()) + 1).astype(np.float32)
+        rows = slice(group.source_offset, group.source_offset + len(s))  # a fused source: some rows only
         for suffix in (".weight", ".bias"):
             source = f"{group.norm}{suffix}"
             if source in smoothed:
-                w = smoothed[source]
-                smoothed[source] = w / (s if w.ndim == 1 else s[:, None])
+                w = smoothed[source].copy()
+                w[rows] = w[rows] / (s if w.ndim == 1 else s[:, None])
+                smoothed[source] = w
         for linear in group.linears:
             smoothed[f"{linear}.weight"] = smoothed[f"{linear}.weight"] * s[index][None, :]
             covered.add(linear)
-    # Every quantized linear's input is smoothed (Phi-3: not yet o_proj and down_proj, whose
-    # sources are slices of the fused qkv_proj and gate_up_proj).
+    # Every quantized linear's input is smoothed; the routers (and shared-expert gates) that
+    # read the same norm's output absorb s too but stay float.
     linears = set(arch.linear_names(params))
-    unsmoothed = {m for m in linears if m.endswith(("o_proj", "down_proj"))} if name == "phi3" else set()
-    assert linears - covered == unsmoothed
+    assert linears <= covered
+    assert {m.rsplit(".", 1)[1] for m in covered - linears} <= {"gate", "shared_expert_gate"}
     ids, mask = token_batch(config["vocab_size"])
     forward = jax.jit(build(config).forward)
     before = np.asarray(forward(params, ids, mask))

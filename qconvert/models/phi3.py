@@ -4,7 +4,8 @@
 keys, then the values; `mlp.gate_up_proj` one linear whose first half of rows is
 the gate and second half the up projection. Each is one linear with one input,
 so input_layernorm -> qkv_proj and post_attention_layernorm -> gate_up_proj are
-the norm groups.
+the norm groups; the linear groups start from slices of the fused outputs (the
+value rows -> o_proj, the up rows -> down_proj).
 """
 
 from __future__ import annotations
@@ -97,11 +98,28 @@ def _phi3_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
     return groups
 
 
+def _phi3_linear_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    # The value rows of qkv_proj -> o_proj (GQA as in Llama) and the up rows of
+    # gate_up_proj -> down_proj: the smoothing divides only those rows of the fused linear.
+    a = LlamaArgs.from_config(config)
+    groups = []
+    for i in range(a.num_hidden_layers):
+        p = f"model.layers.{i}"
+        groups.append(SmoothingGroup(
+            f"{p}.self_attn.qkv_proj", (f"{p}.self_attn.o_proj",),
+            kv_repeat=a.num_attention_heads // a.num_key_value_heads,
+            head_dim=a.head_dim, source_offset=(a.num_attention_heads + a.num_key_value_heads) * a.head_dim))
+        groups.append(SmoothingGroup(f"{p}.mlp.gate_up_proj", (f"{p}.mlp.down_proj",),
+                                     source_offset=a.intermediate_size))
+    return groups
+
+
 PHI3 = Architecture(
     family="phi3",
     hf_architectures=("Phi3ForCausalLM",),
     linear_pattern=re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(qkv|o)_proj|mlp\.(gate_up|down)_proj)$"),
     smoothing_groups=_phi3_groups,
     default_alpha=0.85,
+    linear_smoothing_groups=_phi3_linear_groups,
 )
 register(PHI3)
