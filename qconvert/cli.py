@@ -61,7 +61,7 @@ def _w8a8_options(command):
         click.option("--alpha", default=None, metavar="ALPHA",
                      help="SmoothQuant migration strength: a number in [0, 1], 'auto' (grid search per "
                           "group), or per group, e.g. '0.8,post_attention_layernorm=0.6'. "
-                          "Default: the family's (0.85 Llama/Mistral/Qwen2/Mixtral, 0.5 BERT)."),
+                          "Default: the family's (0.85 Llama/Mistral/Qwen2/Qwen3/Phi-3/Mixtral/Qwen-MoE, 0.5 BERT)."),
         click.option("--no-smooth", is_flag=True, default=False,
                      help="Plain W8A8 without smoothing (a baseline)."),
         click.option("--act", type=click.Choice(["dynamic", "static"]), default="dynamic",

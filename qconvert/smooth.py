@@ -81,22 +81,28 @@ class TensorFold:
 
     row_divisor: np.ndarray | None = None     # the rows (or a 1-D tensor) divide by this
     col_multiplier: np.ndarray | None = None  # the columns multiply by this
+    row_offset: int = 0                       # row_divisor[c] divides row row_offset + c
 
 
 def fold_plan(scales: Sequence[GroupScales]) -> dict[str, TensorFold]:
     """Tensor name -> TensorFold for every tensor the groups touch (a tensor may get rows and columns)."""
-    rows: dict[str, np.ndarray] = {}
+    rows: dict[str, tuple[np.ndarray, int]] = {}
     cols: dict[str, np.ndarray] = {}
     for g in scales:
         source = g.group.norm
-        rows[f"{source}.weight"] = g.source_scales
-        rows[f"{source}.bias"] = g.source_scales  # LayerNorm / linear bias; absent tensors never ask
+        rows[f"{source}.weight"] = (g.source_scales, g.group.source_offset)
+        # LayerNorm / linear bias; absent tensors never ask
+        rows[f"{source}.bias"] = (g.source_scales, g.group.source_offset)
         for linear in g.group.linears:
             name = f"{linear}.weight"
             if name in cols:
                 raise ValueError(f"{linear} belongs to two smoothing groups")
             cols[name] = g.input_scales
-    return {name: TensorFold(rows.get(name), cols.get(name)) for name in sorted(set(rows) | set(cols))}
+    plan = {}
+    for name in sorted(set(rows) | set(cols)):
+        divisor, offset = rows.get(name, (None, 0))
+        plan[name] = TensorFold(divisor, cols.get(name), offset)
+    return plan
 
 
 def apply_fold(array: np.ndarray, fold: TensorFold) -> np.ndarray:
@@ -105,7 +111,8 @@ def apply_fold(array: np.ndarray, fold: TensorFold) -> np.ndarray:
     if fold.col_multiplier is not None:
         out = out * fold.col_multiplier[None, :]
     if fold.row_divisor is not None:
-        out = out / (fold.row_divisor if out.ndim == 1 else fold.row_divisor[:, None])
+        rows = slice(fold.row_offset, fold.row_offset + len(fold.row_divisor))
+        out[rows] = out[rows] / (fold.row_divisor if out.ndim == 1 else fold.row_divisor[:, None])
     return out.astype(np.asarray(array).dtype)
 
 

@@ -95,7 +95,7 @@ def smoothing_factors(arch: Architecture, config: Mapping[str, Any], reference: 
         outputs[group.norm] = s
         for linear in group.linears:
             in_features = int(np.shape(reference[f"{linear}.weight"])[1])
-            inputs[linear] = s[channel_map(group, in_features)]
+            inputs[linear] = s[group.source_offset + channel_map(group, in_features)]
     return SmoothingFactors(inputs, outputs)
 
 

@@ -1,9 +1,9 @@
 """Supported architectures: which tensors are linears, how they are smoothed, a JAX forward.
 
-`build(config)` gives the family's model (LlamaModel, BertModel, MixtralModel), a
-frozen dataclass whose methods are pure functions of `params` (its `from_config`
-raises InvalidCheckpointError, exit 6, naming the key, for a config.json value of
-the wrong type or an inconsistent one), any Mapping from
+`build(config)` gives the family's model (LlamaModel, BertModel, MixtralModel, Qwen3Model,
+Phi3Model, Qwen2MoeModel, Qwen3MoeModel), a frozen dataclass whose methods are pure
+functions of `params` (its `from_config` raises InvalidCheckpointError, exit 6, naming
+the key, for a config.json value of the wrong type or an inconsistent one), any Mapping from
 checkpoint tensor name to array (lazy readers and QArray weights included):
 
     model.num_layers
@@ -34,10 +34,15 @@ from qconvert.models.hooks import (GroupedLinearHook, LinearHook, dense_grouped_
                                    dense_linear)
 from qconvert.models.llama import LlamaModel
 from qconvert.models.mixtral import MixtralModel
+from qconvert.models.phi3 import Phi3Model
+from qconvert.models.qwen2_moe import Qwen2MoeModel
+from qconvert.models.qwen3 import Qwen3Model
+from qconvert.models.qwen3_moe import Qwen3MoeModel
 from qconvert.models.registry import architecture_for
 from qconvert.models.runner import LayerResult, forward_layerwise, iterate_layers, read_tensors
 
 _FAMILIES = {"llama": LlamaModel, "bert": BertModel, "mixtral": MixtralModel}
+_FAMILIES.update({"qwen3": Qwen3Model, "phi3": Phi3Model, "qwen2_moe": Qwen2MoeModel, "qwen3_moe": Qwen3MoeModel})
 
 
 def build(config: dict[str, Any]):
@@ -47,5 +52,6 @@ def build(config: dict[str, Any]):
 
 __all__ = [
     "BertModel", "GroupedLinearHook", "LayerResult", "LinearHook", "LlamaModel", "MixtralModel", "build",
+    "Phi3Model", "Qwen2MoeModel", "Qwen3Model", "Qwen3MoeModel",
     "dense_grouped_linear", "dense_linear", "forward_layerwise", "iterate_layers", "mean_pool", "read_tensors",
 ]

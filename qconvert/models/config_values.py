@@ -9,15 +9,24 @@ from qconvert.errors import InvalidCheckpointError
 _MISSING = object()
 
 
+def _bad(key: str, value: Any, want: str) -> InvalidCheckpointError:
+    return InvalidCheckpointError(f"config.json: {key} is {value!r}; it must be {want}")
+
+
 def config_int(config: dict[str, Any], key: str, default: Any = _MISSING, minimum: int = 1) -> int:
-    """config[key] as an int >= minimum (JSON integers only: "two", 2.5 and true are refused)."""
-    value = config.get(key, default) if default is not _MISSING else config.get(key, _MISSING)
-    if value is _MISSING:
-        raise InvalidCheckpointError(f"config.json has no {key}; the model's config must give it")
+    """config[key] as an int >= minimum (JSON integers only: "two", 2.5 and true are refused).
+
+    `default` (which may be None) when the key is absent or null; without one, a missing key is an error.
+    """
+    value = config.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise InvalidCheckpointError(f"config.json has no {key}; the model's config must give it")
+        return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise InvalidCheckpointError(f"config.json: {key} is {value!r}; it must be a whole number")
+        raise _bad(key, value, "a whole number")
     if int(value) < minimum:
-        raise InvalidCheckpointError(f"config.json: {key} is {value!r}; it must be at least {minimum}")
+        raise _bad(key, value, f"at least {minimum}")
     return int(value)
 
 
@@ -27,7 +36,17 @@ def config_float(config: dict[str, Any], key: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InvalidCheckpointError(f"config.json: {key} is {value!r}; it must be a positive number")
+        raise _bad(key, value, "a positive number")
+    return float(value)
+
+
+def config_fraction(config: dict[str, Any], key: str, default: float) -> float:
+    """config[key] as a number in (0, 1] (a missing or null key gives `default`)."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise _bad(key, value, "a number in (0, 1]")
     return float(value)
 
 
@@ -37,8 +56,19 @@ def config_bool(config: dict[str, Any], key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise InvalidCheckpointError(f"config.json: {key} is {value!r}; it must be true or false")
+        raise _bad(key, value, "true or false")
     return value
+
+
+def config_layer_list(config: dict[str, Any], key: str, layers: int) -> tuple[int, ...]:
+    """config[key] as a list of layer indices in [0, layers) (() when absent or null)."""
+    value = config.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers for v in value):
+        raise _bad(key, value, f"a list of layer indices in [0, {layers})")
+    return tuple(value)
 
 
 def require_divides(config: dict[str, Any], divisor_key: str, divisor: int, key: str, value: int) -> None:

@@ -73,11 +73,15 @@ class LlamaArgs:
         )
 
 
+# Qwen configs gate `sliding_window` by `use_sliding_window` (off when absent).
+QWEN_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen3")
+
+
 def sliding_windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
     """Each layer's attention window: Mistral/Mixtral use `sliding_window` everywhere;
     Qwen2 only with `use_sliding_window`, on layers >= `max_window_layers` (or per `layer_types`)."""
     window = config.get("sliding_window")
-    if config.get("model_type") == "qwen2" or "use_sliding_window" in config:
+    if config.get("model_type") in QWEN_MODEL_TYPES or "use_sliding_window" in config:
         if not config.get("use_sliding_window", False):
             window = None
         types = config.get("layer_types") or [
@@ -209,8 +213,14 @@ class LlamaModel:
         table = as_float32(params[f"{self.prefix}.embed_tokens.weight"])
         return jnp.take(table, jnp.asarray(input_ids), axis=0)
 
-    def attention(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook) -> jax.Array:
-        """Self-attention of layer i on the normed hidden states x [B, T, hidden]."""
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading channels of each head RoPE rotates (all of them here)."""
+        return self.args.head_dim
+
+    def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
+                  linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Layer i's queries [B, H, T, d], keys and values [B, KV, T, d] before RoPE."""
         a, p = self.args, f"{self._layer_prefix(i)}.self_attn"
         b, t, _ = x.shape
 
@@ -218,10 +228,15 @@ class LlamaModel:
             y = self._linear(linear, params, f"{p}.{module}", x)
             return y.reshape(b, t, n, a.head_dim).transpose(0, 2, 1, 3)
 
-        q = heads("q_proj", a.num_attention_heads)
-        k = heads("k_proj", a.num_key_value_heads)
-        v = heads("v_proj", a.num_key_value_heads)
-        cos, sin = rope_angles(a.rope, a.head_dim, t)
+        return (heads("q_proj", a.num_attention_heads), heads("k_proj", a.num_key_value_heads),
+                heads("v_proj", a.num_key_value_heads))
+
+    def attention(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook) -> jax.Array:
+        """Self-attention of layer i on the normed hidden states x [B, T, hidden]."""
+        a, p = self.args, f"{self._layer_prefix(i)}.self_attn"
+        b, t, _ = x.shape
+        q, k, v = self.qkv_heads(i, params, x, linear)
+        cos, sin = rope_angles(a.rope, self.rotary_dim, t)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = grouped_query_attention(q, k, v, attention_bias(t, attention_mask, a.sliding_windows[i]))
         out = out.transpose(0, 2, 1, 3).reshape(b, t, a.num_attention_heads * a.head_dim)

@@ -23,12 +23,12 @@ import dataclasses
 from typing import Any, Mapping
 
 import jax
-import jax.numpy as jnp
 
 from qconvert.errors import InvalidCheckpointError
 from qconvert.models.config_values import config_int
 from qconvert.models.hooks import GroupedLinearHook, LinearHook
 from qconvert.models.llama import ACTIVATIONS, LlamaArgs, LlamaModel
+from qconvert.models.moe import routed_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,14 +45,6 @@ class MixtralArgs:
             raise InvalidCheckpointError(f"config.json: num_experts_per_tok = {per_token} exceeds "
                                          f"num_local_experts = {experts}; the config is inconsistent")
         return cls(experts, per_token)
-
-
-def route(router_logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
-    """Top-k experts per token and their weights: softmax over all experts, the k largest
-    kept and renormalized to sum to 1. Returns (expert ids int32 [N, k], weights float32 [N, k])."""
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
-    return experts.astype(jnp.int32), weights / jnp.sum(weights, axis=-1, keepdims=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,33 +87,11 @@ class MixtralModel(LlamaModel):
     def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook,
             grouped_linear: GroupedLinearHook) -> jax.Array:
         """Sparse MoE: each token's top-k experts' SwiGLU outputs, weighted by the router."""
-        b, t, hidden = x.shape
-        k, n_experts = self.moe.num_experts_per_tok, self.moe.num_local_experts
-        tokens = x.reshape(b * t, hidden)
+        router = f"{self._moe_prefix(i)}.gate"
         # The router sees x as [B, T, hidden] like every other linear, so observers can
         # tell padding tokens by the attention mask.
-        router_logits = linear(f"{self._moe_prefix(i)}.gate", x,
-                               params[f"{self._moe_prefix(i)}.gate.weight"], None)
-        experts, weights = route(router_logits.reshape(b * t, n_experts), k)
-
-        # One row per (token, expert) pair, sorted by expert; padding pairs get the
-        # out-of-range id n_experts so they sort last, outside every group.
-        real = (jnp.ones((b * t,), bool) if attention_mask is None
-                else (jnp.asarray(attention_mask) > 0).reshape(b * t))
-        pair_expert = jnp.where(real[:, None], experts, n_experts).reshape(-1)
-        pair_token = jnp.repeat(jnp.arange(b * t), k)
-        order = jnp.argsort(pair_expert, stable=True)
-        group_sizes = jnp.sum(pair_expert[None, :] == jnp.arange(n_experts)[:, None], axis=1).astype(jnp.int32)
-        rows = tokens[pair_token[order]]
-
-        def experts_linear(proj: str, inputs: jax.Array) -> jax.Array:
-            names = self.expert_linears(i, proj)
-            return grouped_linear(names, inputs, [params[f"{n}.weight"] for n in names], group_sizes)
-
-        act = ACTIVATIONS[self.args.hidden_act]
-        inner = act(experts_linear("w1", rows)) * experts_linear("w3", rows)
-        out = experts_linear("w2", inner)
-        pair_weight = jnp.where(pair_expert < n_experts, weights.reshape(-1), 0.0)[order]
-        out = jnp.where(pair_weight[:, None] != 0, out * pair_weight[:, None], 0.0)
-        combined = jnp.zeros((b * t, hidden), jnp.float32).at[pair_token[order]].add(out)
-        return combined.reshape(b, t, hidden)
+        router_logits = linear(router, x, params[f"{router}.weight"], None)
+        return routed_experts(x, router_logits, attention_mask, top_k=self.moe.num_experts_per_tok,
+                              normalize=True, expert_names=lambda proj: self.expert_linears(i, proj),
+                              projections=("w1", "w3", "w2"), params=params, grouped_linear=grouped_linear,
+                              act=ACTIVATIONS[self.args.hidden_act])

@@ -29,6 +29,9 @@ class SmoothingGroup:
     # source's output channel ((i // head_dim) // kv_repeat) * head_dim + i % head_dim.
     kv_repeat: int = 1
     head_dim: int = 0
+    # When `norm` is a fused linear (Phi-3's qkv_proj, gate_up_proj), source channel c
+    # above is its output row source_offset + c.
+    source_offset: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

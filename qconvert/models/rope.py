@@ -78,7 +78,9 @@ def rope_angles(rope: RopeConfig, head_dim: int, seq_len: int) -> tuple[jax.Arra
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x [B, heads, T, head_dim]; channel i pairs with channel i + head_dim/2."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    """Rotate the leading r = cos.shape[-1] channels of x [B, heads, T, head_dim]; channel i
+    pairs with channel i + r/2; channels past r (partial rotary) pass unchanged."""
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    rotated = jnp.concatenate([-rot[..., r // 2:], rot[..., : r // 2]], axis=-1)
+    return jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1)

@@ -1,0 +1,69 @@
+"""Qwen3-MoE in JAX: Qwen3's attention (per-head q/k norms) with Qwen2-MoE's routed experts, no shared expert.
+
+Unlike Qwen2-MoE, `norm_topk_prob` defaults to on as the released configs set
+it, and `sliding_window` (with `use_sliding_window`) applies to every layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+
+from qconvert.models.config_values import config_bool
+from qconvert.models.decoder_shapes import Shapes
+from qconvert.models.hooks import LinearHook
+from qconvert.models.llama import LlamaArgs
+from qconvert.models.qwen2_moe import (QWEN_MOE_LINEARS, QwenMoeArgs, Qwen2MoeModel, moe_linear_smoothing_groups,
+                                       moe_smoothing_groups)
+from qconvert.models.qwen3 import check_head_dim, qk_norm_names, qk_normed
+from qconvert.models.registry import Architecture, register
+
+
+def qwen3_moe_windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
+    """The attention window of every layer: `sliding_window` everywhere when `use_sliding_window`."""
+    window = config.get("sliding_window") if config_bool(config, "use_sliding_window", False) else None
+    return tuple(int(window) if window else None for _ in range(layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3MoeModel(Qwen2MoeModel):
+    """Qwen3MoeForCausalLM as pure functions of `params` (see LlamaModel)."""
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Qwen3MoeModel":
+        check_head_dim(config)
+        args = LlamaArgs.from_config(config)
+        args = dataclasses.replace(args, qkv_bias=False,
+                                   sliding_windows=qwen3_moe_windows(config, args.num_hidden_layers))
+        return cls(args, moe=QwenMoeArgs.from_config(config, shared_expert=False, norm_topk_default=True))
+
+    def layer_tensor_names(self, i: int) -> list[str]:
+        """Qwen2-MoE's layer tensors plus the q_norm and k_norm weights."""
+        return super().layer_tensor_names(i) + qk_norm_names(self, i)
+
+    def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
+                  linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Llama's projections, then q_norm and k_norm per head (as Qwen3)."""
+        q, k, v = super().qkv_heads(i, params, x, linear)
+        q, k = qk_normed(self, i, params, q, k)
+        return q, k, v
+
+    def expected_shapes(self) -> Shapes:
+        """Qwen2-MoE's shapes (no shared expert) plus the [head_dim] q_norm and k_norm weights."""
+        shapes = super().expected_shapes()
+        for i in range(self.num_layers):
+            shapes.update({name: (self.args.head_dim,) for name in qk_norm_names(self, i)})
+        return shapes
+
+
+QWEN3_MOE = Architecture(
+    family="qwen3_moe",
+    hf_architectures=("Qwen3MoeForCausalLM",),
+    linear_pattern=QWEN_MOE_LINEARS,
+    smoothing_groups=lambda config: moe_smoothing_groups(Qwen3MoeModel.from_config(config)),
+    default_alpha=0.85,
+    linear_smoothing_groups=lambda config: moe_linear_smoothing_groups(Qwen3MoeModel.from_config(config), config),
+)
+register(QWEN3_MOE)

@@ -1,0 +1,85 @@
+"""Tiny random checkpoints built by transformers itself (its config class, model and save_pretrained)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+# Per family: the transformers config class and the fields of a tiny model of it.
+TINY = {
+    "qwen3": ("Qwen3Config", dict(head_dim=16, attention_bias=False)),
+    "phi3": ("Phi3Config", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                         shared_expert_intermediate_size=40, norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=24, norm_topk_prob=True)),
+}
+
+
+def make_hf_checkpoint(folder, family: str, *, hidden: int = 64, layers: int = 2, heads: int = 4,
+                       kv_heads: int = 2, intermediate: int = 96, vocab: int = 128, seed: int = 0,
+                       peaked: bool = False, **overrides) -> Path:
+    """Build a tiny random `family` model with transformers and save it (float32 safetensors).
+
+    The weights are redrawn from a seeded numpy generator at scales that keep
+    every layer busy: norms 1 +- 0.1, embeddings 0.5, projections 1/sqrt(in),
+    routers 0.5 so that the top-k experts are well separated. `peaked` gives
+    sharp next-token distributions (see below).
+    """
+    import torch
+    import transformers
+
+    config_class, fields = TINY[family]
+    config = getattr(transformers, config_class)(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+        tie_word_embeddings=False, **{**fields, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            shape = tuple(param.shape)
+            if param.ndim == 1:
+                value = 1 + 0.1 * rng.standard_normal(shape)
+            elif "embed_tokens" in name:
+                value = 0.5 * rng.standard_normal(shape)
+            elif name.endswith("mlp.gate.weight"):
+                value = 0.5 * rng.standard_normal(shape)
+            else:
+                value = rng.standard_normal(shape) / np.sqrt(shape[-1])
+            param.copy_(torch.from_numpy(value.astype(np.float32)))
+        if peaked:
+            # lm_head reads the embedding directions back: the residual stream's own token gets
+            # a clear lead over the rest, as in trained LMs, so next-token top-1 is not a coin toss.
+            head = model.lm_head.weight
+            head.copy_(model.model.embed_tokens.weight * 0.5 + head)
+    folder = Path(folder)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def load_config(folder) -> dict:
+    return json.loads((Path(folder) / "config.json").read_text())
+
+
+def reference_logits(folder, ids, mask) -> np.ndarray:
+    """transformers' float32 logits of the checkpoint in `folder`."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(np.asarray(ids), dtype=torch.long),
+                     attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long)).logits.numpy()
+
+
+def token_batch(vocab: int, batch: int = 2, seq: int = 10, seed: int = 1):
+    """Random ids [batch, seq] and a mask with right padding in the second sample."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, vocab, size=(batch, seq)).astype(np.int32)
+    mask = np.ones((batch, seq), np.int32)
+    mask[-1, -3:] = 0
+    return ids, mask
