@@ -81,22 +81,28 @@ class TensorFold:
 
     row_divisor: np.ndarray | None = None     # the rows (or a 1-D tensor) divide by this
     col_multiplier: np.ndarray | None = None  # the columns multiply by this
+    # A norm gain stored as an offset from 1 (Gemma): (offset + w) / s - offset, so the
+    # gain the norm applies, offset + w, is what divides by s.
+    row_offset: float = 0.0
 
 
 def fold_plan(scales: Sequence[GroupScales]) -> dict[str, TensorFold]:
     """Tensor name -> TensorFold for every tensor the groups touch (a tensor may get rows and columns)."""
     rows: dict[str, np.ndarray] = {}
     cols: dict[str, np.ndarray] = {}
+    offsets: dict[str, float] = {}
     for g in scales:
         source = g.group.norm
         rows[f"{source}.weight"] = g.source_scales
+        offsets[f"{source}.weight"] = float(g.group.norm_offset)
         rows[f"{source}.bias"] = g.source_scales  # LayerNorm / linear bias; absent tensors never ask
         for linear in g.group.linears:
             name = f"{linear}.weight"
             if name in cols:
                 raise ValueError(f"{linear} belongs to two smoothing groups")
             cols[name] = g.input_scales
-    return {name: TensorFold(rows.get(name), cols.get(name)) for name in sorted(set(rows) | set(cols))}
+    return {name: TensorFold(rows.get(name), cols.get(name), offsets.get(name, 0.0))
+            for name in sorted(set(rows) | set(cols))}
 
 
 def apply_fold(array: np.ndarray, fold: TensorFold) -> np.ndarray:
@@ -105,7 +111,11 @@ def apply_fold(array: np.ndarray, fold: TensorFold) -> np.ndarray:
     if fold.col_multiplier is not None:
         out = out * fold.col_multiplier[None, :]
     if fold.row_divisor is not None:
-        out = out / (fold.row_divisor if out.ndim == 1 else fold.row_divisor[:, None])
+        divisor = fold.row_divisor if out.ndim == 1 else fold.row_divisor[:, None]
+        if fold.row_offset:
+            out = (out + np.float32(fold.row_offset)) / divisor - np.float32(fold.row_offset)
+        else:
+            out = out / divisor
     return out.astype(np.asarray(array).dtype)
 
 

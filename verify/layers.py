@@ -57,9 +57,9 @@ def smoothing_factors(arch: Architecture, config: Mapping[str, Any], reference: 
                       converted: Mapping, smoothed_sources: Sequence[str] = ()) -> SmoothingFactors:
     """Read the smoothing scales back from the two folders.
 
-    Norm -> linears groups: s = reference norm weight / converted norm weight,
-    exact (both are float tensors; unsmoothed norms give s == 1). Linear ->
-    linear groups named in `smoothed_sources` (qconvert.json's smoothing
+    Norm -> linears groups: s = reference norm gain / converted norm gain (the
+    weight, or 1 + weight for Gemma's norms), exact (both are float tensors;
+    unsmoothed norms give s == 1). Linear -> linear groups named in `smoothed_sources` (qconvert.json's smoothing
     groups): the source linear's rows were divided by s, so s per row is the
     least-squares ratio of the reference row (with its own input smoothing
     applied) to the dequantized converted row; rounding noise averages out over
@@ -73,8 +73,9 @@ def smoothing_factors(arch: Architecture, config: Mapping[str, Any], reference: 
         name = f"{group.norm}.weight"
         if name not in reference or name not in converted:
             continue
-        ref = np.asarray(reference[name], dtype=np.float64)
-        conv = np.asarray(converted[name], dtype=np.float64)
+        # The gain the norm applies is norm_offset + weight (1 + w for Gemma).
+        ref = np.asarray(reference[name], dtype=np.float64) + group.norm_offset
+        conv = np.asarray(converted[name], dtype=np.float64) + group.norm_offset
         if ref.shape != conv.shape:
             continue
         ok = (ref != 0) & (conv != 0)

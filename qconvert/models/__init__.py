@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from qconvert.models.bert import BertModel, mean_pool
+from qconvert.models.gemma import GemmaModel
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, dense_grouped_linear,
                                    dense_linear)
 from qconvert.models.llama import LlamaModel
@@ -32,7 +33,7 @@ from qconvert.models.mixtral import MixtralModel
 from qconvert.models.registry import architecture_for
 from qconvert.models.runner import LayerResult, forward_layerwise, iterate_layers, read_tensors
 
-_FAMILIES = {"llama": LlamaModel, "bert": BertModel, "mixtral": MixtralModel}
+_FAMILIES = {"llama": LlamaModel, "bert": BertModel, "mixtral": MixtralModel, "gemma": GemmaModel}
 
 
 def build(config: dict[str, Any]):
@@ -41,6 +42,6 @@ def build(config: dict[str, Any]):
 
 
 __all__ = [
-    "BertModel", "GroupedLinearHook", "LayerResult", "LinearHook", "LlamaModel", "MixtralModel", "build",
+    "BertModel", "GemmaModel", "GroupedLinearHook", "LayerResult", "LinearHook", "LlamaModel", "MixtralModel", "build",
     "dense_grouped_linear", "dense_linear", "forward_layerwise", "iterate_layers", "mean_pool", "read_tensors",
 ]
