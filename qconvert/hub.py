@@ -14,7 +14,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from qconvert.errors import (
     HubUnavailableError,
@@ -126,7 +126,7 @@ def _transport_errors() -> tuple[type[Exception], ...]:
     return tuple(errors)
 
 
-def _resolve_hub(model_id: str, revision: str | None) -> ResolvedModel:
+def _resolve_hub(model_id: str, revision: str | None, check_architecture=architecture_for) -> ResolvedModel:
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub import errors as hf
 
@@ -142,7 +142,7 @@ def _resolve_hub(model_id: str, revision: str | None) -> ResolvedModel:
     folder = config_path.parent
     commit = folder.name  # cache layout: snapshots/<commit>/config.json
     config = read_config(folder)
-    architecture_for(config)  # unsupported -> error before a single weight byte moves
+    check_architecture(config)  # unsupported -> error before a single weight byte moves
     try:
         if not offline:
             remote_files = HfApi().list_repo_files(model_id, revision=commit)
@@ -162,8 +162,13 @@ def _resolve_hub(model_id: str, revision: str | None) -> ResolvedModel:
                          is_hub=True, config=config)
 
 
-def resolve_model(model: str, revision: str | None = None) -> ResolvedModel:
-    """A local folder as it is, or a Hub id downloaded (config first) into the Hugging Face cache."""
+def resolve_model(model: str, revision: str | None = None, *,
+                  check_architecture: Callable[[dict], object] = architecture_for) -> ResolvedModel:
+    """A local folder as it is, or a Hub id downloaded (config first) into the Hugging Face cache.
+
+    `check_architecture(config)` raises for a model that cannot be converted, before any
+    weight is fetched (default: the architecture must be a known family).
+    """
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -171,10 +176,10 @@ def resolve_model(model: str, revision: str | None = None) -> ResolvedModel:
         if revision is not None:
             raise UsageError(f"--revision {revision} applies to Hub ids, but {model} is a local folder")
         config = read_config(path)
-        architecture_for(config)
+        check_architecture(config)
         check_weights_are_safetensors(path, str(model))
         return ResolvedModel(folder=path, model_id=str(model), revision=None, commit=None,
                              is_hub=False, config=config)
     if _looks_like_path(model):
         raise ModelNotFoundError(f"no such folder: {model}")
-    return _resolve_hub(model, revision)
+    return _resolve_hub(model, revision, check_architecture)

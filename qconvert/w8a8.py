@@ -9,6 +9,7 @@ activation scales, and the two records go into qconvert.json.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -192,6 +193,7 @@ def quantize_w8a8(model: str, out: Path, options, w8a8: W8A8Options, *, progress
     """
     from qconvert.convert import convert
     from qconvert.hub import resolve_model
+    from qconvert.models.weight_only import check_architecture
     from qconvert.output import check_output_free
 
     if options.scheme != "w8a8":
@@ -204,7 +206,8 @@ def quantize_w8a8(model: str, out: Path, options, w8a8: W8A8Options, *, progress
     if options.dry_run and w8a8.act == "dynamic":
         plan = W8A8Plan({}, None, None, None)
     else:
-        resolved = resolve_model(model, options.revision)
+        resolved = resolve_model(model, options.revision, check_architecture=functools.partial(
+            check_architecture, any_architecture=options.any_architecture, scheme=options.scheme))
         plan = plan_w8a8(resolved.folder, resolved.config, w8a8, progress=message)
     return convert(model, out, options, weight_transform=plan.weight_transform if plan.folds else None,
                    input_scales=plan.input_scales, calibration_record=plan.calibration_record,

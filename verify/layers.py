@@ -119,6 +119,28 @@ def float_linear_output(x: np.ndarray, weight, bias) -> np.ndarray:
     return np.asarray(dense_linear("", jnp.asarray(x), weight, bias))
 
 
+def compare_linear(name: str, x: np.ndarray, reference: Mapping, converted: Mapping,
+                   quantized_linear: QuantizedLinear, thresholds: Thresholds,
+                   smoothing: SmoothingFactors | None = None) -> LayerResult:
+    """One linear on inputs x [rows, in]: the float layer against the converted one through its kernel."""
+    smoothing = smoothing or SmoothingFactors({}, {})
+    bias_name = f"{name}.bias"
+    ref_bias = reference[bias_name] if bias_name in reference else None
+    conv_bias = converted[bias_name] if bias_name in converted else None
+    y_float = float_linear_output(x, np.asarray(reference[f"{name}.weight"]),
+                                  None if ref_bias is None else np.asarray(ref_bias))
+    x_q = x / smoothing.input[name].astype(np.float32) if name in smoothing.input else x
+    y_quant, choice = quantized_linear(name, jnp.asarray(x_q), converted[f"{name}.weight"],
+                                       None if conv_bias is None else jnp.asarray(conv_bias))
+    y_quant = np.asarray(y_quant, np.float64)
+    if name in smoothing.output:
+        y_quant = y_quant * smoothing.output[name][None, :]
+    metrics = tensor_metrics(y_float, y_quant)
+    checks = (check("sqnr_db", name, metrics.sqnr_db, thresholds.min_layer_sqnr_db, "min"),
+              check("cosine", name, metrics.cosine, thresholds.min_layer_cosine, "min"))
+    return LayerResult(name, choice, metrics, int(x.shape[0]), checks)
+
+
 def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, attention_mask,
                   modules: Sequence[str], quantized_linear: QuantizedLinear,
                   thresholds: Thresholds, *, smoothing: SmoothingFactors | None = None,
@@ -147,22 +169,8 @@ def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, atte
         final_hidden = layer.hidden
         inputs = captured_inputs(layer.observed, wanted)
         for name in sorted(inputs):
-            x = inputs[name]
-            bias_name = f"{name}.bias"
-            ref_bias = reference[bias_name] if bias_name in reference else None
-            conv_bias = converted[bias_name] if bias_name in converted else None
-            y_float = float_linear_output(x, np.asarray(reference[f"{name}.weight"]),
-                                          None if ref_bias is None else np.asarray(ref_bias))
-            x_q = x / smoothing.input[name].astype(np.float32) if name in smoothing.input else x
-            y_quant, choice = quantized_linear(name, jnp.asarray(x_q), converted[f"{name}.weight"],
-                                               None if conv_bias is None else jnp.asarray(conv_bias))
-            y_quant = np.asarray(y_quant, np.float64)
-            if name in smoothing.output:
-                y_quant = y_quant * smoothing.output[name][None, :]
-            metrics = tensor_metrics(y_float, y_quant)
-            checks = (check("sqnr_db", name, metrics.sqnr_db, thresholds.min_layer_sqnr_db, "min"),
-                      check("cosine", name, metrics.cosine, thresholds.min_layer_cosine, "min"))
-            results.append(LayerResult(name, choice, metrics, int(x.shape[0]), checks))
+            results.append(compare_linear(name, inputs[name], reference, converted, quantized_linear,
+                                          thresholds, smoothing))
     missing = wanted - {r.name for r in results}
     if missing:
         # A quantized linear the float forward never called: the folder and the
