@@ -120,3 +120,16 @@ def test_smoothing_folds_into_one_plus_w_and_leaves_transformers_logits_unchange
     got = reference_logits(folder, ids, mask, weights=smoothed)
     err, scale = _max_err(got, expected, mask)
     assert err <= 1e-4 * scale, (err, scale)
+
+
+def test_bf16_embeddings_are_scaled_in_bf16_as_transformers_does():
+    # sqrt(3072) = 55.43 rounds to 55.5 in bf16, and the product is rounded to bf16 too.
+    import ml_dtypes
+
+    args = dataclasses.replace(GemmaModel.from_config(GEMMA2).args, hidden_size=3072)
+    table = np.random.default_rng(0).standard_normal((4, 3072)).astype(ml_dtypes.bfloat16)
+    got = np.asarray(GemmaModel(args).embed({"model.embed_tokens.weight": table}, np.array([[2, 0, 3]])))
+    rows = torch.from_numpy(table.astype(np.float32)[[2, 0, 3]]).to(torch.bfloat16)
+    expected = (rows * torch.tensor(3072 ** 0.5).to(torch.bfloat16)).float().numpy()
+    np.testing.assert_array_equal(got[0], expected)
+    assert not np.array_equal(got[0], table.astype(np.float32)[[2, 0, 3]] * np.float32(3072 ** 0.5))

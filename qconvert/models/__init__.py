@@ -1,6 +1,6 @@
 """Supported architectures: which tensors are linears, how they are smoothed, a JAX forward.
 
-`build(config)` gives the family's model (LlamaModel, BertModel, MixtralModel), a
+`build(config)` gives the family's model (LlamaModel, BertModel, MixtralModel, GemmaModel), a
 frozen dataclass whose methods are pure functions of `params`, any Mapping from
 checkpoint tensor name to array (lazy readers and QArray weights included):
 
