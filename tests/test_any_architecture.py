@@ -119,8 +119,13 @@ def test_int8_weights_dequantized_by_compressed_tensors_give_transformers_the_fl
             np.testing.assert_array_equal(written[name], array, err_msg=name)
     ids = np.random.default_rng(0).integers(0, 96, size=(2, 16))
     float_logits = neox_logits(folder, ids)
+    int8_logits = neox_logits(folder, ids, dequantized)
     # Measured 0.8% relative error on the logits (a wrong scale or layout gives ~100%).
-    assert 1e-5 < rel_error(neox_logits(folder, ids, dequantized), float_logits) < 0.02
+    assert 1e-5 < rel_error(int8_logits, float_logits) < 0.02
+    # transformers loads the folder itself (compressed-tensors decompressing on load) to the same model.
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(neox_int8)).eval()
+    with torch.no_grad():
+        assert rel_error(loaded(torch.tensor(ids)).logits.float().numpy(), int8_logits) < 1e-5
 
 
 def test_nf4_folder_loads_in_transformers_with_bitsandbytes(neox, tmp_path, capsys):

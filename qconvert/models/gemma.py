@@ -44,7 +44,7 @@ def layer_types(config: dict[str, Any], layers: int) -> tuple[str, ...]:
     (i + 1) is a multiple of `sliding_window_pattern`)."""
     types = config.get("layer_types")
     if types is None:
-        pattern = int(config.get("sliding_window_pattern") or _SLIDING_PATTERN.get(config.get("model_type"), 2))
+        pattern = _config_int(config, "sliding_window_pattern", _SLIDING_PATTERN.get(config.get("model_type"), 2))
         return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(layers))
     if not isinstance(types, list) or len(types) != layers or any(t not in (SLIDING, FULL) for t in types):
         raise InvalidCheckpointError(
