@@ -46,8 +46,9 @@ def test_logits_match_transformers_float32(gemma):
     assert isinstance(model, GemmaModel)
     err, scale = _max_err(jax.jit(model.forward)(params, ids, mask), expected, mask)
     assert err <= RTOL * scale, (err, scale)
-    err, scale = _max_err(forward_layerwise(model, params, ids, mask, batch_size=1), expected, mask)
-    assert err <= RTOL * scale, (err, scale)
+    if model.args.qk_norm:  # once: the layer-by-layer runner (calibration's and verify's way) agrees
+        err, scale = _max_err(forward_layerwise(model, params, ids, mask, batch_size=1), expected, mask)
+        assert err <= RTOL * scale, (err, scale)
 
 
 def test_sliding_windows_soft_caps_and_local_rope_each_change_the_logits(gemma):
