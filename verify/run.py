@@ -96,7 +96,8 @@ def resolve_reference(record: ConversionRecord, options: VerifyOptions) -> tuple
     if not reference_id:
         raise UsageError("qconvert.json records no source model; pass --reference MODEL")
     # A folder converted weight-only with --any-architecture has a reference of no known family.
-    check = functools.partial(check_architecture, any_architecture=_weight_only(record), scheme=record.scheme)
+    check = (functools.partial(check_architecture, any_architecture=True, scheme=record.scheme)
+             if _weight_only(record) else architecture_for)
     if options.reference:
         return reference_id, resolve_model(reference_id, options.revision, check_architecture=check)
     source = record.raw.get("source", {})

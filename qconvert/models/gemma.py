@@ -16,6 +16,7 @@ from qconvert.formats import QArray
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, dense_grouped_linear,
                                    dense_linear)
 from qconvert.models.llama import ACTIVATIONS, attention_bias, rms_norm
+from qconvert.models.registry import LLAMA, Architecture, SmoothingGroup, register
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -310,3 +311,30 @@ class GemmaModel:
         for i in range(self.num_layers):
             hidden = self.layer(i, params, hidden, attention_mask, linear, grouped_linear)
         return self.head(params, hidden, attention_mask, linear)
+
+
+def _gemma_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    # Gemma's sandwich norms: input_layernorm feeds q/k/v and pre_feedforward_layernorm
+    # feeds gate/up; post_attention_layernorm and post_feedforward_layernorm norm the
+    # outputs of o_proj and down_proj on their way to the residual, feeding no linear.
+    groups = []
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}"
+        groups.append(SmoothingGroup(f"{p}.input_layernorm",
+                                     tuple(f"{p}.self_attn.{x}_proj" for x in "qkv"), norm_offset=1.0))
+        groups.append(SmoothingGroup(f"{p}.pre_feedforward_layernorm",
+                                     (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"), norm_offset=1.0))
+    return groups
+
+
+GEMMA = Architecture(
+    family="gemma",
+    hf_architectures=("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
+    linear_pattern=LLAMA.linear_pattern,  # the same seven linears per layer
+    smoothing_groups=_gemma_groups,
+    default_alpha=0.85,  # as for the Llama family: both are pre-norm decoders with gated MLPs
+    # v -> o and up -> down as for Llama: Gemma 3's q/k norms and Gemma 2's soft-capping
+    # act on the attention scores, never on v; down_proj's input is gelu(gate) * up.
+    linear_smoothing_groups=LLAMA.linear_smoothing_groups,
+)
+register(GEMMA)

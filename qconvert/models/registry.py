@@ -173,32 +173,7 @@ MIXTRAL = Architecture(
     linear_smoothing_groups=_mixtral_linear_groups,
 )
 
-def _gemma_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
-    # Gemma's sandwich norms: input_layernorm feeds q/k/v and pre_feedforward_layernorm
-    # feeds gate/up; post_attention_layernorm and post_feedforward_layernorm norm the
-    # outputs of o_proj and down_proj on their way to the residual, feeding no linear.
-    groups = []
-    for i in range(int(config["num_hidden_layers"])):
-        p = f"model.layers.{i}"
-        groups.append(SmoothingGroup(f"{p}.input_layernorm",
-                                     tuple(f"{p}.self_attn.{x}_proj" for x in "qkv"), norm_offset=1.0))
-        groups.append(SmoothingGroup(f"{p}.pre_feedforward_layernorm",
-                                     (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"), norm_offset=1.0))
-    return groups
-
-
-GEMMA = Architecture(
-    family="gemma",
-    hf_architectures=("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
-    linear_pattern=LLAMA.linear_pattern,
-    smoothing_groups=_gemma_groups,
-    default_alpha=0.85,
-    # v -> o and up -> down as for Llama: Gemma 3's q/k norms and Gemma 2's soft-capping
-    # act on the attention scores, never on v; down_proj's input is gelu(gate) * up.
-    linear_smoothing_groups=_llama_linear_groups,
-)
-
-ARCHITECTURES: list[Architecture] = [LLAMA, BERT, MIXTRAL, GEMMA]
+ARCHITECTURES: list[Architecture] = [LLAMA, BERT, MIXTRAL]
 
 
 def supported_architectures() -> list[str]:
