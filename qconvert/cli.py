@@ -90,13 +90,17 @@ def _w8a8_options(command):
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT if it is a folder qconvert wrote (it has qconvert.json) or an empty folder.")
 @click.option("--dry-run", is_flag=True, help="List what would be quantized and the expected size; write nothing.")
+@click.option("--any-architecture", is_flag=True,
+              help="int8/nf4: convert a decoder of no known family weight-only, taking every 2-D weight "
+                   "under its numbered layers (model.layers.N.) as a linear. A known family keeps its own list.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @_verbose_option
 @_w8a8_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
              exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, overwrite: bool,
-             dry_run: bool, quiet: bool, as_json: bool, verbose: bool, **w8a8_flags) -> int:
+             dry_run: bool, any_architecture: bool, quiet: bool, as_json: bool, verbose: bool,
+             **w8a8_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
     started = time.perf_counter()
     _hub_messages(verbose)
@@ -105,7 +109,8 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
 
     options = ConvertOptions(scheme=scheme, revision=revision, include=include, exclude=exclude,
                              max_shard_size=parse_size(max_shard_size), double_quant=double_quant,
-                             overwrite=overwrite, dry_run=dry_run, act=w8a8_flags["act"])
+                             overwrite=overwrite, dry_run=dry_run, act=w8a8_flags["act"],
+                             any_architecture=any_architecture)
     run = lambda progress: convert(model, out, options, progress=progress)  # noqa: E731
     if scheme == "w8a8":
         run = _w8a8_run(model, out, options, w8a8_flags, quiet or as_json)

@@ -57,6 +57,8 @@ def print_convert_result(result: ConvertResult, console: Console) -> None:
             table.add_row(t.module or t.source, t.kind, "x".join(map(str, t.shape)),
                           human_bytes(t.source_bytes), human_bytes(t.output_bytes))
         console.print(table)
+    if result.weight_only is not None:
+        console.print(result.weight_only.describe(), highlight=False)
     verb = "would write" if result.dry_run else f"wrote {result.out}:"
     console.print(
         f"{verb} {len(result.quantized_modules)} {result.scheme} linears, "

@@ -17,7 +17,7 @@ from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import SCHEMES, qarray_to_tensors, quantization_config
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint, write_shards
 from qconvert.hub import ResolvedModel, resolve_model
-from qconvert.models.registry import architecture_for
+from qconvert.models.weight_only import WeightOnlySelection, check_architecture, checkpoint_architecture
 from qconvert.output import (
     MANIFEST_NAME, check_output_free, check_output_location, copy_side_files, hash_in_background, side_files,
     staged_output, write_json,
@@ -30,7 +30,9 @@ from qconvert.stages import stage
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
 # Options that change no output byte stay out of qconvert.json, so reruns with them stay identical.
-PRESENTATION_OPTIONS = ("overwrite", "dry_run")
+# (--any-architecture changes nothing for a known family; where it applies, qconvert.json
+# records the weight-only selection itself.)
+PRESENTATION_OPTIONS = ("overwrite", "dry_run", "any_architecture")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,9 @@ class ConvertOptions:
     act: str = "dynamic"
     overwrite: bool = False
     dry_run: bool = False
+    # An unknown decoder converts weight-only, its linears found by the layer-prefix rule
+    # (qconvert.models.weight_only); a known family always keeps its own list.
+    any_architecture: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "include", tuple(self.include))
@@ -85,6 +90,7 @@ class ConvertResult:
     files: dict[str, str]
     # Named phases and their seconds, in order (e.g. calibrated, wrote); `seconds` is the whole run.
     phases: tuple[tuple[str, float], ...] = ()
+    weight_only: WeightOnlySelection | None = None  # set when --any-architecture chose the linears
 
     @property
     def compression_ratio(self) -> float:
@@ -104,6 +110,7 @@ class ConvertResult:
             "compression_ratio": round(self.compression_ratio, 4), "seconds": round(self.seconds, 3),
             "phases": {name: round(seconds, 3) for name, seconds in self.phases},
             "files": self.files,
+            "weight_only": self.weight_only.record() if self.weight_only else None,
             "tensors": [{"name": t.module or t.source, "kind": t.kind, "shape": list(t.shape),
                          "source_bytes": t.source_bytes, "output_bytes": t.output_bytes} for t in self.tensors],
         }
@@ -132,13 +139,15 @@ def convert(
     if not options.dry_run:
         check_output_target(model, out, options.overwrite)  # before any download
     with stage("resolving the model"):
-        resolved = resolve_model(model, options.revision)
-        arch = architecture_for(resolved.config)
+        resolved = resolve_model(model, options.revision, check_architecture=functools.partial(
+            check_architecture, any_architecture=options.any_architecture, scheme=options.scheme))
     if not options.dry_run:
         check_output_location(out, resolved.folder)
     try:
         with stage("planning"):
             ckpt = open_checkpoint(resolved.folder)
+            arch, weight_only = checkpoint_architecture(resolved.config, ckpt,
+                                                        any_architecture=options.any_architecture)
             plan = plan_conversion(ckpt, resolved.config, arch, scheme=options.scheme, include=options.include,
                                    exclude=options.exclude, double_quant=options.double_quant,
                                    static_act=options.act == "static")
@@ -158,8 +167,10 @@ def convert(
                 files.update(copy_side_files(resolved.folder, staging))
                 files["config.json"] = write_json(staging / "config.json",
                                                   quantized_config(resolved.config, plan, options))
-                write_json(staging / MANIFEST_NAME, manifest(resolved, source_hashes(), options, files,
-                                                             calibration_record, smoothing_record))
+                record = manifest(resolved, source_hashes(), options, files, calibration_record, smoothing_record)
+                if weight_only is not None:
+                    record["weight_only"] = weight_only.record()
+                write_json(staging / MANIFEST_NAME, record)
     except FormatError as err:
         raise InvalidCheckpointError(f"{err}") from None
     return ConvertResult(
@@ -169,7 +180,7 @@ def convert(
         scheme=options.scheme, dry_run=options.dry_run, tensors=plan.tensors,
         input_bytes=sum(ckpt.nbytes(name) for name in ckpt.tensor_names),
         output_bytes=sum(spec.nbytes for spec in plan.specs),
-        seconds=time.perf_counter() - started, files=dict(sorted(files.items())),
+        seconds=time.perf_counter() - started, files=dict(sorted(files.items())), weight_only=weight_only,
         phases=() if options.dry_run else (("wrote", time.perf_counter() - writing_started),),
     )
 

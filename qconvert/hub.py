@@ -14,7 +14,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from qconvert.errors import (
     HubUnavailableError,
@@ -169,7 +169,7 @@ def _transport_errors() -> tuple[type[Exception], ...]:
     return tuple(errors)
 
 
-def _resolve_hub(model_id: str, revision: str | None) -> ResolvedModel:
+def _resolve_hub(model_id: str, revision: str | None, check_architecture=architecture_for) -> ResolvedModel:
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub import errors as hf
 
@@ -181,7 +181,7 @@ def _resolve_hub(model_id: str, revision: str | None) -> ResolvedModel:
     if unreachable is not None:
         # One failed probe, then the cache only: no retries, no long timeouts.
         try:
-            return _resolve_cached(model_id, revision, cache_dir)
+            return _resolve_cached(model_id, revision, cache_dir, check_architecture)
         except hf.LocalEntryNotFoundError:
             raise HubUnavailableError(_not_cached_message(model_id, revision, unreachable)) from None
         except hub_failures as err:
@@ -194,7 +194,7 @@ def _resolve_hub(model_id: str, revision: str | None) -> ResolvedModel:
     folder = config_path.parent
     commit = folder.name  # cache layout: snapshots/<commit>/config.json
     config = read_config(folder)
-    architecture_for(config)  # unsupported -> error before a single weight byte moves
+    check_architecture(config)  # unsupported -> error before a single weight byte moves
     try:
         if not offline:
             remote_files = HfApi().list_repo_files(model_id, revision=commit)
@@ -214,14 +214,15 @@ def _resolve_hub(model_id: str, revision: str | None) -> ResolvedModel:
                          is_hub=True, config=config)
 
 
-def _resolve_cached(model_id: str, revision: str | None, cache_dir: str | None) -> ResolvedModel:
+def _resolve_cached(model_id: str, revision: str | None, cache_dir: str | None,
+                    check_architecture=architecture_for) -> ResolvedModel:
     """A Hub id from the local cache alone (the Hub is unreachable)."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
     config_path = Path(hf_hub_download(model_id, "config.json", revision=revision, cache_dir=cache_dir,
                                        local_files_only=True))
     config = read_config(config_path.parent)
-    architecture_for(config)
+    check_architecture(config)
     commit = config_path.parent.name
     folder = Path(snapshot_download(model_id, revision=commit, cache_dir=cache_dir,
                                     allow_patterns=list(ALLOW_PATTERNS), local_files_only=True))
@@ -230,8 +231,13 @@ def _resolve_cached(model_id: str, revision: str | None, cache_dir: str | None) 
                          is_hub=True, config=config)
 
 
-def resolve_model(model: str, revision: str | None = None) -> ResolvedModel:
-    """A local folder as it is, or a Hub id downloaded (config first) into the Hugging Face cache."""
+def resolve_model(model: str, revision: str | None = None, *,
+                  check_architecture: Callable[[dict], object] = architecture_for) -> ResolvedModel:
+    """A local folder as it is, or a Hub id downloaded (config first) into the Hugging Face cache.
+
+    `check_architecture(config)` raises for a model that cannot be converted, before any
+    weight is fetched (default: the architecture must be a known family).
+    """
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -239,10 +245,10 @@ def resolve_model(model: str, revision: str | None = None) -> ResolvedModel:
         if revision is not None:
             raise UsageError(f"--revision {revision} applies to Hub ids, but {model} is a local folder")
         config = read_config(path)
-        architecture_for(config)
+        check_architecture(config)
         check_weights_are_safetensors(path, str(model))
         return ResolvedModel(folder=path, model_id=str(model), revision=None, commit=None,
                              is_hub=False, config=config)
     if _looks_like_path(model):
         raise ModelNotFoundError(f"no such folder: {model}")
-    return _resolve_hub(model, revision)
+    return _resolve_hub(model, revision, check_architecture)

@@ -20,6 +20,7 @@ from qconvert.errors import InvalidWeightError, UnsupportedModelError, UsageErro
 from qconvert.formats.layouts import linear_tensor_specs
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, TensorSpec
 from qconvert.models.registry import Architecture
+from qconvert.models.weight_only import FAMILY as WEIGHT_ONLY_FAMILY
 
 FLOAT_WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 # The kind of a tensor written as the source holds it (float or not: int64 position_ids too).
@@ -157,7 +158,9 @@ def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: A
             spec = TensorSpec(name, dtype, shape)
             tensors.append(PlannedTensor(name, None, UNCHANGED, shape, dtype.name, ckpt.nbytes(name), (spec,)))
     # After the per-linear checks (a weight of the wrong rank or dtype is exit 7), before any byte is read.
-    check_weights_match_config(ckpt, config)
+    # A weight-only architecture (--any-architecture) has no family to hold the config against.
+    if arch.family != WEIGHT_ONLY_FAMILY:
+        check_weights_match_config(ckpt, config)
     # Loaders build an lm_head whether or not it is stored (tied), so it is named unless quantized.
     ignore = sorted(set(_linear_candidates(ckpt)) - set(modules) - {"lm_head"})
     if "lm_head" not in modules:

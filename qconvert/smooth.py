@@ -82,15 +82,20 @@ class TensorFold:
     row_divisor: np.ndarray | None = None     # the rows (or a 1-D tensor) divide by this
     col_multiplier: np.ndarray | None = None  # the columns multiply by this
     row_offset: int = 0                       # row_divisor[c] divides row row_offset + c
+    # A norm gain stored as an offset from 1 (Gemma): (offset + w) / s - offset, so the
+    # gain the norm applies, offset + w, is what divides by s.
+    gain_offset: float = 0.0
 
 
 def fold_plan(scales: Sequence[GroupScales]) -> dict[str, TensorFold]:
     """Tensor name -> TensorFold for every tensor the groups touch (a tensor may get rows and columns)."""
     rows: dict[str, tuple[np.ndarray, int]] = {}
     cols: dict[str, np.ndarray] = {}
+    offsets: dict[str, float] = {}
     for g in scales:
         source = g.group.norm
         rows[f"{source}.weight"] = (g.source_scales, g.group.source_offset)
+        offsets[f"{source}.weight"] = float(g.group.norm_offset)
         # LayerNorm / linear bias; absent tensors never ask
         rows[f"{source}.bias"] = (g.source_scales, g.group.source_offset)
         for linear in g.group.linears:
@@ -101,7 +106,7 @@ def fold_plan(scales: Sequence[GroupScales]) -> dict[str, TensorFold]:
     plan = {}
     for name in sorted(set(rows) | set(cols)):
         divisor, offset = rows.get(name, (None, 0))
-        plan[name] = TensorFold(divisor, cols.get(name), offset)
+        plan[name] = TensorFold(divisor, cols.get(name), offset, offsets.get(name, 0.0))
     return plan
 
 
@@ -112,7 +117,12 @@ def apply_fold(array: np.ndarray, fold: TensorFold) -> np.ndarray:
         out = out * fold.col_multiplier[None, :]
     if fold.row_divisor is not None:
         rows = slice(fold.row_offset, fold.row_offset + len(fold.row_divisor))
-        out[rows] = out[rows] / (fold.row_divisor if out.ndim == 1 else fold.row_divisor[:, None])
+        divisor = fold.row_divisor if out.ndim == 1 else fold.row_divisor[:, None]
+        if fold.gain_offset:
+            gain = np.float32(fold.gain_offset)
+            out[rows] = (out[rows] + gain) / divisor - gain
+        else:
+            out[rows] = out[rows] / divisor
     return out.astype(np.asarray(array).dtype)
 
 

@@ -9,6 +9,7 @@ activation scales, and the two records go into qconvert.json.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -201,6 +202,7 @@ def quantize_w8a8(model: str, out: Path, options, w8a8: W8A8Options, *, progress
     """
     from qconvert.convert import check_output_target, convert
     from qconvert.hub import resolve_model
+    from qconvert.models.weight_only import check_architecture
     from qconvert.output import check_output_location
     from qconvert.stages import stage
 
@@ -216,7 +218,8 @@ def quantize_w8a8(model: str, out: Path, options, w8a8: W8A8Options, *, progress
         plan = W8A8Plan({}, None, None, None)
     else:
         with stage("resolving the model"):
-            resolved = resolve_model(model, options.revision)
+            resolved = resolve_model(model, options.revision, check_architecture=functools.partial(
+                check_architecture, any_architecture=options.any_architecture, scheme=options.scheme))
         if not options.dry_run:
             check_output_location(Path(out), resolved.folder)
         with stage("calibration"):

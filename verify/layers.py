@@ -57,9 +57,9 @@ def smoothing_factors(arch: Architecture, config: Mapping[str, Any], reference: 
                       converted: Mapping, smoothed_sources: Sequence[str] = ()) -> SmoothingFactors:
     """Read the smoothing scales back from the two folders.
 
-    Norm -> linears groups: s = reference norm weight / converted norm weight,
-    exact (both are float tensors; unsmoothed norms give s == 1). Linear ->
-    linear groups named in `smoothed_sources` (qconvert.json's smoothing
+    Norm -> linears groups: s = reference norm gain / converted norm gain (the
+    weight, or 1 + weight for Gemma's norms), exact (both are float tensors;
+    unsmoothed norms give s == 1). Linear -> linear groups named in `smoothed_sources` (qconvert.json's smoothing
     groups): the source linear's rows were divided by s, so s per row is the
     least-squares ratio of the reference row (with its own input smoothing
     applied) to the dequantized converted row; rounding noise averages out over
@@ -73,8 +73,9 @@ def smoothing_factors(arch: Architecture, config: Mapping[str, Any], reference: 
         name = f"{group.norm}.weight"
         if name not in reference or name not in converted:
             continue
-        ref = np.asarray(reference[name], dtype=np.float64)
-        conv = np.asarray(converted[name], dtype=np.float64)
+        # The gain the norm applies is norm_offset + weight (1 + w for Gemma).
+        ref = np.asarray(reference[name], dtype=np.float64) + group.norm_offset
+        conv = np.asarray(converted[name], dtype=np.float64) + group.norm_offset
         if ref.shape != conv.shape:
             continue
         ok = (ref != 0) & (conv != 0)
@@ -118,6 +119,28 @@ def float_linear_output(x: np.ndarray, weight, bias) -> np.ndarray:
     return np.asarray(dense_linear("", jnp.asarray(x), weight, bias))
 
 
+def compare_linear(name: str, x: np.ndarray, reference: Mapping, converted: Mapping,
+                   quantized_linear: QuantizedLinear, thresholds: Thresholds,
+                   smoothing: SmoothingFactors | None = None) -> LayerResult:
+    """One linear on inputs x [rows, in]: the float layer against the converted one through its kernel."""
+    smoothing = smoothing or SmoothingFactors({}, {})
+    bias_name = f"{name}.bias"
+    ref_bias = reference[bias_name] if bias_name in reference else None
+    conv_bias = converted[bias_name] if bias_name in converted else None
+    y_float = float_linear_output(x, np.asarray(reference[f"{name}.weight"]),
+                                  None if ref_bias is None else np.asarray(ref_bias))
+    x_q = x / smoothing.input[name].astype(np.float32) if name in smoothing.input else x
+    y_quant, choice = quantized_linear(name, jnp.asarray(x_q), converted[f"{name}.weight"],
+                                       None if conv_bias is None else jnp.asarray(conv_bias))
+    y_quant = np.asarray(y_quant, np.float64)
+    if name in smoothing.output:
+        y_quant = y_quant * smoothing.output[name][None, :]
+    metrics = tensor_metrics(y_float, y_quant)
+    checks = (check("sqnr_db", name, metrics.sqnr_db, thresholds.min_layer_sqnr_db, "min"),
+              check("cosine", name, metrics.cosine, thresholds.min_layer_cosine, "min"))
+    return LayerResult(name, choice, metrics, int(x.shape[0]), checks)
+
+
 def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, attention_mask,
                   modules: Sequence[str], quantized_linear: QuantizedLinear,
                   thresholds: Thresholds, *, smoothing: SmoothingFactors | None = None,
@@ -146,22 +169,8 @@ def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, atte
         final_hidden = layer.hidden
         inputs = captured_inputs(layer.observed, wanted)
         for name in sorted(inputs):
-            x = inputs[name]
-            bias_name = f"{name}.bias"
-            ref_bias = reference[bias_name] if bias_name in reference else None
-            conv_bias = converted[bias_name] if bias_name in converted else None
-            y_float = float_linear_output(x, np.asarray(reference[f"{name}.weight"]),
-                                          None if ref_bias is None else np.asarray(ref_bias))
-            x_q = x / smoothing.input[name].astype(np.float32) if name in smoothing.input else x
-            y_quant, choice = quantized_linear(name, jnp.asarray(x_q), converted[f"{name}.weight"],
-                                               None if conv_bias is None else jnp.asarray(conv_bias))
-            y_quant = np.asarray(y_quant, np.float64)
-            if name in smoothing.output:
-                y_quant = y_quant * smoothing.output[name][None, :]
-            metrics = tensor_metrics(y_float, y_quant)
-            checks = (check("sqnr_db", name, metrics.sqnr_db, thresholds.min_layer_sqnr_db, "min"),
-                      check("cosine", name, metrics.cosine, thresholds.min_layer_cosine, "min"))
-            results.append(LayerResult(name, choice, metrics, int(x.shape[0]), checks))
+            results.append(compare_linear(name, inputs[name], reference, converted, quantized_linear,
+                                          thresholds, smoothing))
     missing = wanted - {r.name for r in results}
     if missing:
         # A quantized linear the float forward never called: the folder and the

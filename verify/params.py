@@ -16,7 +16,7 @@ import numpy as np
 from qconvert.calibrate import CheckpointParams  # the reference side; run.py and bench import it here
 from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import NF4_STATE_SUFFIX, linear_tensor_specs
-from qconvert.models.registry import architecture_for
+from qconvert.models.registry import Architecture, architecture_for
 
 
 class QuantizedParams(Mapping):
@@ -55,18 +55,19 @@ def _layout_flags(config: dict[str, Any]) -> tuple[bool, bool]:
     return static_act, bool(qconfig.get("bnb_4bit_use_double_quant"))
 
 
-def check_tensors(quantized, reference, config: dict[str, Any]) -> list[str]:
+def check_tensors(quantized, reference, config: dict[str, Any], arch: Architecture | None = None) -> list[str]:
     """The converted folder's tensors against the reference and the layout of its scheme.
 
     Every reference linear is either quantized (with every tensor its layout
     needs, of the right dtype and shape) or kept in float; every other reference
     tensor is present with its shape; every QArray decodes. Each problem names
-    the file (or the folder, for a tensor that is nowhere).
+    the file (or the folder, for a tensor that is nowhere). `arch` defaults to
+    the config's known family (the weight-only rule's Architecture is passed in).
     """
     problems: list[str] = []
     ckpt = quantized.checkpoint
     folder = quantized.folder.name
-    arch = architecture_for(config)
+    arch = arch or architecture_for(config)
     static_act, double_quant = _layout_flags(config)
     float_names = set(quantized.float_names)
     ref_linears = arch.linear_names(reference.tensor_names)

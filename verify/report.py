@@ -52,7 +52,8 @@ def verdict(report: VerifyReport) -> str:
             model = f"; KL {m['mean_kl']:.2g}, top-1 {m['top1_agreement']:.1%}, ppl x{m['perplexity_ratio']:.3f}"
         else:
             model = f"; pooled cosine {m['pooled_cosine_min']:.5f}"
-    return f"PASS {where}: {len(report.layers)} layers{floor}{model}"
+    skipped = "; whole-model stage skipped" if report.model is None and report.skipped else ""
+    return f"PASS {where}: {len(report.layers)} layers{floor}{model}{skipped}"
 
 
 def _fmt(value: float, digits: int = 2) -> str:
@@ -85,6 +86,8 @@ def render(report: VerifyReport, console: Console, *, max_rows: int | None = 20)
         m = report.model
         figures = ", ".join(f"{k} {v:.6g}" for k, v in m.metrics.items())
         console.print(f"whole model ({m.kind}, {m.sequences} sequences, {m.tokens} tokens): {figures}")
+    for line in report.skipped:
+        console.print(f"skipped: {line}", highlight=False, markup=False)
     style = "green" if report.passed else "red"
     console.print(f"[{style}]{verdict(report)}[/{style}]", highlight=False, markup=True)
 
@@ -118,6 +121,7 @@ def to_record(report: VerifyReport) -> dict[str, Any]:
         "layers": [r.as_dict() for r in report.layers],
         "model": report.model.as_dict() if report.model else None,
         "checks": [c.as_dict() for c in report.extra_checks],
+        "skipped": list(report.skipped),
         "failures": [c.describe() for c in report.failed_checks] + list(report.integrity.problems),
         "seconds": report.seconds,
     }

@@ -88,6 +88,8 @@ class VerifyReport:
     evaluation: dict[str, Any]
     versions: dict[str, str]
     seconds: float
+    # Stages (or parts of them) that could not run, each one line saying why; not failures.
+    skipped: tuple[str, ...] = ()
 
     @property
     def failed_checks(self) -> list[Check]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +22,7 @@ from qconvert.formats.safetensors_io import open_checkpoint
 from qconvert.hub import ResolvedModel, resolve_model
 from qconvert.models import build, read_tensors
 from qconvert.models.registry import architecture_for
+from qconvert.models.weight_only import check_architecture, checkpoint_architecture
 from qconvert.verify.integrity import (ConversionRecord, IntegrityResult, check_config, check_files, read_config,
                                        read_record, sha256_of)
 from qconvert.verify.kernel_path import make_quantized_linear
@@ -30,6 +32,8 @@ from qconvert.verify.params import CheckpointParams, QuantizedParams, check_tens
 from qconvert.verify.report import versions
 from qconvert.verify.results import VerifyReport
 from qconvert.verify.thresholds import Check, thresholds_for
+from qconvert.verify.weight_only import (SYNTHETIC_ROWS, SYNTHETIC_SEED, skipped_stages,
+                                         verify_linears_on_synthetic_inputs)
 
 AUTO = "auto"
 # Evaluation sizes: the full run and --quick. Small on purpose: on CPU the Pallas
@@ -92,13 +96,21 @@ def resolve_reference(record: ConversionRecord, options: VerifyOptions) -> tuple
     reference_id = options.reference or record.source_model
     if not reference_id:
         raise UsageError("qconvert.json records no source model; pass --reference MODEL")
+    # A folder converted weight-only with --any-architecture has a reference of no known family.
+    check = (functools.partial(check_architecture, any_architecture=True, scheme=record.scheme)
+             if _weight_only(record) else architecture_for)
     if options.reference:
-        return reference_id, resolve_model(reference_id, options.revision)
+        return reference_id, resolve_model(reference_id, options.revision, check_architecture=check)
     source = record.raw.get("source", {})
     # A Hub source is pinned to the commit it was converted from; a local folder has no revision.
-    resolved = resolve_model(reference_id, record.source_revision if source.get("is_hub") else None)
+    resolved = resolve_model(reference_id, record.source_revision if source.get("is_hub") else None,
+                             check_architecture=check)
     check_source_unchanged(resolved.folder, source.get("files") or {})
     return reference_id, resolved
+
+
+def _weight_only(record: ConversionRecord) -> bool:
+    return isinstance(record.raw.get("weight_only"), dict)
 
 
 def _integrity_only(folder, scheme, options, thresholds, files, problems, started) -> VerifyReport:
@@ -135,12 +147,18 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
 
     reference_id, resolved = resolve_reference(record, options)
     reference_ckpt = open_checkpoint(resolved.folder)
-    check_weights_match_config(reference_ckpt, resolved.config)  # a reference whose config misfits: one line
-    problems = check_tensors(quantized, reference_ckpt, config)
+    arch, weight_only = checkpoint_architecture(config, reference_ckpt, any_architecture=_weight_only(record))
+    if weight_only is None:
+        check_weights_match_config(reference_ckpt, resolved.config)  # a reference whose config misfits: one line
+    problems = check_tensors(quantized, reference_ckpt, config, arch)
     if problems:
         return _integrity_only(folder, record.scheme, options, thresholds, files, problems, started)
+    reference_info = {"model": reference_id, "folder": str(resolved.folder), "commit": resolved.commit,
+                      "is_hub": resolved.is_hub, "from": "--reference" if options.reference else "qconvert.json"}
+    if weight_only is not None:
+        return _verify_weight_only(folder, record, options, thresholds, files, quantized, reference_ckpt,
+                                   resolved, reference_info, weight_only.architecture, started)
 
-    arch = architecture_for(config)
     if architecture_for(resolved.config) is not arch:
         raise UsageError(f"the reference {reference_id} is a {resolved.config.get('architectures')} model, "
                          f"the converted folder a {config.get('architectures')} one; pass the right --reference")
@@ -171,11 +189,34 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
     backends = sorted({r.kernel.backend for r in layer_results})
     return VerifyReport(
         folder=str(folder), scheme=record.scheme,
-        reference={"model": reference_id, "folder": str(resolved.folder), "commit": resolved.commit,
-                   "is_hub": resolved.is_hub, "from": "--reference" if options.reference else "qconvert.json"},
+        reference=reference_info,
         backend=",".join(backends) if backends else options.backend,
         devices=tuple(str(d) for d in jax.devices()), thresholds=thresholds,
         integrity=IntegrityResult(tuple(files), ()), layers=tuple(layer_results), model=model_result,
         extra_checks=tuple(extra),
         evaluation={**data.record(), "quick": options.quick, "kernel_calls": len(choices)},
         versions=versions(), seconds=time.perf_counter() - started)
+
+
+def _verify_weight_only(folder, record, options, thresholds, files, quantized, reference_ckpt, resolved,
+                        reference_info, architecture: str, started) -> VerifyReport:
+    """Integrity passed; per layer on synthetic inputs, no whole-model stage (no forward pass exists)."""
+    if resolved.config.get("architectures") != [architecture]:
+        raise UsageError(f"the reference {reference_info['model']} is a {resolved.config.get('architectures')} "
+                         f"model, the converted folder a {architecture} one; pass the right --reference")
+    quantized_linear, choices = make_quantized_linear(quantized, record.scheme, options.backend)
+    layer_results = verify_linears_on_synthetic_inputs(
+        CheckpointParams(reference_ckpt), QuantizedParams(quantized), quantized.quantized_modules,
+        quantized_linear, thresholds)
+    extra = [Check("pallas_kernel", r.name, float(r.kernel.pallas), 1.0, "min", r.kernel.pallas)
+             for r in layer_results] if options.strict else []
+    backends = sorted({r.kernel.backend for r in layer_results})
+    return VerifyReport(
+        folder=str(folder), scheme=record.scheme, reference=reference_info,
+        backend=",".join(backends) if backends else options.backend,
+        devices=tuple(str(d) for d in jax.devices()), thresholds=thresholds,
+        integrity=IntegrityResult(tuple(files), ()), layers=tuple(layer_results), model=None,
+        extra_checks=tuple(extra),
+        evaluation={"source": "synthetic", "rows": SYNTHETIC_ROWS, "seed": SYNTHETIC_SEED,
+                    "kernel_calls": len(choices)},
+        versions=versions(), seconds=time.perf_counter() - started, skipped=skipped_stages(architecture))

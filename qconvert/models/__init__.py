@@ -1,7 +1,7 @@
 """Supported architectures: which tensors are linears, how they are smoothed, a JAX forward.
 
-`build(config)` gives the family's model (LlamaModel, BertModel, MixtralModel, Qwen3Model,
-Phi3Model, Qwen2MoeModel, Qwen3MoeModel), a frozen dataclass whose methods are pure
+`build(config)` gives the family's model (LlamaModel, BertModel, MixtralModel, GemmaModel,
+Qwen3Model, Phi3Model, Qwen2MoeModel, Qwen3MoeModel), a frozen dataclass whose methods are pure
 functions of `params` (its `from_config` raises InvalidCheckpointError, exit 6, naming
 the key, for a config.json value of the wrong type or an inconsistent one), any Mapping from
 checkpoint tensor name to array (lazy readers and QArray weights included):
@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from qconvert.models.bert import BertModel, mean_pool
+from qconvert.models.gemma import GemmaModel
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, dense_grouped_linear,
                                    dense_linear)
 from qconvert.models.llama import LlamaModel
@@ -41,7 +42,7 @@ from qconvert.models.qwen3_moe import Qwen3MoeModel
 from qconvert.models.registry import architecture_for
 from qconvert.models.runner import LayerResult, forward_layerwise, iterate_layers, read_tensors
 
-_FAMILIES = {"llama": LlamaModel, "bert": BertModel, "mixtral": MixtralModel}
+_FAMILIES = {"llama": LlamaModel, "bert": BertModel, "mixtral": MixtralModel, "gemma": GemmaModel}
 _FAMILIES.update({"qwen3": Qwen3Model, "phi3": Phi3Model, "qwen2_moe": Qwen2MoeModel, "qwen3_moe": Qwen3MoeModel})
 
 
@@ -51,7 +52,7 @@ def build(config: dict[str, Any]):
 
 
 __all__ = [
-    "BertModel", "GroupedLinearHook", "LayerResult", "LinearHook", "LlamaModel", "MixtralModel", "build",
-    "Phi3Model", "Qwen2MoeModel", "Qwen3Model", "Qwen3MoeModel",
+    "BertModel", "GemmaModel", "GroupedLinearHook", "LayerResult", "LinearHook", "LlamaModel", "MixtralModel",
+    "Phi3Model", "Qwen2MoeModel", "Qwen3Model", "Qwen3MoeModel", "build",
     "dense_grouped_linear", "dense_linear", "forward_layerwise", "iterate_layers", "mean_pool", "read_tensors",
 ]

@@ -32,6 +32,10 @@ class SmoothingGroup:
     # When `norm` is a fused linear (Phi-3's qkv_proj, gate_up_proj), source channel c
     # above is its output row source_offset + c.
     source_offset: int = 0
+    # The norm multiplies by (norm_offset + weight): 0 for Llama's RMSNorm and LayerNorm,
+    # 1 for Gemma's, which stores its gain as an offset from 1. Smoothing divides the
+    # gain, so it must fold into norm_offset + weight, not weight alone.
+    norm_offset: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,128 @@
+"""Weight-only conversion of a decoder with no known family (`--any-architecture`): its linears are
+found from the checkpoint itself, as every 2-D float `*.weight` under the repeated layer prefix.
+
+A decoder stores its blocks as `<prefix>.<N>.<module>.weight` (`model.layers.0.self_attn.q_proj.weight`,
+`transformer.h.3.mlp.c_fc.weight`). The prefix whose numbered children hold the most tensors is
+the layer stack; every 2-D float weight under it is taken as a linear, except embedding tables.
+Embeddings, norms (1-D) and the head lie outside the stack or are not 2-D, so they stay float.
+There is no forward pass: int8 and nf4 need none, w8a8 (calibration) does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from qconvert.errors import UnsupportedModelError
+from qconvert.models.registry import Architecture, architecture_for
+
+FAMILY = "weight-only"
+WEIGHT_ONLY_SCHEMES = ("int8", "nf4")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+_NUMBERED = re.compile(r"^((?:[^.]+\.)*?[^.\d][^.]*)\.(\d+)\.(.+)\.weight$")
+
+
+def architecture_name(config: Mapping[str, Any]) -> str:
+    names = config.get("architectures")
+    return str(names[0]) if isinstance(names, list) and names else "an unnamed architecture"
+
+
+def check_architecture(config: dict[str, Any], *, any_architecture: bool, scheme: str) -> None:
+    """Refuse, before any weight is read, what cannot be converted: an unknown architecture
+    without --any-architecture, or with it for a scheme that needs a forward pass."""
+    try:
+        architecture_for(config)
+        return
+    except UnsupportedModelError as err:
+        if not any_architecture:
+            raise UnsupportedModelError(
+                f"{err}; --any-architecture converts an unknown decoder weight-only (--scheme int8 or nf4)"
+            ) from None
+    if scheme not in WEIGHT_ONLY_SCHEMES:
+        raise UnsupportedModelError(
+            f"--scheme {scheme} needs a known family (calibration runs its forward pass) and "
+            f"{architecture_name(config)} is not one; --any-architecture converts with --scheme int8 or nf4")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightOnlySelection:
+    """What the layer-prefix rule chose: the layer stack and the module paths within a layer."""
+
+    architecture: str
+    layer_prefix: str            # e.g. "model.layers"
+    layers: int                  # distinct layer numbers seen
+    modules: tuple[str, ...]     # module paths inside a layer, e.g. ("mlp.down_proj", ...)
+
+    def describe(self) -> str:
+        """One line for the terminal: what was taken as linears, and what stays float."""
+        return (f"{self.architecture} is not a known family; weight-only: every 2-D weight under "
+                f"{self.layer_prefix}.N ({self.layers} layers) is a linear: {', '.join(self.modules)}; "
+                "embeddings, norms and the head stay float")
+
+    def record(self) -> dict[str, Any]:
+        """qconvert.json's account of the choice."""
+        return {"architecture": self.architecture, "rule": "2-D float weights under the repeated layer prefix",
+                "layer_prefix": self.layer_prefix, "layers": self.layers, "modules": list(self.modules)}
+
+
+def select_linears(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
+                   dtypes: Mapping[str, str]) -> WeightOnlySelection:
+    """Apply the layer-prefix rule to a checkpoint's tensor shapes and dtype names."""
+    by_prefix: Counter[str] = Counter()
+    for name in shapes:
+        match = _NUMBERED.match(name)
+        if match:
+            by_prefix[match.group(1)] += 1
+    if not by_prefix:
+        raise UnsupportedModelError(
+            f"{architecture_name(config)}: no numbered layers (like model.layers.N.) among the tensor names; "
+            "--any-architecture takes decoders whose blocks are numbered")
+    prefix = max(sorted(by_prefix), key=lambda p: by_prefix[p])
+    layers, modules = set(), set()
+    for name, shape in shapes.items():
+        match = _NUMBERED.match(name)
+        if not match or match.group(1) != prefix:
+            continue
+        layers.add(int(match.group(2)))
+        module = match.group(3)
+        if len(shape) == 2 and dtypes[name] in FLOAT_DTYPES and "embed" not in module:
+            modules.add(module)
+    if not modules:
+        raise UnsupportedModelError(
+            f"{architecture_name(config)}: no 2-D float weight under {prefix}.N; nothing to quantize weight-only")
+    return WeightOnlySelection(architecture_name(config), prefix, len(layers), tuple(sorted(modules)))
+
+
+def weight_only_architecture(selection: WeightOnlySelection) -> Architecture:
+    """An Architecture whose linears are the selection's modules in every layer; nothing is smoothed."""
+    modules = "|".join(re.escape(m) for m in selection.modules)
+    return Architecture(
+        family=FAMILY,
+        hf_architectures=(selection.architecture,),
+        linear_pattern=re.compile(rf"^{re.escape(selection.layer_prefix)}\.\d+\.(?:{modules})$"),
+        smoothing_groups=lambda config: [],
+    )
+
+
+def resolve_architecture(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]],
+                         dtypes: Mapping[str, str], *, any_architecture: bool
+                         ) -> tuple[Architecture, WeightOnlySelection | None]:
+    """The known family, or with any_architecture the weight-only rule's Architecture and selection."""
+    try:
+        return architecture_for(config), None
+    except UnsupportedModelError:
+        if not any_architecture:
+            raise
+    selection = select_linears(config, shapes, dtypes)
+    return weight_only_architecture(selection), selection
+
+
+def checkpoint_architecture(config: dict[str, Any], ckpt, *, any_architecture: bool
+                            ) -> tuple[Architecture, WeightOnlySelection | None]:
+    """resolve_architecture on a SafetensorsCheckpoint's header (no tensor is read)."""
+    names = ckpt.tensor_names
+    return resolve_architecture(config, {n: tuple(ckpt.shape(n)) for n in names},
+                                {n: ckpt.dtype(n).name for n in names}, any_architecture=any_architecture)

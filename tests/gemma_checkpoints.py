@@ -1,0 +1,63 @@
+"""Tiny random Gemma 2 / Gemma 3 checkpoints built with transformers itself (test-only: imports torch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+
+# Gemma 2: layers 0 and 2 slide (window 4 < the tests' 12 tokens), layer 1 is global;
+# the caps are small enough that tanh bends the random model's scores and logits.
+GEMMA2 = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=96, intermediate_size=160,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=128,
+              query_pre_attn_scalar=24, sliding_window=4, attn_logit_softcapping=1.5,
+              final_logit_softcapping=2.5, tie_word_embeddings=True, max_position_embeddings=64)
+# Gemma 3: q/k norms, a local RoPE base for the sliding layers and linear RoPE scaling
+# on the global one, an untied head.
+GEMMA3 = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=96, intermediate_size=160,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=128,
+              query_pre_attn_scalar=24, sliding_window=4, tie_word_embeddings=False, max_position_embeddings=64,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+
+
+def make_gemma_checkpoint(folder, fields: dict, *, seed: int = 0, **overrides) -> Path:
+    """Save a transformers-built Gemma model with random weights (norm gains too) as safetensors."""
+    folder = Path(folder)
+    fields = {**fields, **overrides}
+    config = transformers.AutoConfig.for_model(fields["model_type"], **{
+        k: v for k, v in fields.items() if k not in ("model_type", "architectures")})
+    config.architectures = fields["architectures"]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # Gemma's gain is 1 + w: spread w around 0
+                p.copy_(torch.randn_like(p) * 0.3)
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+            else:
+                p.copy_(torch.randn_like(p) * 0.08)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def reference_logits(folder, ids, mask=None, weights: dict | None = None):
+    """transformers' float32 logits for ids [B, T]; `weights` (numpy) replace the checkpoint's first."""
+    import numpy as np
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    if weights:
+        state = {k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in weights.items()}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        assert not unexpected, unexpected
+    with torch.no_grad():
+        kwargs = {} if mask is None else {"attention_mask": torch.tensor(mask, dtype=torch.long)}
+        return model(input_ids=torch.tensor(ids, dtype=torch.long), **kwargs).logits.numpy()
+
+
+def read_config(folder) -> dict:
+    return json.loads((Path(folder) / "config.json").read_text())
