@@ -116,7 +116,7 @@ def download_dataset_file(address: str) -> Path:
     try:
         local = huggingface_hub.hf_hub_download(
             repo_id=match["repo"], filename=match["path"], repo_type="dataset", revision=match["rev"],
-            local_files_only=cache_only)
+            **({"local_files_only": True} if cache_only else {}))
     except (hub_errors.LocalEntryNotFoundError, OSError) as err:  # before EntryNotFoundError, its base
         raise HubUnavailableError(f"cannot download {address}: the Hub is unreachable and the file "
                                   f"is not cached ({type(err).__name__}); pass a local file or "

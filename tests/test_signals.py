@@ -160,3 +160,32 @@ def test_stale_temporaries_are_removed_by_name_and_marker_and_nothing_else(workd
     after = tree(parent)
     expected = {k: v for k, v in before.items() if k.split("/")[0] not in stale}
     assert {k: v for k, v in after.items() if not k.startswith("out/") and k != "out"} == expected
+
+
+def test_a_signal_during_overwrite_keeps_the_previous_out_intact(workdir):
+    import shutil
+
+    run = [QCONVERT, "quantize", "src", "-o", "prev", "--scheme", "nf4", "-q"]
+    subprocess.run(run[:5] + ["-q"], cwd=workdir, check=True)  # an int8 OUT that --overwrite may replace
+    before = tree(workdir)
+    began = time.monotonic()
+    subprocess.run(run + ["--overwrite"], cwd=workdir, check=True)
+    duration = time.monotonic() - began
+    subprocess.run(run[:5] + ["-q", "--overwrite"], cwd=workdir, check=True)  # back to the int8 one
+    assert tree(workdir) == before
+    start = max(0.05, 2 * handler_ready_seconds())
+    try:
+        for n, fraction in enumerate((0.3, 0.6, 0.8, 0.95)):
+            sig = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGTERM)[n]
+            proc = subprocess.Popen(run + ["--overwrite"], cwd=workdir, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            time.sleep(start + fraction * (duration - start))
+            proc.send_signal(sig)
+            _, stderr = proc.communicate(timeout=120)
+            if proc.returncode == 0:  # finished first: prev is the new nf4 folder; put the int8 one back
+                subprocess.run(run[:5] + ["-q", "--overwrite"], cwd=workdir, check=True)
+            else:
+                assert proc.returncode == 128 + sig and stderr.splitlines() == [LINES[sig]], stderr
+            assert tree(workdir) == before, f"{sig.name} at {fraction:.2f} of the run"
+    finally:
+        shutil.rmtree(workdir / "prev", ignore_errors=True)
