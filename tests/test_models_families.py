@@ -155,3 +155,18 @@ def test_qwen2_moe_dense_mlp_only_layer_and_renormalized_top_k_match_transformer
                                                                  "model.layers.0.mlp.up_proj")
     assert "model.layers.1.mlp.gate" in groups["model.layers.1.post_attention_layernorm"]
 
+
+
+# One layer at the attention and MLP geometry of released models: Qwen3-0.6B (head_dim 128
+# apart from hidden / heads), Phi-3-mini's head_dim 96 at a smaller width. The MoE families
+# share these attention paths; their experts run through the same grouped hook as Mixtral's.
+RELEASED_GEOMETRY = {
+    "qwen3": dict(hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072),
+    "phi3": dict(hidden=768, heads=8, kv_heads=8, intermediate=2048),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED_GEOMETRY))
+def test_released_geometry_matches_transformers(name, tmp_path):
+    folder = make_hf_checkpoint(tmp_path, name, layers=1, vocab=64, **RELEASED_GEOMETRY[name])
+    _assert_matches_transformers(folder, seq=8)
