@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from hf_checkpoints import load_config, make_hf_checkpoint, reference_logits, token_batch
+from hf_checkpoints import TINY, load_config, make_hf_checkpoint, reference_logits, token_batch
 from qconvert.errors import InvalidCheckpointError
 from qconvert.models import Phi3Model, Qwen2MoeModel, Qwen3Model, Qwen3MoeModel, build, forward_layerwise
 from qconvert.models.registry import architecture_for
@@ -170,3 +170,15 @@ RELEASED_GEOMETRY = {
 def test_released_geometry_matches_transformers(name, tmp_path):
     folder = make_hf_checkpoint(tmp_path, name, layers=1, vocab=64, **RELEASED_GEOMETRY[name])
     _assert_matches_transformers(folder, seq=8)
+
+
+@pytest.mark.parametrize("name, architecture", [("qwen2_moe", "Qwen2MoeForCausalLM"),
+                                                ("qwen3_moe", "Qwen3MoeForCausalLM")])
+def test_moe_keys_a_config_leaves_out_take_the_transformers_defaults(name, architecture):
+    defaults = getattr(transformers, TINY[name][0])(num_hidden_layers=4)
+    config = {k: v for k, v in defaults.to_dict().items()
+              if k not in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}
+    moe = build({**config, "architectures": [architecture]}).moe
+    assert moe.norm_topk_prob == defaults.norm_topk_prob
+    assert moe.sparse_layers == tuple(i not in defaults.mlp_only_layers and (i + 1) % defaults.decoder_sparse_step == 0
+                                      for i in range(4))
