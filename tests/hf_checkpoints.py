@@ -10,11 +10,11 @@ import numpy as np
 
 # Per family: the transformers config class and the fields of a tiny model of it.
 TINY = {
-    "qwen3": ("Qwen3Config", dict(head_dim=16, attention_bias=False)),
+    "qwen3": ("Qwen3Config", dict(head_dim=24, attention_bias=False)),  # head_dim != hidden / heads, as in Qwen3
     "phi3": ("Phi3Config", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                                          shared_expert_intermediate_size=40, norm_topk_prob=False)),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=24, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=24, norm_topk_prob=True)),
 }
 

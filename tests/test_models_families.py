@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from hf_checkpoints import load_config, make_hf_checkpoint, reference_logits, token_batch
+from hf_checkpoints import TINY, load_config, make_hf_checkpoint, reference_logits, token_batch
 from qconvert.errors import InvalidCheckpointError
 from qconvert.models import Phi3Model, Qwen2MoeModel, Qwen3Model, Qwen3MoeModel, build, forward_layerwise
 from qconvert.models.registry import architecture_for
@@ -155,3 +155,30 @@ def test_qwen2_moe_dense_mlp_only_layer_and_renormalized_top_k_match_transformer
                                                                  "model.layers.0.mlp.up_proj")
     assert "model.layers.1.mlp.gate" in groups["model.layers.1.post_attention_layernorm"]
 
+
+
+# One layer at the attention and MLP geometry of released models: Qwen3-0.6B (head_dim 128
+# apart from hidden / heads), Phi-3-mini's head_dim 96 at a smaller width. The MoE families
+# share these attention paths; their experts run through the same grouped hook as Mixtral's.
+RELEASED_GEOMETRY = {
+    "qwen3": dict(hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072),
+    "phi3": dict(hidden=768, heads=8, kv_heads=8, intermediate=2048),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED_GEOMETRY))
+def test_released_geometry_matches_transformers(name, tmp_path):
+    folder = make_hf_checkpoint(tmp_path, name, layers=1, vocab=64, **RELEASED_GEOMETRY[name])
+    _assert_matches_transformers(folder, seq=8)
+
+
+@pytest.mark.parametrize("name, architecture", [("qwen2_moe", "Qwen2MoeForCausalLM"),
+                                                ("qwen3_moe", "Qwen3MoeForCausalLM")])
+def test_moe_keys_a_config_leaves_out_take_the_transformers_defaults(name, architecture):
+    defaults = getattr(transformers, TINY[name][0])(num_hidden_layers=4)
+    config = {k: v for k, v in defaults.to_dict().items()
+              if k not in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}
+    moe = build({**config, "architectures": [architecture]}).moe
+    assert moe.norm_topk_prob == defaults.norm_topk_prob
+    assert moe.sparse_layers == tuple(i not in defaults.mlp_only_layers and (i + 1) % defaults.decoder_sparse_step == 0
+                                      for i in range(4))

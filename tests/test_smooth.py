@@ -93,6 +93,19 @@ def test_a_linear_in_two_groups_gets_its_columns_and_its_rows_scaled():
     np.testing.assert_allclose(apply_fold(wv, fold), expected, rtol=1e-6)
 
 
+def test_a_fused_source_divides_only_the_rows_from_its_offset():
+    # A fused qkv-style source: rows 0-3 feed nothing in the group, rows 4-5 feed "o".
+    w = np.arange(1, 13, dtype=np.float32).reshape(6, 2)
+    group = SmoothingGroup("qkv", ("o",), source_offset=4)
+    scales = group_scales(group, np.array([8.0, 2.0], np.float32), [np.ones((3, 2), np.float32)], 1.0)
+    np.testing.assert_array_equal(scales.source_scales, [8.0, 2.0])  # alpha 1: s = max|X|
+    fold = fold_plan([scales])["qkv.weight"]
+    expected = w.copy()
+    expected[4] /= 8.0
+    expected[5] /= 2.0
+    np.testing.assert_array_equal(apply_fold(w, fold), expected)
+
+
 def test_fold_keeps_bfloat16_dtype():
     import ml_dtypes
 

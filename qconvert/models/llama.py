@@ -79,7 +79,8 @@ QWEN_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen3")
 
 def sliding_windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
     """Each layer's attention window: Mistral/Mixtral use `sliding_window` everywhere;
-    Qwen2 only with `use_sliding_window`, on layers >= `max_window_layers` (or per `layer_types`)."""
+    Qwen2, Qwen2-MoE and Qwen3 only with `use_sliding_window`, on layers >= `max_window_layers`
+    (or per `layer_types`)."""
     window = config.get("sliding_window")
     if config.get("model_type") in QWEN_MODEL_TYPES or "use_sliding_window" in config:
         if not config.get("use_sliding_window", False):

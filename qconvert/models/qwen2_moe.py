@@ -44,7 +44,7 @@ class QwenMoeArgs:
     sparse_layers: tuple[bool, ...]       # per layer: routed experts (True) or a dense MLP
 
     @classmethod
-    def from_config(cls, config: dict[str, Any], shared_expert: bool, norm_topk_default: bool) -> "QwenMoeArgs":
+    def from_config(cls, config: dict[str, Any], shared_expert: bool) -> "QwenMoeArgs":
         """Read and check the MoE fields; InvalidCheckpointError names a key that does not fit."""
         layers = config_int(config, "num_hidden_layers")
         # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; released configs say num_experts.
@@ -62,7 +62,7 @@ class QwenMoeArgs:
             moe_intermediate_size=config_int(config, "moe_intermediate_size"),
             shared_expert_intermediate_size=(config_int(config, "shared_expert_intermediate_size")
                                              if shared_expert else 0),
-            norm_topk_prob=config_bool(config, "norm_topk_prob", norm_topk_default),
+            norm_topk_prob=config_bool(config, "norm_topk_prob", False),  # transformers' default
             sparse_layers=tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)),
         )
 
@@ -77,7 +77,7 @@ class Qwen2MoeModel(LlamaModel):
     def from_config(cls, config: dict[str, Any]) -> "Qwen2MoeModel":
         args = dataclasses.replace(LlamaArgs.from_config(config), attention_bias=False,
                                    qkv_bias=config_bool(config, "qkv_bias", True))
-        return cls(args, moe=QwenMoeArgs.from_config(config, shared_expert=True, norm_topk_default=False))
+        return cls(args, moe=QwenMoeArgs.from_config(config, shared_expert=True))
 
     def _mlp_prefix(self, i: int) -> str:
         return f"{self._layer_prefix(i)}.mlp"

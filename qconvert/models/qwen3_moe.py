@@ -1,7 +1,7 @@
 """Qwen3-MoE in JAX: Qwen3's attention (per-head q/k norms) with Qwen2-MoE's routed experts, no shared expert.
 
-Unlike Qwen2-MoE, `norm_topk_prob` defaults to on as the released configs set
-it, and `sliding_window` (with `use_sliding_window`) applies to every layer.
+Unlike Qwen2-MoE, `sliding_window` (with `use_sliding_window`) applies to every
+layer. The released configs set `norm_topk_prob` (renormalize the top-k weights).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Qwen3MoeModel(Qwen2MoeModel):
         args = LlamaArgs.from_config(config)
         args = dataclasses.replace(args, qkv_bias=False,
                                    sliding_windows=qwen3_moe_windows(config, args.num_hidden_layers))
-        return cls(args, moe=QwenMoeArgs.from_config(config, shared_expert=False, norm_topk_default=True))
+        return cls(args, moe=QwenMoeArgs.from_config(config, shared_expert=False))
 
     def layer_tensor_names(self, i: int) -> list[str]:
         """Qwen2-MoE's layer tensors plus the q_norm and k_norm weights."""
