@@ -39,9 +39,11 @@ def _w8a8_options(command):
         click.option("--calib-seqlen", type=int, default=None,
                      help="Tokens per window (default 512, capped at the model's positions)."),
         click.option("--alpha", default=None, metavar="ALPHA",
-                     help="SmoothQuant migration strength: a number in [0, 1], 'auto' (grid search per "
-                          "group), or per group, e.g. '0.8,post_attention_layernorm=0.6'. "
-                          "Default: the family's (0.85 Llama/Mistral/Qwen2/Mixtral, 0.5 BERT)."),
+                     help="SmoothQuant migration strength: 'auto' (the default: per group, the grid alpha "
+                          "with the least simulated W8A8 output error on calibration rows), 'family' (the "
+                          "family's value: 0.85 Llama/Mistral/Qwen2/Mixtral, 0.5 BERT), a number in [0, 1], "
+                          "or per group, e.g. '0.8,post_attention_layernorm=0.6'. With --act-stats the "
+                          "default is 'family'."),
         click.option("--no-smooth", is_flag=True, default=False,
                      help="Plain W8A8 without smoothing (a baseline)."),
         click.option("--act", type=click.Choice(["dynamic", "static"]), default="dynamic",
@@ -67,21 +69,27 @@ def _w8a8_options(command):
               help="Keep modules matching a glob or re:REGEX in float (repeatable).")
 @click.option("--max-shard-size", default="5GiB", show_default=True, help="Largest shard, e.g. 5GiB, 500MB.")
 @click.option("--double-quant", is_flag=True, help="NF4: quantize the absmax values too (bitsandbytes).")
+@click.option("--scale-search/--no-scale-search", default=None,
+              help="Search each scale's clipping ratio instead of using the plain absmax (same layout, "
+                   "recorded in qconvert.json): int8 per output channel, nf4 per block of 64, w8a8 on "
+                   "calibration activations (and the static input_scale with --act static). Default: on "
+                   "for w8a8; off for int8 and nf4, whose output then stays byte-identical to plain "
+                   "round-to-nearest (compressed-tensors) and to bitsandbytes.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--dry-run", is_flag=True, help="List what would be quantized and the expected size; write nothing.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @_w8a8_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
-             exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, overwrite: bool,
-             dry_run: bool, quiet: bool, as_json: bool, **w8a8_flags) -> int:
+             exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, scale_search: bool | None,
+             overwrite: bool, dry_run: bool, quiet: bool, as_json: bool, **w8a8_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
     from qconvert.convert import ConvertOptions, convert
     from qconvert.plan import parse_size
 
     options = ConvertOptions(scheme=scheme, revision=revision, include=include, exclude=exclude,
                              max_shard_size=parse_size(max_shard_size), double_quant=double_quant,
-                             overwrite=overwrite, dry_run=dry_run, act=w8a8_flags["act"])
+                             scale_search=scale_search, overwrite=overwrite, dry_run=dry_run, act=w8a8_flags["act"])
     run = lambda progress: convert(model, out, options, progress=progress)  # noqa: E731
     if scheme == "w8a8":
         run = _w8a8_run(model, out, options, w8a8_flags, quiet or as_json)

@@ -116,8 +116,10 @@ def test_alpha_search_prefers_smoothing_when_activations_have_outliers():
 
 
 def test_parse_alpha_forms():
-    assert parse_alpha(None) == AlphaSpec()
+    assert parse_alpha(None).auto  # the default searches per group
     assert parse_alpha("auto").auto
+    assert parse_alpha("family") == AlphaSpec()
+    assert parse_alpha("family").alpha_for("model.layers.0.input_layernorm", 0.85) == 0.85
     assert parse_alpha("0.8").alpha_for("model.layers.0.input_layernorm", 0.5) == 0.8
     spec = parse_alpha("0.8, post_attention_layernorm=0.6, model.layers.1.post_attention_layernorm=0.7")
     assert spec.alpha_for("model.layers.0.input_layernorm", 0.5) == 0.8
