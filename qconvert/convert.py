@@ -43,7 +43,8 @@ class ConvertOptions:
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     double_quant: bool = False
     act: str = "dynamic"
-    scale_search: bool | None = None  # None: the scheme's default (on for w8a8, off for int8 and nf4)
+    # None: off here; `quantize --scheme w8a8` (quantize_w8a8) turns it on unless --no-scale-search.
+    scale_search: bool | None = None
     overwrite: bool = False
     dry_run: bool = False
 
@@ -64,7 +65,7 @@ class ConvertOptions:
     @property
     def searches_scales(self) -> bool:
         """Whether scales are searched (clipping ratios) rather than plain absmax: --scale-search."""
-        return self.scale_search if self.scale_search is not None else self.scheme == "w8a8"
+        return bool(self.scale_search)
 
 
 class Progress(Protocol):

@@ -262,6 +262,9 @@ def quantize_w8a8(model: str, out: Path, options, w8a8: W8A8Options, *, progress
     if options.act != w8a8.act:
         raise UsageError(f"--act {w8a8.act} and the conversion's act {options.act} disagree")
     check_options(w8a8)
+    # --scale-search/--no-scale-search (ConvertOptions) wins; unset, the w8a8 options decide.
+    if options.scale_search is None:
+        options = dataclasses.replace(options, scale_search=w8a8.scale_search)
     w8a8 = dataclasses.replace(w8a8, scale_search=options.searches_scales)
     if not options.dry_run:
         check_output_free(Path(out), options.overwrite)  # before the calibration's time is spent
