@@ -222,19 +222,24 @@ def inspect_command(out: Path, as_json: bool) -> int:
 @click.option("--strict", is_flag=True, help="Also fail when a layer fell back from the Pallas kernel to the reference.")
 @click.option("--min-sqnr", type=float, default=None, metavar="DB", help="Per-layer SQNR floor (dB).")
 @click.option("--min-cosine", type=float, default=None, help="Per-layer cosine similarity floor.")
+@click.option("--min-fidelity-sqnr", type=float, default=None, metavar="DB",
+              help="Per-layer floor (dB) of the kernel against the folder's own dequantized weights.")
 @click.option("--max-kl", type=float, default=None, help="Whole-model mean next-token KL ceiling (nats).")
 @click.option("--min-top1", type=float, default=None, help="Whole-model top-1 agreement floor (0..1).")
 @click.option("--max-ppl-ratio", type=float, default=None, help="Quantized/float perplexity ceiling.")
 @click.option("--min-pooled-cosine", type=float, default=None, help="Encoders: pooled-output cosine floor.")
 def verify_command(out: Path, reference: str | None, revision: str | None, calib: str, samples: int | None,
                    seqlen: int | None, quick: bool, backend: str, json_path: str | None, strict: bool,
-                   min_sqnr: float | None, min_cosine: float | None, max_kl: float | None,
+                   min_sqnr: float | None, min_cosine: float | None, min_fidelity_sqnr: float | None,
+                   max_kl: float | None,
                    min_top1: float | None, max_ppl_ratio: float | None,
                    min_pooled_cosine: float | None) -> int:
     """Prove a converted folder: hashes, then every quantized linear and the whole model through the kernels.
 
-    Exits 0 when every check passes, 1 when any fails (integrity included),
-    2 on usage or input errors.
+    Per layer, fidelity (the kernel against the folder's own dequantized
+    weights: only a wrong kernel fails it) and quality (against the float layer:
+    what the quantization costs). Exits 0 when every check passes, 1 when any
+    fails (integrity, fidelity or quality), 2 on usage or input errors.
     """
     from rich.console import Console
 
@@ -242,7 +247,8 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
     from qconvert.verify.report import render, to_json
     from qconvert.verify.run import VerifyOptions, verify_folder
 
-    thresholds = {"min_layer_sqnr_db": min_sqnr, "min_layer_cosine": min_cosine, "max_mean_kl": max_kl,
+    thresholds = {"min_layer_sqnr_db": min_sqnr, "min_layer_cosine": min_cosine,
+                  "min_fidelity_sqnr_db": min_fidelity_sqnr, "max_mean_kl": max_kl,
                   "min_top1_agreement": min_top1, "max_perplexity_ratio": max_ppl_ratio,
                   "min_pooled_cosine": min_pooled_cosine}
     options = VerifyOptions(reference=reference, revision=revision, calib=calib, samples=samples, seqlen=seqlen,
