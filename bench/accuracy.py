@@ -12,7 +12,7 @@ input_scale) times the folder's int8 weights. The same evaluation runs on the
 float model.
 
 - causal LM: perplexity on held-out text (bench/out/llama-bytes/heldout.txt,
-  never seen in training), windows of 256 bytes; calibration on a slice of the
+  never seen in training), all its whole 256-token windows (a BOS and 255 bytes); calibration on a slice of the
   training text (train_sample.txt), 64 x 256 tokens.
 - MiniLM: mean-pooled sentence embeddings of held-out sentences against the
   float ones (cosine, mean and worst); calibration on the built-in corpus.
@@ -147,7 +147,7 @@ def llm(configs: list[str]) -> None:
     config = json.loads((src / "config.json").read_text())
     model = build(config)
     data = (src / "heldout.txt").read_bytes()
-    n = min(32, len(data) // 255)
+    n = len(data) // 255  # every whole 255-byte window of the held-out text
     windows = np.stack([np.concatenate([[256], np.frombuffer(data[i * 255:(i + 1) * 255], np.uint8)])
                         for i in range(n)]).astype(np.int32)
     base, reference, _ = evaluate(model, {k: np.asarray(v) for k, v in open_params(src).items()}, windows)

@@ -25,12 +25,12 @@ import numpy as np
 
 INT8_QMAX = 127.0
 # Candidate clipping ratios, largest (plain absmax) first.
-# int8: fine steps near 1 (127 levels leave little to clip), coarser below 0.9.
-INT8_CLIP_GRID = (tuple(round(1.0 - 0.005 * k, 3) for k in range(20))
-                  + tuple(round(0.9 - 0.02 * k, 2) for k in range(11)))        # 1.000 .. 0.70
+# int8: fine steps near 1 (127 levels leave little to clip), coarser below 0.95.
+INT8_CLIP_GRID = (tuple(round(1.0 - 0.005 * k, 3) for k in range(10))
+                  + tuple(round(0.95 - 0.025 * k, 3) for k in range(11)))      # 1.000 .. 0.70
 NF4_CLIP_GRID = tuple(round(1.0 - 0.0125 * k, 4) for k in range(21))          # 1.00 .. 0.75
 STATIC_RATIO_GRID = tuple(round(2.0 ** (-k / 4), 4) for k in range(17))       # 1.00 .. 0.0625
-OUTPUT_ERROR_ROWS = 128  # calibration rows the int8 output-error search uses (cost: rows x in x out per ratio)
+OUTPUT_ERROR_ROWS = 64  # calibration rows the int8 output-error search uses (cost: rows x in x out per ratio)
 _HI = jax.lax.Precision.HIGHEST
 
 

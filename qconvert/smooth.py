@@ -231,7 +231,13 @@ def search_alpha(group: SmoothingGroup, act_absmax: np.ndarray, weights: Sequenc
     squared output error; all alphas run in one batched computation. Returns the
     chosen GroupScales and the error of every alpha tried (ties go to the smaller alpha).
     """
-    candidates = [group_scales(group, act_absmax, weights, alpha) for alpha in grid]
+    # The maxima are the same for every alpha: reduce them once.
+    index = channel_map(group, len(act_absmax))
+    src_act, src_w = reduce_to_source(act_absmax, index), reduce_to_source(weight_absmax(weights), index)
+    candidates = []
+    for alpha in grid:
+        s_alpha = smooth_scales(src_act, src_w, alpha)
+        candidates.append(GroupScales(group, float(alpha), s_alpha, s_alpha[index]))
     s = np.stack([c.input_scales for c in candidates])
     static_scale = np.asarray([smoothed_input_absmax(act_absmax, c.input_scales) / INT8_QMAX if static else 0.0
                                for c in candidates], np.float32)

@@ -10,7 +10,8 @@ from safetensors.numpy import load_file
 
 from qconvert.convert import ConvertOptions, convert
 from qconvert.quantize import NF4_THRESHOLDS, quantize_int8, quantize_nf4
-from qconvert.scale_search import (INT8_CLIP_GRID, NF4_CLIP_GRID, STATIC_RATIO_GRID, int8_clip_search,
+from qconvert.scale_search import (INT8_CLIP_GRID, NF4_CLIP_GRID, OUTPUT_ERROR_ROWS, STATIC_RATIO_GRID,
+                                   int8_clip_search,
                                    nf4_clip_search, static_scale_search)
 
 
@@ -52,7 +53,7 @@ def test_int8_weight_error_search_takes_each_rows_least_error_ratio():
 
 def test_int8_output_error_search_weighs_rows_by_the_activations():
     w = heavy_tailed((32, 64), 1)
-    x = np.random.default_rng(2).standard_normal((100, 64)).astype(np.float32)
+    x = np.random.default_rng(2).standard_normal((OUTPUT_ERROR_ROWS, 64)).astype(np.float32)  # all rows used
     x[:, 5] *= 30  # an outlier channel: errors in column 5 cost 30x more
     found = int8_clip_search(w, x)
     errors = np.stack([((x.astype(np.float64) @ (w - numpy_int8_rows(w, c)).T) ** 2).sum(0)
