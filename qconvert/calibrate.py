@@ -29,7 +29,7 @@ from qconvert.models import iterate_layers, read_tensors
 STATS_FORMAT = "qconvert-act-stats"
 STATS_VERSION = "1"
 DEFAULT_BATCH_SIZE = 8
-SAMPLE_ROWS = 512  # tokens kept per linear input for --alpha auto
+SAMPLE_ROWS = 512  # tokens kept per linear input for the alpha and scale searches
 
 
 class CheckpointParams(Mapping):

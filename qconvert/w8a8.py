@@ -3,7 +3,13 @@
 `plan_w8a8` turns a model folder and the w8a8 flags into a W8A8Plan whose parts
 the conversion pipeline takes as they are: `weight_transform(name, array)`
 hands out smoothed norms and linears, `input_scales` the static per-tensor
-activation scales, and the two records go into qconvert.json.
+activation scales, `weight_clip` the int8 clipping ratios searched on
+calibration rows, and the records go into qconvert.json.
+
+Calibration runs layer by layer; as soon as a layer's statistics are complete,
+its groups get their smoothing (the alpha grid searched by default) and its
+linears their searches, on the rows sampled from that layer's inputs, so no
+more than one layer's rows are held at a time.
 """
 
 from __future__ import annotations
