@@ -61,7 +61,8 @@ def _w8a8_options(command):
 @click.option("-o", "--out", "out", required=True, type=click.Path(path_type=Path),
               help="Output folder (written beside, then renamed into place).")
 @click.option("--scheme", type=click.Choice(["int8", "nf4", "w8a8"]), default="int8", show_default=True,
-              help="int8: W8A16 pack-quantized; nf4: bitsandbytes 4-bit; w8a8: int8 weights and activations.")
+              help="int8: W8A16 pack-quantized; nf4: bitsandbytes 4-bit (byte-identical to bitsandbytes' own "
+                   "quantization unless --scale-search); w8a8: int8 weights and activations.")
 @click.option("--revision", default=None, help="Hub branch, tag or commit (Hub ids only).")
 @click.option("--include", multiple=True, metavar="PATTERN",
               help="Also quantize modules matching a glob or re:REGEX (repeatable), e.g. lm_head.")
