@@ -129,7 +129,7 @@ def _calibrate(folder: Path, config: dict[str, Any], params: Mapping, arch: Arch
     progress(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
     model = build(config)
     static = options.act == "static"
-    keep = set(linears) if (options.scale_search or static) else set()
+    keep = set(linears) if options.scale_search else set()
     keep |= {g.linears[0] for g in groups} if spec.auto else set()
     act_absmax: dict[str, np.ndarray] = {}
     chosen: dict[str, GroupScales] = {}
@@ -151,7 +151,7 @@ def _calibrate(folder: Path, config: dict[str, Any], params: Mapping, arch: Arch
                                                   spec.alpha_for(group.norm, arch.default_alpha))
         ready = [m for m in unsearched if m in act_absmax
                  and not any(m in g.linears or m == g.norm for g in pending)]
-        if keep and ready:
+        if options.scale_search and ready:
             searches.update(_search_linears(params, ready, chosen, act_absmax, layer.input_samples, options))
         unsearched = [m for m in unsearched if m not in ready]
         if layer.index < model.num_layers:  # the last LayerStats holds the head's inputs
@@ -176,6 +176,7 @@ def _search_linears(params: Mapping, modules: list[str], chosen: Mapping[str, Gr
         if x is not None and s is not None:
             x = x / s[None, :]
         static_absmax = smoothed_input_absmax(act_absmax[m], s) if options.act == "static" else None
+        # (only reached with --scale-search: without it a static input_scale is the plain max)
         found[m] = search_linear(weight, x, scale_dtype=np.dtype(np.asarray(raw).dtype),
                                  clip_weights=options.scale_search, static_absmax=static_absmax)
     return found

@@ -244,3 +244,16 @@ def test_static_input_scales_are_searched_on_calibration_rows(outlier_llama, tmp
         r = record["modules"][module]["input_scale"]
         assert r["error_searched"] <= r["error_max"]
         assert r["ratio_to_max"] in record["input_scale"]["grid"]
+
+
+def test_no_scale_search_keeps_static_input_scales_at_the_calibrated_max(outlier_llama, tmp_path):
+    folder, config, _, _ = outlier_llama
+    model, params = build(config), open_params(folder)
+    ids = load_calibration("random", folder, config, samples=4, seqlen=32).input_ids
+    maxima = calibration_maxima(model, params, ids)
+    convert_w8a8(folder, tmp_path / "out", act="static", smooth=False, calib="random", calib_samples=4,
+                 calib_seqlen=32, scale_search=False)
+    q = open_quantized(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "qconvert.json").read_text())["scale_search"] is None
+    for module in q.quantized_modules:
+        assert q.input_scale(module) == pytest.approx(maxima[module].max() / 127, rel=1e-5), module
