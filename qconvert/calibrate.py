@@ -30,7 +30,7 @@ from qconvert.models import iterate_layers, read_tensors
 STATS_FORMAT = "qconvert-act-stats"
 STATS_VERSION = "1"
 DEFAULT_BATCH_SIZE = 8
-SAMPLE_ROWS = 512  # tokens kept per linear input for --alpha auto
+SAMPLE_ROWS = 512  # tokens kept per linear input for the alpha and scale searches
 
 
 class CheckpointParams(Mapping):
@@ -97,11 +97,15 @@ def _observer(keep_inputs: frozenset[str], rows_per_batch: int):
         # Padding (and, for experts, tokens routed elsewhere) count as 0 in the max.
         out = {"absmax": jnp.max(jnp.where(ok[:, None], jnp.abs(flat), 0.0), axis=0)}
         if name in keep_inputs:
-            # A strided subset of the tokens: the first ones alone over-represent
-            # position 0, whose activations are often atypically large.
-            stride = max(1, flat.shape[0] // rows_per_batch)
-            out["rows"] = flat[::stride][:rows_per_batch]
-            out["valid"] = ok[::stride][:rows_per_batch]
+            # A spread subset of the tokens. The first ones alone over-represent
+            # position 0, whose activations are often atypically large; so does a
+            # stride that divides the window length (every row at position 0), so
+            # the step is one more than the even stride and the positions vary.
+            n = flat.shape[0]
+            step = n // rows_per_batch + 1 if n > rows_per_batch else 1
+            index = (np.arange(min(rows_per_batch, n)) * step) % n
+            out["rows"] = flat[index]
+            out["valid"] = ok[index]
         return out
 
     return observe

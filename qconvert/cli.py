@@ -59,9 +59,11 @@ def _w8a8_options(command):
         click.option("--calib-seqlen", type=click.IntRange(min=2), default=None,
                      help="Tokens per window (default 512, capped at the model's positions)."),
         click.option("--alpha", default=None, metavar="ALPHA",
-                     help="SmoothQuant migration strength: a number in [0, 1], 'auto' (grid search per "
-                          "group), or per group, e.g. '0.8,post_attention_layernorm=0.6'. "
-                          "Default: the family's (0.85 Llama/Mistral/Qwen2/Qwen3/Phi-3/Mixtral/Qwen-MoE, 0.5 BERT)."),
+                     help="SmoothQuant migration strength: 'auto' (the default: per group, the grid alpha "
+                          "with the least simulated W8A8 output error on calibration rows), 'family' (the "
+                          "family's value: 0.85 Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma/Mixtral/Qwen-MoE, "
+                          "0.5 BERT), a number in [0, 1], or per group, e.g. '0.8,post_attention_layernorm=0.6'. "
+                          "With --act-stats the default is 'family'."),
         click.option("--no-smooth", is_flag=True, default=False,
                      help="Plain W8A8 without smoothing (a baseline)."),
         click.option("--act", type=click.Choice(["dynamic", "static"]), default="dynamic",
@@ -79,7 +81,8 @@ def _w8a8_options(command):
 @click.option("-o", "--out", "out", required=True, callback=_out_path,
               help="Output folder (written beside, then renamed into place).")
 @click.option("--scheme", type=click.Choice(["int8", "nf4", "w8a8"]), default="int8", show_default=True,
-              help="int8: W8A16 pack-quantized; nf4: bitsandbytes 4-bit; w8a8: int8 weights and activations.")
+              help="int8: W8A16 pack-quantized; nf4: bitsandbytes 4-bit (byte-identical to bitsandbytes' own "
+                   "quantization unless --scale-search); w8a8: int8 weights and activations.")
 @click.option("--revision", default=None, help="Hub branch, tag or commit (Hub ids only).")
 @click.option("--include", multiple=True, metavar="PATTERN",
               help="Also quantize modules matching a glob or re:REGEX (repeatable), e.g. lm_head.")
@@ -87,6 +90,12 @@ def _w8a8_options(command):
               help="Keep modules matching a glob or re:REGEX in float (repeatable).")
 @click.option("--max-shard-size", default="5GiB", show_default=True, help="Largest shard, e.g. 5GiB, 500MB.")
 @click.option("--double-quant", is_flag=True, help="NF4: quantize the absmax values too (bitsandbytes).")
+@click.option("--scale-search/--no-scale-search", default=None,
+              help="Search each scale's clipping ratio instead of using the plain absmax (same layout, "
+                   "recorded in qconvert.json): int8 per output channel, nf4 per block of 64, w8a8 on "
+                   "calibration activations (and the static input_scale with --act static). Default: on "
+                   "for w8a8; off for int8 and nf4, whose output then stays byte-identical to plain "
+                   "round-to-nearest (compressed-tensors) and to bitsandbytes.")
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT if it is a folder qconvert wrote (it has qconvert.json) or an empty folder.")
 @click.option("--dry-run", is_flag=True, help="List what would be quantized and the expected size; write nothing.")
@@ -98,8 +107,8 @@ def _w8a8_options(command):
 @_verbose_option
 @_w8a8_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
-             exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, overwrite: bool,
-             dry_run: bool, any_architecture: bool, quiet: bool, as_json: bool, verbose: bool,
+             exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, scale_search: bool | None,
+             overwrite: bool, dry_run: bool, any_architecture: bool, quiet: bool, as_json: bool, verbose: bool,
              **w8a8_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
     started = time.perf_counter()
@@ -109,8 +118,8 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
 
     options = ConvertOptions(scheme=scheme, revision=revision, include=include, exclude=exclude,
                              max_shard_size=parse_size(max_shard_size), double_quant=double_quant,
-                             overwrite=overwrite, dry_run=dry_run, act=w8a8_flags["act"],
-                             any_architecture=any_architecture)
+                             scale_search=scale_search, overwrite=overwrite, dry_run=dry_run,
+                             act=w8a8_flags["act"], any_architecture=any_architecture)
     run = lambda progress: convert(model, out, options, progress=progress)  # noqa: E731
     if scheme == "w8a8":
         run = _w8a8_run(model, out, options, w8a8_flags, quiet or as_json)
@@ -244,6 +253,8 @@ def inspect_command(out: Path, as_json: bool) -> int:
 @click.option("--strict", is_flag=True, help="Also fail when a layer fell back from the Pallas kernel to the reference.")
 @click.option("--min-sqnr", type=float, default=None, metavar="DB", help="Per-layer SQNR floor (dB).")
 @click.option("--min-cosine", type=float, default=None, help="Per-layer cosine similarity floor.")
+@click.option("--min-fidelity-sqnr", type=float, default=None, metavar="DB",
+              help="Per-layer floor (dB) of the kernel against the folder's own dequantized weights.")
 @click.option("--max-kl", type=float, default=None, help="Whole-model mean next-token KL ceiling (nats).")
 @click.option("--min-top1", type=float, default=None, help="Whole-model top-1 agreement floor (0..1).")
 @click.option("--max-ppl-ratio", type=float, default=None, help="Quantized/float perplexity ceiling.")
@@ -251,13 +262,16 @@ def inspect_command(out: Path, as_json: bool) -> int:
 @_verbose_option
 def verify_command(out: Path, reference: str | None, revision: str | None, calib: str, samples: int | None,
                    seqlen: int | None, quick: bool, backend: str, json_path: str | None, strict: bool,
-                   min_sqnr: float | None, min_cosine: float | None, max_kl: float | None,
+                   min_sqnr: float | None, min_cosine: float | None, min_fidelity_sqnr: float | None,
+                   max_kl: float | None,
                    min_top1: float | None, max_ppl_ratio: float | None,
                    min_pooled_cosine: float | None, verbose: bool) -> int:
     """Prove a converted folder: hashes, then every quantized linear and the whole model through the kernels.
 
-    Exits 0 when every check passes, 1 when any fails (integrity included),
-    2 on usage or input errors.
+    Per layer, fidelity (the kernel against the folder's own dequantized
+    weights: only a wrong kernel fails it) and quality (against the float layer:
+    what the quantization costs). Exits 0 when every check passes, 1 when any
+    fails (integrity, fidelity or quality), 2 on usage or input errors.
     """
     _hub_messages(verbose)
     if json_path not in (None, "-"):
@@ -268,7 +282,8 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
     from qconvert.verify.report import render, to_json
     from qconvert.verify.run import VerifyOptions, verify_folder
 
-    thresholds = {"min_layer_sqnr_db": min_sqnr, "min_layer_cosine": min_cosine, "max_mean_kl": max_kl,
+    thresholds = {"min_layer_sqnr_db": min_sqnr, "min_layer_cosine": min_cosine,
+                  "min_fidelity_sqnr_db": min_fidelity_sqnr, "max_mean_kl": max_kl,
                   "min_top1_agreement": min_top1, "max_perplexity_ratio": max_ppl_ratio,
                   "min_pooled_cosine": min_pooled_cosine}
     options = VerifyOptions(reference=reference, revision=revision, calib=calib, samples=samples, seqlen=seqlen,

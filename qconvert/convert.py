@@ -25,6 +25,7 @@ from qconvert.output import (
 from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
 from qconvert.prefetch import run_ahead
 from qconvert.quantize import CHUNK_ELEMENTS, quantize_int8, quantize_nf4
+from qconvert.scale_search import ScaleSearches
 from qconvert.quantize import all_finite as _all_finite_jax
 from qconvert.stages import stage
 
@@ -46,6 +47,8 @@ class ConvertOptions:
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     double_quant: bool = False
     act: str = "dynamic"
+    # None: off here; `quantize --scheme w8a8` (quantize_w8a8) turns it on unless --no-scale-search.
+    scale_search: bool | None = None
     overwrite: bool = False
     dry_run: bool = False
     # An unknown decoder converts weight-only, its linears found by the layer-prefix rule
@@ -65,6 +68,11 @@ class ConvertOptions:
             raise UsageError("static activation scales apply to --scheme w8a8 only")
         if self.max_shard_size <= 0:
             raise UsageError("--max-shard-size must be positive")
+
+    @property
+    def searches_scales(self) -> bool:
+        """Whether scales are searched (clipping ratios) rather than plain absmax: --scale-search."""
+        return bool(self.scale_search)
 
 
 class Progress(Protocol):
@@ -125,6 +133,8 @@ def convert(
     input_scales: Mapping[str, float] | None = None,
     calibration_record: dict | None = None,
     smoothing_record: dict | None = None,
+    weight_clip: Mapping[str, np.ndarray] | None = None,
+    search_records: Mapping[str, dict] | None = None,
     progress: Progress | None = None,
 ) -> ConvertResult:
     """Quantize MODEL (a folder or Hub id) into OUT.
@@ -154,11 +164,13 @@ def convert(
             if options.act == "static":
                 _check_input_scales(plan, input_scales or {})
         files: dict[str, str] = {}
+        searches = ScaleSearches(options.searches_scales, dict(weight_clip or {}), dict(search_records or {}))
         writing_started = time.perf_counter()
         if not options.dry_run:
             source_hashes = hash_in_background(resolved.folder, input_files(resolved.folder, ckpt))
             with stage("writing the output"), staged_output(out, options.overwrite) as staging:
-                stream = stream_tensors(ckpt, plan, options, weight_transform, input_scales or {}, progress)
+                stream = stream_tensors(ckpt, plan, options, weight_transform, input_scales or {}, progress,
+                                        searches)
                 try:
                     files.update(write_shards(staging, plan.specs, stream, options.max_shard_size))
                 finally:
@@ -167,7 +179,8 @@ def convert(
                 files.update(copy_side_files(resolved.folder, staging))
                 files["config.json"] = write_json(staging / "config.json",
                                                   quantized_config(resolved.config, plan, options))
-                record = manifest(resolved, source_hashes(), options, files, calibration_record, smoothing_record)
+                record = manifest(resolved, source_hashes(), options, files, calibration_record, smoothing_record,
+                                  searches.record(options.scheme))
                 if weight_only is not None:
                     record["weight_only"] = weight_only.record()
                 write_json(staging / MANIFEST_NAME, record)
@@ -225,7 +238,8 @@ def prefetch_limit(plan: ConversionPlan) -> int:
 
 def stream_tensors(ckpt: SafetensorsCheckpoint, plan: ConversionPlan, options: ConvertOptions,
                    weight_transform, input_scales: Mapping[str, float],
-                   progress: Progress | None) -> Iterator[tuple[str, np.ndarray]]:
+                   progress: Progress | None, searches: ScaleSearches | None = None
+                   ) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) for every output tensor in plan order.
 
     Reading, transforming, checking and quantizing run on a worker thread a few
@@ -234,12 +248,13 @@ def stream_tensors(ckpt: SafetensorsCheckpoint, plan: ConversionPlan, options: C
     if progress is not None:
         progress.start(sum(t.source_bytes for t in plan.tensors), len(plan.tensors))
     tasks = ((planned.source_bytes, functools.partial(output_tensors, ckpt, planned, options, weight_transform,
-                                                      input_scales)) for planned in plan.tensors)
+                                                      input_scales, searches)) for planned in plan.tensors)
     return run_ahead(tasks, prefetch_limit(plan), on_done=progress.advance if progress is not None else None)
 
 
 def output_tensors(ckpt: SafetensorsCheckpoint, planned: PlannedTensor, options: ConvertOptions,
-                   weight_transform, input_scales: Mapping[str, float]) -> list[tuple[str, np.ndarray]]:
+                   weight_transform, input_scales: Mapping[str, float],
+                   searches: ScaleSearches | None = None) -> list[tuple[str, np.ndarray]]:
     """The (name, array) output tensors of one planned tensor: read, transform, check, quantize."""
     array = ckpt.get(planned.source)
     if weight_transform is not None:
@@ -248,7 +263,7 @@ def output_tensors(ckpt: SafetensorsCheckpoint, planned: PlannedTensor, options:
         if is_float_array(array) and not all_finite(array):
             raise InvalidWeightError(f"{planned.source} has NaN or Inf values; fix the checkpoint")
         return [(planned.source, array)]
-    tensors = quantized_tensors(planned, array, options, input_scales.get(planned.module))
+    tensors = quantized_tensors(planned, array, options, input_scales.get(planned.module), searches)
     return [(spec.name, tensors.pop(spec.name)) for spec in planned.specs]
 
 
@@ -261,13 +276,16 @@ def _transformed(planned: PlannedTensor, array) -> np.ndarray:
 
 
 def quantized_tensors(planned: PlannedTensor, weight: np.ndarray, options: ConvertOptions,
-                      input_scale: float | None) -> dict[str, np.ndarray]:
+                      input_scale: float | None, searches: ScaleSearches | None = None) -> dict[str, np.ndarray]:
     """One linear's weight -> its output tensors in the scheme's layout (NaN/Inf refused)."""
+    clip = None
     try:
+        if searches is not None and searches.enabled:
+            clip = searches.clip_for(planned.module, weight, options.scheme)
         if options.scheme == "nf4":
-            q = quantize_nf4(weight)
+            q = quantize_nf4(weight, clip=clip)
         else:
-            q = quantize_int8(weight, scale_dtype=np.dtype(planned.source_dtype))
+            q = quantize_int8(weight, scale_dtype=np.dtype(planned.source_dtype), clip=clip)
     except InvalidWeightError:
         raise InvalidWeightError(f"{planned.source} has NaN or Inf values; fix the checkpoint") from None
     return qarray_to_tensors(planned.module, q, options.scheme, input_scale=input_scale,
@@ -293,10 +311,11 @@ def input_files(folder: Path, ckpt: SafetensorsCheckpoint) -> list[str]:
 
 def manifest(resolved: ResolvedModel, source_hashes: Mapping[str, str], options: ConvertOptions,
              files: Mapping[str, str], calibration_record: dict | None,
-             smoothing_record: dict | None) -> dict[str, Any]:
+             smoothing_record: dict | None, search_record: dict | None = None) -> dict[str, Any]:
     """qconvert.json: tool version, source and its file hashes, scheme, flags, records, output hashes."""
     flags = {k: v for k, v in dataclasses.asdict(options).items() if k not in PRESENTATION_OPTIONS}
     flags["include"], flags["exclude"] = list(options.include), list(options.exclude)
+    flags["scale_search"] = options.searches_scales
     return {
         "qconvert_version": __version__,
         "source": {"model": resolved.model_id, "is_hub": resolved.is_hub, "revision": resolved.revision,
@@ -305,5 +324,6 @@ def manifest(resolved: ResolvedModel, source_hashes: Mapping[str, str], options:
         "flags": flags,
         "calibration": calibration_record,
         "smoothing": smoothing_record,
+        "scale_search": search_record,
         "files": dict(sorted(files.items())),
     }

@@ -86,14 +86,18 @@ def _scale_floor(scale_dtype) -> float:
 
 
 @functools.partial(jax.jit, static_argnames=("scale_dtype",))
-def int8_codes_and_scales(w: jax.Array, scale_dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+def int8_codes_and_scales(w: jax.Array, scale_dtype, clip: jax.Array | None = None
+                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per output row: scale = absmax / 127 (rounded to scale_dtype), q = round_half_even(w / scale).
 
-    The third result is False when w may hold NaN/Inf (see `_all_finite_hint`).
-    Call inside `x64()`.
+    `clip` (float32 [rows, 1], optional) shrinks each row's absmax first (a
+    searched clipping ratio); codes beyond it clamp to +-127. The third result
+    is False when w may hold NaN/Inf (see `_all_finite_hint`). Call inside `x64()`.
     """
     # max|w| is exact in w's own dtype; reducing it there keeps XLA from materializing a float32 copy.
     absmax = jnp.max(jnp.abs(w), axis=1, keepdims=True).astype(jnp.float32)
+    if clip is not None:
+        absmax = absmax * clip
     scale = jnp.maximum(f32_quotient(absmax, jnp.float32(INT8_QMAX)), _scale_floor(scale_dtype))
     scale = scale.astype(scale_dtype)
     # Divide by the scale exactly as loaders will multiply it back: the rounded one.
@@ -129,8 +133,11 @@ def _check_finite(w: np.ndarray, hints) -> None:
         raise InvalidWeightError("the weight has NaN or Inf values")
 
 
-def quantize_int8(w, *, scale_dtype=None) -> QArray:
+def quantize_int8(w, *, scale_dtype=None, clip=None) -> QArray:
     """Symmetric per-output-channel int8 of a [out, in] weight; scale_dtype defaults to w's dtype.
+
+    `clip` (float32 [out], optional): per-row clipping ratios from a scale
+    search; the scale is then clip * absmax / 127.
 
     Rows go through the kernel in chunks of a power-of-two row count (about
     CHUNK_ELEMENTS values); a tail chunk is padded with zero rows, whose codes are dropped.
@@ -145,12 +152,15 @@ def quantize_int8(w, *, scale_dtype=None) -> QArray:
     q = np.empty((rows, cols), np.int8)
     scale = np.empty((rows, 1), scale_dtype)
     pending = []
+    ratios = None if clip is None else np.asarray(clip, np.float32).reshape(rows, 1)
     with x64():
         # Dispatch every chunk first: XLA runs them while later ones are still being handed over.
         for start in range(0, rows, step):
             part = w[start:start + step]
+            length = _bucket(part.shape[0], step)
+            part_clip = None if ratios is None else _padded(ratios[start:start + step], length)
             pending.append((start, part.shape[0], int8_codes_and_scales(
-                _padded(part, _bucket(part.shape[0], step)), scale_dtype)))
+                _padded(part, length), scale_dtype, part_clip)))
         for start, count, (q_part, scale_part, _) in pending:
             q[start:start + count] = np.asarray(q_part)[:count]
             scale[start:start + count] = np.asarray(scale_part)[:count]
@@ -169,16 +179,21 @@ def _block_absmax(blocks: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("block_size",))
-def nf4_codes_and_absmax(flat: jax.Array, block_size: int = NF4_BLOCK_SIZE) -> tuple[jax.Array, jax.Array, jax.Array]:
+def nf4_codes_and_absmax(flat: jax.Array, block_size: int = NF4_BLOCK_SIZE, clip: jax.Array | None = None
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """NF4 codes (uint8, one per element) of whole blocks, float32 absmax per block, and a finite hint.
 
-    `flat` holds a whole number of blocks. Call inside `x64()`.
+    `flat` holds a whole number of blocks. `clip` (float32 [blocks], optional)
+    scales each block's stored absmax (a searched ratio); values beyond it take
+    the code of +-1. Call inside `x64()`.
     """
     blocks = flat.reshape(-1, block_size)
     if block_size & (block_size - 1) == 0:
         absmax = _block_absmax(blocks)
     else:
         absmax = jnp.max(jnp.abs(blocks), axis=1).astype(jnp.float32)
+    if clip is not None:
+        absmax = absmax * clip
     # An all-zero block normalizes to 0 (code 7, the level 0.0) instead of NaN.
     normalized = f32_quotient(blocks, jnp.where(absmax == 0, 1.0, absmax)[:, None])
     return nf4_codes(normalized).reshape(-1), absmax, _all_finite_hint(flat)
@@ -220,8 +235,11 @@ def pack_nf4_pairs(codes: jax.Array, valid: jax.Array) -> jax.Array:
     return packed.at[last].set(jnp.where(valid % 2 == 1, packed[last] & 0xF0, packed[last]))
 
 
-def quantize_nf4(w, block_size: int = NF4_BLOCK_SIZE) -> QArray:
+def quantize_nf4(w, block_size: int = NF4_BLOCK_SIZE, *, clip=None) -> QArray:
     """NF4 of a weight: absmax per block of `block_size` over the row-major flattened values.
+
+    `clip` (float32 [blocks], optional): per-block ratios from a scale search;
+    the stored absmax is then clip * max|block|.
 
     The flat values go through the kernel in chunks of whole blocks (an even
     count); a tail chunk is padded with zeros to a power-of-two number of blocks,
@@ -238,11 +256,14 @@ def quantize_nf4(w, block_size: int = NF4_BLOCK_SIZE) -> QArray:
     packed = np.empty(-(-n // 2), np.uint8)
     absmax = np.empty(-(-n // block_size), np.float32)
     pending = []
+    ratios = None if clip is None else np.asarray(clip, np.float32).reshape(-1)
     with x64():
         for start in range(0, n, step):
             part = flat[start:start + step]
             length = unit * _bucket(-(-part.size // unit), step // unit)
-            codes, part_absmax, hint = nf4_codes_and_absmax(_padded(part, length), block_size)
+            part_clip = None if ratios is None else _padded(
+                ratios[start // block_size:(start + part.size + block_size - 1) // block_size], length // block_size)
+            codes, part_absmax, hint = nf4_codes_and_absmax(_padded(part, length), block_size, part_clip)
             pending.append((start, part.size, pack_nf4_pairs(codes, np.int32(part.size)), part_absmax, hint))
         for start, count, part_packed, part_absmax, _ in pending:
             packed[start // 2:(start + count + 1) // 2] = np.asarray(part_packed)[:(count + 1) // 2]

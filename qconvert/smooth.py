@@ -12,6 +12,7 @@ LayerNorm bias), or a source linear's output rows (and bias).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Mapping, Sequence
 
 import jax
@@ -24,6 +25,7 @@ from qconvert.models.registry import SmoothingGroup
 MIN_SCALE = 1e-5
 ALPHA_GRID = tuple(round(0.05 * k, 2) for k in range(21))
 INT8_QMAX = 127.0
+_HI = jax.lax.Precision.HIGHEST
 
 
 def channel_map(group: SmoothingGroup, in_features: int) -> np.ndarray:
@@ -138,7 +140,7 @@ def smoothed_input_absmax(act_absmax: np.ndarray, input_scales: np.ndarray | Non
 
 @dataclasses.dataclass(frozen=True)
 class AlphaSpec:
-    """--alpha as given: 'auto', one value, or 'KEY=VALUE,...' per group (with an optional bare default)."""
+    """--alpha as given: 'auto' (the default), 'family', one value, or 'KEY=VALUE,...' per group."""
 
     auto: bool = False
     default: float | None = None
@@ -161,19 +163,20 @@ def _alpha_value(text: str) -> float:
         value = float(text)
     except ValueError:
         raise UsageError(f"--alpha value {text!r} is not a number; write e.g. 0.85, "
-                         "'auto' or 'input_layernorm=0.8,post_attention_layernorm=0.6'") from None
+                         "'auto', 'family' or 'input_layernorm=0.8,post_attention_layernorm=0.6'") from None
     if not 0.0 <= value <= 1.0:
         raise UsageError(f"--alpha {value} is outside [0, 1]; SmoothQuant's alpha is a fraction")
     return value
 
 
 def parse_alpha(text: str | None) -> AlphaSpec:
-    """Parse --alpha: None (family default), 'auto', '0.8', or '0.8,post_attention_layernorm=0.6'."""
-    if text is None:
-        return AlphaSpec()
-    text = text.strip()
+    """Parse --alpha: None or 'auto' (search per group), 'family' (the family's value), '0.8',
+    or '0.8,post_attention_layernorm=0.6'."""
+    text = "auto" if text is None else text.strip()
     if text == "auto":
         return AlphaSpec(auto=True)
+    if text == "family":
+        return AlphaSpec()
     default, per_group = None, []
     for part in (p.strip() for p in text.split(",") if p.strip()):
         if "=" in part:
@@ -203,7 +206,6 @@ def read_group_weights(params: Mapping, group: SmoothingGroup) -> list[np.ndarra
 
 # -- --alpha auto --------------------------------------------------------------
 
-@jax.jit
 def _fake_quant_rows(x: jax.Array) -> jax.Array:
     # Symmetric int8 per row (per output channel of a weight, per token of an
     # activation), dequantized back to float32.
@@ -211,32 +213,30 @@ def _fake_quant_rows(x: jax.Array) -> jax.Array:
     return jnp.clip(jnp.round(x / scale), -INT8_QMAX, INT8_QMAX) * scale
 
 
-@jax.jit
-def _w8a8_error(x: jax.Array, w: jax.Array, s: jax.Array, static_scale: jax.Array) -> jax.Array:
-    """Squared error of simulated W8A8 (X/s)(W*s)^T against X W^T, and the squared reference.
+@functools.partial(jax.jit, static_argnames=("linears",))
+def _w8a8_errors(x: jax.Array, w: jax.Array, segment: jax.Array, s: jax.Array, static_scale: jax.Array,
+                 linears: int) -> jax.Array:
+    """[alphas, linears] relative squared error of simulated W8A8 (X/s)(W*s)^T against X W^T.
 
-    static_scale > 0 quantizes X/s per tensor with that scale, else per token.
+    w [sum of outs, in] stacks the group's linears, `segment` says which linear
+    each row belongs to; s [alphas, in] holds every candidate's smoothing scales,
+    static_scale [alphas] the per-tensor activation scale (0: per token). The
+    whole grid is one computation: lax.map runs the alphas in one compiled loop,
+    so the float reference and the weights are read once, not once per alpha.
     """
-    hi = jax.lax.Precision.HIGHEST
-    y = jnp.matmul(x, w.T, precision=hi)
-    xs = x / s
-    x_static = jnp.clip(jnp.round(xs / jnp.maximum(static_scale, 1e-12)), -INT8_QMAX, INT8_QMAX) * static_scale
-    xq = jnp.where(static_scale > 0, x_static, _fake_quant_rows(xs))
-    yq = jnp.matmul(xq, _fake_quant_rows(w * s[None, :]).T, precision=hi)
-    return jnp.stack([jnp.sum((yq - y) ** 2), jnp.sum(y * y)])
+    y = jnp.matmul(x, w.T, precision=_HI)
+    ref = jax.ops.segment_sum(jnp.sum(y * y, axis=0), segment, num_segments=linears)
 
+    def one(args):
+        s_a, static = args
+        xs = x / s_a
+        x_static = jnp.clip(jnp.round(xs / jnp.maximum(static, 1e-12)), -INT8_QMAX, INT8_QMAX) * static
+        xq = jnp.where(static > 0, x_static, _fake_quant_rows(xs))
+        yq = jnp.matmul(xq, _fake_quant_rows(w * s_a[None, :]).T, precision=_HI)
+        err = jax.ops.segment_sum(jnp.sum((yq - y) ** 2, axis=0), segment, num_segments=linears)
+        return err / jnp.maximum(ref, 1e-30)
 
-def w8a8_group_error(scales: GroupScales, x_sample: np.ndarray, weights: Sequence[np.ndarray],
-                     act_absmax: np.ndarray, static: bool) -> float:
-    """Mean over the group's linears of the relative squared output error of simulated W8A8."""
-    s = jnp.asarray(scales.input_scales)
-    static_scale = smoothed_input_absmax(act_absmax, scales.input_scales) / INT8_QMAX if static else 0.0
-    x = jnp.asarray(x_sample, jnp.float32)
-    errors = []
-    for w in weights:
-        err, ref = np.asarray(_w8a8_error(x, jnp.asarray(w, jnp.float32), s, jnp.float32(static_scale)))
-        errors.append(float(err) / max(float(ref), 1e-30))
-    return float(np.mean(errors))
+    return jax.lax.map(one, (s, static_scale))
 
 
 def search_alpha(group: SmoothingGroup, act_absmax: np.ndarray, weights: Sequence[np.ndarray],
@@ -244,14 +244,25 @@ def search_alpha(group: SmoothingGroup, act_absmax: np.ndarray, weights: Sequenc
                  ) -> tuple[GroupScales, dict[float, float]]:
     """The grid alpha whose smoothing gives the group's linears the least W8A8 output error on x_sample.
 
-    Returns the chosen GroupScales and the error of every alpha tried (ties go to the smaller alpha).
+    The error of an alpha is the mean over the group's linears of the relative
+    squared output error; all alphas run in one batched computation. Returns the
+    chosen GroupScales and the error of every alpha tried (ties go to the smaller alpha).
     """
-    tried: dict[float, float] = {}
-    best: GroupScales | None = None
+    # The maxima are the same for every alpha: reduce them once.
+    index = channel_map(group, len(act_absmax))
+    src_act, src_w = reduce_to_source(act_absmax, index), reduce_to_source(weight_absmax(weights), index)
+    candidates = []
     for alpha in grid:
-        scales = group_scales(group, act_absmax, weights, alpha)
-        tried[float(alpha)] = w8a8_group_error(scales, x_sample, weights, act_absmax, static)
-        if best is None or tried[float(alpha)] < tried[best.alpha]:
-            best = scales
-    assert best is not None, "the alpha grid is empty"
+        s_alpha = smooth_scales(src_act, src_w, alpha)
+        candidates.append(GroupScales(group, float(alpha), s_alpha, s_alpha[index]))
+    s = np.stack([c.input_scales for c in candidates])
+    static_scale = np.asarray([smoothed_input_absmax(act_absmax, c.input_scales) / INT8_QMAX if static else 0.0
+                               for c in candidates], np.float32)
+    w = np.concatenate([np.asarray(w, np.float32) for w in weights])
+    segment = np.concatenate([np.full(len(w), i, np.int32) for i, w in enumerate(weights)])
+    errors = np.asarray(_w8a8_errors(jnp.asarray(x_sample, jnp.float32), jnp.asarray(w), jnp.asarray(segment),
+                                     jnp.asarray(s), jnp.asarray(static_scale), linears=len(weights)),
+                        np.float64).mean(axis=1)
+    tried = {float(a): float(e) for a, e in zip(grid, errors)}
+    best = candidates[int(np.argmin(errors))]  # the first minimum: the smaller alpha on a tie
     return best, tried

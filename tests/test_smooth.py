@@ -128,9 +128,45 @@ def test_alpha_search_prefers_smoothing_when_activations_have_outliers():
     assert tried[best.alpha] < tried[0.0] / 5
 
 
+def numpy_w8a8_relative_error(x, w, s, static):
+    """Simulated W8A8 of one linear in float64: (X/s) int8 per token (or per tensor), W*s int8 per row."""
+    x, w, s = (np.asarray(a, np.float64) for a in (x, w, s))
+
+    def rows(a):
+        scale = np.maximum(np.abs(a).max(axis=-1, keepdims=True) / 127, 1e-12)
+        return np.clip(np.rint(a / scale), -127, 127) * scale
+
+    xs = x / s
+    if static:
+        scale = np.abs(xs).max() / 127
+        xq = np.clip(np.rint(xs / scale), -127, 127) * scale
+    else:
+        xq = rows(xs)
+    y = x @ w.T
+    return ((xq @ rows(w * s).T - y) ** 2).sum() / (y ** 2).sum()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_batched_alpha_search_errors_equal_one_numpy_pass_per_alpha(static):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((200, 24)).astype(np.float32)
+    x[:, 5] *= 40.0
+    weights = [rng.standard_normal((n, 24)).astype(np.float32) * 0.05 for n in (16, 8, 8)]  # q, k, v
+    group = SmoothingGroup("n", ("q", "k", "v"))
+    act = np.abs(x).max(0)
+    best, tried = search_alpha(group, act, weights, x, static=static)
+    for alpha, error in tried.items():
+        s = group_scales(group, act, weights, alpha).input_scales
+        expected = np.mean([numpy_w8a8_relative_error(x, w, s, static) for w in weights])
+        assert error == pytest.approx(expected, rel=2e-3, abs=1e-7), alpha
+    assert best.alpha == min(tried, key=lambda a: (tried[a], a))
+
+
 def test_parse_alpha_forms():
-    assert parse_alpha(None) == AlphaSpec()
+    assert parse_alpha(None).auto  # the default searches per group
     assert parse_alpha("auto").auto
+    assert parse_alpha("family") == AlphaSpec()
+    assert parse_alpha("family").alpha_for("model.layers.0.input_layernorm", 0.85) == 0.85
     assert parse_alpha("0.8").alpha_for("model.layers.0.input_layernorm", 0.5) == 0.8
     spec = parse_alpha("0.8, post_attention_layernorm=0.6, model.layers.1.post_attention_layernorm=0.7")
     assert spec.alpha_for("model.layers.0.input_layernorm", 0.5) == 0.8

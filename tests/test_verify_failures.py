@@ -71,7 +71,12 @@ def test_the_unchanged_sharded_conversion_passes(converted, capsys):
     assert len(list(converted.glob("model-*.safetensors"))) > 1
     code, record, err = verify(converted, capsys)
     assert code == 0, err
-    assert record["passed"]
+    assert record["passed"] and record["fidelity_passed"] and record["quality_passed"]
+    for layer in record["layers"]:
+        # int8 codes times a float32 scale: the kernel and the folder's arithmetic agree to rounding
+        assert layer["fidelity_sqnr_db"] == "inf" or layer["fidelity_sqnr_db"] > 100, layer
+        assert layer["fidelity_passed"] and layer["quality_passed"]
+    assert "kernels match the folder" in record["verdict"]
 
 
 def test_a_scale_off_by_two_fails_that_layer(copy, capsys):
@@ -88,6 +93,9 @@ def test_a_scale_off_by_two_fails_that_layer(copy, capsys):
     assert bad[LAYER]["sqnr_db"] == pytest.approx(0.0, abs=0.1)
     assert record["verdict"].startswith(f"FAIL int8 {copy}: {LAYER}: sqnr_db")
     assert f"FAIL int8 {copy}: {LAYER}: sqnr_db" in err  # the one-line verdict in the log
+    # The folder itself is wrong, not the kernel: the kernel computes exactly what the folder says.
+    assert record["fidelity_passed"] and not record["quality_passed"]
+    assert "quality: the kernels and the folder agree" in record["verdict"]
     # On a random tiny model one doubled MLP barely moves the near-uniform logits; the
     # per-layer check is what catches it.
 
@@ -157,6 +165,44 @@ def test_bad_input_exits_2(tmp_path, converted, capsys):
     assert code == 2 and "missing" in err
     code, _, err = run_cli(["verify", str(converted), "--backend", "fpga"], capsys)
     assert code == 2
+
+
+def test_a_kernel_made_wrong_fails_fidelity_naming_the_kernel_and_backend(converted, capsys, monkeypatch):
+    import qconvert.verify.kernel_path as kernel_path
+
+    right = kernel_path.int8_weight_matmul
+
+    def wrong(x, w_q, w_scale, **kwargs):
+        # A kernel bug: the last output column of every row comes out 3% too large.
+        y, plan = right(x, w_q, w_scale, **kwargs)
+        return y.at[:, -1].multiply(1.03), plan
+
+    monkeypatch.setattr(kernel_path, "int8_weight_matmul", wrong)
+    code, record, err = verify(converted, capsys)
+    assert code == 1
+    assert not record["fidelity_passed"]
+    layer = record["layers"][0]
+    assert not layer["fidelity_passed"] and layer["fidelity_sqnr_db"] < 60
+    kernel = f"{layer['kernel']['name']} on {layer['kernel']['backend']}"
+    assert f"fidelity: kernel {kernel} disagrees with the folder" in record["verdict"]
+    assert "fidelity_sqnr_db" in record["verdict"].split(";")[0]
+    assert "fidelity" in err
+
+
+def test_an_honest_lossy_conversion_past_its_budget_fails_quality_saying_the_folder_is_faithful(
+        tmp_path, capsys):
+    source = make_llama_checkpoint(tmp_path / "src", **TINY)
+    out = tmp_path / "nf4"
+    assert run_cli(["quantize", str(source), "-o", str(out), "--scheme", "nf4", "--quiet"], capsys)[0] == 0
+    code, record, _ = verify(out, capsys)
+    assert code == 0 and record["passed"], record["verdict"]
+    # Ask NF4 for int8's per-layer budget: the conversion is faithful, the 4 bits cost more than that.
+    code, record, _ = verify(out, capsys, "--min-sqnr", "30")
+    assert code == 1
+    assert record["fidelity_passed"] and not record["quality_passed"]
+    assert "quality: the kernels and the folder agree" in record["verdict"]
+    assert "the quantization itself costs this much" in record["verdict"]
+    assert all(layer["fidelity_passed"] for layer in record["layers"])
 
 
 def test_a_threshold_flag_can_fail_a_correct_conversion(converted, capsys):

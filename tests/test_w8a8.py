@@ -196,3 +196,65 @@ def test_mixtral_experts_are_calibrated_and_smoothed_without_changing_the_model(
     reference = model.forward(raw, ids)
     np.testing.assert_allclose(model.forward(smoothed, ids), reference, rtol=1e-4,
                                atol=1e-5 * float(jnp.max(jnp.abs(reference))))
+
+
+def test_default_flags_search_alpha_and_weight_clipping_on_calibration_rows(outlier_llama, tmp_path):
+    folder, config, ids, _ = outlier_llama
+    convert_w8a8(folder, tmp_path / "default", calib="random", calib_samples=4, calib_seqlen=32)
+    convert_w8a8(folder, tmp_path / "family", calib="random", calib_samples=4, calib_seqlen=32,
+                 alpha="family", scale_search=False)
+    manifest = json.loads((tmp_path / "default" / "qconvert.json").read_text())
+    smoothing = manifest["smoothing"]
+    assert smoothing["alpha_mode"] == "auto"
+    for source, tried in smoothing["alpha_search"].items():
+        # the recorded alpha is the grid point with the least recorded error
+        assert smoothing["alpha"][source] == float(min(tried, key=lambda a: (tried[a], float(a))))
+    assert manifest["flags"]["scale_search"] is True
+    modules = manifest["scale_search"]["modules"]
+    assert len(modules) == 14
+    for record in modules.values():
+        assert record["weight_clip"]["objective"] == "output error"
+        assert record["weight_clip"]["error_searched"] <= record["weight_clip"]["error_plain"]
+    family = json.loads((tmp_path / "family" / "qconvert.json").read_text())
+    assert set(family["smoothing"]["alpha"].values()) == {0.85} and family["scale_search"] is None
+    # the defaults give a whole-model output at least as close to float as the family alpha does
+    model = build(config)
+    reference = model.forward(open_params(folder), ids)
+    err_default = relative_error(model.forward(quantized_params(tmp_path / "default"), ids, linear=w8a8_linear),
+                                 reference)
+    err_family = relative_error(model.forward(quantized_params(tmp_path / "family"), ids, linear=w8a8_linear),
+                                reference)
+    assert err_default <= err_family * 1.05, (err_default, err_family)
+
+
+def test_act_stats_without_alpha_falls_back_to_the_family_value(outlier_llama, tmp_path):
+    folder, _, _, stats = outlier_llama
+    convert_w8a8(folder, tmp_path / "out", act_stats=stats)
+    smoothing = json.loads((tmp_path / "out" / "qconvert.json").read_text())["smoothing"]
+    assert smoothing["alpha_mode"].startswith("family default")
+    assert set(smoothing["alpha"].values()) == {0.85}
+
+
+def test_static_input_scales_are_searched_on_calibration_rows(outlier_llama, tmp_path):
+    folder, config, _, _ = outlier_llama
+    convert_w8a8(folder, tmp_path / "out", act="static", calib="random", calib_samples=4, calib_seqlen=32)
+    q = open_quantized(tmp_path / "out")
+    record = json.loads((tmp_path / "out" / "qconvert.json").read_text())["scale_search"]
+    assert record["input_scale"]["grid"][0] == 1.0
+    for module in q.quantized_modules:
+        r = record["modules"][module]["input_scale"]
+        assert r["error_searched"] <= r["error_max"]
+        assert r["ratio_to_max"] in record["input_scale"]["grid"]
+
+
+def test_no_scale_search_keeps_static_input_scales_at_the_calibrated_max(outlier_llama, tmp_path):
+    folder, config, _, _ = outlier_llama
+    model, params = build(config), open_params(folder)
+    ids = load_calibration("random", folder, config, samples=4, seqlen=32).input_ids
+    maxima = calibration_maxima(model, params, ids)
+    convert_w8a8(folder, tmp_path / "out", act="static", smooth=False, calib="random", calib_samples=4,
+                 calib_seqlen=32, scale_search=False)
+    q = open_quantized(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "qconvert.json").read_text())["scale_search"] is None
+    for module in q.quantized_modules:
+        assert q.input_scale(module) == pytest.approx(maxima[module].max() / 127, rel=1e-5), module

@@ -49,7 +49,7 @@ def test_minilm_w8a8_sentence_embeddings_match_float(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     out = tmp_path / "minilm-w8a8"
     quantize_w8a8(str(folder), out, ConvertOptions(scheme="w8a8"),
-                  W8A8Options(calib="builtin", calib_samples=4, calib_seqlen=128))
+                  W8A8Options(calib="builtin", calib_samples=4, calib_seqlen=128, alpha="family"))
     manifest = json.loads((out / "qconvert.json").read_text())
     assert manifest["calibration"]["source"] == "builtin"
     assert manifest["smoothing"]["alpha"]["encoder.layer.0.attention.self.value"] == 0.5

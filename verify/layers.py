@@ -30,6 +30,7 @@ from qconvert.models import iterate_layers
 from qconvert.models.hooks import dense_linear
 from qconvert.models.registry import Architecture
 from qconvert.smooth import channel_map
+from qconvert.verify.fidelity import FolderLinear
 from qconvert.verify.metrics import tensor_metrics
 from qconvert.verify.kernel_path import QuantizedLinear
 from qconvert.verify.results import LayerResult
@@ -121,8 +122,10 @@ def float_linear_output(x: np.ndarray, weight, bias) -> np.ndarray:
 
 def compare_linear(name: str, x: np.ndarray, reference: Mapping, converted: Mapping,
                    quantized_linear: QuantizedLinear, thresholds: Thresholds,
-                   smoothing: SmoothingFactors | None = None) -> LayerResult:
-    """One linear on inputs x [rows, in]: the float layer against the converted one through its kernel."""
+                   smoothing: SmoothingFactors | None = None,
+                   folder_linear: FolderLinear | None = None) -> LayerResult:
+    """One linear on inputs x [rows, in]: the float layer against the converted one through its kernel
+    (quality) and, with `folder_linear`, the kernel against the folder's own dequantized layer (fidelity)."""
     smoothing = smoothing or SmoothingFactors({}, {})
     bias_name = f"{name}.bias"
     ref_bias = reference[bias_name] if bias_name in reference else None
@@ -133,24 +136,35 @@ def compare_linear(name: str, x: np.ndarray, reference: Mapping, converted: Mapp
     y_quant, choice = quantized_linear(name, jnp.asarray(x_q), converted[f"{name}.weight"],
                                        None if conv_bias is None else jnp.asarray(conv_bias))
     y_quant = np.asarray(y_quant, np.float64)
+    fidelity, fidelity_checks = None, ()
+    if folder_linear is not None:
+        # Both sides in the converted model's own terms (smoothed input, unscaled output).
+        y_folder = folder_linear(name, np.asarray(x_q, np.float32), converted[f"{name}.weight"],
+                                 None if conv_bias is None else np.asarray(conv_bias))
+        fidelity = tensor_metrics(y_folder, y_quant)
+        fidelity_checks = (check("fidelity_sqnr_db", name, fidelity.sqnr_db,
+                                 thresholds.min_fidelity_sqnr_db, "min"),)
     if name in smoothing.output:
         y_quant = y_quant * smoothing.output[name][None, :]
     metrics = tensor_metrics(y_float, y_quant)
     checks = (check("sqnr_db", name, metrics.sqnr_db, thresholds.min_layer_sqnr_db, "min"),
               check("cosine", name, metrics.cosine, thresholds.min_layer_cosine, "min"))
-    return LayerResult(name, choice, metrics, int(x.shape[0]), checks)
+    return LayerResult(name, choice, metrics, int(x.shape[0]), checks, fidelity, fidelity_checks)
 
 
 def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, attention_mask,
                   modules: Sequence[str], quantized_linear: QuantizedLinear,
                   thresholds: Thresholds, *, smoothing: SmoothingFactors | None = None,
-                  batch_size: int | None = None, jit: bool = False
+                  batch_size: int | None = None, jit: bool = False,
+                  folder_linear: FolderLinear | None = None,
                   ) -> tuple[list[LayerResult], jnp.ndarray]:
     """Compare every module in `modules` (quantized linears) on real activations; one LayerResult each.
 
     `reference` and `converted` map tensor names to arrays (the converted map
     holds QArrays under "<module>.weight"); `quantized_linear` runs the deployment
-    kernel of the scheme. Returns the results and the float model's last hidden
+    kernel of the scheme; `folder_linear`, when given, computes the same layer
+    from the folder's own dequantized weights, and the kernel's output is also
+    compared with it (fidelity). Returns the results and the float model's last hidden
     state (the whole-model check reuses it instead of running the float model again).
     """
     wanted = set(modules)
@@ -170,7 +184,7 @@ def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, atte
         inputs = captured_inputs(layer.observed, wanted)
         for name in sorted(inputs):
             results.append(compare_linear(name, inputs[name], reference, converted, quantized_linear,
-                                          thresholds, smoothing))
+                                          thresholds, smoothing, folder_linear))
     missing = wanted - {r.name for r in results}
     if missing:
         # A quantized linear the float forward never called: the folder and the

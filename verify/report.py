@@ -33,7 +33,13 @@ def worst_first(layers) -> list[LayerResult]:
 
 
 def verdict(report: VerifyReport) -> str:
-    """One line: PASS or FAIL, what was checked, and the first failure when there is one."""
+    """One line: PASS or FAIL, what was checked, the first failure, and which side failed.
+
+    A fidelity failure (the kernel disagrees with the folder's own arithmetic)
+    names the kernel and backend; a quality failure (against the float model)
+    says that the kernels and the folder agree, so the quantization itself
+    costs that much.
+    """
     where = f"{report.scheme} {report.folder}"
     if not report.integrity.passed:
         problems = report.integrity.problems
@@ -42,9 +48,12 @@ def verdict(report: VerifyReport) -> str:
     failed = report.failed_checks
     if failed:
         more = f" (+{len(failed) - 1} more)" if len(failed) > 1 else ""
-        return f"FAIL {where}: {failed[0].describe()}{more}"
+        return f"FAIL {where}: {failed[0].describe()}{more}; {_side(report)}"
     worst = worst_first(report.layers)
     floor = f"; worst layer {worst[0].name} at {worst[0].metrics.sqnr_db:.1f} dB" if worst else ""
+    fidelity = _worst_fidelity(report)
+    if fidelity is not None:
+        floor += f"; kernels match the folder (fidelity {_db_floor(fidelity.fidelity.sqnr_db)})"
     model = ""
     if report.model is not None:
         m = report.model.metrics
@@ -54,6 +63,30 @@ def verdict(report: VerifyReport) -> str:
             model = f"; pooled cosine {m['pooled_cosine_min']:.5f}"
     skipped = "; whole-model stage skipped" if report.model is None and report.skipped else ""
     return f"PASS {where}: {len(report.layers)} layers{floor}{model}{skipped}"
+
+
+def _worst_fidelity(report: VerifyReport) -> LayerResult | None:
+    measured = [r for r in report.layers if r.fidelity is not None]
+    return min(measured, key=lambda r: r.fidelity.sqnr_db) if measured else None
+
+
+def _db_floor(value: float) -> str:
+    return "exact" if math.isinf(value) and value > 0 else f">= {value:.0f} dB"
+
+
+def _side(report: VerifyReport) -> str:
+    """Which side failed, in words: the kernel (named, with its backend) or the quantization."""
+    if report.failed_fidelity_checks:
+        bad = [r for r in report.layers if not r.fidelity_passed]
+        kernels = sorted({f"{r.kernel.name} on {r.kernel.backend}" for r in bad})
+        return (f"fidelity: kernel {', '.join(kernels)} disagrees with the folder's own dequantized "
+                f"weights on {len(bad)} layer(s), a kernel fault, not the quantization")
+    if report.failed_quality_checks:
+        worst = _worst_fidelity(report)
+        agree = (f" (fidelity {_db_floor(worst.fidelity.sqnr_db)} on every layer)" if worst is not None else "")
+        return (f"quality: the kernels and the folder agree{agree}; the quantization itself costs "
+                "this much against the float model")
+    return "check: " + ", ".join(sorted({c.name for c in report.failed_checks}))
 
 
 def _fmt(value: float, digits: int = 2) -> str:
@@ -66,15 +99,19 @@ def render(report: VerifyReport, console: Console, *, max_rows: int | None = 20)
     """Print the per-layer table (worst first), the whole-model figures and the verdict."""
     if report.layers:
         table = Table(title=f"per-layer ({report.scheme}, backend {report.backend})")
-        for col in ("layer", "SQNR dB", "rel err", "cosine", "max abs err", "kernel", "backend", ""):
-            table.add_column(col, justify="right" if col in ("SQNR dB", "rel err", "cosine", "max abs err") else "left")
+        numeric = ("SQNR dB", "rel err", "cosine", "max abs err", "fidelity dB")
+        for col in ("layer",) + numeric + ("kernel", "backend", ""):
+            table.add_column(col, justify="right" if col in numeric else "left")
         rows = worst_first(report.layers)
         shown = rows if max_rows is None else rows[:max_rows]
         for r in shown:
             kernel = r.kernel.name + ("" if r.kernel.fallback_reason is None else " (fallback)")
+            status = "ok" if r.passed else ("[red]FAIL kernel[/red]" if not r.fidelity_passed
+                                            else "[red]FAIL[/red]")
             table.add_row(r.name, _fmt(r.metrics.sqnr_db), f"{r.metrics.rel_error:.2e}",
-                          _fmt(r.metrics.cosine, 6), f"{r.metrics.max_abs_error:.2e}", kernel,
-                          r.kernel.backend, "ok" if r.passed else "[red]FAIL[/red]")
+                          _fmt(r.metrics.cosine, 6), f"{r.metrics.max_abs_error:.2e}",
+                          "-" if r.fidelity is None else _fmt(r.fidelity.sqnr_db, 1), kernel,
+                          r.kernel.backend, status)
         console.print(table)
         if len(rows) > len(shown):
             console.print(f"... {len(rows) - len(shown)} more layers (all passed)" if all(
@@ -108,6 +145,8 @@ def to_record(report: VerifyReport) -> dict[str, Any]:
     record = {
         "format_version": JSON_FORMAT_VERSION,
         "passed": report.passed,
+        "fidelity_passed": report.fidelity_passed,
+        "quality_passed": report.quality_passed,
         "verdict": verdict(report),
         "folder": report.folder,
         "scheme": report.scheme,

@@ -29,22 +29,42 @@ class KernelChoice:
 
 @dataclasses.dataclass(frozen=True)
 class LayerResult:
-    """One quantized linear through its deployment kernel against the float layer on the same inputs."""
+    """One quantized linear through its deployment kernel, on the same inputs, against two references.
+
+    `metrics`/`checks` (quality): against the float layer. `fidelity`/
+    `fidelity_checks`: against the same layer computed from the folder's own
+    dequantized weights (verify/fidelity.py), which only a wrong kernel fails.
+    """
 
     name: str
     kernel: KernelChoice
     metrics: TensorMetrics
     tokens: int
     checks: tuple[Check, ...]
+    fidelity: TensorMetrics | None = None
+    fidelity_checks: tuple[Check, ...] = ()
+
+    @property
+    def quality_passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    @property
+    def fidelity_passed(self) -> bool:
+        return all(c.passed for c in self.fidelity_checks)
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.checks)
+        return self.quality_passed and self.fidelity_passed
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "passed": self.passed, "tokens": self.tokens,
-                "kernel": self.kernel.as_dict(), **self.metrics.as_dict(),
-                "checks": [c.as_dict() for c in self.checks]}
+        fidelity = {}
+        if self.fidelity is not None:
+            fidelity = {"fidelity_sqnr_db": self.fidelity.sqnr_db,
+                        "fidelity_max_abs_error": self.fidelity.max_abs_error}
+        return {"name": self.name, "passed": self.passed, "quality_passed": self.quality_passed,
+                "fidelity_passed": self.fidelity_passed, "tokens": self.tokens,
+                "kernel": self.kernel.as_dict(), **self.metrics.as_dict(), **fidelity,
+                "checks": [c.as_dict() for c in self.checks + self.fidelity_checks]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +112,29 @@ class VerifyReport:
     skipped: tuple[str, ...] = ()
 
     @property
-    def failed_checks(self) -> list[Check]:
+    def failed_fidelity_checks(self) -> list[Check]:
+        """Kernel against the folder's own arithmetic: failures here are the kernel's."""
+        return [c for layer in self.layers for c in layer.fidelity_checks if not c.passed]
+
+    @property
+    def failed_quality_checks(self) -> list[Check]:
+        """Against the float model (per layer, then whole model): what the quantization costs."""
         checks = [c for layer in self.layers for c in layer.checks]
         checks += list(self.model.checks) if self.model else []
-        return [c for c in checks + list(self.extra_checks) if not c.passed]
+        return [c for c in checks if not c.passed]
+
+    @property
+    def failed_checks(self) -> list[Check]:
+        return (self.failed_fidelity_checks + self.failed_quality_checks
+                + [c for c in self.extra_checks if not c.passed])
+
+    @property
+    def fidelity_passed(self) -> bool:
+        return self.integrity.passed and not self.failed_fidelity_checks
+
+    @property
+    def quality_passed(self) -> bool:
+        return self.integrity.passed and not self.failed_quality_checks
 
     @property
     def passed(self) -> bool:

@@ -25,6 +25,7 @@ from qconvert.models.registry import architecture_for
 from qconvert.models.weight_only import check_architecture, checkpoint_architecture
 from qconvert.verify.integrity import (ConversionRecord, IntegrityResult, check_config, check_files, read_config,
                                        read_record, sha256_of)
+from qconvert.verify.fidelity import make_folder_linear
 from qconvert.verify.kernel_path import make_quantized_linear
 from qconvert.verify.layers import smoothing_factors, verify_layers
 from qconvert.verify.model import verify_model
@@ -132,7 +133,8 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
     check_backend(options.backend)
     folder = Path(folder)
     record = read_record(folder)
-    thresholds = thresholds_for(record.scheme, **dict(options.thresholds))
+    act = (record.raw.get("flags") or {}).get("act", "dynamic")
+    thresholds = thresholds_for(record.scheme, act, **dict(options.thresholds))
     files = sorted(record.files)
     problems = check_files(folder, record)
     config = read_config(folder) if (folder / "config.json").is_file() else {}
@@ -174,7 +176,8 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
     smoothing = smoothing_factors(arch, config, reference, converted, smoothed_sources)
     layer_results, float_hidden = verify_layers(model, reference, converted, ids, mask, quantized.quantized_modules,
                                   quantized_linear, thresholds, smoothing=smoothing,
-                                  batch_size=options.batch_size)
+                                  batch_size=options.batch_size,
+                                  folder_linear=make_folder_linear(quantized, record.scheme))
     causal_lm = any(str(a).endswith("ForCausalLM") for a in config.get("architectures", []))
     float_output = model.head(read_tensors(reference, model.head_tensor_names()), float_hidden,
                               jnp.asarray(mask))
@@ -207,7 +210,7 @@ def _verify_weight_only(folder, record, options, thresholds, files, quantized, r
     quantized_linear, choices = make_quantized_linear(quantized, record.scheme, options.backend)
     layer_results = verify_linears_on_synthetic_inputs(
         CheckpointParams(reference_ckpt), QuantizedParams(quantized), quantized.quantized_modules,
-        quantized_linear, thresholds)
+        quantized_linear, thresholds, folder_linear=make_folder_linear(quantized, record.scheme))
     extra = [Check("pallas_kernel", r.name, float(r.kernel.pallas), 1.0, "min", r.kernel.pallas)
              for r in layer_results] if options.strict else []
     backends = sorted({r.kernel.backend for r in layer_results})

@@ -1,0 +1,213 @@
+"""Accuracy of each scheme and flag set: perplexity of a trained causal LM, pooled cosine of all-MiniLM-L6-v2.
+
+    python bench/train_llama.py --out bench/out/llama-bytes     # once: ~5 minutes on a CPU
+    python bench/accuracy.py                                    # both models, every configuration
+    python bench/accuracy.py --only llm --configs w8a8-default,w8a8-family
+
+Each configuration is converted with `qconvert quantize` (as a function, same
+flags) into bench/out/accuracy/, then evaluated as a deployment computes it,
+simulated here in float64-exact jnp: int8 / nf4 weights dequantized from the
+folder; w8a8 activations int8 per token (or per tensor with the folder's
+input_scale) times the folder's int8 weights. The same evaluation runs on the
+float model.
+
+- causal LM: perplexity on held-out text (bench/out/llama-bytes/heldout.txt,
+  never seen in training), all its whole 256-token windows (a BOS and 255 bytes); calibration on a slice of the
+  training text (train_sample.txt), 64 x 256 tokens.
+- MiniLM: mean-pooled sentence embeddings of held-out sentences against the
+  float ones (cosine, mean and worst); calibration on the built-in corpus.
+
+Also printed per configuration: conversion seconds, and the scale searches'
+target errors from qconvert.json (summed over the linears: before = plain
+absmax scales, after = searched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from qconvert.calibrate import open_params  # noqa: E402
+from qconvert.convert import ConvertOptions, convert  # noqa: E402
+from qconvert.formats.layouts import open_quantized  # noqa: E402
+from qconvert.formats.qarray import QArray  # noqa: E402
+from qconvert.models import build, dense_linear  # noqa: E402
+from qconvert.tokenizer import load_tokenizer  # noqa: E402
+from qconvert.w8a8 import W8A8Options, quantize_w8a8  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "out"
+HI = jax.lax.Precision.HIGHEST
+
+# name -> (scheme, ConvertOptions extras, W8A8Options extras); "family" and "auto --no-scale-search"
+# are the explicit flags a user had before the defaults changed.
+CONFIGS = {
+    "int8": ("int8", {}, None),
+    "int8-scale-search": ("int8", {"scale_search": True}, None),
+    "nf4": ("nf4", {}, None),
+    "nf4-scale-search": ("nf4", {"scale_search": True}, None),
+    "w8a8-no-smooth": ("w8a8", {}, {"smooth": False, "scale_search": False}),
+    "w8a8-family": ("w8a8", {}, {"alpha": "family", "scale_search": False}),
+    "w8a8-alpha-0.5": ("w8a8", {}, {"alpha": "0.5", "scale_search": False}),
+    "w8a8-auto": ("w8a8", {}, {"alpha": "auto", "scale_search": False}),
+    "w8a8-family-scale-search": ("w8a8", {}, {"alpha": "family"}),
+    "w8a8-default": ("w8a8", {}, {}),
+    "w8a8-static-family": ("w8a8", {"act": "static"}, {"act": "static", "alpha": "family", "scale_search": False}),
+    "w8a8-static-auto": ("w8a8", {"act": "static"}, {"act": "static", "alpha": "auto", "scale_search": False}),
+    "w8a8-static-default": ("w8a8", {"act": "static"}, {"act": "static"}),
+}
+
+
+def simulated_linear(quantized):
+    """The deployment's arithmetic per quantized linear, in float32 at the highest precision."""
+    scheme = quantized.scheme
+    static = {}
+
+    def linear(name, x, weight, bias):
+        if not isinstance(weight, QArray):
+            return dense_linear(name, x, weight, bias)
+        w = weight.dequantize(jnp.float32)
+        x = x.astype(jnp.float32)
+        if scheme == "w8a8":
+            module = name
+            if module not in static:
+                static[module] = quantized.input_scale(module)
+            scale = static[module]
+            if scale is None:
+                scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0, 1e-12)
+            x = jnp.clip(jnp.round(x / scale), -127, 127) * scale
+        y = jnp.matmul(x, w.T, precision=HI)
+        return y if bias is None else y + jnp.asarray(bias, jnp.float32)
+
+    return linear
+
+
+def folder_params(folder: Path):
+    q = open_quantized(folder)
+    params = {name: np.asarray(q.get(name)) for name in q.float_names}
+    params.update({f"{m}.weight": q.qarray(m) for m in q.quantized_modules})
+    return q, params
+
+
+def evaluate(model, params, windows: np.ndarray, linear=dense_linear, reference=None):
+    """(perplexity, log-probs per batch, mean KL(reference || this) in nats or None)."""
+    nll, count, kl, logps = 0.0, 0, 0.0, []
+    for b, s in enumerate(range(0, len(windows), 8)):
+        ids = jnp.asarray(windows[s:s + 8])
+        logits = model.forward(params, ids, linear=linear).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        logps.append(logp)
+        nll -= float(jnp.sum(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)))
+        count += int(ids[:, 1:].size)
+        if reference is not None:
+            kl += float(jnp.sum(jnp.exp(reference[b]) * (reference[b] - logp)))
+    return float(np.exp(nll / count)), logps, (kl / count if reference is not None else None)
+
+
+def search_errors(folder: Path) -> dict[str, float]:
+    """Summed target errors of the scale searches, before and after, from qconvert.json."""
+    record = json.loads((folder / "qconvert.json").read_text()).get("scale_search") or {}
+    sums = {}
+    for r in (record.get("modules") or {}).values():
+        for key, before, after in (("weight_clip", "error_plain", "error_searched"),
+                                   ("input_scale", "error_max", "error_searched")):
+            if key in r and before in r[key]:
+                sums[f"{key}_before"] = sums.get(f"{key}_before", 0.0) + r[key][before]
+                sums[f"{key}_after"] = sums.get(f"{key}_after", 0.0) + r[key][after]
+    return sums
+
+
+def run_convert(src: Path, out: Path, name: str, calib: str, samples: int, seqlen: int) -> float:
+    scheme, extra, w8a8 = CONFIGS[name]
+    shutil.rmtree(out, ignore_errors=True)
+    started = time.perf_counter()
+    options = ConvertOptions(scheme=scheme, **extra)
+    if scheme == "w8a8":
+        quantize_w8a8(str(src), out, options, W8A8Options(calib=calib, calib_samples=samples,
+                                                          calib_seqlen=seqlen, **w8a8))
+    else:
+        convert(str(src), out, options)
+    return time.perf_counter() - started
+
+
+def llm(configs: list[str]) -> None:
+    src = OUT / "llama-bytes"
+    if not (src / "model.safetensors").is_file():
+        sys.exit(f"{src} is missing: run python bench/train_llama.py --out {src} first")
+    config = json.loads((src / "config.json").read_text())
+    model = build(config)
+    data = (src / "heldout.txt").read_bytes()
+    n = len(data) // 255  # every whole 255-byte window of the held-out text
+    windows = np.stack([np.concatenate([[256], np.frombuffer(data[i * 255:(i + 1) * 255], np.uint8)])
+                        for i in range(n)]).astype(np.int32)
+    base, reference, _ = evaluate(model, {k: np.asarray(v) for k, v in open_params(src).items()}, windows)
+    print(f"causal LM {src.name}: float perplexity {base:.4f} on {windows.size} held-out tokens")
+    for name in configs:
+        out = OUT / "accuracy" / f"llm-{name}"
+        seconds = run_convert(src, out, name, str(src / "train_sample.txt"), 64, 256)
+        q, params = folder_params(out)
+        ppl, _, kl = evaluate(model, params, windows, simulated_linear(q), reference)
+        print(json.dumps({"model": "llm", "config": name, "perplexity": round(ppl, 4),
+                          "change_pct": round(100 * (ppl / base - 1), 3), "mean_kl": float(f"{kl:.4g}"),
+                          "convert_s": round(seconds, 2),
+                          **{k: float(f"{v:.4g}") for k, v in search_errors(out).items()}}), flush=True)
+
+
+def held_out_sentences(count: int = 64) -> list[str]:
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    text = text[int(len(text) * 0.95):]
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if 40 <= len(s.strip()) <= 300]
+    return sentences[:count]
+
+
+def minilm(configs: list[str]) -> None:
+    from checkpoints import minilm_path
+
+    src = minilm_path()
+    config = json.loads((src / "config.json").read_text())
+    model = build(config)
+    batch = load_tokenizer(src).encode(held_out_sentences(), seq_len=64)
+    ids, mask = jnp.asarray(batch.input_ids), jnp.asarray(batch.attention_mask)
+    reference = np.asarray(model.sentence_embeddings(open_params(src), ids, mask), np.float64)
+    print(f"all-MiniLM-L6-v2: {len(ids)} held-out sentences")
+    for name in configs:
+        out = OUT / "accuracy" / f"minilm-{name}"
+        seconds = run_convert(src, out, name, "builtin", 128, 128)
+        q, params = folder_params(out)
+        got = np.asarray(model.sentence_embeddings(params, ids, mask, linear=simulated_linear(q)), np.float64)
+        cos = np.sum(got * reference, -1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(reference, axis=-1))
+        print(json.dumps({"model": "minilm", "config": name, "cosine_mean": round(float(cos.mean()), 6),
+                          "cosine_min": round(float(cos.min()), 6), "convert_s": round(seconds, 2),
+                          **{k: float(f"{v:.4g}") for k, v in search_errors(out).items()}}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["llm", "minilm"], default=None)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
+    args = parser.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        sys.exit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
+    if args.only in (None, "llm"):
+        llm(configs)
+    if args.only in (None, "minilm"):
+        minilm(configs)
+
+
+if __name__ == "__main__":
+    main()

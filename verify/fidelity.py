@@ -1,0 +1,75 @@
+"""Fidelity: what a quantized linear must compute, from the folder's own dequantized weights, without the kernels.
+
+The kernel a deployment runs is checked against this, not against the float
+layer: any difference here is the kernel's (a wrong tile, decode or rescale),
+whatever the quantization itself costs. The arithmetic follows the scheme's
+deployment contract, in float64 numpy from the stored tensors:
+
+  int8 (W8A16)  x in the model's float dtype  @  (code * weight_scale)^T  + bias
+  w8a8          x in the model's float dtype, int8 per token (scale max|x| / 127,
+                float32) or per tensor (input_scale), round half to even, clamp
+                to +-127; codes @ codes^T (exact), * x_scale * weight_scale + bias
+  nf4           x in the model's float dtype @ (NF4 level * absmax, in the model's
+                float dtype)^T + bias
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import ml_dtypes  # noqa: F401  (numpy learns bfloat16)
+import numpy as np
+
+from qconvert.formats import QArray
+
+# (name, x [M, in] float32, QArray, bias or None) -> y [M, out] float64
+FolderLinear = Callable[[str, np.ndarray, QArray, object], np.ndarray]
+
+
+def _model_dtype(q: QArray) -> np.dtype:
+    dtype = np.dtype(q.dtype)
+    return dtype if dtype.kind in "fV" else np.dtype(np.float32)
+
+
+def _int8_per_token(x: np.ndarray, input_scale: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """(codes float64 [M, K], scales float64 [M, 1]) as FORMATS.md's activation rule states them."""
+    xf = x.astype(np.float32)
+    if input_scale is None:
+        absmax = np.abs(xf).max(axis=1, keepdims=True)
+        scale = np.where(absmax > 0, absmax / np.float32(127), np.float32(1)).astype(np.float32)
+    else:
+        scale = np.full((xf.shape[0], 1), np.float32(input_scale), np.float32)
+    codes = np.clip(np.rint(xf / scale), -127, 127)
+    return codes.astype(np.float64), scale.astype(np.float64)
+
+
+def folder_linear_output(x: np.ndarray, q: QArray, bias, scheme: str,
+                         input_scale: float | None = None) -> np.ndarray:
+    """The layer as the folder's tensors define it (float64 [M, out]); see the module docstring."""
+    x = np.asarray(x).astype(_model_dtype(q)).astype(np.float64)
+    if scheme == "w8a8":
+        codes, x_scale = _int8_per_token(x, input_scale)
+        w_codes = np.asarray(q.qvalue, np.float64)
+        w_scale = np.asarray(q.scale, np.float32).astype(np.float64).reshape(1, -1)
+        y = (codes @ w_codes.T) * x_scale * w_scale
+    elif scheme == "int8":
+        w = np.asarray(q.qvalue, np.float64) * np.asarray(q.scale, np.float32).astype(np.float64).reshape(-1, 1)
+        y = x @ w.T
+    elif scheme == "nf4":
+        w = np.asarray(q.dequantize(np.float32)).astype(_model_dtype(q)).astype(np.float64)
+        y = x @ w.reshape(q.shape).T
+    else:
+        raise ValueError(f"no folder arithmetic for scheme {scheme!r}")
+    if bias is not None:
+        y = y + np.asarray(bias, np.float32).astype(np.float64)[None, :]
+    return y
+
+
+def make_folder_linear(quantized, scheme: str) -> FolderLinear:
+    """A FolderLinear over a QuantizedCheckpoint (static input scales read from the folder)."""
+
+    def folder_linear(name: str, x: np.ndarray, q: QArray, bias) -> np.ndarray:
+        input_scale = quantized.input_scale(name) if scheme == "w8a8" else None
+        return folder_linear_output(x, q, bias, scheme, input_scale)
+
+    return folder_linear
