@@ -87,6 +87,8 @@ def _w8a8_options(command):
               help="Keep modules matching a glob or re:REGEX in float (repeatable).")
 @click.option("--max-shard-size", default="5GiB", show_default=True, help="Largest shard, e.g. 5GiB, 500MB.")
 @click.option("--double-quant", is_flag=True, help="NF4: quantize the absmax values too (bitsandbytes).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Threads reading and quantizing ahead of the writer [default: one per core]; same output bytes.")
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT if it is a folder qconvert wrote (it has qconvert.json) or an empty folder.")
 @click.option("--dry-run", is_flag=True, help="List what would be quantized and the expected size; write nothing.")
@@ -98,8 +100,8 @@ def _w8a8_options(command):
 @_verbose_option
 @_w8a8_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
-             exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, overwrite: bool,
-             dry_run: bool, any_architecture: bool, quiet: bool, as_json: bool, verbose: bool,
+             exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, workers: int | None,
+             overwrite: bool, dry_run: bool, any_architecture: bool, quiet: bool, as_json: bool, verbose: bool,
              **w8a8_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
     started = time.perf_counter()
@@ -110,7 +112,7 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
     options = ConvertOptions(scheme=scheme, revision=revision, include=include, exclude=exclude,
                              max_shard_size=parse_size(max_shard_size), double_quant=double_quant,
                              overwrite=overwrite, dry_run=dry_run, act=w8a8_flags["act"],
-                             any_architecture=any_architecture)
+                             any_architecture=any_architecture, workers=workers)
     run = lambda progress: convert(model, out, options, progress=progress)  # noqa: E731
     if scheme == "w8a8":
         run = _w8a8_run(model, out, options, w8a8_flags, quiet or as_json)
