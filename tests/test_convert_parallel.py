@@ -183,3 +183,19 @@ def test_workers_must_be_a_positive_count():
     for bad in (0, -2, 1.5, True):
         with pytest.raises(UsageError, match="--workers"):
             ConvertOptions(workers=bad)
+
+
+def test_cli_workers_zero_is_a_usage_error_and_a_count_writes_the_default_bytes(sharded_llama, tmp_path, capsys):
+    from qconvert.cli import main
+
+    def run(argv):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        return exit_info.value.code, capsys.readouterr().err
+
+    code, err = run(["quantize", str(sharded_llama), "-o", str(tmp_path / "zero"), "--workers", "0"])
+    assert code == 2 and "--workers" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "zero").exists()
+    assert run(["quantize", str(sharded_llama), "-o", str(tmp_path / "three"), "--workers", "3", "-q"])[0] == 0
+    assert run(["quantize", str(sharded_llama), "-o", str(tmp_path / "default"), "-q"])[0] == 0
+    assert folder_bytes(tmp_path / "three") == folder_bytes(tmp_path / "default")
