@@ -24,12 +24,13 @@ from qconvert.output import (
 )
 from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
 from qconvert.prefetch import available_cores, run_ahead
-from qconvert.quantize import CHUNK_ELEMENTS, quantize_int8, quantize_nf4
-from qconvert.quantize import all_finite as _all_finite_jax
+from qconvert.quantize import quantize_int8, quantize_nf4
 from qconvert.rowwise import quantize_rows
 from qconvert.stages import stage
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
+# The exponent bits of each float weight dtype: all ones exactly for NaN and Inf.
+EXPONENT_BITS = {"float32": (np.uint32, 0x7F800000), "float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80)}
 # Options that change no output byte stay out of qconvert.json, so reruns with them stay identical.
 # (--any-architecture changes nothing for a known family; where it applies, qconvert.json
 # records the weight-only selection itself.)
@@ -209,15 +210,24 @@ def _check_input_scales(plan: ConversionPlan, input_scales: Mapping[str, float])
 def all_finite(array: np.ndarray, chunk_elements: int = 1 << 22) -> bool:
     """Whether a float array has no NaN/Inf, checked in chunks so no full-size mask is allocated.
 
-    Whole kernel chunks of float32/16/bf16 go through the jitted check; the rest
-    (small tensors, a tail, float64) through numpy, so no kernel is compiled per size.
+    float32/16 and bf16 values are NaN or Inf exactly when their exponent bits are all
+    ones, so those are checked on the bits in numpy, on the array itself: the same
+    answer as isfinite, and no other library is handed the tensor (a jitted check
+    kept its last input alive after the call, holding a 788 MB embedding until the
+    next tensor was read). Other dtypes (float64) go through numpy's isfinite.
     """
     flat = np.ascontiguousarray(array).reshape(-1)
-    head = flat.size - flat.size % CHUNK_ELEMENTS if np.dtype(flat.dtype).name in FLOAT_WEIGHT_DTYPES else 0
-    if head and not _all_finite_jax(flat[:head]):
-        return False
-    rest = flat[head:]
-    return all(np.isfinite(rest[i:i + chunk_elements]).all() for i in range(0, rest.size, chunk_elements))
+    if np.dtype(flat.dtype).name not in EXPONENT_BITS:
+        return all(np.isfinite(flat[i:i + chunk_elements]).all() for i in range(0, flat.size, chunk_elements))
+    uint, ones = EXPONENT_BITS[np.dtype(flat.dtype).name]
+    bits, ones = flat.view(uint), uint(ones)
+    scratch = np.empty(min(bits.size, chunk_elements), uint)
+    for i in range(0, bits.size, chunk_elements):
+        part = scratch[:min(chunk_elements, bits.size - i)]
+        np.bitwise_and(bits[i:i + chunk_elements], ones, out=part)
+        if (part == ones).any():
+            return False
+    return True
 
 
 def prefetch_limit(plan: ConversionPlan) -> int:
