@@ -199,3 +199,19 @@ def test_cli_workers_zero_is_a_usage_error_and_a_count_writes_the_default_bytes(
     assert run(["quantize", str(sharded_llama), "-o", str(tmp_path / "three"), "--workers", "3", "-q"])[0] == 0
     assert run(["quantize", str(sharded_llama), "-o", str(tmp_path / "default"), "-q"])[0] == 0
     assert folder_bytes(tmp_path / "three") == folder_bytes(tmp_path / "default")
+
+
+@pytest.mark.parametrize("dtype,uint", [(np.float32, np.uint32), (np.float16, np.uint16),
+                                        (ml_dtypes.bfloat16, np.uint16)])
+def test_the_float_tensor_check_agrees_with_isfinite_on_every_kind_of_bit_pattern(dtype, uint):
+    from qconvert.convert import all_finite
+
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, np.iinfo(uint).max, 5000, dtype=uint, endpoint=True)
+    values = bits.view(dtype)
+    for chunk in range(0, values.size, 50):
+        part = values[chunk:chunk + 50]
+        expected = bool(np.isfinite(part.astype(np.float64)).all())
+        assert all_finite(part, chunk_elements=16) == expected
+    finite = values[np.isfinite(values.astype(np.float64))]
+    assert all_finite(finite, chunk_elements=16) and finite.size > 1000
