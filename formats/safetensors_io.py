@@ -14,6 +14,7 @@ time, hashing as it goes, so memory stays near one tensor whatever the model siz
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -41,6 +42,8 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # Written into every shard: transformers refuses a file whose metadata lacks a known format.
 DEFAULT_METADATA = {"format": "pt"}
+# Tensors this large are hashed on a second thread while the same bytes are written.
+HASH_BESIDE_BYTES = 1 << 20
 
 
 def _index_file_path(folder: Path, index_path: Path, fname) -> Path:
@@ -120,12 +123,25 @@ class SafetensorsCheckpoint:
 
     def get(self, name: str) -> np.ndarray:
         """Read tensor `name` into a new array (only its bytes are read; safe to call from threads)."""
+        shape = self._entry(name).shape
+        return self.get_rows(name, 0, shape[0] if shape else 1).reshape(shape)
+
+    def get_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of tensor `name` (along its first axis) into a new array; safe from threads.
+
+        A row-major tensor's rows are one contiguous byte range, so a large weight can be read a
+        block of rows at a time.
+        """
         path = self.file_of(name)
         entry = self._entry(name)
+        shape = entry.shape if entry.shape else (1,)
+        if not 0 <= start <= stop <= shape[0]:
+            raise ValueError(f"rows {start}:{stop} are outside tensor {name!r} of shape {list(entry.shape)}")
+        row_bytes = math.prod(shape[1:]) * entry.dtype.itemsize
         with self._lock:
             handle = self._file(path)
-        array = _aligned_bytes(entry.end - entry.begin)
-        offset = self._headers[path].data_start + entry.begin
+        array = _aligned_bytes((stop - start) * row_bytes)
+        offset = self._headers[path].data_start + entry.begin + start * row_bytes
         try:
             done = 0
             while done < array.size:
@@ -136,7 +152,7 @@ class SafetensorsCheckpoint:
                 done += got
         except OSError as exc:
             raise FormatError(f"{path}: cannot read tensor {name!r} ({exc.strerror or exc})") from exc
-        tensor = array.view(entry.dtype).reshape(entry.shape)
+        tensor = array.view(entry.dtype).reshape((stop - start,) + tuple(shape[1:]))
         # Safetensors bytes are little-endian; a big-endian host swaps them into native values.
         return tensor if sys.byteorder == "little" else tensor.byteswap()
 
@@ -321,25 +337,9 @@ def write_shards(
     source = iter(tensors)
     hashes: dict[str, str] = {}
     weight_map: dict[str, str] = {}
-    for file_name, shard in zip(file_names, shards):
-        path = folder / file_name
-        digest = hashlib.sha256()
-        with open(path, "wb") as f:
-            header = encode_header(shard, metadata)
-            f.write(header)
-            digest.update(header)
-            for spec in shard:
-                try:
-                    name, array = next(source)
-                except StopIteration:
-                    raise ValueError(f"tensors ran out before {spec.name!r}") from None
-                data = _tensor_bytes(spec, name, array)
-                f.write(data)
-                digest.update(data)
-                weight_map[spec.name] = file_name
-                del array, data
-        os.chmod(path, 0o644)
-        hashes[file_name] = digest.hexdigest()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qconvert-output-sha256") as hasher:
+        for file_name, shard in zip(file_names, shards):
+            _write_shard(folder / file_name, shard, metadata, source, hasher, hashes, weight_map)
     for extra in source:
         raise ValueError(f"more tensors than specs (first extra: {extra[0]!r})")
     if len(shards) > 1:
@@ -353,6 +353,35 @@ def write_shards(
         os.chmod(index_path, 0o644)
         hashes[INDEX_NAME] = hashlib.sha256(text).hexdigest()
     return hashes
+
+
+def _write_shard(path: Path, shard: list[TensorSpec], metadata, source, hasher, hashes: dict[str, str],
+                 weight_map: dict[str, str]) -> None:
+    """Write one shard: its header, then each tensor's bytes as they arrive, hashed beside the write."""
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        header = encode_header(shard, metadata)
+        f.write(header)
+        digest.update(header)
+        for spec in shard:
+            try:
+                name, array = next(source)
+            except StopIteration:
+                raise ValueError(f"tensors ran out before {spec.name!r}") from None
+            data = _tensor_bytes(spec, name, array)
+            # The file write and the hash both release the GIL, so they run side by side on the same bytes.
+            hashed = hasher.submit(digest.update, data) if data.size >= HASH_BESIDE_BYTES else None
+            if hashed is None:
+                digest.update(data)
+            try:
+                f.write(data)
+            finally:
+                if hashed is not None:
+                    hashed.result()
+            weight_map[spec.name] = path.name
+            del array, data
+    os.chmod(path, 0o644)
+    hashes[path.name] = digest.hexdigest()
 
 
 def sha256_file(path, chunk_size: int = 1 << 22) -> str:

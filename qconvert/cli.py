@@ -96,6 +96,8 @@ def _w8a8_options(command):
                    "calibration activations (and the static input_scale with --act static). Default: on "
                    "for w8a8; off for int8 and nf4, whose output then stays byte-identical to plain "
                    "round-to-nearest (compressed-tensors) and to bitsandbytes.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Threads reading and quantizing ahead of the writer [default: one per core]; same output bytes.")
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT if it is a folder qconvert wrote (it has qconvert.json) or an empty folder.")
 @click.option("--dry-run", is_flag=True, help="List what would be quantized and the expected size; write nothing.")
@@ -108,6 +110,7 @@ def _w8a8_options(command):
 @_w8a8_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
              exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, scale_search: bool | None,
+             workers: int | None,
              overwrite: bool, dry_run: bool, any_architecture: bool, quiet: bool, as_json: bool, verbose: bool,
              **w8a8_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
@@ -119,7 +122,7 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
     options = ConvertOptions(scheme=scheme, revision=revision, include=include, exclude=exclude,
                              max_shard_size=parse_size(max_shard_size), double_quant=double_quant,
                              scale_search=scale_search, overwrite=overwrite, dry_run=dry_run,
-                             act=w8a8_flags["act"], any_architecture=any_architecture)
+                             act=w8a8_flags["act"], any_architecture=any_architecture, workers=workers)
     run = lambda progress: convert(model, out, options, progress=progress)  # noqa: E731
     if scheme == "w8a8":
         run = _w8a8_run(model, out, options, w8a8_flags, quiet or as_json)

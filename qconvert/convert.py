@@ -23,17 +23,19 @@ from qconvert.output import (
     staged_output, write_json,
 )
 from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
-from qconvert.prefetch import run_ahead
-from qconvert.quantize import CHUNK_ELEMENTS, quantize_int8, quantize_nf4
+from qconvert.prefetch import available_cores, run_ahead
+from qconvert.quantize import quantize_int8, quantize_nf4
+from qconvert.rowwise import quantize_rows
 from qconvert.scale_search import ScaleSearches
-from qconvert.quantize import all_finite as _all_finite_jax
 from qconvert.stages import stage
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
+# The exponent bits of each float weight dtype: all ones exactly for NaN and Inf.
+EXPONENT_BITS = {"float32": (np.uint32, 0x7F800000), "float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80)}
 # Options that change no output byte stay out of qconvert.json, so reruns with them stay identical.
 # (--any-architecture changes nothing for a known family; where it applies, qconvert.json
 # records the weight-only selection itself.)
-PRESENTATION_OPTIONS = ("overwrite", "dry_run", "any_architecture")
+PRESENTATION_OPTIONS = ("overwrite", "dry_run", "any_architecture", "workers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,9 @@ class ConvertOptions:
     # An unknown decoder converts weight-only, its linears found by the layer-prefix rule
     # (qconvert.models.weight_only); a known family always keeps its own list.
     any_architecture: bool = False
+    # Threads that read and quantize tensors ahead of the writer; None: one per available core.
+    # The output bytes are the same whatever the count.
+    workers: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "include", tuple(self.include))
@@ -68,6 +73,9 @@ class ConvertOptions:
             raise UsageError("static activation scales apply to --scheme w8a8 only")
         if self.max_shard_size <= 0:
             raise UsageError("--max-shard-size must be positive")
+        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
+                                         or self.workers < 1):
+            raise UsageError(f"--workers must be a whole number of at least 1, not {self.workers!r}")
 
     @property
     def searches_scales(self) -> bool:
@@ -215,15 +223,24 @@ def _check_input_scales(plan: ConversionPlan, input_scales: Mapping[str, float])
 def all_finite(array: np.ndarray, chunk_elements: int = 1 << 22) -> bool:
     """Whether a float array has no NaN/Inf, checked in chunks so no full-size mask is allocated.
 
-    Whole kernel chunks of float32/16/bf16 go through the jitted check; the rest
-    (small tensors, a tail, float64) through numpy, so no kernel is compiled per size.
+    float32/16 and bf16 values are NaN or Inf exactly when their exponent bits are all
+    ones, so those are checked on the bits in numpy, on the array itself: the same
+    answer as isfinite, and no other library is handed the tensor (after a jitted
+    check, a 788 MB embedding was seen to stay alive until the thread's next jitted
+    call). Other dtypes (float64) go through numpy's isfinite.
     """
     flat = np.ascontiguousarray(array).reshape(-1)
-    head = flat.size - flat.size % CHUNK_ELEMENTS if np.dtype(flat.dtype).name in FLOAT_WEIGHT_DTYPES else 0
-    if head and not _all_finite_jax(flat[:head]):
-        return False
-    rest = flat[head:]
-    return all(np.isfinite(rest[i:i + chunk_elements]).all() for i in range(0, rest.size, chunk_elements))
+    if np.dtype(flat.dtype).name not in EXPONENT_BITS:
+        return all(np.isfinite(flat[i:i + chunk_elements]).all() for i in range(0, flat.size, chunk_elements))
+    uint, ones = EXPONENT_BITS[np.dtype(flat.dtype).name]
+    bits, ones = flat.view(uint), uint(ones)
+    scratch = np.empty(min(bits.size, chunk_elements), uint)
+    for i in range(0, bits.size, chunk_elements):
+        part = scratch[:min(chunk_elements, bits.size - i)]
+        np.bitwise_and(bits[i:i + chunk_elements], ones, out=part)
+        if (part == ones).any():
+            return False
+    return True
 
 
 def prefetch_limit(plan: ConversionPlan) -> int:
@@ -242,20 +259,31 @@ def stream_tensors(ckpt: SafetensorsCheckpoint, plan: ConversionPlan, options: C
                    ) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) for every output tensor in plan order.
 
-    Reading, transforming, checking and quantizing run on a worker thread a few
-    tensors ahead of the consumer (the shard writer), within `prefetch_limit` bytes.
+    Reading, transforming, checking and quantizing run on `options.workers` threads
+    (default: one per available core) ahead of the consumer (the shard writer), within
+    `prefetch_limit` bytes; the results come in plan order whatever the thread count.
     """
     if progress is not None:
         progress.start(sum(t.source_bytes for t in plan.tensors), len(plan.tensors))
     tasks = ((planned.source_bytes, functools.partial(output_tensors, ckpt, planned, options, weight_transform,
                                                       input_scales, searches)) for planned in plan.tensors)
-    return run_ahead(tasks, prefetch_limit(plan), on_done=progress.advance if progress is not None else None)
+    return run_ahead(tasks, prefetch_limit(plan), on_done=progress.advance if progress is not None else None,
+                     workers=options.workers or available_cores())
 
 
 def output_tensors(ckpt: SafetensorsCheckpoint, planned: PlannedTensor, options: ConvertOptions,
                    weight_transform, input_scales: Mapping[str, float],
                    searches: ScaleSearches | None = None) -> list[tuple[str, np.ndarray]]:
-    """The (name, array) output tensors of one planned tensor: read, transform, check, quantize."""
+    """The (name, array) output tensors of one planned tensor: read, transform, check, quantize.
+
+    An untransformed 2-D float linear whose scales are not searched is read a block of rows at a
+    time (qconvert.rowwise), so its source is never held whole beside its codes.
+    """
+    if (planned.module is not None and weight_transform is None and len(planned.shape) == 2
+            and planned.source_dtype in FLOAT_WEIGHT_DTYPES and not (searches is not None and searches.enabled)):
+        tensors = quantized_tensors(planned, functools.partial(ckpt.get_rows, planned.source), options,
+                                    input_scales.get(planned.module))
+        return [(spec.name, tensors.pop(spec.name)) for spec in planned.specs]
     array = ckpt.get(planned.source)
     if weight_transform is not None:
         array = _transformed(planned, weight_transform(planned.source, array))
@@ -275,17 +303,26 @@ def _transformed(planned: PlannedTensor, array) -> np.ndarray:
     return array.astype(np.dtype(planned.source_dtype), copy=False)
 
 
-def quantized_tensors(planned: PlannedTensor, weight: np.ndarray, options: ConvertOptions,
-                      input_scale: float | None, searches: ScaleSearches | None = None) -> dict[str, np.ndarray]:
-    """One linear's weight -> its output tensors in the scheme's layout (NaN/Inf refused)."""
+def quantized_tensors(planned: PlannedTensor, weight: np.ndarray | Callable[[int, int], np.ndarray],
+                      options: ConvertOptions, input_scale: float | None,
+                      searches: ScaleSearches | None = None) -> dict[str, np.ndarray]:
+    """One linear's weight -> its output tensors in the scheme's layout (NaN/Inf refused).
+
+    `weight` is the array, or `read_rows(start, stop)` returning a block of its rows (no scale search).
+    """
     clip = None
     try:
-        if searches is not None and searches.enabled:
-            clip = searches.clip_for(planned.module, weight, options.scheme)
-        if options.scheme == "nf4":
-            q = quantize_nf4(weight, clip=clip)
+        if callable(weight):
+            q = quantize_rows(weight, planned.shape, np.dtype(planned.source_dtype),
+                              "nf4" if options.scheme == "nf4" else "int8",
+                              scale_dtype=np.dtype(planned.source_dtype))
         else:
-            q = quantize_int8(weight, scale_dtype=np.dtype(planned.source_dtype), clip=clip)
+            if searches is not None and searches.enabled:
+                clip = searches.clip_for(planned.module, weight, options.scheme)
+            if options.scheme == "nf4":
+                q = quantize_nf4(weight, clip=clip)
+            else:
+                q = quantize_int8(weight, scale_dtype=np.dtype(planned.source_dtype), clip=clip)
     except InvalidWeightError:
         raise InvalidWeightError(f"{planned.source} has NaN or Inf values; fix the checkpoint") from None
     return qarray_to_tensors(planned.module, q, options.scheme, input_scale=input_scale,

@@ -1,14 +1,15 @@
-"""Run a sequence of tasks on a worker thread ahead of their consumer, holding a bounded number of bytes.
+"""Run a sequence of tasks on worker threads ahead of their consumer, holding a bounded number of bytes.
 
-The conversion reads and quantizes tensor k+1 while tensor k is being written and
-hashed: file reads, XLA and hashlib all release the GIL, so on two or more cores
-the two overlap. Results come out in task order, so the output bytes do not depend
-on the timing.
+The conversion reads and quantizes the next tensors while earlier ones are being
+written and hashed: file reads, XLA, numpy and hashlib all release the GIL, so on
+several cores they overlap. Tasks start in order (each reserves its bytes before
+it runs), may finish in any order, and their results come out in task order, so
+the output bytes do not depend on the timing or on the number of workers.
 """
 
 from __future__ import annotations
 
-import collections
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
@@ -18,24 +19,31 @@ from qconvert import interrupts
 T = TypeVar("T")
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask where the system has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
 class _Cancelled(Exception):
-    """The consumer stopped early; the worker leaves its loop."""
+    """The consumer stopped early (or a task failed); the workers leave their loops."""
 
 
 class _Window(Generic[T]):
-    """The finished tasks not yet consumed, and the bytes they (and the one being consumed) hold."""
+    """Tasks started and not yet consumed: their results by index, and the bytes they hold."""
 
-    def __init__(self, limit_bytes: int):
+    def __init__(self, limit_bytes: int, workers: int):
         self.limit_bytes = limit_bytes
-        self.ready: collections.deque[tuple[int, list[T]]] = collections.deque()
+        self.results: dict[int, tuple[int, list[T] | None, BaseException | None]] = {}
         self.held = 0
-        self.done = False
+        self.running = workers  # workers not yet finished
+        self.last: int | None = None  # the number of tasks, once the source is exhausted
         self.cancelled = False
-        self.error: BaseException | None = None
         self.cond = threading.Condition()
 
-    def wait_for_room(self, cost: int) -> None:
-        """Block the worker until `cost` more bytes fit (or nothing is held at all)."""
+    def reserve(self, cost: int) -> None:
+        """Block until `cost` more bytes fit (or nothing is held at all); called in task order."""
         with self.cond:
             while not self.cancelled and self.held and self.held + cost > self.limit_bytes:
                 self.cond.wait()
@@ -43,26 +51,34 @@ class _Window(Generic[T]):
                 raise _Cancelled
             self.held += cost
 
-    def put(self, cost: int, results: list[T]) -> None:
+    def put(self, index: int, cost: int, results: list[T] | None, error: BaseException | None) -> None:
         with self.cond:
-            self.ready.append((cost, results))
+            self.results[index] = (cost, results, error)
+            if error is not None:
+                self.cancelled = True  # no task after a failed one starts
             self.cond.notify_all()
 
-    def finish(self, error: BaseException | None) -> None:
+    def exhausted(self, count: int) -> None:
         with self.cond:
-            self.done, self.error = True, error
+            self.last = count if self.last is None else min(self.last, count)
             self.cond.notify_all()
 
-    def take(self) -> tuple[int, list[T]] | None:
-        """The next finished task, waiting for it; None after the last one. Re-raises a worker's error."""
+    def worker_done(self) -> None:
         with self.cond:
-            while not self.ready and not self.done:
+            self.running -= 1
+            self.cond.notify_all()
+
+    def take(self, index: int) -> tuple[int, list[T]] | None:
+        """Task `index`'s results, waiting for them; None after the last task. Re-raises a task's error."""
+        with self.cond:
+            while index not in self.results:
+                if (self.last is not None and index >= self.last) or not self.running:
+                    return None
                 self.cond.wait()
-            if self.ready:
-                return self.ready.popleft()
-            if self.error is not None:
-                raise self.error
-            return None
+            cost, results, error = self.results.pop(index)
+            if error is not None:
+                raise error
+            return cost, results
 
     def release(self, cost: int) -> None:
         with self.cond:
@@ -76,36 +92,57 @@ class _Window(Generic[T]):
 
 
 def run_ahead(tasks: Iterable[tuple[int, Callable[[], list[T]]]], limit_bytes: int,
-              on_done: Callable[[int], None] | None = None) -> Iterator[T]:
+              on_done: Callable[[int], None] | None = None, workers: int = 1) -> Iterator[T]:
     """Yield the results of `tasks` ((cost in bytes, fn returning a list of results)) in order.
 
-    A worker thread runs the tasks ahead while the caller consumes earlier results.
+    `workers` threads run the tasks ahead while the caller consumes earlier results.
     A task's cost counts from before it runs until the caller asks for the first
-    result after its own (the caller is then done with them); the worker starts a
-    task only while the counted bytes plus its cost stay within `limit_bytes`, or
-    when nothing is counted. `on_done(cost)` is called in the caller's thread once
-    a task's results have all been consumed. An exception in a task (KeyboardInterrupt
-    included) is raised in the caller after the results of the tasks before it;
-    if the caller stops early, the worker stops after its current task.
+    result after its own (the caller is then done with them); a task starts only
+    while the counted bytes plus its cost stay within `limit_bytes`, or when nothing
+    is counted. `on_done(cost)` is called in the caller's thread once a task's
+    results have all been consumed. An exception in a task (KeyboardInterrupt
+    included) is raised in the caller after the results of the tasks before it, and
+    no later task starts; if the caller stops early, the workers stop after their
+    current tasks.
     """
-    window: _Window[T] = _Window(limit_bytes)
+    window: _Window[T] = _Window(limit_bytes, max(1, workers))
+    source = enumerate(tasks)
+    source_lock = threading.Lock()  # taking the next task and reserving its bytes happen in task order
 
     def work() -> None:
         try:
-            for cost, fn in tasks:
-                window.wait_for_room(cost)
-                window.put(cost, fn())
+            while True:
+                with source_lock:
+                    item = next(source, None)
+                    if item is None:
+                        window.exhausted(_count[0])
+                        return
+                    index, (cost, fn) = item
+                    _count[0] = index + 1
+                    window.reserve(cost)
+                try:
+                    results, error = fn(), None
+                except BaseException as err:  # handed to the consumer, which raises it
+                    results, error = None, err
+                window.put(index, cost, results, error)
+                del results
+                if error is not None:
+                    return
         except _Cancelled:
-            window.finish(None)
-        except BaseException as err:  # handed to the consumer, which raises it
-            window.finish(err)
-        else:
-            window.finish(None)
+            pass
+        except BaseException as err:  # the task source itself failed: the consumer raises it in order
+            with source_lock:
+                window.put(_count[0], 0, None, err)
+        finally:
+            window.worker_done()
 
-    worker = threading.Thread(target=work, name="qconvert-prefetch", daemon=True)
-    worker.start()
+    _count = [0]
+    threads = [threading.Thread(target=work, name="qconvert-prefetch", daemon=True) for _ in range(max(1, workers))]
+    for thread in threads:
+        thread.start()
     try:
-        while (item := window.take()) is not None:
+        index = 0
+        while (item := window.take(index)) is not None:
             cost, results = item
             del item
             while results:
@@ -113,7 +150,9 @@ def run_ahead(tasks: Iterable[tuple[int, Callable[[], list[T]]]], limit_bytes: i
             window.release(cost)
             if on_done is not None:
                 on_done(cost)
+            index += 1
             interrupts.check()  # a signal that a callee swallowed still stops the stream
     finally:
         window.cancel()
-        worker.join()
+        for thread in threads:
+            thread.join()
