@@ -10,17 +10,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from cli_helpers import run
 from checkpoints import make_llama_checkpoint
 import qconvert.convert as convert_module
-from qconvert.cli import main
-
-
-def run(argv, capsys):
-    """Run the console entry point in-process; returns (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
 
 
 @pytest.fixture(scope="module")

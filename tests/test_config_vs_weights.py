@@ -1,6 +1,5 @@
 """config.json that disagrees with the weights is refused at plan time, before anything is written (exit 6)."""
 
-import hashlib
 import json
 import shutil
 
@@ -8,20 +7,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from cli_helpers import run, tree
 from checkpoints import make_llama_checkpoint
-from qconvert.cli import main
-
-
-def tree(root):
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
-            for p in sorted(root.rglob("*"))}
-
-
-def run(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
 
 
 @pytest.fixture(scope="module")

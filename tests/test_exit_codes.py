@@ -1,27 +1,15 @@
 """The exit codes: README's table and every command's --help agree; an unforeseen exception is one line, exit 70."""
 
-import hashlib
 import re
 from pathlib import Path
 
 import pytest
 
+from cli_helpers import run, tree
 from checkpoints import make_llama_checkpoint
-from qconvert.cli import cli, main
+from qconvert.cli import cli
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-
-
-def tree(root):
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
-            for p in sorted(root.rglob("*"))}
-
-
-def run(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
 
 
 def readme_exit_codes() -> dict[int, str]:

@@ -1,25 +1,11 @@
 """`-o` never destroys anything: not the input, not the current folder, not a folder qconvert did not write."""
 
-import hashlib
 import shutil
 
 import pytest
 
+from cli_helpers import run, tree
 from checkpoints import make_llama_checkpoint
-from qconvert.cli import main
-
-
-def tree(root):
-    """Every path under root with the sha256 of its bytes (None for a folder)."""
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
-            for p in sorted(root.rglob("*"))}
-
-
-def run(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
 
 
 @pytest.fixture(scope="module")

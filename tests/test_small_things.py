@@ -1,6 +1,5 @@
 """The small things a user trips on: each refused or fixed, with one line and its exit code."""
 
-import hashlib
 import json
 import math
 import os
@@ -15,22 +14,11 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from cli_helpers import run, tree
 from checkpoints import make_llama_checkpoint, minilm_path
 from qconvert.cli import main
 
 QCONVERT = str(Path(sys.executable).parent / "qconvert")
-
-
-def tree(root):
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
-            for p in sorted(root.rglob("*"))}
-
-
-def run(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,23 @@
+"""Running the CLI in-process and snapshotting folders, for the tests of what a command leaves behind."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from qconvert.cli import main
+
+
+def run(argv, capsys):
+    """Run the console entry point in-process; returns (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def tree(root):
+    """Every path under root with the sha256 of its bytes (None for a folder)."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+            for p in sorted(root.rglob("*"))}
