@@ -33,30 +33,34 @@ def qk_normed(model: LlamaModel, i: int, params: Mapping, q: jax.Array, k: jax.A
     return rms_norm(q, params[q_norm], eps), rms_norm(k, params[k_norm], eps)
 
 
+class QkNormAttention:
+    """Mixin for a Llama-family model whose attention RMS-norms each query and key head (q_norm, k_norm)."""
+
+    def layer_tensor_names(self, i: int) -> list[str]:
+        """The base family's layer tensors plus the q_norm and k_norm weights."""
+        return super().layer_tensor_names(i) + qk_norm_names(self, i)
+
+    def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
+                  linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The base family's projections, then q_norm and k_norm per head."""
+        q, k, v = super().qkv_heads(i, params, x, linear)
+        q, k = qk_normed(self, i, params, q, k)
+        return q, k, v
+
+
 def check_head_dim(config: dict[str, Any]) -> None:
     """head_dim, when given, must be a positive integer (Qwen3 sets it apart from hidden/heads)."""
     config_int(config, "head_dim", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3Model(LlamaModel):
+class Qwen3Model(QkNormAttention, LlamaModel):
     """Qwen3ForCausalLM as pure functions of `params` (see LlamaModel)."""
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Qwen3Model":
         check_head_dim(config)
         return cls(LlamaArgs.from_config(config))
-
-    def layer_tensor_names(self, i: int) -> list[str]:
-        """Llama's layer tensors plus the q_norm and k_norm weights."""
-        return super().layer_tensor_names(i) + qk_norm_names(self, i)
-
-    def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
-                  linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Llama's projections, then q_norm and k_norm per head."""
-        q, k, v = super().qkv_heads(i, params, x, linear)
-        q, k = qk_normed(self, i, params, q, k)
-        return q, k, v
 
     def expected_shapes(self) -> Shapes:
         """Every tensor the forward reads, with the shape config.json implies."""

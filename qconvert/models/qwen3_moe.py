@@ -7,17 +7,14 @@ layer. The released configs set `norm_topk_prob` (renormalize the top-k weights)
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
-
-import jax
+from typing import Any
 
 from qconvert.models.config_values import config_bool
 from qconvert.models.decoder_shapes import Shapes
-from qconvert.models.hooks import LinearHook
 from qconvert.models.llama import LlamaArgs
 from qconvert.models.qwen2_moe import (QWEN_MOE_LINEARS, QwenMoeArgs, Qwen2MoeModel, moe_linear_smoothing_groups,
                                        moe_smoothing_groups)
-from qconvert.models.qwen3 import check_head_dim, qk_norm_names, qk_normed
+from qconvert.models.qwen3 import QkNormAttention, check_head_dim, qk_norm_names
 from qconvert.models.registry import Architecture, register
 
 
@@ -28,7 +25,7 @@ def qwen3_moe_windows(config: dict[str, Any], layers: int) -> tuple[int | None, 
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3MoeModel(Qwen2MoeModel):
+class Qwen3MoeModel(QkNormAttention, Qwen2MoeModel):
     """Qwen3MoeForCausalLM as pure functions of `params` (see LlamaModel)."""
 
     @classmethod
@@ -38,17 +35,6 @@ class Qwen3MoeModel(Qwen2MoeModel):
         args = dataclasses.replace(args, qkv_bias=False,
                                    sliding_windows=qwen3_moe_windows(config, args.num_hidden_layers))
         return cls(args, moe=QwenMoeArgs.from_config(config, shared_expert=False))
-
-    def layer_tensor_names(self, i: int) -> list[str]:
-        """Qwen2-MoE's layer tensors plus the q_norm and k_norm weights."""
-        return super().layer_tensor_names(i) + qk_norm_names(self, i)
-
-    def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
-                  linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Llama's projections, then q_norm and k_norm per head (as Qwen3)."""
-        q, k, v = super().qkv_heads(i, params, x, linear)
-        q, k = qk_normed(self, i, params, q, k)
-        return q, k, v
 
     def expected_shapes(self) -> Shapes:
         """Qwen2-MoE's shapes (no shared expert) plus the [head_dim] q_norm and k_norm weights."""
