@@ -81,15 +81,14 @@ def test_a_sweep_of_signal_times_over_a_w8a8_run_leaves_nothing(workdir):
     assert finished <= 3  # nearly every signal lands mid-run
 
 
-def test_a_stuck_main_thread_is_ended_by_the_watchdog_with_its_temporaries_removed(tmp_path):
-    # The main thread blocks in native code (a mutex locked twice), as in a backend that never starts:
-    # no Python handler can run there, so the watchdog cleans up and ends the process.
-    temporary = tmp_path / ".out.abc.partial"
+def start_stuck_process(setup: str = "") -> subprocess.Popen:
+    """A Python with qconvert's handlers installed whose main thread then blocks in native code (a mutex
+    locked twice), as in a backend that never starts; `setup` runs first. Returns once it is blocked."""
     script = f"""
 import ctypes, os
 from qconvert import interrupts
 interrupts.install()
-os.mkdir({str(temporary)!r}); interrupts.register_temporary({str(temporary)!r})
+{setup}
 mutex = ctypes.create_string_buffer(64)
 libc = ctypes.CDLL(None)
 libc.pthread_mutex_init(mutex, None)
@@ -100,6 +99,14 @@ libc.pthread_mutex_lock(mutex)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     time.sleep(0.3)  # into the second lock
+    return proc
+
+
+def test_a_stuck_main_thread_is_ended_by_the_watchdog_with_its_temporaries_removed(tmp_path):
+    # The main thread blocks in native code (a mutex locked twice), as in a backend that never starts:
+    # no Python handler can run there, so the watchdog cleans up and ends the process.
+    temporary = tmp_path / ".out.abc.partial"
+    proc = start_stuck_process(f"os.mkdir({str(temporary)!r}); interrupts.register_temporary({str(temporary)!r})")
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=30)
@@ -108,20 +115,7 @@ libc.pthread_mutex_lock(mutex)
 
 
 def test_a_second_signal_ends_a_stuck_process_at_once(tmp_path):
-    script = """
-import ctypes
-from qconvert import interrupts
-interrupts.install()
-mutex = ctypes.create_string_buffer(64)
-libc = ctypes.CDLL(None)
-libc.pthread_mutex_init(mutex, None)
-libc.pthread_mutex_lock(mutex)
-print("ready", flush=True)
-libc.pthread_mutex_lock(mutex)
-"""
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    time.sleep(0.3)  # into the second lock
+    proc = start_stuck_process()
     started = time.monotonic()
     proc.send_signal(signal.SIGINT)
     time.sleep(0.2)
