@@ -53,14 +53,20 @@ def test_calibrate_refuses_zero_samples(source, tmp_path, capsys):
     assert exit_code == 2 and "--calib-samples" in stderr and list(tmp_path.iterdir()) == []
 
 
-def test_a_linear_whose_calibrated_input_is_all_zeros_gets_a_nonzero_static_scale(source, tmp_path, capsys):
-    src = tmp_path / "src"
-    src.mkdir()
+def edited_copy(source, folder, name, edit):
+    """A copy of the single-file model `source` in `folder` whose tensor `name` is changed in place by `edit`."""
+    folder.mkdir()
     for f in source.iterdir():
-        (src / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(str(src / "model.safetensors"))
-    tensors["model.layers.0.input_layernorm.weight"][:] = 0  # q/k/v of layer 0 see only zeros
-    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+        (folder / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(folder / "model.safetensors"))
+    edit(tensors[name])
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_a_linear_whose_calibrated_input_is_all_zeros_gets_a_nonzero_static_scale(source, tmp_path, capsys):
+    src = edited_copy(source, tmp_path / "src", "model.layers.0.input_layernorm.weight",
+                      lambda w: w.fill(0))  # q/k/v of layer 0 see only zeros
     out = tmp_path / "out"
     exit_code, _, stderr = run(["quantize", str(src), "-o", str(out), "--scheme", "w8a8", "--no-smooth",
                                 "--act", "static", "--calib", "random", "--calib-samples", "2",
@@ -127,13 +133,8 @@ def test_sqnr_of_huge_or_non_finite_outputs_is_a_number_not_a_crash():
 
 
 def test_a_huge_finite_weight_converts_and_verify_gives_a_verdict(source, tmp_path, capsys):
-    src = tmp_path / "src"
-    src.mkdir()
-    for f in source.iterdir():
-        (src / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(str(src / "model.safetensors"))
-    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = 1e38
-    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    src = edited_copy(source, tmp_path / "src", "model.layers.0.mlp.down_proj.weight",
+                      lambda w: w.__setitem__((0, 0), 1e38))
     out = tmp_path / "out"
     assert run(["quantize", str(src), "-o", str(out), "-q"], capsys)[0] == 0
     exit_code, stdout, stderr = run(["verify", str(out), "--quick", "--backend", "cpu"], capsys)

@@ -193,12 +193,18 @@ def moe_linear_smoothing_groups(model: Qwen2MoeModel, config: dict[str, Any]) ->
 QWEN_MOE_LINEARS = re.compile(
     r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.((experts\.\d+|shared_expert)\.)?(gate|up|down)_proj)$")
 
-QWEN2_MOE = Architecture(
-    family="qwen2_moe",
-    hf_architectures=("Qwen2MoeForCausalLM",),
-    linear_pattern=QWEN_MOE_LINEARS,
-    smoothing_groups=lambda config: moe_smoothing_groups(Qwen2MoeModel.from_config(config)),
-    default_alpha=0.85,
-    linear_smoothing_groups=lambda config: moe_linear_smoothing_groups(Qwen2MoeModel.from_config(config), config),
-)
+
+def qwen_moe_architecture(family: str, hf_architecture: str, model: type[Qwen2MoeModel]) -> Architecture:
+    """A Qwen-MoE family's Architecture: its linears and smoothing groups come from `model`."""
+    return Architecture(
+        family=family,
+        hf_architectures=(hf_architecture,),
+        linear_pattern=QWEN_MOE_LINEARS,
+        smoothing_groups=lambda config: moe_smoothing_groups(model.from_config(config)),
+        default_alpha=0.85,
+        linear_smoothing_groups=lambda config: moe_linear_smoothing_groups(model.from_config(config), config),
+    )
+
+
+QWEN2_MOE = qwen_moe_architecture("qwen2_moe", "Qwen2MoeForCausalLM", Qwen2MoeModel)
 register(QWEN2_MOE)

@@ -12,10 +12,9 @@ from typing import Any
 from qconvert.models.config_values import config_bool
 from qconvert.models.decoder_shapes import Shapes
 from qconvert.models.llama import LlamaArgs
-from qconvert.models.qwen2_moe import (QWEN_MOE_LINEARS, QwenMoeArgs, Qwen2MoeModel, moe_linear_smoothing_groups,
-                                       moe_smoothing_groups)
+from qconvert.models.qwen2_moe import QwenMoeArgs, Qwen2MoeModel, qwen_moe_architecture
 from qconvert.models.qwen3 import QkNormAttention, check_head_dim, qk_norm_names
-from qconvert.models.registry import Architecture, register
+from qconvert.models.registry import register
 
 
 def qwen3_moe_windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
@@ -44,12 +43,5 @@ class Qwen3MoeModel(QkNormAttention, Qwen2MoeModel):
         return shapes
 
 
-QWEN3_MOE = Architecture(
-    family="qwen3_moe",
-    hf_architectures=("Qwen3MoeForCausalLM",),
-    linear_pattern=QWEN_MOE_LINEARS,
-    smoothing_groups=lambda config: moe_smoothing_groups(Qwen3MoeModel.from_config(config)),
-    default_alpha=0.85,
-    linear_smoothing_groups=lambda config: moe_linear_smoothing_groups(Qwen3MoeModel.from_config(config), config),
-)
+QWEN3_MOE = qwen_moe_architecture("qwen3_moe", "Qwen3MoeForCausalLM", Qwen3MoeModel)
 register(QWEN3_MOE)
