@@ -44,7 +44,7 @@ from qconvert.formats.layouts import open_quantized  # noqa: E402
 from qconvert.formats.qarray import QArray  # noqa: E402
 from qconvert.models import build, dense_linear  # noqa: E402
 from qconvert.tokenizer import load_tokenizer  # noqa: E402
-from qconvert.w8a8 import W8A8Options, quantize_w8a8  # noqa: E402
+from qconvert.options import W8A8Options  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 HI = jax.lax.Precision.HIGHEST
@@ -56,15 +56,15 @@ CONFIGS = {
     "int8-scale-search": ("int8", {"scale_search": True}, None),
     "nf4": ("nf4", {}, None),
     "nf4-scale-search": ("nf4", {"scale_search": True}, None),
-    "w8a8-no-smooth": ("w8a8", {}, {"smooth": False, "scale_search": False}),
-    "w8a8-family": ("w8a8", {}, {"alpha": "family", "scale_search": False}),
-    "w8a8-alpha-0.5": ("w8a8", {}, {"alpha": "0.5", "scale_search": False}),
-    "w8a8-auto": ("w8a8", {}, {"alpha": "auto", "scale_search": False}),
+    "w8a8-no-smooth": ("w8a8", {"scale_search": False}, {"smooth": False}),
+    "w8a8-family": ("w8a8", {"scale_search": False}, {"alpha": "family"}),
+    "w8a8-alpha-0.5": ("w8a8", {"scale_search": False}, {"alpha": "0.5"}),
+    "w8a8-auto": ("w8a8", {"scale_search": False}, {"alpha": "auto"}),
     "w8a8-family-scale-search": ("w8a8", {}, {"alpha": "family"}),
     "w8a8-default": ("w8a8", {}, {}),
-    "w8a8-static-family": ("w8a8", {"act": "static"}, {"act": "static", "alpha": "family", "scale_search": False}),
-    "w8a8-static-auto": ("w8a8", {"act": "static"}, {"act": "static", "alpha": "auto", "scale_search": False}),
-    "w8a8-static-default": ("w8a8", {"act": "static"}, {"act": "static"}),
+    "w8a8-static-family": ("w8a8", {"act": "static", "scale_search": False}, {"alpha": "family"}),
+    "w8a8-static-auto": ("w8a8", {"act": "static", "scale_search": False}, {"alpha": "auto"}),
+    "w8a8-static-default": ("w8a8", {"act": "static"}, {}),
 }
 
 
@@ -131,12 +131,9 @@ def run_convert(src: Path, out: Path, name: str, calib: str, samples: int, seqle
     scheme, extra, w8a8 = CONFIGS[name]
     shutil.rmtree(out, ignore_errors=True)
     started = time.perf_counter()
-    options = ConvertOptions(scheme=scheme, **extra)
-    if scheme == "w8a8":
-        quantize_w8a8(str(src), out, options, W8A8Options(calib=calib, calib_samples=samples,
-                                                          calib_seqlen=seqlen, **w8a8))
-    else:
-        convert(str(src), out, options)
+    if w8a8 is not None:
+        extra = {**extra, "w8a8": W8A8Options(calib=calib, calib_samples=samples, calib_seqlen=seqlen, **w8a8)}
+    convert(str(src), out, ConvertOptions(scheme=scheme, **extra))
     return time.perf_counter() - started
 
 

@@ -3,7 +3,7 @@
     python bench/alpha_search.py                 # the trained byte Llama and a wider random Llama
     python bench/alpha_search.py --samples 16    # a quicker run
 
-For each model, in one process: `plan_w8a8` (everything `quantize --scheme w8a8`
+For each model, in one process: `prepare_w8a8` (everything `quantize --scheme w8a8`
 does before it writes: calibration forward passes, the alpha grid per group,
 the weight clip and static scale searches) with
 
@@ -20,7 +20,6 @@ model's hidden sizes, shrunk in depth).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -30,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from checkpoints import make_llama_checkpoint  # noqa: E402
 
-from qconvert.w8a8 import W8A8Options, plan_w8a8  # noqa: E402
+from qconvert.options import ConvertOptions, W8A8Options  # noqa: E402
+from qconvert.source import open_source, resolve_source  # noqa: E402
+from qconvert.w8a8 import prepare_w8a8  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 MODES = {"family": {"alpha": "family", "scale_search": False},
@@ -38,11 +39,12 @@ MODES = {"family": {"alpha": "family", "scale_search": False},
          "default": {}}
 
 
-def time_plan(folder: Path, calib: str, samples: int, seqlen: int, flags: dict) -> float:
-    config = json.loads((folder / "config.json").read_text())
-    options = W8A8Options(calib=calib, calib_samples=samples, calib_seqlen=seqlen, **flags)
+def time_stage(folder: Path, calib: str, samples: int, seqlen: int, flags: dict) -> float:
+    flags = dict(flags)
+    options = ConvertOptions(scheme="w8a8", scale_search=flags.pop("scale_search", None), w8a8=W8A8Options(
+        calib=calib, calib_samples=samples, calib_seqlen=seqlen, **flags))
     started = time.perf_counter()
-    plan_w8a8(folder, config, options)
+    prepare_w8a8(open_source(resolve_source(str(folder))), options)
     return time.perf_counter() - started
 
 
@@ -64,11 +66,11 @@ def main() -> None:
         models.append(("random Llama (hidden 1024, intermediate 2816, 2 layers)", wide, "random"))
     for label, folder, calib in models:
         for flags in MODES.values():
-            time_plan(folder, calib, args.samples, args.seqlen, flags)  # compile
+            time_stage(folder, calib, args.samples, args.seqlen, flags)  # compile
         times = {mode: float("inf") for mode in MODES}
         for _ in range(args.rounds):
             for mode, flags in MODES.items():
-                times[mode] = min(times[mode], time_plan(folder, calib, args.samples, args.seqlen, flags))
+                times[mode] = min(times[mode], time_stage(folder, calib, args.samples, args.seqlen, flags))
         base = times["family"]
         print(f"{label}, {args.samples} x {args.seqlen} calibration tokens:")
         for mode, seconds in times.items():

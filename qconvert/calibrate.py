@@ -230,11 +230,12 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
                     message=None) -> dict[str, Any]:
     """`qconvert calibrate`: statistics of MODEL (folder or Hub id) on `calib`, saved to `out`; a summary."""
     from qconvert.calib_data import BUILTIN, load_calibration
-    from qconvert.hub import resolve_model
     from qconvert.models import build
+    from qconvert.source import open_source, resolve_source
 
-    resolved = resolve_model(model, revision)
-    params = open_params(resolved.folder, resolved.config)
+    source = open_source(resolve_source(model, revision))  # as `quantize` resolves and opens
+    source.check_weights()
+    resolved, params = source.resolved, source.params
     data = load_calibration(calib or BUILTIN, resolved.folder, resolved.config, samples=samples, seqlen=seqlen)
     if message is not None:
         message(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")

@@ -47,9 +47,15 @@ def fail(message: str, exit_code: int) -> None:
     sys.exit(exit_code)
 
 
-def _w8a8_options(command):
-    """The calibration and smoothing flags of `quantize` (and, in part, `calibrate`)."""
-    for option in reversed([
+def _options(command, options):
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _calibration_options(command):
+    """The calibration text flags, the same on `quantize` (w8a8) and `calibrate`."""
+    return _options(command, [
         click.option("--calib", default=None, metavar="SOURCE",
                      help="Calibration text: builtin (the default: a small English corpus shipped with "
                           "qconvert, works offline), FILE.txt, FILE.jsonl (a \"text\" field), "
@@ -58,6 +64,12 @@ def _w8a8_options(command):
                      help="Calibration windows (default 128; fewer when the text runs out)."),
         click.option("--calib-seqlen", type=click.IntRange(min=2), default=None,
                      help="Tokens per window (default 512, capped at the model's positions)."),
+    ])
+
+
+def _w8a8_options(command):
+    """The smoothing and activation flags of `quantize --scheme w8a8`, after its calibration flags."""
+    return _calibration_options(_options(command, [
         click.option("--alpha", default=None, metavar="ALPHA",
                      help="SmoothQuant migration strength: 'auto' (the default: per group, the grid alpha "
                           "with the least simulated W8A8 output error on calibration rows), 'family' (the "
@@ -71,9 +83,7 @@ def _w8a8_options(command):
                      help="w8a8 activations: per-token scales at run time, or per-tensor from calibration."),
         click.option("--act-stats", type=click.Path(path_type=Path), default=None,
                      help="Reuse activation statistics from `qconvert calibrate` instead of calibrating."),
-    ]):
-        command = option(command)
-    return command
+    ]))
 
 
 @cli.command(epilog=EXIT_CODES_EPILOG)
@@ -116,43 +126,36 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
     started = time.perf_counter()
     _hub_messages(verbose)
-    from qconvert.convert import ConvertOptions, convert
+    from qconvert.convert import convert
+    from qconvert.options import ConvertOptions
     from qconvert.plan import parse_size
 
     options = ConvertOptions(scheme=scheme, revision=revision, include=include, exclude=exclude,
                              max_shard_size=parse_size(max_shard_size), double_quant=double_quant,
                              scale_search=scale_search, overwrite=overwrite, dry_run=dry_run,
-                             act=w8a8_flags["act"], any_architecture=any_architecture, workers=workers)
-    run = lambda progress: convert(model, out, options, progress=progress)  # noqa: E731
-    if scheme == "w8a8":
-        run = _w8a8_run(model, out, options, w8a8_flags, quiet or as_json)
-    elif w8a8_flags["act"] != "dynamic" or any(
-            w8a8_flags[k] not in (None, False)
-            for k in ("calib", "calib_samples", "calib_seqlen", "alpha", "no_smooth", "act_stats")):
-        raise UsageError("--calib, --alpha, --no-smooth, --act and --act-stats apply to --scheme w8a8 only")
-    result = _run_with_progress(run, show=not (quiet or as_json or dry_run))
+                             act=w8a8_flags["act"], any_architecture=any_architecture, workers=workers,
+                             w8a8=_w8a8_options_from(scheme, w8a8_flags))
+    message = None if quiet or as_json else (lambda text: click.echo(f"qconvert: {text}", err=True))
+    result = _run_with_progress(lambda progress: convert(model, out, options, progress=progress, message=message),
+                                show=not (quiet or as_json or dry_run))
     # The whole command, imports and model resolution included, not only the conversion.
     result = dataclasses.replace(result, seconds=time.perf_counter() - started)
     _print_result(result, quiet, as_json)
     return 0
 
 
-def _w8a8_options_from(flags: dict) -> "W8A8Options":
+def _w8a8_options_from(scheme: str, flags: dict):
+    """The W8A8Options of --scheme w8a8; for another scheme None, or the flags given (ConvertOptions refuses them)."""
     from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
-    from qconvert.w8a8 import W8A8Options
+    from qconvert.options import W8A8Options
 
+    if scheme != "w8a8" and flags["act"] == "dynamic" and all(
+            flags[k] in (None, False) for k in ("calib", "calib_samples", "calib_seqlen", "alpha", "no_smooth",
+                                                "act_stats")):
+        return None
     return W8A8Options(calib=flags["calib"], calib_samples=flags["calib_samples"] or DEFAULT_SAMPLES,
                        calib_seqlen=flags["calib_seqlen"] or DEFAULT_SEQLEN, alpha=flags["alpha"],
-                       smooth=not flags["no_smooth"], act=flags["act"], act_stats=flags["act_stats"])
-
-
-def _w8a8_run(model: str, out: Path, options, flags: dict, quiet: bool):
-    """The conversion run for --scheme w8a8: calibration and smoothing first, messages on stderr."""
-    from qconvert.w8a8 import quantize_w8a8
-
-    w8a8 = _w8a8_options_from(flags)
-    message = None if quiet else (lambda text: click.echo(f"qconvert: {text}", err=True))
-    return lambda progress: quantize_w8a8(model, out, options, w8a8, progress=progress, message=message)
+                       smooth=not flags["no_smooth"], act_stats=flags["act_stats"])
 
 
 @cli.command(epilog=EXIT_CODES_EPILOG)
@@ -160,11 +163,7 @@ def _w8a8_run(model: str, out: Path, options, flags: dict, quiet: bool):
 @click.option("-o", "--out", "out", required=True, callback=_out_path,
               help="The statistics file to write (safetensors).")
 @click.option("--revision", default=None, help="Hub branch, tag or commit (Hub ids only).")
-@click.option("--calib", default=None, metavar="SOURCE",
-              help="builtin (default, offline), FILE.txt, FILE.jsonl, hf://datasets/OWNER/NAME/FILE, or random.")
-@click.option("--calib-samples", type=click.IntRange(min=1), default=None,
-              help="Calibration windows (default 128).")
-@click.option("--calib-seqlen", type=click.IntRange(min=2), default=None, help="Tokens per window (default 512).")
+@_calibration_options
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @_verbose_option
 def calibrate(model: str, out: Path, revision: str | None, calib: str | None, calib_samples: int | None,

@@ -1,4 +1,4 @@
-"""The quantize pipeline: resolve MODEL, plan, stream-quantize tensor by tensor into packed shards, write OUT atomically."""
+"""The quantize pipeline: resolve MODEL once, plan, calibrate (w8a8), stream-quantize into packed shards, write OUT atomically."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ import numpy as np
 from qconvert import __version__
 from qconvert.errors import InvalidCheckpointError, InvalidWeightError, UsageError
 from qconvert.formats.errors import FormatError
-from qconvert.formats.layouts import SCHEMES, qarray_to_tensors, quantization_config
-from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint, write_shards
-from qconvert.hub import ResolvedModel, resolve_model
-from qconvert.models.weight_only import WeightOnlySelection, check_architecture, checkpoint_architecture
+from qconvert.formats.layouts import qarray_to_tensors, quantization_config
+from qconvert.formats.safetensors_io import SafetensorsCheckpoint, write_shards
+from qconvert.hub import ResolvedModel
+from qconvert.models.weight_only import WeightOnlySelection
+from qconvert.options import ConvertOptions, W8A8Options  # noqa: F401  (ConvertOptions' home; imported from here)
 from qconvert.output import (
     MANIFEST_NAME, check_output_free, check_output_location, copy_side_files, hash_in_background, side_files,
     staged_output, write_json,
@@ -27,60 +28,19 @@ from qconvert.prefetch import available_cores, run_ahead
 from qconvert.quantize import quantize_int8, quantize_nf4
 from qconvert.rowwise import quantize_rows
 from qconvert.scale_search import ScaleSearches
+from qconvert.source import SourceModel, open_source, resolve_source
 from qconvert.stages import stage
+from qconvert.w8a8 import W8A8Adjustments, prepare_w8a8
 
-DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
 # The exponent bits of each float weight dtype: all ones exactly for NaN and Inf.
 EXPONENT_BITS = {"float32": (np.uint32, 0x7F800000), "float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80)}
 # Options that change no output byte stay out of qconvert.json, so reruns with them stay identical.
 # (--any-architecture changes nothing for a known family; where it applies, qconvert.json
 # records the weight-only selection itself.)
 PRESENTATION_OPTIONS = ("overwrite", "dry_run", "any_architecture", "workers")
-
-
-@dataclasses.dataclass(frozen=True)
-class ConvertOptions:
-    """Every choice a conversion takes; validated on construction."""
-
-    scheme: str = "int8"
-    revision: str | None = None
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    double_quant: bool = False
-    act: str = "dynamic"
-    # None: off here; `quantize --scheme w8a8` (quantize_w8a8) turns it on unless --no-scale-search.
-    scale_search: bool | None = None
-    overwrite: bool = False
-    dry_run: bool = False
-    # An unknown decoder converts weight-only, its linears found by the layer-prefix rule
-    # (qconvert.models.weight_only); a known family always keeps its own list.
-    any_architecture: bool = False
-    # Threads that read and quantize tensors ahead of the writer; None: one per available core.
-    # The output bytes are the same whatever the count.
-    workers: int | None = None
-
-    def __post_init__(self):
-        object.__setattr__(self, "include", tuple(self.include))
-        object.__setattr__(self, "exclude", tuple(self.exclude))
-        if self.scheme not in SCHEMES:
-            raise UsageError(f"unknown scheme {self.scheme!r}; choose one of {', '.join(SCHEMES)}")
-        if self.double_quant and self.scheme != "nf4":
-            raise UsageError("--double-quant applies to --scheme nf4 only")
-        if self.act not in ("dynamic", "static"):
-            raise UsageError(f"--act must be dynamic or static, not {self.act!r}")
-        if self.act == "static" and self.scheme != "w8a8":
-            raise UsageError("static activation scales apply to --scheme w8a8 only")
-        if self.max_shard_size <= 0:
-            raise UsageError("--max-shard-size must be positive")
-        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
-                                         or self.workers < 1):
-            raise UsageError(f"--workers must be a whole number of at least 1, not {self.workers!r}")
-
-    @property
-    def searches_scales(self) -> bool:
-        """Whether scales are searched (clipping ratios) rather than plain absmax: --scale-search."""
-        return bool(self.scale_search)
+# The w8a8 calibration and smoothing choices are recorded in full as qconvert.json's
+# `calibration` and `smoothing`, not among the flags.
+RECORDED_ELSEWHERE = ("w8a8",)
 
 
 class Progress(Protocol):
@@ -132,68 +92,52 @@ class ConvertResult:
         }
 
 
-def convert(
-    model: str,
-    out,
-    options: ConvertOptions,
-    *,
-    weight_transform: Callable[[str, np.ndarray], np.ndarray] | None = None,
-    input_scales: Mapping[str, float] | None = None,
-    calibration_record: dict | None = None,
-    smoothing_record: dict | None = None,
-    weight_clip: Mapping[str, np.ndarray] | None = None,
-    search_records: Mapping[str, dict] | None = None,
-    progress: Progress | None = None,
-) -> ConvertResult:
-    """Quantize MODEL (a folder or Hub id) into OUT.
+def convert(model: str, out, options: ConvertOptions, *, progress: Progress | None = None,
+            message: Callable[[str], None] | None = None) -> ConvertResult:
+    """`qconvert quantize`: MODEL (a folder or Hub id) into OUT, each step once.
 
-    `weight_transform(name, array)` may replace any source tensor before it is
-    written or quantized (SmoothQuant hands in smoothed norms and linears this
-    way); `input_scales` maps module -> static activation scale (w8a8, act
-    static); the two records go verbatim into qconvert.json.
+    Check OUT; resolve MODEL (one commit for a Hub branch); open its checkpoint
+    and find its architecture; plan every output tensor; for w8a8, calibrate and
+    smooth on that same checkpoint (qconvert.w8a8); stream-quantize into shards
+    beside OUT; write config.json and qconvert.json; rename into place.
+    `message` receives the w8a8 stage's progress lines.
     """
     started = time.perf_counter()
     out = Path(out)
     if not options.dry_run:
         check_output_target(model, out, options.overwrite)  # before any download
-    with stage("resolving the model"):
-        resolved = resolve_model(model, options.revision, check_architecture=functools.partial(
-            check_architecture, any_architecture=options.any_architecture, scheme=options.scheme))
-    if not options.dry_run:
-        check_output_location(out, resolved.folder)
+    resolved = resolve_source(model, options.revision, scheme=options.scheme,
+                              any_architecture=options.any_architecture)
+    if not options.dry_run and resolved.is_hub:
+        check_output_location(out, resolved.folder)  # not inside the Hub cache either
+    phases: list[tuple[str, float]] = []
     try:
         with stage("planning"):
-            ckpt = open_checkpoint(resolved.folder)
-            arch, weight_only = checkpoint_architecture(resolved.config, ckpt,
-                                                        any_architecture=options.any_architecture)
-            plan = plan_conversion(ckpt, resolved.config, arch, scheme=options.scheme, include=options.include,
-                                   exclude=options.exclude, double_quant=options.double_quant,
-                                   static_act=options.act == "static")
+            source = open_source(resolved, any_architecture=options.any_architecture)
+        try:
+            with stage("planning"):
+                plan = plan_conversion(source.checkpoint, resolved.config, source.arch, scheme=options.scheme,
+                                       include=options.include, exclude=options.exclude,
+                                       double_quant=options.double_quant, static_act=options.act == "static")
+            w8a8 = W8A8Adjustments()
+            if options.scheme == "w8a8" and not (options.dry_run and options.act == "dynamic"):
+                calibration_started = time.perf_counter()
+                with stage("calibration"):
+                    w8a8 = prepare_w8a8(source, options, message)
+                if w8a8.calibration_record is not None:
+                    phases.append(("calibrated", time.perf_counter() - calibration_started))
             if options.act == "static":
-                _check_input_scales(plan, input_scales or {})
-        files: dict[str, str] = {}
-        searches = ScaleSearches(options.searches_scales, dict(weight_clip or {}), dict(search_records or {}))
-        writing_started = time.perf_counter()
-        if not options.dry_run:
-            source_hashes = hash_in_background(resolved.folder, input_files(resolved.folder, ckpt))
-            with stage("writing the output"), staged_output(out, options.overwrite) as staging:
-                stream = stream_tensors(ckpt, plan, options, weight_transform, input_scales or {}, progress,
-                                        searches)
-                try:
-                    files.update(write_shards(staging, plan.specs, stream, options.max_shard_size))
-                finally:
-                    stream.close()  # stops the worker at once if writing failed
-                    ckpt.close()
-                files.update(copy_side_files(resolved.folder, staging))
-                files["config.json"] = write_json(staging / "config.json",
-                                                  quantized_config(resolved.config, plan, options))
-                record = manifest(resolved, source_hashes(), options, files, calibration_record, smoothing_record,
-                                  searches.record(options.scheme))
-                if weight_only is not None:
-                    record["weight_only"] = weight_only.record()
-                write_json(staging / MANIFEST_NAME, record)
+                _check_input_scales(plan, w8a8.input_scales or {})
+            files: dict[str, str] = {}
+            if not options.dry_run:
+                writing_started = time.perf_counter()
+                files = write_output(source, out, plan, options, w8a8, progress)
+                phases.append(("wrote", time.perf_counter() - writing_started))
+        finally:
+            source.close()
     except FormatError as err:
         raise InvalidCheckpointError(f"{err}") from None
+    ckpt = source.checkpoint
     return ConvertResult(
         out=None if options.dry_run else out,
         source={"model": resolved.model_id, "is_hub": resolved.is_hub, "revision": resolved.revision,
@@ -201,9 +145,32 @@ def convert(
         scheme=options.scheme, dry_run=options.dry_run, tensors=plan.tensors,
         input_bytes=sum(ckpt.nbytes(name) for name in ckpt.tensor_names),
         output_bytes=sum(spec.nbytes for spec in plan.specs),
-        seconds=time.perf_counter() - started, files=dict(sorted(files.items())), weight_only=weight_only,
-        phases=() if options.dry_run else (("wrote", time.perf_counter() - writing_started),),
+        seconds=time.perf_counter() - started, files=files, phases=tuple(phases),
+        weight_only=source.weight_only,
     )
+
+
+def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: ConvertOptions,
+                 w8a8: W8A8Adjustments, progress: Progress | None) -> dict[str, str]:
+    """Write the planned tensors, config.json and qconvert.json beside OUT, then rename into place; the file hashes."""
+    resolved, ckpt = source.resolved, source.checkpoint
+    files: dict[str, str] = {}
+    searches = ScaleSearches(options.searches_scales, dict(w8a8.weight_clip), dict(w8a8.search_records))
+    source_hashes = hash_in_background(resolved.folder, input_files(resolved.folder, ckpt))
+    with stage("writing the output"), staged_output(out, options.overwrite) as staging:
+        stream = stream_tensors(ckpt, plan, options, w8a8.transform, w8a8.input_scales or {}, progress, searches)
+        try:
+            files.update(write_shards(staging, plan.specs, stream, options.max_shard_size))
+        finally:
+            stream.close()  # stops the worker at once if writing failed
+        files.update(copy_side_files(resolved.folder, staging))
+        files["config.json"] = write_json(staging / "config.json", quantized_config(resolved.config, plan, options))
+        record = manifest(resolved, source_hashes(), options, files, w8a8.calibration_record,
+                          w8a8.smoothing_record, searches.record(options.scheme))
+        if source.weight_only is not None:
+            record["weight_only"] = source.weight_only.record()
+        write_json(staging / MANIFEST_NAME, record)
+    return dict(sorted(files.items()))
 
 
 def check_output_target(model: str, out: Path, overwrite: bool) -> None:
@@ -350,7 +317,8 @@ def manifest(resolved: ResolvedModel, source_hashes: Mapping[str, str], options:
              files: Mapping[str, str], calibration_record: dict | None,
              smoothing_record: dict | None, search_record: dict | None = None) -> dict[str, Any]:
     """qconvert.json: tool version, source and its file hashes, scheme, flags, records, output hashes."""
-    flags = {k: v for k, v in dataclasses.asdict(options).items() if k not in PRESENTATION_OPTIONS}
+    flags = {k: v for k, v in dataclasses.asdict(options).items()
+             if k not in PRESENTATION_OPTIONS + RECORDED_ELSEWHERE}
     flags["include"], flags["exclude"] = list(options.include), list(options.exclude)
     flags["scale_search"] = options.searches_scales
     return {

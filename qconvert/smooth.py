@@ -89,7 +89,7 @@ class TensorFold:
     gain_offset: float = 0.0
 
 
-def fold_plan(scales: Sequence[GroupScales]) -> dict[str, TensorFold]:
+def tensor_folds(scales: Sequence[GroupScales]) -> dict[str, TensorFold]:
     """Tensor name -> TensorFold for every tensor the groups touch (a tensor may get rows and columns)."""
     rows: dict[str, tuple[np.ndarray, int]] = {}
     cols: dict[str, np.ndarray] = {}
@@ -105,11 +105,11 @@ def fold_plan(scales: Sequence[GroupScales]) -> dict[str, TensorFold]:
             if name in cols:
                 raise ValueError(f"{linear} belongs to two smoothing groups")
             cols[name] = g.input_scales
-    plan = {}
+    folds = {}
     for name in sorted(set(rows) | set(cols)):
         divisor, offset = rows.get(name, (None, 0))
-        plan[name] = TensorFold(divisor, cols.get(name), offset, offsets.get(name, 0.0))
-    return plan
+        folds[name] = TensorFold(divisor, cols.get(name), offset, offsets.get(name, 0.0))
+    return folds
 
 
 def apply_fold(array: np.ndarray, fold: TensorFold) -> np.ndarray:

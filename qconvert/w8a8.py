@@ -1,10 +1,10 @@
-"""The W8A8 (SmoothQuant) preparation: calibrate, choose alpha, compute smoothing folds and static input scales.
+"""The w8a8 stage of the quantize pipeline: calibrate, choose alpha, compute smoothing folds and static input scales.
 
-`plan_w8a8` turns a model folder and the w8a8 flags into a W8A8Plan whose parts
-the conversion pipeline takes as they are: `weight_transform(name, array)`
-hands out smoothed norms and linears, `input_scales` the static per-tensor
-activation scales, `weight_clip` the int8 clipping ratios searched on
-calibration rows, and the records go into qconvert.json.
+`prepare_w8a8` takes the pipeline's already-opened source model (qconvert.source)
+and its options and returns W8A8Adjustments, whose parts the conversion takes as
+they are: `weight_transform(name, array)` hands out smoothed norms and linears,
+`input_scales` the static per-tensor activation scales, `weight_clip` the int8
+clipping ratios searched on calibration rows, and the records go into qconvert.json.
 
 Calibration runs layer by layer; as soon as a layer's statistics are complete,
 its groups get their smoothing (the alpha grid searched by default) and its
@@ -15,27 +15,25 @@ more than one layer's rows are held at a time.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import ml_dtypes
 import numpy as np
 
-from qconvert.calib_data import BUILTIN, DEFAULT_SAMPLES, DEFAULT_SEQLEN, load_calibration
-from qconvert.calibrate import (DEFAULT_BATCH_SIZE, ActStats, check_stats_cover, iter_layer_stats,
-                                load_act_stats, open_params)
+from qconvert.calib_data import BUILTIN, load_calibration
+from qconvert.calibrate import ActStats, check_stats_cover, iter_layer_stats, load_act_stats
 from qconvert.errors import UsageError
 from qconvert.formats.safetensors_io import sha256_file
 from qconvert.models import build
-from qconvert.models.registry import Architecture, SmoothingGroup, architecture_for
+from qconvert.models.registry import Architecture, SmoothingGroup
+from qconvert.options import ConvertOptions, W8A8Options
 from qconvert.scale_search import LinearSearch, search_linear
 from qconvert.smooth import (INT8_QMAX, MIN_SCALE, AlphaSpec, GroupScales, TensorFold, apply_fold,
-                             fold_plan, group_scales, parse_alpha, read_group_weights, search_alpha,
-                             smoothed_input_absmax, unmatched_alpha_keys)
+                             group_scales, read_group_weights, search_alpha, smoothed_input_absmax,
+                             tensor_folds, unmatched_alpha_keys)
+from qconvert.source import SourceModel
 
-ACT_MODES = ("dynamic", "static")
 # The smallest static input_scale written (float32); the weight scales have the same floor.
 MIN_INPUT_SCALE = 1e-8
 REMEDY = ("linear->linear smoothing of the inputs no norm feeds: v_proj rows -> o_proj columns "
@@ -44,28 +42,13 @@ REMEDY = ("linear->linear smoothing of the inputs no norm feeds: v_proj rows -> 
 
 
 @dataclasses.dataclass(frozen=True)
-class W8A8Options:
-    """The w8a8 flags of `qconvert quantize`."""
+class W8A8Adjustments:
+    """What the w8a8 stage hands the conversion: smoothing folds, static input scales, clips, and the records."""
 
-    calib: str | None = None          # None: the built-in corpus
-    calib_samples: int = DEFAULT_SAMPLES
-    calib_seqlen: int = DEFAULT_SEQLEN
-    alpha: str | None = None          # None: the family's default
-    smooth: bool = True
-    act: str = "dynamic"
-    act_stats: Path | None = None
-    batch_size: int = DEFAULT_BATCH_SIZE
-    scale_search: bool = True         # int8 weight clipping ratios (and static input scales) searched
-
-
-@dataclasses.dataclass(frozen=True)
-class W8A8Plan:
-    """What the converter needs for w8a8: smoothing folds, static input scales, and the records."""
-
-    folds: dict[str, TensorFold]
-    input_scales: dict[str, float] | None
-    calibration_record: dict[str, Any] | None
-    smoothing_record: dict[str, Any] | None
+    folds: dict[str, TensorFold] = dataclasses.field(default_factory=dict)
+    input_scales: dict[str, float] | None = None
+    calibration_record: dict[str, Any] | None = None
+    smoothing_record: dict[str, Any] | None = None
     weight_clip: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     search_records: dict[str, dict] = dataclasses.field(default_factory=dict)
 
@@ -74,22 +57,10 @@ class W8A8Plan:
         fold = self.folds.get(name)
         return array if fold is None else apply_fold(array, fold)
 
-
-def check_options(options: W8A8Options) -> AlphaSpec:
-    """Reject flag combinations that do not fit; the parsed --alpha."""
-    if options.act not in ACT_MODES:
-        raise UsageError(f"--act {options.act!r} is not one of {', '.join(ACT_MODES)}")
-    spec = parse_alpha(options.alpha)
-    if not options.smooth and options.alpha is not None:
-        raise UsageError("--alpha has no effect with --no-smooth; drop one of them")
-    if options.act_stats is not None and options.calib is not None:
-        raise UsageError("--act-stats replaces calibration; drop --calib (or --act-stats)")
-    if options.act_stats is not None and spec.auto and options.alpha is not None:
-        raise UsageError("--alpha auto searches on calibration activations, which a statistics file "
-                         "does not hold; drop --act-stats or give a fixed --alpha")
-    if options.act_stats is not None and spec.auto:
-        return AlphaSpec()  # the default search needs activation rows: the family's alpha instead
-    return spec
+    @property
+    def transform(self) -> Callable[[str, np.ndarray], np.ndarray] | None:
+        """`weight_transform`, or None when nothing is smoothed (linears then stream row block by row block)."""
+        return self.weight_transform if self.folds else None
 
 
 def smoothing_groups(arch: Architecture, config: dict[str, Any]) -> list[SmoothingGroup]:
@@ -120,28 +91,29 @@ def to_bfloat16(values: np.ndarray) -> np.ndarray:
     return np.asarray(values, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def _calibrate(folder: Path, config: dict[str, Any], params: Mapping, arch: Architecture,
-               groups: list[SmoothingGroup], linears: list[str], spec: AlphaSpec, options: W8A8Options,
-               progress: Callable[[str], None]) -> tuple[ActStats, dict[str, GroupScales], dict, dict]:
+def _calibrate(source: SourceModel, groups: list[SmoothingGroup], linears: list[str], spec: AlphaSpec,
+               options: ConvertOptions, progress: Callable[[str], None]
+               ) -> tuple[ActStats, dict[str, GroupScales], dict, dict]:
     """Run calibration; as each layer completes, choose its groups' smoothing and search its linears.
 
     Returns the statistics, every group's scales, the alpha search errors and
     the per-linear searches (clip ratios, static input scales).
     """
-    data = load_calibration(options.calib or BUILTIN, folder, config,
-                            samples=options.calib_samples, seqlen=options.calib_seqlen)
+    calib, params, arch = options.w8a8, source.params, source.arch
+    data = load_calibration(calib.calib or BUILTIN, source.folder, source.config,
+                            samples=calib.calib_samples, seqlen=calib.calib_seqlen)
     progress(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
-    model = build(config)
+    model = build(source.config)
     static = options.act == "static"
-    keep = set(linears) if options.scale_search else set()
+    keep = set(linears) if options.searches_scales else set()
     keep |= {g.linears[0] for g in groups} if spec.auto else set()
     act_absmax: dict[str, np.ndarray] = {}
     chosen: dict[str, GroupScales] = {}
     errors: dict[str, dict[float, float]] = {}
     searches: dict[str, LinearSearch] = {}
     pending, unsearched = list(groups), list(linears)
-    for layer in iter_layer_stats(model, params, data.input_ids, batch_size=options.batch_size,
-                                  keep_inputs=keep):
+    batching = {} if calib.batch_size is None else {"batch_size": calib.batch_size}
+    for layer in iter_layer_stats(model, params, data.input_ids, keep_inputs=keep, **batching):
         act_absmax.update(layer.act_absmax)
         for group in [g for g in pending if all(m in act_absmax for m in g.linears)]:
             pending.remove(group)
@@ -155,7 +127,7 @@ def _calibrate(folder: Path, config: dict[str, Any], params: Mapping, arch: Arch
                                                   spec.alpha_for(group.norm, arch.default_alpha))
         ready = [m for m in unsearched if m in act_absmax
                  and not any(m in g.linears or m == g.norm for g in pending)]
-        if options.scale_search and ready:
+        if options.searches_scales and ready:
             searches.update(_search_linears(params, ready, chosen, act_absmax, layer.input_samples, options))
         unsearched = [m for m in unsearched if m not in ready]
         if layer.index < model.num_layers:  # the last LayerStats holds the head's inputs
@@ -165,10 +137,10 @@ def _calibrate(folder: Path, config: dict[str, Any], params: Mapping, arch: Arch
 
 def _search_linears(params: Mapping, modules: list[str], chosen: Mapping[str, GroupScales],
                     act_absmax: Mapping[str, np.ndarray], samples: Mapping[str, np.ndarray],
-                    options: W8A8Options) -> dict[str, LinearSearch]:
+                    options: ConvertOptions) -> dict[str, LinearSearch]:
     """The weight clip and static scale searches of `modules`, on their weights and inputs as smoothed."""
-    folds = fold_plan([g for g in chosen.values()
-                       if any(m in g.group.linears or m == g.group.norm for m in modules)])
+    folds = tensor_folds([g for g in chosen.values()
+                          if any(m in g.group.linears or m == g.group.norm for m in modules)])
     col_scales = {m: g.input_scales for g in chosen.values() for m in g.group.linears}
     found = {}
     for m in modules:
@@ -182,21 +154,26 @@ def _search_linears(params: Mapping, modules: list[str], chosen: Mapping[str, Gr
         static_absmax = smoothed_input_absmax(act_absmax[m], s) if options.act == "static" else None
         # (only reached with --scale-search: without it a static input_scale is the plain max)
         found[m] = search_linear(weight, x, scale_dtype=np.dtype(np.asarray(raw).dtype),
-                                 clip_weights=options.scale_search, static_absmax=static_absmax)
+                                 clip_weights=options.searches_scales, static_absmax=static_absmax)
     return found
 
 
-def plan_w8a8(folder: Path, config: dict[str, Any], options: W8A8Options,
-              progress: Callable[[str], None] | None = None) -> W8A8Plan:
-    """Calibrate (or load statistics), smooth, and derive static scales for a w8a8 conversion."""
-    spec = check_options(options)
+def prepare_w8a8(source: SourceModel, options: ConvertOptions,
+                 progress: Callable[[str], None] | None = None) -> W8A8Adjustments:
+    """Calibrate (or load statistics), smooth, and derive static scales for a w8a8 conversion of `source`.
+
+    `source` is the pipeline's opened model: calibration reads the very weights
+    that are then written. Plain per-token W8A8 (no smoothing, dynamic) needs no
+    statistics and gets no adjustments.
+    """
+    calib = options.w8a8
+    if options.scheme != "w8a8" or not (calib.smooth or options.act == "static"):
+        return W8A8Adjustments()
+    spec = calib.alpha_spec()
     progress = progress or (lambda message: None)
-    if not options.smooth and options.act == "dynamic":
-        return W8A8Plan({}, None, None, None)  # plain per-token W8A8 needs no statistics
-    arch = architecture_for(config)
-    params = open_params(folder, config)  # config vs weights before any calibration time is spent
+    arch, params = source.arch, source.params
     linears = arch.linear_names(params)
-    groups = smoothing_groups(arch, config) if options.smooth else []
+    groups = smoothing_groups(arch, source.config) if calib.smooth else []
     unknown = unmatched_alpha_keys(spec, [g.norm for g in groups])
     if unknown:
         raise UsageError(f"--alpha names {', '.join(unknown)}, which matches no smoothing group of "
@@ -204,16 +181,15 @@ def plan_w8a8(folder: Path, config: dict[str, Any], options: W8A8Options,
     searched: dict[str, GroupScales] = {}
     errors: dict[str, dict[float, float]] = {}
     searches: dict[str, LinearSearch] = {}
-    if options.act_stats is not None:
-        stats = load_act_stats(options.act_stats)
+    if calib.act_stats is not None:
+        stats = load_act_stats(calib.act_stats)
         check_stats_cover(stats, {m: int(params.checkpoint.shape(f"{m}.weight")[1]) for m in linears},
-                          str(options.act_stats))
+                          str(calib.act_stats))
         calibration_record = dict(stats.calibration or {})
-        calibration_record["stats_file"] = {"name": Path(options.act_stats).name,
-                                            "sha256": sha256_file(options.act_stats)}
+        calibration_record["stats_file"] = {"name": Path(calib.act_stats).name,
+                                            "sha256": sha256_file(calib.act_stats)}
     else:
-        stats, searched, errors, searches = _calibrate(folder, config, params, arch, groups, linears, spec,
-                                                       options, progress)
+        stats, searched, errors, searches = _calibrate(source, groups, linears, spec, options, progress)
         calibration_record = stats.calibration
     scales = []
     for group in groups:
@@ -230,10 +206,10 @@ def plan_w8a8(folder: Path, config: dict[str, Any], options: W8A8Options,
                         if m in searches and searches[m].input_scale is not None
                         else static_input_scale(smoothed_input_absmax(stats.act_absmax[m], smoothed.get(m)))
                         for m in linears}
-    return W8A8Plan(fold_plan(scales), input_scales, calibration_record,
-                    _smoothing_record(scales, spec, arch, errors, options) if options.smooth else None,
-                    weight_clip={m: f.clip for m, f in searches.items() if f.clip is not None},
-                    search_records={m: f.record for m, f in searches.items()})
+    return W8A8Adjustments(tensor_folds(scales), input_scales, calibration_record,
+                           _smoothing_record(scales, spec, arch, errors, calib) if calib.smooth else None,
+                           weight_clip={m: f.clip for m, f in searches.items() if f.clip is not None},
+                           search_records={m: f.record for m, f in searches.items()})
 
 
 def static_input_scale(act_absmax: float) -> float:
@@ -262,47 +238,3 @@ def _smoothing_record(scales: list[GroupScales], spec: AlphaSpec, arch: Architec
         record["alpha_search"] = {source: {f"{a:.2f}": float(f"{e:.4g}") for a, e in tried.items()}
                                   for source, tried in errors.items()}
     return record
-
-
-def quantize_w8a8(model: str, out: Path, options, w8a8: W8A8Options, *, progress=None,
-                  message: Callable[[str], None] | None = None):
-    """`qconvert quantize --scheme w8a8`: calibrate and smooth, then convert with the plan's hooks.
-
-    A dry run skips calibration unless static scales are asked for (the plan
-    needs one per linear).
-    """
-    from qconvert.convert import check_output_target, convert
-    from qconvert.hub import resolve_model
-    from qconvert.models.weight_only import check_architecture
-    from qconvert.output import check_output_location
-    from qconvert.stages import stage
-
-    if options.scheme != "w8a8":
-        raise UsageError("calibration and smoothing flags apply to --scheme w8a8 only")
-    if options.act != w8a8.act:
-        raise UsageError(f"--act {w8a8.act} and the conversion's act {options.act} disagree")
-    check_options(w8a8)
-    started = time.perf_counter()
-    # --scale-search/--no-scale-search (ConvertOptions) wins; unset, the w8a8 options decide.
-    if options.scale_search is None:
-        options = dataclasses.replace(options, scale_search=w8a8.scale_search)
-    w8a8 = dataclasses.replace(w8a8, scale_search=options.searches_scales)
-    if not options.dry_run:
-        check_output_target(model, Path(out), options.overwrite)  # before the calibration's time is spent
-    if options.dry_run and w8a8.act == "dynamic":
-        plan = W8A8Plan({}, None, None, None)
-    else:
-        with stage("resolving the model"):
-            resolved = resolve_model(model, options.revision, check_architecture=functools.partial(
-                check_architecture, any_architecture=options.any_architecture, scheme=options.scheme))
-        if not options.dry_run:
-            check_output_location(Path(out), resolved.folder)
-        with stage("calibration"):
-            plan = plan_w8a8(resolved.folder, resolved.config, w8a8, progress=message)
-    calibrated = time.perf_counter() - started
-    result = convert(model, out, options, weight_transform=plan.weight_transform if plan.folds else None,
-                     input_scales=plan.input_scales, calibration_record=plan.calibration_record,
-                     smoothing_record=plan.smoothing_record, weight_clip=plan.weight_clip,
-                     search_records=plan.search_records, progress=progress)
-    phases = ((("calibrated", calibrated),) if plan.calibration_record is not None else ()) + result.phases
-    return dataclasses.replace(result, seconds=time.perf_counter() - started, phases=phases)

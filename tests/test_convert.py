@@ -263,44 +263,53 @@ def test_full_disk_leaves_no_output_and_no_temp_folder(llama_bf16, tmp_path, mon
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
-def test_ctrl_c_leaves_no_output_and_no_temp_folder(llama_bf16, tmp_path):
-    seen = []
+def interrupt_at_tensor(monkeypatch, count: int) -> None:
+    """Ctrl-C while the `count`-th tensor is read (on a worker thread, as a real one would arrive)."""
+    real, seen = convert_module.output_tensors, []
 
-    def interrupt(name, array):
-        seen.append(name)
-        if len(seen) == 4:
+    def interrupted(ckpt, planned, *args, **kwargs):
+        seen.append(planned.source)
+        if len(seen) == count:
             raise KeyboardInterrupt
-        return array
+        return real(ckpt, planned, *args, **kwargs)
 
+    monkeypatch.setattr(convert_module, "output_tensors", interrupted)
+
+
+def test_ctrl_c_leaves_no_output_and_no_temp_folder(llama_bf16, tmp_path, monkeypatch):
+    interrupt_at_tensor(monkeypatch, 4)
     with pytest.raises(KeyboardInterrupt):
-        convert(str(llama_bf16), tmp_path / "out", ConvertOptions(scheme="nf4"), weight_transform=interrupt)
+        convert(str(llama_bf16), tmp_path / "out", ConvertOptions(scheme="nf4"))
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
-def test_overwrite_replaces_and_a_failed_overwrite_keeps_the_old_output(llama_bf16, tmp_path):
+def test_overwrite_replaces_and_a_failed_overwrite_keeps_the_old_output(llama_bf16, tmp_path, monkeypatch):
     out = tmp_path / "out"
     convert(str(llama_bf16), out, ConvertOptions(scheme="nf4"))
     convert(str(llama_bf16), out, ConvertOptions(scheme="int8", overwrite=True))
     assert json.loads((out / "qconvert.json").read_text())["scheme"] == "int8"
 
-    def interrupt(name, array):
-        raise KeyboardInterrupt
-
+    interrupt_at_tensor(monkeypatch, 1)
     with pytest.raises(KeyboardInterrupt):
-        convert(str(llama_bf16), out, ConvertOptions(scheme="nf4", overwrite=True), weight_transform=interrupt)
+        convert(str(llama_bf16), out, ConvertOptions(scheme="nf4", overwrite=True))
     assert json.loads((out / "qconvert.json").read_text())["scheme"] == "int8" and leftovers(tmp_path) == []
 
 
-def test_weight_transform_and_static_input_scales_reach_the_w8a8_folder(tmp_path):
+def test_weight_transform_and_static_input_scales_reach_the_w8a8_folder(tmp_path, monkeypatch):
+    from qconvert.smooth import TensorFold
+    from qconvert.w8a8 import W8A8Adjustments
+
     src_folder = make_llama_checkpoint(tmp_path / "src", layers=1)
     src = read_folder(src_folder)
     norm = "model.layers.0.input_layernorm.weight"
     modules = [f"model.layers.0.{x}" for x in LLAMA_LINEARS]
     scales = {m: 0.01 * (k + 1) for k, m in enumerate(modules)}
     record = {"alpha": 0.5}
-    convert(str(src_folder), tmp_path / "out", ConvertOptions(scheme="w8a8", act="static"),
-            weight_transform=lambda name, a: a * 2 if name == norm else a,
-            input_scales=scales, smoothing_record=record)
+    # The w8a8 stage's result, given: the norm's rows divided by 1/2 (doubled), nothing else touched.
+    halves = np.full(src[norm].shape[0], 0.5, np.float32)
+    given = W8A8Adjustments(folds={norm: TensorFold(halves, None)}, input_scales=scales, smoothing_record=record)
+    monkeypatch.setattr(convert_module, "prepare_w8a8", lambda source, options, message=None: given)
+    convert(str(src_folder), tmp_path / "out", ConvertOptions(scheme="w8a8", act="static", scale_search=False))
     dst = read_folder(tmp_path / "out")
     np.testing.assert_array_equal(dst[norm], src[norm] * 2)
     for m in modules:

@@ -115,12 +115,15 @@ def main_quantize(source, out) -> int:
 
 
 def test_w8a8_smoothing_plan_keeps_the_float_model_and_smooths_fused_slices(source):
-    from qconvert.w8a8 import W8A8Options, plan_w8a8
+    from qconvert.options import ConvertOptions, W8A8Options
+    from qconvert.source import open_source, resolve_source
+    from qconvert.w8a8 import prepare_w8a8
 
     config = load_config(source)
     raw = load_file(str(source / "model.safetensors"))
-    plan = plan_w8a8(source, config, W8A8Options(calib="random", calib_samples=4, calib_seqlen=16))
-    smoothed = {name: plan.weight_transform(name, array) for name, array in raw.items()}
+    options = ConvertOptions(scheme="w8a8", w8a8=W8A8Options(calib="random", calib_samples=4, calib_seqlen=16))
+    adjustments = prepare_w8a8(open_source(resolve_source(str(source))), options)
+    smoothed = {name: adjustments.weight_transform(name, array) for name, array in raw.items()}
     model = build(config)
     ids, mask = token_batch(config["vocab_size"])
     forward = jax.jit(model.forward)

@@ -73,7 +73,7 @@ def test_internal_error_in_calibration_of_w8a8(source, tmp_path, capsys, monkeyp
     def broken(*args, **kwargs):
         raise ZeroDivisionError("float division by zero")
 
-    monkeypatch.setattr(qconvert.w8a8, "fold_plan", broken)  # every w8a8 plan folds its scales
+    monkeypatch.setattr(qconvert.w8a8, "tensor_folds", broken)  # every smoothed w8a8 run folds its scales
     before = tree(tmp_path)
     exit_code, _, stderr = run(["quantize", str(source), "-o", str(tmp_path / "out"), "--scheme", "w8a8",
                                 "--calib", "random", "--calib-samples", "2", "--calib-seqlen", "16", "-q"], capsys)

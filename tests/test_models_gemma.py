@@ -16,7 +16,7 @@ from gemma_checkpoints import GEMMA2, GEMMA3, make_gemma_checkpoint, read_config
 from qconvert.errors import InvalidCheckpointError  # noqa: E402
 from qconvert.models import GemmaModel, build, forward_layerwise  # noqa: E402
 from qconvert.models.registry import architecture_for  # noqa: E402
-from qconvert.smooth import apply_fold, fold_plan, group_scales  # noqa: E402
+from qconvert.smooth import apply_fold, tensor_folds, group_scales  # noqa: E402
 
 # Measured max abs diff ~3e-6 on logits of scale ~2.5 (both families).
 RTOL = 1e-5
@@ -111,7 +111,7 @@ def test_smoothing_folds_into_one_plus_w_and_leaves_transformers_logits_unchange
         weights = [params[f"{m}.weight"] for m in g.linears]
         act_absmax = rng.uniform(0.1, 20.0, size=weights[0].shape[1]).astype(np.float32)
         scales.append(group_scales(g, act_absmax, weights, alpha=0.85))
-    folds = fold_plan(scales)
+    folds = tensor_folds(scales)
     smoothed = {name: apply_fold(a, folds[name]) if name in folds else a for name, a in params.items()}
     norm = "model.layers.0.input_layernorm.weight"
     s = scales[0].source_scales

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from qconvert.errors import UsageError
 from qconvert.models.registry import SmoothingGroup
-from qconvert.smooth import (AlphaSpec, apply_fold, channel_map, fold_plan, group_scales, parse_alpha,
+from qconvert.smooth import (AlphaSpec, apply_fold, channel_map, tensor_folds, group_scales, parse_alpha,
                              search_alpha, smooth_scales)
 
 
@@ -47,7 +47,7 @@ def test_norm_fold_keeps_the_group_output_unchanged():
     w = rng.standard_normal((6, 8)).astype(np.float32)
     x = h * gamma + beta  # a LayerNorm output (normalization itself is unaffected by s)
     scales = group_scales(SmoothingGroup("ln", ("fc",)), np.abs(x).max(0), [w], 0.5)
-    folds = fold_plan([scales])
+    folds = tensor_folds([scales])
     x2 = h * apply_fold(gamma, folds["ln.weight"]) + apply_fold(beta, folds["ln.bias"])
     w2 = apply_fold(w, folds["fc.weight"])
     np.testing.assert_allclose(x2 @ w2.T, x @ w.T, rtol=1e-5, atol=1e-5)
@@ -77,7 +77,7 @@ def test_gqa_v_to_o_scale_is_shared_by_the_query_heads_of_a_kv_head():
     # the source channel's scale uses the max over the query heads that share it
     np.testing.assert_allclose(scales.source_scales[:3], numpy_scales(
         np.maximum(act[0:3], act[3:6]), [np.maximum(np.abs(wo[:, 0:3]), np.abs(wo[:, 3:6]))], 0.7), rtol=2e-6)
-    folds = fold_plan([scales])
+    folds = tensor_folds([scales])
     y = attn_out(apply_fold(wv, folds["v.weight"])) @ apply_fold(wo, folds["o.weight"]).T
     np.testing.assert_allclose(y, attn_out(wv) @ wo.T, rtol=1e-4, atol=1e-5)
 
@@ -88,7 +88,7 @@ def test_a_linear_in_two_groups_gets_its_columns_and_its_rows_scaled():
     col = group_scales(SmoothingGroup("norm", ("v",)), np.full(6, 3.0, np.float32), [wv], 0.5)
     row = group_scales(SmoothingGroup("v", ("o",)), np.full(4, 2.0, np.float32),
                        [rng.standard_normal((3, 4)).astype(np.float32)], 0.5)
-    fold = fold_plan([col, row])["v.weight"]
+    fold = tensor_folds([col, row])["v.weight"]
     expected = wv * col.input_scales[None, :] / row.source_scales[:, None]
     np.testing.assert_allclose(apply_fold(wv, fold), expected, rtol=1e-6)
 
@@ -99,7 +99,7 @@ def test_a_fused_source_divides_only_the_rows_from_its_offset():
     group = SmoothingGroup("qkv", ("o",), source_offset=4)
     scales = group_scales(group, np.array([8.0, 2.0], np.float32), [np.ones((3, 2), np.float32)], 1.0)
     np.testing.assert_array_equal(scales.source_scales, [8.0, 2.0])  # alpha 1: s = max|X|
-    fold = fold_plan([scales])["qkv.weight"]
+    fold = tensor_folds([scales])["qkv.weight"]
     expected = w.copy()
     expected[4] /= 8.0
     expected[5] /= 2.0
@@ -111,7 +111,7 @@ def test_fold_keeps_bfloat16_dtype():
 
     w = np.ones((2, 3), ml_dtypes.bfloat16)
     scales = group_scales(SmoothingGroup("n", ("fc",)), np.ones(3, np.float32) * 4, [w.astype(np.float32)], 0.5)
-    assert apply_fold(w, fold_plan([scales])["fc.weight"]).dtype == ml_dtypes.bfloat16
+    assert apply_fold(w, tensor_folds([scales])["fc.weight"]).dtype == ml_dtypes.bfloat16
 
 
 def test_alpha_search_prefers_smoothing_when_activations_have_outliers():

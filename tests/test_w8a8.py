@@ -11,11 +11,13 @@ from safetensors.numpy import load_file, save_file
 
 from qconvert.calib_data import load_calibration
 from qconvert.calibrate import calibrate_model, open_params
-from qconvert.convert import ConvertOptions
+from qconvert.convert import ConvertOptions, convert
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.qarray import QArray
 from qconvert.models import build, dense_linear
-from qconvert.w8a8 import W8A8Options, plan_w8a8, quantize_w8a8
+from qconvert.options import W8A8Options
+from qconvert.source import open_source, resolve_source
+from qconvert.w8a8 import prepare_w8a8
 
 OUTLIERS = (3, 17)
 OUTLIER_SCALE = 100.0
@@ -44,9 +46,15 @@ def quantized_params(folder):
     return params
 
 
-def convert_w8a8(src, out, *, act="dynamic", **flags):
-    options = ConvertOptions(scheme="w8a8", act=act)
-    return quantize_w8a8(str(src), out, options, W8A8Options(act=act, **flags))
+def convert_w8a8(src, out, *, act="dynamic", scale_search=None, **flags):
+    options = ConvertOptions(scheme="w8a8", act=act, scale_search=scale_search, w8a8=W8A8Options(**flags))
+    return convert(str(src), out, options)
+
+
+def w8a8_adjustments(folder, *, act="dynamic", **flags):
+    """The w8a8 stage alone, on the folder opened as the pipeline opens it."""
+    options = ConvertOptions(scheme="w8a8", act=act, w8a8=W8A8Options(**flags))
+    return prepare_w8a8(open_source(resolve_source(str(folder))), options)
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +107,8 @@ def test_smoothing_alone_leaves_the_float_model_unchanged(outlier_llama):
     folder, config, ids, stats = outlier_llama
     model, params = build(config), open_params(folder)
     raw = {name: np.asarray(params[name]) for name in params}
-    plan = plan_w8a8(folder, config, W8A8Options(act_stats=stats))
-    smoothed = {name: plan.weight_transform(name, array) for name, array in raw.items()}
+    adjustments = w8a8_adjustments(folder, act_stats=stats)
+    smoothed = {name: adjustments.weight_transform(name, array) for name, array in raw.items()}
     assert not np.allclose(smoothed["model.layers.0.input_layernorm.weight"],
                            raw["model.layers.0.input_layernorm.weight"])
     assert not np.allclose(smoothed["model.layers.0.mlp.up_proj.weight"], raw["model.layers.0.mlp.up_proj.weight"])
@@ -184,15 +192,15 @@ def test_mixtral_experts_are_calibrated_and_smoothed_without_changing_the_model(
     config = json.loads((folder / "config.json").read_text())
     params = open_params(folder)
     raw = {name: np.asarray(params[name]) for name in params}
-    plan = plan_w8a8(folder, config, W8A8Options(act="static", calib="random", calib_samples=4, calib_seqlen=16))
+    adjustments = w8a8_adjustments(folder, act="static", calib="random", calib_samples=4, calib_seqlen=16)
     # every expert linear got a static scale from the tokens routed to it
-    experts = [m for m in plan.input_scales if ".experts." in m]
-    assert len(experts) == 2 * 4 * 3 and all(plan.input_scales[m] > 0 for m in experts)
+    experts = [m for m in adjustments.input_scales if ".experts." in m]
+    assert len(experts) == 2 * 4 * 3 and all(adjustments.input_scales[m] > 0 for m in experts)
     # the router's columns are smoothed with the experts', so routing and output stay the same
-    assert "model.layers.0.block_sparse_moe.gate.weight" in plan.folds
+    assert "model.layers.0.block_sparse_moe.gate.weight" in adjustments.folds
     model = build(config)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, config["vocab_size"], (2, 16)))
-    smoothed = {name: plan.weight_transform(name, array) for name, array in raw.items()}
+    smoothed = {name: adjustments.weight_transform(name, array) for name, array in raw.items()}
     reference = model.forward(raw, ids)
     np.testing.assert_allclose(model.forward(smoothed, ids), reference, rtol=1e-4,
                                atol=1e-5 * float(jnp.max(jnp.abs(reference))))

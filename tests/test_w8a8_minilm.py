@@ -13,7 +13,8 @@ from qconvert.formats.layouts import open_quantized
 from qconvert.formats.qarray import QArray
 from qconvert.models import build, dense_linear
 from qconvert.tokenizer import load_tokenizer
-from qconvert.w8a8 import W8A8Options, quantize_w8a8
+from qconvert.convert import convert
+from qconvert.options import W8A8Options
 
 SENTENCES = [
     "A man is playing a guitar on the street.",
@@ -48,8 +49,8 @@ def test_minilm_w8a8_sentence_embeddings_match_float(tmp_path):
     folder = minilm_path()
     config = json.loads((folder / "config.json").read_text())
     out = tmp_path / "minilm-w8a8"
-    quantize_w8a8(str(folder), out, ConvertOptions(scheme="w8a8"),
-                  W8A8Options(calib="builtin", calib_samples=4, calib_seqlen=128, alpha="family"))
+    convert(str(folder), out, ConvertOptions(scheme="w8a8", w8a8=W8A8Options(
+        calib="builtin", calib_samples=4, calib_seqlen=128, alpha="family")))
     manifest = json.loads((out / "qconvert.json").read_text())
     assert manifest["calibration"]["source"] == "builtin"
     assert manifest["smoothing"]["alpha"]["encoder.layer.0.attention.self.value"] == 0.5

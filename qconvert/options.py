@@ -1,0 +1,112 @@
+"""The choices of one `qconvert quantize` run, checked once, on construction.
+
+ConvertOptions holds everything a conversion takes, `act` included; its
+`w8a8` part (W8A8Options) holds calibration and smoothing. Every combination
+that does not fit is refused here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
+from qconvert.errors import UsageError
+from qconvert.formats.layouts import SCHEMES
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
+ACT_MODES = ("dynamic", "static")
+W8A8_ONLY = "--calib, --alpha, --no-smooth, --act and --act-stats apply to --scheme w8a8 only"
+
+
+@dataclasses.dataclass(frozen=True)
+class W8A8Options:
+    """Calibration and smoothing of --scheme w8a8 (its activation mode is ConvertOptions.act)."""
+
+    calib: str | None = None          # None: the built-in corpus
+    calib_samples: int = DEFAULT_SAMPLES
+    calib_seqlen: int = DEFAULT_SEQLEN
+    alpha: str | None = None          # None: 'auto' (or the family's value with act_stats)
+    smooth: bool = True
+    act_stats: Path | None = None     # a `qconvert calibrate` file instead of calibrating
+    batch_size: int | None = None     # calibration windows per forward; None: calibration's default
+
+    def alpha_spec(self):
+        """The parsed --alpha (a qconvert.smooth.AlphaSpec) as calibration uses it.
+
+        A statistics file holds no activation rows to search on, so with
+        act_stats the default 'auto' becomes the family's alpha.
+        """
+        from qconvert.smooth import AlphaSpec, parse_alpha
+
+        spec = parse_alpha(self.alpha)
+        if self.act_stats is not None and spec.auto:
+            return AlphaSpec()
+        return spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertOptions:
+    """Every choice a conversion takes; validated on construction."""
+
+    scheme: str = "int8"
+    revision: str | None = None
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    double_quant: bool = False
+    act: str = "dynamic"
+    # None: on for w8a8 (searched on calibration activations), off for int8 and nf4.
+    scale_search: bool | None = None
+    overwrite: bool = False
+    dry_run: bool = False
+    # An unknown decoder converts weight-only, its linears found by the layer-prefix rule
+    # (qconvert.models.weight_only); a known family always keeps its own list.
+    any_architecture: bool = False
+    # Threads that read and quantize tensors ahead of the writer; None: one per available core.
+    # The output bytes are the same whatever the count.
+    workers: int | None = None
+    # Calibration and smoothing; w8a8 only (None there means the defaults).
+    w8a8: W8A8Options | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "include", tuple(self.include))
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+        if self.scheme not in SCHEMES:
+            raise UsageError(f"unknown scheme {self.scheme!r}; choose one of {', '.join(SCHEMES)}")
+        if self.w8a8 is not None and self.scheme != "w8a8":
+            raise UsageError(W8A8_ONLY)
+        if self.double_quant and self.scheme != "nf4":
+            raise UsageError("--double-quant applies to --scheme nf4 only")
+        if self.act not in ACT_MODES:
+            raise UsageError(f"--act must be dynamic or static, not {self.act!r}")
+        if self.act == "static" and self.scheme != "w8a8":
+            raise UsageError("static activation scales apply to --scheme w8a8 only")
+        if self.max_shard_size <= 0:
+            raise UsageError("--max-shard-size must be positive")
+        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
+                                         or self.workers < 1):
+            raise UsageError(f"--workers must be a whole number of at least 1, not {self.workers!r}")
+        if self.scheme == "w8a8":
+            if self.w8a8 is None:
+                object.__setattr__(self, "w8a8", W8A8Options())
+            _check_w8a8(self.w8a8)
+
+    @property
+    def searches_scales(self) -> bool:
+        """Whether scales are searched (clipping ratios) rather than plain absmax: --scale-search."""
+        return self.scheme == "w8a8" if self.scale_search is None else bool(self.scale_search)
+
+
+def _check_w8a8(options: W8A8Options) -> None:
+    """Refuse calibration and smoothing flags that do not fit together."""
+    from qconvert.smooth import parse_alpha
+
+    spec = parse_alpha(options.alpha)
+    if not options.smooth and options.alpha is not None:
+        raise UsageError("--alpha has no effect with --no-smooth; drop one of them")
+    if options.act_stats is not None and options.calib is not None:
+        raise UsageError("--act-stats replaces calibration; drop --calib (or --act-stats)")
+    if options.act_stats is not None and spec.auto and options.alpha is not None:
+        raise UsageError("--alpha auto searches on calibration activations, which a statistics file "
+                         "does not hold; drop --act-stats or give a fixed --alpha")

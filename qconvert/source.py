@@ -1,0 +1,86 @@
+"""The model a command reads: MODEL resolved once, its checkpoint opened once, its architecture found once.
+
+`quantize` and `calibrate` both start here, so everything a run reads (the
+config, calibration's weights, the weights written) comes from the one folder
+(for a Hub id, the one commit) that `resolve_source` picked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any
+
+from qconvert.errors import InvalidCheckpointError
+from qconvert.formats.errors import FormatError
+from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint
+from qconvert.hub import ResolvedModel, resolve_model
+from qconvert.models.registry import Architecture, architecture_for
+from qconvert.models.weight_only import WeightOnlySelection, check_architecture, checkpoint_architecture
+from qconvert.stages import stage
+
+
+@dataclasses.dataclass
+class SourceModel:
+    """A resolved model with its checkpoint open (headers read, tensors read when asked for)."""
+
+    resolved: ResolvedModel
+    checkpoint: SafetensorsCheckpoint
+    arch: Architecture
+    weight_only: WeightOnlySelection | None = None  # set when --any-architecture chose the linears
+    _params: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def folder(self) -> Path:
+        return self.resolved.folder
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.resolved.config
+
+    @property
+    def params(self):
+        """The checkpoint as a lazy read-only Mapping name -> array (what the model forwards take)."""
+        if self._params is None:
+            from qconvert.calibrate import CheckpointParams
+
+            self._params = CheckpointParams(self.checkpoint)
+        return self._params
+
+    def check_weights(self) -> None:
+        """Raise InvalidCheckpointError when the weights do not fit config.json (shapes, names)."""
+        from qconvert.consistency import check_weights_match_config
+
+        check_weights_match_config(self.checkpoint, self.config)
+
+    def close(self) -> None:
+        self.checkpoint.close()
+
+
+def resolve_source(model: str, revision: str | None = None, *, scheme: str | None = None,
+                   any_architecture: bool = False) -> ResolvedModel:
+    """MODEL (a folder or Hub id) as a local folder; the architecture is checked before any weight moves.
+
+    With `scheme`, the check is the conversion's (--any-architecture lets an
+    unknown decoder through for int8/nf4); without, the model must be of a
+    known family.
+    """
+    check = architecture_for if scheme is None else functools.partial(
+        check_architecture, any_architecture=any_architecture, scheme=scheme)
+    with stage("resolving the model"):
+        return resolve_model(model, revision, check_architecture=check)
+
+
+def open_source(resolved: ResolvedModel, *, any_architecture: bool = False) -> SourceModel:
+    """Open the resolved folder's safetensors (every header checked) and find its architecture."""
+    try:
+        checkpoint = open_checkpoint(resolved.folder)
+    except FormatError as err:
+        raise InvalidCheckpointError(str(err)) from None
+    try:
+        arch, weight_only = checkpoint_architecture(resolved.config, checkpoint, any_architecture=any_architecture)
+    except BaseException:
+        checkpoint.close()
+        raise
+    return SourceModel(resolved, checkpoint, arch, weight_only)
