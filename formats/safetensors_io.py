@@ -257,7 +257,7 @@ class TensorSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def plan_shards(specs: list[TensorSpec], max_shard_size: int) -> list[list[TensorSpec]]:
+def split_into_shards(specs: list[TensorSpec], max_shard_size: int) -> list[list[TensorSpec]]:
     """Cut specs, in order, into shards of at most `max_shard_size` data bytes.
 
     A tensor larger than the limit gets a shard of its own.
@@ -332,7 +332,7 @@ def write_shards(
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names) or "__metadata__" in names:
         raise ValueError("tensor names in specs must be unique and not '__metadata__'")
-    shards = plan_shards(specs, max_shard_size)
+    shards = split_into_shards(specs, max_shard_size)
     file_names = shard_file_names(len(shards))
     source = iter(tensors)
     hashes: dict[str, str] = {}

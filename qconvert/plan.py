@@ -1,4 +1,4 @@
-"""What a conversion will write: which linears are quantized, which tensors stay float, in what order.
+"""The conversion plan: what a conversion will write, which linears are quantized, which tensors stay float, in what order.
 
 Selection: the architecture's block linears, plus modules an --include pattern
 names, minus modules an --exclude pattern names. Patterns match module names
