@@ -114,7 +114,7 @@ def main_quantize(source, out) -> int:
     return exit_info.value.code
 
 
-def test_w8a8_smoothing_plan_keeps_the_float_model_and_smooths_fused_slices(source):
+def test_w8a8_smoothing_keeps_the_float_model_and_smooths_fused_slices(source):
     from qconvert.options import ConvertOptions, W8A8Options
     from qconvert.source import open_source, resolve_source
     from qconvert.w8a8 import prepare_w8a8
@@ -135,11 +135,11 @@ def test_w8a8_smoothing_plan_keeps_the_float_model_and_smooths_fused_slices(sour
         # Only the value rows of qkv_proj and the up rows of gate_up_proj were divided by s.
         a = model.args
         qkv = "model.layers.0.self_attn.qkv_proj.weight"
-        fold = plan.folds[qkv]
+        fold = adjustments.folds[qkv]
         assert fold.row_offset == (a.num_attention_heads + a.num_key_value_heads) * a.head_dim
         assert len(fold.row_divisor) == a.num_key_value_heads * a.head_dim
         ratio = smoothed[qkv] / (raw[qkv] * fold.col_multiplier[None, :])
         np.testing.assert_allclose(ratio[: fold.row_offset], 1.0, rtol=1e-6)
         np.testing.assert_allclose(ratio[fold.row_offset:], 1 / fold.row_divisor[:, None] * np.ones_like(
             ratio[fold.row_offset:]), rtol=1e-6)
-        assert plan.folds["model.layers.0.mlp.gate_up_proj.weight"].row_offset == a.intermediate_size
+        assert adjustments.folds["model.layers.0.mlp.gate_up_proj.weight"].row_offset == a.intermediate_size

@@ -16,6 +16,7 @@ import qconvert.rowwise as rowwise
 from checkpoints import make_llama_checkpoint
 from quantize_reference import numpy_int8, numpy_nf4, unpack_int32_words
 from qconvert.convert import ConvertOptions, convert
+from qconvert.options import W8A8Options
 from qconvert.errors import UsageError
 from qconvert.formats.safetensors_io import TensorSpec, open_checkpoint, write_shards
 from qconvert.prefetch import available_cores, run_ahead
@@ -44,11 +45,13 @@ def sharded_llama(tmp_path_factory):
 def test_one_worker_and_many_write_the_same_bytes(sharded_llama, tmp_path, monkeypatch, scheme, double_quant):
     # Blocks of a few rows, so every linear is read and quantized in many pieces on the threads.
     monkeypatch.setattr(rowwise, "BLOCK_BYTES", 20_000)
+    # w8a8 without smoothing or searches: its linears take the same row-block path as int8's.
+    plain = {"scale_search": False, "w8a8": W8A8Options(smooth=False)} if scheme == "w8a8" else {}
     outs = {}
     for workers in (1, 4):
         outs[workers] = tmp_path / f"out{workers}"
         convert(str(sharded_llama), outs[workers], ConvertOptions(
-            scheme=scheme, double_quant=double_quant, max_shard_size=1_000_000, workers=workers))
+            scheme=scheme, double_quant=double_quant, max_shard_size=1_000_000, workers=workers, **plain))
     one, many = folder_bytes(outs[1]), folder_bytes(outs[4])
     assert len([name for name in one if name.endswith(".safetensors")]) > 2
     assert one == many
