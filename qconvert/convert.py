@@ -15,11 +15,12 @@ from qconvert import __version__
 from qconvert.errors import InvalidCheckpointError, InvalidWeightError, UsageError
 from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import SCHEMES, qarray_to_tensors, quantization_config
+from qconvert.formats.record import write_record
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint, write_shards
 from qconvert.hub import ResolvedModel, resolve_model
 from qconvert.models.weight_only import WeightOnlySelection, check_architecture, checkpoint_architecture
 from qconvert.output import (
-    MANIFEST_NAME, check_output_free, check_output_location, copy_side_files, hash_in_background, side_files,
+    check_output_free, check_output_location, copy_side_files, hash_in_background, side_files,
     staged_output, write_json,
 )
 from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
@@ -191,7 +192,7 @@ def convert(
                                   searches.record(options.scheme))
                 if weight_only is not None:
                     record["weight_only"] = weight_only.record()
-                write_json(staging / MANIFEST_NAME, record)
+                write_record(staging, record)
     except FormatError as err:
         raise InvalidCheckpointError(f"{err}") from None
     return ConvertResult(
