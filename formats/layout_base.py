@@ -53,6 +53,8 @@ class Layout(abc.ABC):
     marker_suffix: str  # the one tensor (module + suffix) every quantized linear of this layout has
     part_suffixes: tuple[str, ...]  # every tensor a quantized linear may have, module + suffix
     takes_input_scale: bool = False  # a static activation scale may be stored per linear
+    # Tensors whose length follows their content (a JSON blob), so a planned shape is only an estimate.
+    content_sized_suffixes: tuple[str, ...] = ()
     takes_double_quant: bool = False
 
     @abc.abstractmethod

@@ -67,6 +67,7 @@ class BitsandbytesNF4(Layout):
     part_suffixes = (".weight", ".weight.absmax", ".weight.quant_map", ".weight.nested_absmax",
                      ".weight.nested_quant_map", NF4_STATE_SUFFIX)
     takes_double_quant = True
+    content_sized_suffixes = (NF4_STATE_SUFFIX,)
 
     def tensor_specs(self, module: str, shape: tuple[int, int], float_dtype, flags: LayoutFlags) -> list[TensorSpec]:
         out_features, in_features = (int(d) for d in shape)

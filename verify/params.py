@@ -15,7 +15,6 @@ import numpy as np
 
 from qconvert.calibrate import CheckpointParams  # the reference side; run.py and bench import it here
 from qconvert.formats.errors import FormatError
-from qconvert.formats.layout_nf4 import NF4_STATE_SUFFIX
 from qconvert.models.registry import Architecture, architecture_for
 
 
@@ -84,7 +83,7 @@ def check_tensors(quantized, reference, config: dict[str, Any], arch: Architectu
             if got_dtype != spec.dtype and not float_scale:
                 problems.append(f"{ckpt.file_of(spec.name).name}: tensor {spec.name} is {got_dtype}, "
                                 f"the {quantized.scheme} layout needs {spec.dtype}")
-            if got_shape != spec.shape and not spec.name.endswith(NF4_STATE_SUFFIX):
+            if got_shape != spec.shape and not spec.name.endswith(layout.content_sized_suffixes):
                 problems.append(f"{ckpt.file_of(spec.name).name}: tensor {spec.name} has shape "
                                 f"{list(got_shape)}, expected {list(spec.shape)} for a {list(shape)} weight")
         try:
