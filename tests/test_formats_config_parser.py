@@ -12,17 +12,8 @@ from transformers import BitsAndBytesConfig
 
 from cli_helpers import run
 from qconvert.formats.errors import FormatError
-from qconvert.formats.layouts import (
-    LAYOUTS,
-    LayoutFlags,
-    detect_scheme,
-    layout_for,
-    layout_for_config,
-    linear_tensor_specs,
-    open_quantized,
-    qarray_to_tensors,
-    quantization_config,
-)
+from qconvert.formats.layouts import LAYOUTS, LayoutFlags, detect_scheme, layout_for, layout_for_config
+from qconvert.formats.layouts import linear_tensor_specs, open_quantized, qarray_to_tensors, quantization_config
 from qconvert.formats.qarray import QArray
 from qconvert.formats.safetensors_io import write_shards
 from qconvert.verify.integrity import scheme_of_quantization_config
