@@ -2,9 +2,14 @@
 
 from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import (
+    LAYOUTS,
     SCHEMES,
+    Layout,
+    LayoutFlags,
     QuantizedCheckpoint,
     detect_scheme,
+    layout_for,
+    layout_for_config,
     linear_tensor_specs,
     open_quantized,
     qarray_to_tensors,
@@ -23,6 +28,7 @@ __all__ = [
     "NF4_LEVELS", "QArray", "dequantize", "unpack_nf4_codes",
     "FormatError",
     "SafetensorsCheckpoint", "TensorSpec", "open_checkpoint", "sha256_file", "write_shards",
-    "SCHEMES", "QuantizedCheckpoint", "detect_scheme", "linear_tensor_specs", "open_quantized",
+    "LAYOUTS", "SCHEMES", "Layout", "LayoutFlags", "QuantizedCheckpoint", "detect_scheme", "layout_for",
+    "layout_for_config", "linear_tensor_specs", "open_quantized",
     "qarray_to_tensors", "quantization_config",
 ]

@@ -30,6 +30,7 @@ import numpy as np
 from safetensors import safe_open
 
 from qconvert.formats.errors import FormatError
+from qconvert.formats.jsonfile import NOT_OBJECT, JsonFileError, read_json_object
 from qconvert.formats.safetensors_header import (  # noqa: F401  (re-exported)
     MAX_HEADER_BYTES,
     SafetensorsHeader,
@@ -225,9 +226,11 @@ def open_checkpoint(folder) -> SafetensorsCheckpoint:
 
 def _read_index(folder: Path, index_path: Path) -> dict[str, Path]:
     try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{index_path}: invalid index ({exc})") from exc
+        index = read_json_object(index_path)
+    except JsonFileError as exc:
+        if exc.kind != NOT_OBJECT:
+            raise FormatError(f"{index_path}: invalid index ({exc.cause})") from exc
+        index = None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
         raise FormatError(f"{index_path}: invalid index (no weight_map object)")

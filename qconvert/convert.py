@@ -15,12 +15,13 @@ from qconvert import __version__
 from qconvert.errors import InvalidCheckpointError, InvalidWeightError, UsageError
 from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import qarray_to_tensors, quantization_config
+from qconvert.formats.record import write_record
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, write_shards
 from qconvert.hub import ResolvedModel
 from qconvert.models.weight_only import WeightOnlySelection
 from qconvert.options import ConvertOptions, W8A8Options  # noqa: F401  (ConvertOptions' home; imported from here)
 from qconvert.output import (
-    MANIFEST_NAME, check_output_free, check_output_location, copy_side_files, hash_in_background, side_files,
+    check_output_free, check_output_location, copy_side_files, hash_in_background, side_files,
     staged_output, write_json,
 )
 from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
@@ -169,7 +170,7 @@ def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: 
                           w8a8.smoothing_record, searches.record(options.scheme))
         if source.weight_only is not None:
             record["weight_only"] = source.weight_only.record()
-        write_json(staging / MANIFEST_NAME, record)
+        write_record(staging, record)
     return dict(sorted(files.items()))
 
 

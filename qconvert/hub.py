@@ -10,7 +10,6 @@ when a model is resolved, not when the module is imported.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from pathlib import Path
@@ -23,6 +22,7 @@ from qconvert.errors import (
     UnsupportedModelError,
     UsageError,
 )
+from qconvert.formats.jsonfile import INVALID, NOT_OBJECT, JsonFileError, read_json_object
 from qconvert.models.registry import architecture_for
 
 # What a conversion needs from a repository; everything else (pickles, ONNX, images) stays remote.
@@ -55,12 +55,13 @@ def read_config(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         raise InvalidCheckpointError(f"{path} is missing; a Hugging Face checkpoint folder needs its config.json")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InvalidCheckpointError(f"{path} is not valid JSON ({err}); restore the file from the model's source")
-    if not isinstance(config, dict):
-        raise InvalidCheckpointError(f"{path} must hold a JSON object; restore the file from the model's source")
-    return config
+        return read_json_object(path)
+    except JsonFileError as err:
+        if err.kind == NOT_OBJECT:
+            raise InvalidCheckpointError(f"{path} must hold a JSON object; restore the file from the model's source")
+        if err.kind != INVALID:
+            raise err.cause from None
+        raise InvalidCheckpointError(f"{path} is not valid JSON ({err.cause}); restore the file from the model's source")
 
 
 def check_weights_are_safetensors(folder: Path, where: str) -> None:

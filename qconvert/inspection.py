@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,9 @@ import numpy as np
 from qconvert.errors import InvalidCheckpointError, ModelNotFoundError
 from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import open_quantized
-from qconvert.formats.safetensors_io import sha256_file
-from qconvert.output import MANIFEST_NAME
+from qconvert.formats.record import (
+    NO_FILES, NO_RECORD, RECORD_NAME, ConversionRecord, FileCheck, RecordError, check_hashes, read_record,
+)
 from qconvert.plan import UNCHANGED
 
 
@@ -31,19 +31,6 @@ class TensorRow:
     @property
     def float_bytes(self) -> int:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class FileCheck:
-    """One output file against the sha256 that qconvert.json recorded."""
-
-    name: str
-    expected: str
-    actual: str | None  # None: the file is missing
-
-    @property
-    def ok(self) -> bool:
-        return self.actual == self.expected
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,39 +89,37 @@ def inspect_checkpoint(folder) -> InspectReport:
             qc.close()
     except FormatError as err:
         raise InvalidCheckpointError(str(err)) from None
-    manifest = _read_manifest(folder)
-    checks = ()
-    if manifest is not None:
-        checks = tuple(
-            FileCheck(name, expected, sha256_file(folder / name) if (folder / name).is_file() else None)
-            for name, expected in sorted(manifest.get("files", {}).items())
-        )
-    return InspectReport(folder=folder, scheme=qc.scheme, tensors=tuple(rows), files=checks, manifest=manifest)
+    record = _read_record(folder)
+    checks = tuple(check_hashes(folder, record)) if record is not None else ()
+    return InspectReport(folder=folder, scheme=qc.scheme, tensors=tuple(rows), files=checks,
+                         manifest=record.raw if record is not None else None)
 
 
 def _tensor_rows(qc) -> list[TensorRow]:
     ckpt = qc.checkpoint
-    parts = sorted(set(ckpt.tensor_names) - set(qc.float_names))
     rows = []
     for module in qc.quantized_modules:
         q = qc.qarray(module)
-        stored = sum(ckpt.nbytes(n) for n in parts
-                     if n.startswith(module + ".weight") or n == module + ".input_scale")
+        stored = sum(ckpt.nbytes(n) for n in qc.layout.part_names(module, ckpt))
         rows.append(TensorRow(module, qc.scheme, q.shape, q.dtype, stored))
     for name in qc.float_names:
         rows.append(TensorRow(name, UNCHANGED, ckpt.shape(name), ckpt.dtype(name).name, ckpt.nbytes(name)))
     return sorted(rows, key=lambda r: r.name)
 
 
-def _read_manifest(folder: Path) -> dict[str, Any] | None:
-    path = folder / MANIFEST_NAME
-    if not path.exists():
-        return None
+def _read_record(folder: Path) -> ConversionRecord | None:
+    """qconvert.json, None when the folder has none (any folder in one of the layouts can be inspected)."""
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InvalidCheckpointError(f"{path} is not valid JSON ({err})") from None
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or not manifest["files"]:
+        record = read_record(folder)
+    except RecordError as err:
+        if err.kind == NO_RECORD:
+            return None
+        if err.kind == NO_FILES:
+            raise InvalidCheckpointError(f"{err.path} has no files map; it was not written by qconvert") from None
+        if isinstance(err.cause, OSError):
+            raise err.cause from None
+        raise InvalidCheckpointError(f"{err.path} is not valid JSON ({err.cause})") from None
+    if not record.files:
         # Without the map there is nothing to check: "all 0 files match" would pass vacuously.
-        raise InvalidCheckpointError(f"{path} has no files map; it was not written by qconvert")
-    return manifest
+        raise InvalidCheckpointError(f"{folder / RECORD_NAME} has no files map; it was not written by qconvert")
+    return record

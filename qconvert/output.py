@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import hashlib
-import json
 import os
 import re
 import shutil
@@ -17,9 +15,10 @@ from typing import Any
 
 from qconvert import interrupts
 from qconvert.errors import OutputExistsError, OutputWriteError, UsageError
+from qconvert.formats.jsonfile import write_json  # noqa: F401  (re-exported: config.json is written with it)
+from qconvert.formats.record import RECORD_NAME as MANIFEST_NAME
 from qconvert.formats.safetensors_io import sha256_file
 
-MANIFEST_NAME = "qconvert.json"
 # Inside every temporary folder qconvert makes beside OUT: proof that it is ours (and whose: a pid).
 TEMPORARY_MARKER = ".qconvert-temporary"
 TEMPORARY_SUFFIXES = (".partial", ".old")
@@ -213,14 +212,6 @@ def copy_side_files(source: Path, out: Path) -> dict[str, str]:
         os.chmod(target, 0o644)
         hashes[rel] = sha256_file(target)
     return hashes
-
-
-def write_json(path: Path, data: Any) -> str:
-    """Write JSON deterministically (2-space indent, newline at the end); returns its sha256."""
-    raw = (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-    path.write_bytes(raw)
-    os.chmod(path, 0o644)
-    return hashlib.sha256(raw).hexdigest()  # of the bytes just written, not read back
 
 
 def source_file_hashes(folder: Path, names: list[str]) -> dict[str, str]:

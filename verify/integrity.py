@@ -2,31 +2,32 @@
 
 Everything here reads bytes and headers only; no tensor math. Each problem is one
 line that names the file (and tensor) at fault, so a CI log says what to look at.
+qconvert.json itself (its name, reading, hashing) is formats/record.py's; this
+module words what verify reports.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 from qconvert.errors import InvalidCheckpointError
+from qconvert.formats.jsonfile import MISSING, NOT_OBJECT, JsonFileError, read_json_object
+from qconvert.formats.layouts import layout_for_config
+from qconvert.formats.record import (
+    NO_FILES,
+    NO_RECORD,
+    RECORD_NAME,
+    ConversionRecord,
+    RecordError,
+    check_hashes,
+)
+from qconvert.formats.record import read_record as _read_record
+from qconvert.formats.safetensors_io import sha256_file
 
-RECORD_NAME = "qconvert.json"
-_HASH_CHUNK = 1 << 20
-
-
-@dataclasses.dataclass(frozen=True)
-class ConversionRecord:
-    """The parts of qconvert.json that verify relies on."""
-
-    raw: dict[str, Any]
-    scheme: str
-    files: dict[str, str]
-    source_model: str | None
-    source_revision: str | None
+__all__ = ["RECORD_NAME", "ConversionRecord", "IntegrityResult", "check_config", "check_files", "read_config",
+           "read_record", "scheme_of_quantization_config", "sha256_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,56 +47,44 @@ class IntegrityResult:
 
 
 def sha256_of(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    """Hex sha256 of a file."""
+    return sha256_file(path)
 
 
 def read_record(folder: Path) -> ConversionRecord:
     """Parse folder/qconvert.json; InvalidCheckpointError when it is missing or malformed."""
-    path = Path(folder) / RECORD_NAME
     if not Path(folder).is_dir():
         raise InvalidCheckpointError(f"{folder}: not a folder; give the output folder of `qconvert quantize`")
-    if not path.is_file():
-        raise InvalidCheckpointError(
-            f"{path}: missing; verify takes a folder written by `qconvert quantize`"
-        )
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidCheckpointError(f"{path}: not valid JSON ({exc})") from exc
-    files = raw.get("files") if isinstance(raw, dict) else None
-    scheme = raw.get("scheme") if isinstance(raw, dict) else None
-    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-        raise InvalidCheckpointError(f"{path}: no \"files\" map of sha256 hashes; re-run `qconvert quantize`")
-    if not isinstance(scheme, str):
-        raise InvalidCheckpointError(f"{path}: no \"scheme\"; re-run `qconvert quantize`")
-    source = raw.get("source") if isinstance(raw.get("source"), dict) else {}
-    revision = source.get("commit") or source.get("revision")
-    return ConversionRecord(raw=raw, scheme=scheme, files=dict(files),
-                            source_model=source.get("model"), source_revision=revision)
+        record = _read_record(folder)
+    except RecordError as exc:
+        path = exc.path
+        if exc.kind == NO_RECORD:
+            raise InvalidCheckpointError(
+                f"{path}: missing; verify takes a folder written by `qconvert quantize`") from None
+        if exc.kind == NO_FILES:
+            raise InvalidCheckpointError(
+                f"{path}: no \"files\" map of sha256 hashes; re-run `qconvert quantize`") from None
+        raise InvalidCheckpointError(f"{path}: not valid JSON ({exc.cause})") from exc
+    if record.scheme is None:
+        raise InvalidCheckpointError(f"{Path(folder) / RECORD_NAME}: no \"scheme\"; re-run `qconvert quantize`")
+    return record
 
 
 def check_files(folder: Path, record: ConversionRecord) -> list[str]:
     """Every recorded file exists with its recorded sha256; no unrecorded weight file lies beside them."""
     folder = Path(folder)
     problems = []
-    for name in sorted(record.files):
-        path = folder / name
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            problems.append(f"{RECORD_NAME}: lists {name!r}, a path outside the folder")
-        elif not path.is_file():
-            problems.append(f"{name}: missing (qconvert.json records it)")
-        else:
-            found = sha256_of(path)
-            if found != record.files[name]:
-                problems.append(
-                    f"{name}: sha256 mismatch (recorded {record.files[name][:12]}..., found "
-                    f"{found[:12]}...); the file changed after conversion"
-                )
+    for check in check_hashes(folder, record):
+        if check.outside:
+            problems.append(f"{RECORD_NAME}: lists {check.name!r}, a path outside the folder")
+        elif check.actual is None:
+            problems.append(f"{check.name}: missing (qconvert.json records it)")
+        elif not check.ok:
+            problems.append(
+                f"{check.name}: sha256 mismatch (recorded {check.expected[:12]}..., found "
+                f"{check.actual[:12]}...); the file changed after conversion"
+            )
     # A stray shard would be picked up by loaders that glob *.safetensors (some look in subfolders too).
     for path in sorted(folder.rglob("*.safetensors")):
         name = path.relative_to(folder).as_posix()
@@ -110,35 +99,21 @@ def read_config(folder: Path) -> dict[str, Any]:
     """Parse folder/config.json; InvalidCheckpointError when missing or malformed."""
     path = Path(folder) / "config.json"
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise InvalidCheckpointError(f"{path}: missing") from exc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidCheckpointError(f"{path}: not valid JSON ({exc})") from exc
-    if not isinstance(config, dict):
-        raise InvalidCheckpointError(f"{path}: not a JSON object")
-    return config
+        return read_json_object(path)
+    except JsonFileError as exc:
+        if exc.kind == MISSING:
+            raise InvalidCheckpointError(f"{path}: missing") from exc
+        if exc.kind == NOT_OBJECT:
+            raise InvalidCheckpointError(f"{path}: not a JSON object") from exc
+        raise InvalidCheckpointError(f"{path}: not valid JSON ({exc.cause})") from exc
 
 
-def scheme_of_quantization_config(qconfig: dict[str, Any]) -> str | None:
+def scheme_of_quantization_config(qconfig: Any) -> str | None:
     """The qconvert scheme a quantization_config describes, or None when it fits none."""
-    method = qconfig.get("quant_method")
-    if method == "bitsandbytes":
-        return "nf4" if qconfig.get("load_in_4bit") and qconfig.get("bnb_4bit_quant_type") == "nf4" else None
-    if method != "compressed-tensors":
+    try:
+        return layout_for_config(qconfig)[0].scheme
+    except ValueError:
         return None
-    groups = qconfig.get("config_groups") or {}
-    group = next(iter(groups.values()), None) if isinstance(groups, dict) else None
-    if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
-        return None
-    if group["weights"].get("num_bits") != 8:
-        return None
-    fmt, acts = qconfig.get("format"), group.get("input_activations")
-    if fmt == "pack-quantized" and acts is None:
-        return "int8"
-    if fmt == "int-quantized" and isinstance(acts, dict) and acts.get("num_bits") == 8:
-        return "w8a8"
-    return None
 
 
 def check_config(config: dict[str, Any], record: ConversionRecord) -> list[str]:

@@ -15,7 +15,6 @@ import numpy as np
 
 from qconvert.calibrate import CheckpointParams  # the reference side; run.py and bench import it here
 from qconvert.formats.errors import FormatError
-from qconvert.formats.layouts import NF4_STATE_SUFFIX, linear_tensor_specs
 from qconvert.models.registry import Architecture, architecture_for
 
 
@@ -44,17 +43,6 @@ class QuantizedParams(Mapping):
         return len(self._names)
 
 
-def _layout_flags(config: dict[str, Any]) -> tuple[bool, bool]:
-    """(static activations, double quant) as the folder's quantization_config states them."""
-    qconfig = config.get("quantization_config") or {}
-    static_act = False
-    for group in (qconfig.get("config_groups") or {}).values():
-        acts = group.get("input_activations") if isinstance(group, dict) else None
-        if isinstance(acts, dict) and acts.get("dynamic") is False:
-            static_act = True
-    return static_act, bool(qconfig.get("bnb_4bit_use_double_quant"))
-
-
 def check_tensors(quantized, reference, config: dict[str, Any], arch: Architecture | None = None) -> list[str]:
     """The converted folder's tensors against the reference and the layout of its scheme.
 
@@ -68,7 +56,7 @@ def check_tensors(quantized, reference, config: dict[str, Any], arch: Architectu
     ckpt = quantized.checkpoint
     folder = quantized.folder.name
     arch = arch or architecture_for(config)
-    static_act, double_quant = _layout_flags(config)
+    layout, flags = quantized.layout, quantized.flags  # as the folder's quantization_config states them
     float_names = set(quantized.float_names)
     ref_linears = arch.linear_names(reference.tensor_names)
     quantized_modules = set(quantized.quantized_modules)
@@ -85,8 +73,7 @@ def check_tensors(quantized, reference, config: dict[str, Any], arch: Architectu
             continue
         present = [n for n in ckpt.tensor_names if n.startswith(module + ".")]
         where = ckpt.file_of(present[0]).name
-        specs = linear_tensor_specs(module, quantized.scheme, shape, np.float32,
-                                    static_act=static_act, double_quant=double_quant)
+        specs = layout.tensor_specs(module, shape, np.float32, flags)
         for spec in specs:
             if spec.name not in ckpt:
                 problems.append(f"{where}: tensor {spec.name} is missing (quantized linear {module} needs it)")
@@ -96,7 +83,7 @@ def check_tensors(quantized, reference, config: dict[str, Any], arch: Architectu
             if got_dtype != spec.dtype and not float_scale:
                 problems.append(f"{ckpt.file_of(spec.name).name}: tensor {spec.name} is {got_dtype}, "
                                 f"the {quantized.scheme} layout needs {spec.dtype}")
-            if got_shape != spec.shape and not spec.name.endswith(NF4_STATE_SUFFIX):
+            if got_shape != spec.shape and not spec.name.endswith(layout.content_sized_suffixes):
                 problems.append(f"{ckpt.file_of(spec.name).name}: tensor {spec.name} has shape "
                                 f"{list(got_shape)}, expected {list(spec.shape)} for a {list(shape)} weight")
         try:

@@ -1,0 +1,92 @@
+"""The compressed-tensors pieces the int8 and w8a8 layouts share: the quantization args, the config, int8 read-back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from qconvert.formats.errors import FormatError
+from qconvert.formats.layout_base import FLOAT_DTYPES, TensorSource
+from qconvert.formats.qarray import QArray
+
+QUANT_METHOD = "compressed-tensors"
+
+
+def int_args(num_bits: int, strategy: str, dynamic: bool, observer: str | None) -> dict:
+    """A symmetric int QuantizationArgs object, every key written (older vLLM wants exactly these)."""
+    return {
+        "num_bits": num_bits, "type": "int", "symmetric": True, "strategy": strategy,
+        "group_size": None, "dynamic": dynamic, "actorder": None, "block_structure": None,
+        "observer": observer, "observer_kwargs": {},
+    }
+
+
+def config(fmt: str, input_activations: dict | None, ignore: tuple[str, ...]) -> dict:
+    """A compressed-tensors quantization_config: one group over every Linear, 8-bit per-channel weights."""
+    return {
+        "quant_method": QUANT_METHOD,
+        "format": fmt,
+        "quantization_status": "compressed",
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": int_args(8, "channel", False, "minmax"),
+                "input_activations": input_activations,
+                "output_activations": None,
+            }
+        },
+    }
+
+
+def claims(qconfig: dict[str, Any], fmt: str) -> bool:
+    """Whether `qconfig` is compressed-tensors in format `fmt`."""
+    return qconfig.get("quant_method") == QUANT_METHOD and qconfig.get("format") == fmt
+
+
+def _is_int8(args: Any) -> bool:
+    return (isinstance(args, dict) and args.get("num_bits") == 8 and args.get("type", "int") == "int"
+            and args.get("symmetric", True) is True)
+
+
+def input_activations(qconfig: dict[str, Any]) -> dict | None:
+    """The input activation args shared by every group, once each group's weights are checked to be
+    symmetric 8-bit int per output channel; ValueError naming the setting that does not fit."""
+    fmt = qconfig.get("format")
+    groups = qconfig.get("config_groups")
+    if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
+        raise ValueError(f"compressed-tensors {fmt} config has no config_groups")
+    acts = []
+    for name, group in groups.items():
+        weights = group.get("weights")
+        if not _is_int8(weights) or weights.get("strategy") != "channel":
+            shown = {k: weights.get(k) for k in ("num_bits", "type", "symmetric", "strategy")} \
+                if isinstance(weights, dict) else weights
+            raise ValueError(f"compressed-tensors {fmt} group {name} weights are {shown}; qconvert reads "
+                             "symmetric 8-bit int weights per output channel only")
+        acts.append(group.get("input_activations"))
+    if any(a != acts[0] for a in acts):
+        raise ValueError(f"compressed-tensors {fmt} groups quantize input activations differently")
+    return acts[0]
+
+
+def activation_is_int8(acts: Any) -> bool:
+    """Symmetric 8-bit int activation args."""
+    return _is_int8(acts)
+
+
+def weight_scale(source: TensorSource, module: str) -> np.ndarray:
+    """The stored weight_scale of `module`: a 2-D float tensor (its shape is checked by int8_qarray)."""
+    return source.tensor(f"{module}.weight_scale", FLOAT_DTYPES, 2)
+
+
+def int8_qarray(source: TensorSource, module: str, codes: np.ndarray, scale: np.ndarray) -> QArray:
+    """The int8 QArray of `module` from its codes [out, in] and its weight_scale, which must be [out, 1]."""
+    if scale.shape != (codes.shape[0], 1):
+        raise FormatError(f"{source.file_of(module + '.weight_scale')}: {module} weight_scale "
+                          f"{list(scale.shape)} does not fit {codes.shape[0]} output channels")
+    return QArray(qvalue=codes, scale=scale, kind="int8", shape=codes.shape, dtype=scale.dtype.name)
