@@ -8,14 +8,16 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from qconvert.errors import UnsupportedModelError
+from qconvert.models.activations import ACTIVATIONS, check_activation
 from qconvert.models.config_values import config_bool, config_float, config_int, require_divides
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32,
                                    dense_grouped_linear, dense_linear)
+from qconvert.models.family import REMEDY_LEAD, Architecture, SmoothingGroup, layer_linear_pattern
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
 
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-               "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+# A decoder layer's linears, in the order the forward calls them.
+ATTENTION_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+LAYER_LINEARS = ATTENTION_LINEARS + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +53,7 @@ class LlamaArgs:
         else:
             require_divides(config, "num_attention_heads", heads, "hidden_size", hidden)
             head_dim = hidden // heads
-        if config.get("hidden_act", "silu") not in ACTIVATIONS:
-            raise UnsupportedModelError(
-                f"hidden_act {config['hidden_act']!r} is not supported; supported: " + ", ".join(ACTIVATIONS))
+        check_activation(config.get("hidden_act", "silu"))
         return cls(
             hidden_size=hidden,
             intermediate_size=config_int(config, "intermediate_size"),
@@ -188,8 +188,7 @@ class LlamaModel:
     def layer_linears(self, i: int) -> list[str]:
         """Module names of layer i's linears, in the order the forward calls them."""
         p = self._layer_prefix(i)
-        return ([f"{p}.self_attn.{x}_proj" for x in "qkvo"]
-                + [f"{p}.mlp.{x}_proj" for x in ("gate", "up", "down")])
+        return [f"{p}.{module}" for module in LAYER_LINEARS]
 
     def layer_tensor_names(self, i: int) -> list[str]:
         """Checkpoint tensor names layer i reads (norm weights, linear weights and biases)."""
@@ -282,3 +281,52 @@ class LlamaModel:
         for i in range(self.num_layers):
             hidden = self.layer(i, params, hidden, attention_mask, linear, grouped_linear)
         return self.head(params, hidden, attention_mask, linear)
+
+
+def llama_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    """input_layernorm -> q/k/v and post_attention_layernorm -> gate/up in every layer."""
+    groups = []
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}"
+        groups.append(SmoothingGroup(f"{p}.input_layernorm",
+                                     tuple(f"{p}.self_attn.{x}_proj" for x in "qkv")))
+        groups.append(SmoothingGroup(f"{p}.post_attention_layernorm",
+                                     (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj")))
+    return groups
+
+
+def value_output_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    """v_proj -> o_proj in every layer: attention is linear in V per head, so scaling v_proj's
+    output row c by 1/s scales every o_proj input channel that reads kv channel c by 1/s."""
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    return [SmoothingGroup(f"model.layers.{i}.self_attn.v_proj", (f"model.layers.{i}.self_attn.o_proj",),
+                           kv_repeat=heads // kv_heads, head_dim=head_dim)
+            for i in range(int(config["num_hidden_layers"]))]
+
+
+def llama_linear_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    """v_proj -> o_proj, then up_proj -> down_proj (down_proj's input is act(gate) * up, linear in up)."""
+    groups = []
+    for i, value_group in enumerate(value_output_groups(config)):
+        groups.append(value_group)
+        groups.append(SmoothingGroup(f"model.layers.{i}.mlp.up_proj", (f"model.layers.{i}.mlp.down_proj",)))
+    return groups
+
+
+VALUE_OUTPUT_REMEDY = ("v_proj rows -> o_proj columns "
+                       "(one scale per KV-head channel, shared by the query heads of its group)")
+LLAMA_REMEDY = f"{REMEDY_LEAD}{VALUE_OUTPUT_REMEDY}, up_proj rows -> down_proj columns"
+
+LLAMA = Architecture(
+    family="llama",
+    hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
+    linear_pattern=layer_linear_pattern("layers", LAYER_LINEARS),
+    smoothing_groups=llama_groups,
+    default_alpha=0.85,
+    linear_smoothing_groups=llama_linear_groups,
+    remedy=LLAMA_REMEDY,
+    causal_lm=True,
+    model=LlamaModel,
+)
