@@ -155,13 +155,12 @@ class LlamaModel:
 
     def linear_shapes(self, i: int) -> dict[str, tuple[int, int]]:
         """[out, in] of layer i's linears as config.json implies them."""
-        a, p = self.args, self._layer_prefix(i)
+        a = self.args
         q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-        return {f"{p}.self_attn.q_proj": (q, a.hidden_size), f"{p}.self_attn.k_proj": (kv, a.hidden_size),
-                f"{p}.self_attn.v_proj": (kv, a.hidden_size), f"{p}.self_attn.o_proj": (a.hidden_size, q),
-                f"{p}.mlp.gate_proj": (a.intermediate_size, a.hidden_size),
-                f"{p}.mlp.up_proj": (a.intermediate_size, a.hidden_size),
-                f"{p}.mlp.down_proj": (a.hidden_size, a.intermediate_size)}
+        shapes = ((q, a.hidden_size), (kv, a.hidden_size), (kv, a.hidden_size), (a.hidden_size, q),
+                  (a.intermediate_size, a.hidden_size), (a.intermediate_size, a.hidden_size),
+                  (a.hidden_size, a.intermediate_size))
+        return dict(zip(LlamaModel.layer_linears(self, i), shapes, strict=True))
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the forward reads, with the shape config.json implies (lm_head omitted when tied)."""
