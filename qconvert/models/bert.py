@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from qconvert.errors import UnsupportedModelError
 from qconvert.models.activations import ACTIVATIONS, check_activation
 from qconvert.models.config_values import config_float, config_int, require_divides
-from qconvert.models.family import REMEDY_LEAD, Architecture, SmoothingGroup, layer_linear_pattern
+from qconvert.models.family import (REMEDY_LEAD, Architecture, LayerStack, SmoothingGroup,
+                                    layer_linear_pattern)
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32,
                                    dense_grouped_linear, dense_linear)
 
@@ -75,7 +76,7 @@ def mean_pool(hidden: jax.Array, attention_mask: jax.Array | None = None) -> jax
 
 
 @dataclasses.dataclass(frozen=True)
-class BertModel:
+class BertModel(LayerStack):
     """BertModel as pure functions of `params`; head() is the last hidden state (no pooler)."""
 
     args: BertArgs
@@ -84,10 +85,6 @@ class BertModel:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "BertModel":
         return cls(BertArgs.from_config(config))
-
-    @property
-    def num_layers(self) -> int:
-        return self.args.num_hidden_layers
 
     @property
     def layers_prefix(self) -> str:
@@ -191,15 +188,6 @@ class BertModel:
              linear: LinearHook = dense_linear) -> jax.Array:
         """last_hidden_state: the last layer's output, unchanged."""
         return hidden
-
-    def forward(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                linear: LinearHook = dense_linear,
-                grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array:
-        """last_hidden_state float32 [B, T, H] for input_ids [B, T]."""
-        hidden = self.embed(params, input_ids, attention_mask)
-        for i in range(self.num_layers):
-            hidden = self.layer(i, params, hidden, attention_mask, linear, grouped_linear)
-        return self.head(params, hidden, attention_mask, linear)
 
     def sentence_embeddings(self, params: Mapping, input_ids: jax.Array,
                             attention_mask: jax.Array | None = None,

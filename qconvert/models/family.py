@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
+
+import jax
+
+from qconvert.models.hooks import GroupedLinearHook, LinearHook, dense_grouped_linear, dense_linear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,3 +99,25 @@ def layer_linear_pattern(stack: str, modules: Iterable[str]) -> re.Pattern:
     """
     alternatives = "|".join(re.escape(m).replace(re.escape(EXPERT), r"\d+") for m in modules)
     return re.compile(rf"(^|\.){re.escape(stack)}\.\d+\.({alternatives})$")
+
+
+class LayerStack:
+    """What every family's forward shares: embed, the layers in order, then the head.
+
+    A family's model supplies `args.num_hidden_layers`, `embed`, `layer(i, ...)` and `head`;
+    runner.py calls the same three pieces one layer at a time.
+    """
+
+    @property
+    def num_layers(self) -> int:
+        return self.args.num_hidden_layers
+
+    def forward(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array | None = None,
+                linear: LinearHook = dense_linear,
+                grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array:
+        """head(layers(embed(input_ids))) for input_ids [B, T] (positions 0..T-1, as transformers): logits
+        float32 [B, T, vocab] for a causal LM, the last hidden state [B, T, hidden] for an encoder."""
+        hidden = self.embed(params, input_ids, attention_mask)
+        for i in range(self.num_layers):
+            hidden = self.layer(i, params, hidden, attention_mask, linear, grouped_linear)
+        return self.head(params, hidden, attention_mask, linear)

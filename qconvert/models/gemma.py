@@ -16,7 +16,7 @@ from qconvert.formats import QArray
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, dense_grouped_linear,
                                    dense_linear)
 from qconvert.models.activations import ACTIVATIONS, check_activation
-from qconvert.models.family import Architecture, SmoothingGroup
+from qconvert.models.family import Architecture, LayerStack, SmoothingGroup
 from qconvert.models.llama import LAYER_LINEARS, LLAMA, attention_bias, rms_norm
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
 
@@ -158,7 +158,7 @@ def gemma_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, s
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmaModel:
+class GemmaModel(LayerStack):
     """Gemma2ForCausalLM and Gemma3ForCausalLM as pure functions of `params` (see LlamaModel)."""
 
     args: GemmaArgs
@@ -167,10 +167,6 @@ class GemmaModel:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "GemmaModel":
         return cls(GemmaArgs.from_config(config))
-
-    @property
-    def num_layers(self) -> int:
-        return self.args.num_hidden_layers
 
     def _layer_prefix(self, i: int) -> str:
         return f"{self.prefix}.layers.{i}"
@@ -300,15 +296,6 @@ class GemmaModel:
         names = self.head_tensor_names()
         x = gemma_rms_norm(hidden, params[names[0]], self.args.rms_norm_eps)
         return soft_cap(linear("lm_head", x, params[names[1]], None), self.args.final_logit_softcapping)
-
-    def forward(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                linear: LinearHook = dense_linear,
-                grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array:
-        """Logits float32 [B, T, vocab] for input_ids [B, T] (positions 0..T-1, as transformers)."""
-        hidden = self.embed(params, input_ids, attention_mask)
-        for i in range(self.num_layers):
-            hidden = self.layer(i, params, hidden, attention_mask, linear, grouped_linear)
-        return self.head(params, hidden, attention_mask, linear)
 
 
 def _gemma_groups(config: dict[str, Any]) -> list[SmoothingGroup]:

@@ -12,7 +12,8 @@ from qconvert.models.activations import ACTIVATIONS, check_activation
 from qconvert.models.config_values import config_bool, config_float, config_int, require_divides
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32,
                                    dense_grouped_linear, dense_linear)
-from qconvert.models.family import REMEDY_LEAD, Architecture, SmoothingGroup, layer_linear_pattern
+from qconvert.models.family import (REMEDY_LEAD, Architecture, LayerStack, SmoothingGroup,
+                                    layer_linear_pattern)
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
 
 # A decoder layer's linears, in the order the forward calls them.
@@ -127,7 +128,7 @@ def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaModel:
+class LlamaModel(LayerStack):
     """LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM as pure functions of `params`.
 
     `params` maps checkpoint tensor names to arrays (lazily read ones too; linear
@@ -140,10 +141,6 @@ class LlamaModel:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "LlamaModel":
         return cls(LlamaArgs.from_config(config))
-
-    @property
-    def num_layers(self) -> int:
-        return self.args.num_hidden_layers
 
     @property
     def layers_prefix(self) -> str:
@@ -271,15 +268,6 @@ class LlamaModel:
         x = rms_norm(hidden, params[f"{self.prefix}.norm.weight"], self.args.rms_norm_eps)
         lm_head_name = self.head_tensor_names()[1]
         return linear("lm_head", x, params[lm_head_name], None)
-
-    def forward(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                linear: LinearHook = dense_linear,
-                grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array:
-        """Logits float32 [B, T, vocab] for input_ids [B, T] (positions 0..T-1, as transformers)."""
-        hidden = self.embed(params, input_ids, attention_mask)
-        for i in range(self.num_layers):
-            hidden = self.layer(i, params, hidden, attention_mask, linear, grouped_linear)
-        return self.head(params, hidden, attention_mask, linear)
 
 
 def llama_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
