@@ -95,7 +95,7 @@ def tensor_folds(scales: Sequence[GroupScales]) -> dict[str, TensorFold]:
     cols: dict[str, np.ndarray] = {}
     offsets: dict[str, float] = {}
     for g in scales:
-        source = g.group.norm
+        source = g.group.source
         rows[f"{source}.weight"] = (g.source_scales, g.group.source_offset)
         offsets[f"{source}.weight"] = float(g.group.norm_offset)
         # LayerNorm / linear bias; absent tensors never ask

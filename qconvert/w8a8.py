@@ -36,9 +36,6 @@ from qconvert.source import SourceModel
 
 # The smallest static input_scale written (float32); the weight scales have the same floor.
 MIN_INPUT_SCALE = 1e-8
-REMEDY = ("linear->linear smoothing of the inputs no norm feeds: v_proj rows -> o_proj columns "
-          "(one scale per KV-head channel, shared by the query heads of its group), "
-          "up_proj rows -> down_proj columns")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +117,13 @@ def _calibrate(source: SourceModel, groups: list[SmoothingGroup], linears: list[
             weights = read_group_weights(params, group)
             absmax = group_act_absmax(act_absmax, group)
             if spec.auto:
-                chosen[group.norm], errors[group.norm] = search_alpha(
+                chosen[group.source], errors[group.source] = search_alpha(
                     group, absmax, weights, layer.input_samples[group.linears[0]], static=static)
             else:
-                chosen[group.norm] = group_scales(group, absmax, weights,
-                                                  spec.alpha_for(group.norm, arch.default_alpha))
+                chosen[group.source] = group_scales(group, absmax, weights,
+                                                  spec.alpha_for(group.source, arch.default_alpha))
         ready = [m for m in unsearched if m in act_absmax
-                 and not any(m in g.linears or m == g.norm for g in pending)]
+                 and not any(m in g.linears or m == g.source for g in pending)]
         if options.searches_scales and ready:
             searches.update(_search_linears(params, ready, chosen, act_absmax, layer.input_samples, options))
         unsearched = [m for m in unsearched if m not in ready]
@@ -140,7 +137,7 @@ def _search_linears(params: Mapping, modules: list[str], chosen: Mapping[str, Gr
                     options: ConvertOptions) -> dict[str, LinearSearch]:
     """The weight clip and static scale searches of `modules`, on their weights and inputs as smoothed."""
     folds = tensor_folds([g for g in chosen.values()
-                          if any(m in g.group.linears or m == g.group.norm for m in modules)])
+                          if any(m in g.group.linears or m == g.group.source for m in modules)])
     col_scales = {m: g.input_scales for g in chosen.values() for m in g.group.linears}
     found = {}
     for m in modules:
@@ -174,10 +171,10 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
     arch, params = source.arch, source.params
     linears = arch.linear_names(params)
     groups = smoothing_groups(arch, source.config) if calib.smooth else []
-    unknown = unmatched_alpha_keys(spec, [g.norm for g in groups])
+    unknown = unmatched_alpha_keys(spec, [g.source for g in groups])
     if unknown:
         raise UsageError(f"--alpha names {', '.join(unknown)}, which matches no smoothing group of "
-                         f"this model; groups are e.g. {groups[0].norm if groups else '(none)'}")
+                         f"this model; groups are e.g. {groups[0].source if groups else '(none)'}")
     searched: dict[str, GroupScales] = {}
     errors: dict[str, dict[float, float]] = {}
     searches: dict[str, LinearSearch] = {}
@@ -193,10 +190,10 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
         calibration_record = stats.calibration
     scales = []
     for group in groups:
-        if group.norm in searched:
-            scales.append(searched[group.norm])
+        if group.source in searched:
+            scales.append(searched[group.source])
             continue
-        alpha = spec.alpha_for(group.norm, arch.default_alpha)
+        alpha = spec.alpha_for(group.source, arch.default_alpha)
         scales.append(group_scales(group, group_act_absmax(stats.act_absmax, group),
                                    read_group_weights(params, group), alpha))
     input_scales = None
@@ -229,9 +226,9 @@ def _smoothing_record(scales: list[GroupScales], spec: AlphaSpec, arch: Architec
         "alpha_mode": mode,
         "family_default_alpha": arch.default_alpha,
         "min_scale": MIN_SCALE,
-        "remedy": REMEDY,
-        "alpha": {g.group.norm: g.alpha for g in scales},
-        "groups": {g.group.norm: list(g.group.linears) for g in scales},
+        "remedy": arch.remedy,
+        "alpha": {g.group.source: g.alpha for g in scales},
+        "groups": {g.group.source: list(g.group.linears) for g in scales},
     }
     if errors:
         # The relative W8A8 output error of each alpha tried, per group, rounded for reading.

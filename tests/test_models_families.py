@@ -77,7 +77,7 @@ def test_smoothing_groups_fold_without_changing_the_float_model(family):
     name, _, config, params = family
     arch = architecture_for(config)
     groups = list(arch.smoothing_groups(config)) + list(arch.linear_smoothing_groups(config))
-    sources = {g.norm for g in groups}
+    sources = {g.source for g in groups}
     assert {f"model.layers.{i}.{n}" for i in range(2)
             for n in ("input_layernorm", "post_attention_layernorm")} <= sources
     assert ("model.layers.1.self_attn.qkv_proj" if name == "phi3" else "model.layers.1.self_attn.v_proj") in sources
@@ -90,7 +90,7 @@ def test_smoothing_groups_fold_without_changing_the_float_model(family):
         s = rng.uniform(0.25, 4.0, size=int(index.max()) + 1).astype(np.float32)
         rows = slice(group.source_offset, group.source_offset + len(s))  # a fused source: some rows only
         for suffix in (".weight", ".bias"):
-            source = f"{group.norm}{suffix}"
+            source = f"{group.source}{suffix}"
             if source in smoothed:
                 w = smoothed[source].copy()
                 w[rows] = w[rows] / (s if w.ndim == 1 else s[:, None])
@@ -150,7 +150,7 @@ def test_qwen2_moe_dense_mlp_only_layer_and_renormalized_top_k_match_transformer
     model = _assert_matches_transformers(folder)
     assert model.moe.sparse_layers == (False, True) and model.moe.norm_topk_prob
     assert "model.layers.0.mlp.gate_proj" in model.layer_linears(0)
-    groups = {g.norm: g.linears for g in architecture_for(load_config(folder)).smoothing_groups(load_config(folder))}
+    groups = {g.source: g.linears for g in architecture_for(load_config(folder)).smoothing_groups(load_config(folder))}
     assert groups["model.layers.0.post_attention_layernorm"] == ("model.layers.0.mlp.gate_proj",
                                                                  "model.layers.0.mlp.up_proj")
     assert "model.layers.1.mlp.gate" in groups["model.layers.1.post_attention_layernorm"]

@@ -104,7 +104,7 @@ def test_smoothing_folds_into_one_plus_w_and_leaves_transformers_logits_unchange
     family, folder, config, params, ids, mask, expected = gemma
     arch = architecture_for(config)
     groups = arch.smoothing_groups(config) + arch.linear_smoothing_groups(config)
-    assert [g.norm.rsplit(".", 1)[1] for g in groups[:2]] == ["input_layernorm", "pre_feedforward_layernorm"]
+    assert [g.source.rsplit(".", 1)[1] for g in groups[:2]] == ["input_layernorm", "pre_feedforward_layernorm"]
     rng = np.random.default_rng(0)
     scales = []
     for g in groups:

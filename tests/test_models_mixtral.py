@@ -126,7 +126,7 @@ def test_router_stays_float_and_smoothing_group_keeps_the_model_unchanged(tmp_pa
     smoothed = dict(params)
     for group in arch.smoothing_groups(config):
         s = rng.uniform(0.25, 4.0, size=config["hidden_size"]).astype(np.float32)
-        smoothed[f"{group.norm}.weight"] = smoothed[f"{group.norm}.weight"] / s
+        smoothed[f"{group.source}.weight"] = smoothed[f"{group.source}.weight"] / s
         for linear in group.linears:
             smoothed[f"{linear}.weight"] = smoothed[f"{linear}.weight"] * s[None, :]
     after = np.asarray(forward(smoothed, ids, mask))

@@ -71,7 +71,7 @@ def smoothing_factors(arch: Architecture, config: Mapping[str, Any], reference: 
     inputs: dict[str, np.ndarray] = {}
     outputs: dict[str, np.ndarray] = {}
     for group in arch.smoothing_groups(dict(config)):
-        name = f"{group.norm}.weight"
+        name = f"{group.source}.weight"
         if name not in reference or name not in converted:
             continue
         # The gain the norm applies is norm_offset + weight (1 + w for Gemma).
@@ -87,14 +87,14 @@ def smoothing_factors(arch: Architecture, config: Mapping[str, Any], reference: 
             inputs[linear] = s
     wanted = set(smoothed_sources)
     for group in arch.linear_smoothing_groups(dict(config)):
-        if group.norm not in wanted:
+        if group.source not in wanted:
             continue
-        ref = np.asarray(reference[f"{group.norm}.weight"], np.float64)
-        ref = ref * inputs.get(group.norm, np.ones(ref.shape[1]))[None, :]
-        conv = _dequantized(converted[f"{group.norm}.weight"])
+        ref = np.asarray(reference[f"{group.source}.weight"], np.float64)
+        ref = ref * inputs.get(group.source, np.ones(ref.shape[1]))[None, :]
+        conv = _dequantized(converted[f"{group.source}.weight"])
         dot = np.sum(ref * conv, axis=1)
         s = np.where(dot > 0, np.sum(ref * ref, axis=1) / np.where(dot > 0, dot, 1.0), 1.0)
-        outputs[group.norm] = s
+        outputs[group.source] = s
         for linear in group.linears:
             in_features = int(np.shape(reference[f"{linear}.weight"])[1])
             inputs[linear] = s[group.source_offset + channel_map(group, in_features)]

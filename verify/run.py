@@ -178,7 +178,7 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
                                   quantized_linear, thresholds, smoothing=smoothing,
                                   batch_size=options.batch_size,
                                   folder_linear=make_folder_linear(quantized, record.scheme))
-    causal_lm = any(str(a).endswith("ForCausalLM") for a in config.get("architectures", []))
+    causal_lm = arch.causal_lm
     float_output = model.head(read_tensors(reference, model.head_tensor_names()), float_hidden,
                               jnp.asarray(mask))
     model_result = verify_model(model, reference, converted, ids, mask, quantized_linear, thresholds,

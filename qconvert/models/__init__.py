@@ -1,6 +1,8 @@
 """Supported architectures: which tensors are linears, how they are smoothed, a JAX forward.
 
-`build(config)` gives the family's model (LlamaModel, BertModel, MixtralModel, GemmaModel,
+One module per family (llama.py, bert.py, mixtral.py, gemma.py, phi3.py, qwen3.py,
+qwen2_moe.py, qwen3_moe.py) holds all of it as an `Architecture` (family.py);
+registry.py lists them. `build(config)` gives the family's model (LlamaModel, BertModel, MixtralModel, GemmaModel,
 Qwen3Model, Phi3Model, Qwen2MoeModel, Qwen3MoeModel), a frozen dataclass whose methods are pure
 functions of `params` (its `from_config` raises InvalidCheckpointError, exit 6, naming
 the key, for a config.json value of the wrong type or an inconsistent one), any Mapping from
@@ -42,13 +44,10 @@ from qconvert.models.qwen3_moe import Qwen3MoeModel
 from qconvert.models.registry import architecture_for
 from qconvert.models.runner import LayerResult, forward_layerwise, iterate_layers, read_tensors
 
-_FAMILIES = {"llama": LlamaModel, "bert": BertModel, "mixtral": MixtralModel, "gemma": GemmaModel}
-_FAMILIES.update({"qwen3": Qwen3Model, "phi3": Phi3Model, "qwen2_moe": Qwen2MoeModel, "qwen3_moe": Qwen3MoeModel})
-
 
 def build(config: dict[str, Any]):
     """The forward-pass model for a parsed config.json (UnsupportedModelError if not supported)."""
-    return _FAMILIES[architecture_for(config).family].from_config(config)
+    return architecture_for(config).build(config)
 
 
 __all__ = [

@@ -9,13 +9,16 @@ import jax
 import jax.numpy as jnp
 
 from qconvert.errors import UnsupportedModelError
+from qconvert.models.activations import ACTIVATIONS, check_activation
 from qconvert.models.config_values import config_float, config_int, require_divides
+from qconvert.models.family import (REMEDY_LEAD, Architecture, LayerStack, SmoothingGroup,
+                                    layer_linear_pattern)
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32,
                                    dense_grouped_linear, dense_linear)
 
-ACTIVATIONS = {"gelu": lambda x: jax.nn.gelu(x, approximate=False), "relu": jax.nn.relu,
-               "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-               "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+# An encoder layer's linears, in the order the forward calls them.
+LAYER_LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value",
+                 "attention.output.dense", "intermediate.dense", "output.dense")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,10 +43,7 @@ class BertArgs:
             raise UnsupportedModelError(
                 f"BERT position_embedding_type {config['position_embedding_type']!r} is not "
                 "supported; only 'absolute' is")
-        if config.get("hidden_act", "gelu") not in ACTIVATIONS:
-            raise UnsupportedModelError(
-                f"BERT hidden_act {config['hidden_act']!r} is not supported; supported: "
-                + ", ".join(ACTIVATIONS))
+        check_activation(config.get("hidden_act", "gelu"), family="BERT")
         hidden, heads = config_int(config, "hidden_size"), config_int(config, "num_attention_heads")
         require_divides(config, "num_attention_heads", heads, "hidden_size", hidden)
         return cls(
@@ -76,19 +76,15 @@ def mean_pool(hidden: jax.Array, attention_mask: jax.Array | None = None) -> jax
 
 
 @dataclasses.dataclass(frozen=True)
-class BertModel:
+class BertModel(LayerStack):
     """BertModel as pure functions of `params`; head() is the last hidden state (no pooler)."""
 
     args: BertArgs
-    prefix: str = ""  # "bert." when the checkpoint nests the encoder
+    prefix: str = ""  # "bert." for a checkpoint that nests the encoder (config.json never says so)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "BertModel":
-        return cls(BertArgs.from_config(config), config.get("_qconvert_prefix", ""))
-
-    @property
-    def num_layers(self) -> int:
-        return self.args.num_hidden_layers
+        return cls(BertArgs.from_config(config))
 
     @property
     def layers_prefix(self) -> str:
@@ -121,8 +117,7 @@ class BertModel:
     def layer_linears(self, i: int) -> list[str]:
         """Module names of layer i's linears, in the order the forward calls them."""
         p = self._layer_prefix(i)
-        return [f"{p}.attention.self.query", f"{p}.attention.self.key", f"{p}.attention.self.value",
-                f"{p}.attention.output.dense", f"{p}.intermediate.dense", f"{p}.output.dense"]
+        return [f"{p}.{module}" for module in LAYER_LINEARS]
 
     def layer_tensor_names(self, i: int) -> list[str]:
         """Checkpoint tensor names layer i reads (every linear and LayerNorm has weight and bias)."""
@@ -194,17 +189,38 @@ class BertModel:
         """last_hidden_state: the last layer's output, unchanged."""
         return hidden
 
-    def forward(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                linear: LinearHook = dense_linear,
-                grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array:
-        """last_hidden_state float32 [B, T, H] for input_ids [B, T]."""
-        hidden = self.embed(params, input_ids, attention_mask)
-        for i in range(self.num_layers):
-            hidden = self.layer(i, params, hidden, attention_mask, linear, grouped_linear)
-        return self.head(params, hidden, attention_mask, linear)
-
     def sentence_embeddings(self, params: Mapping, input_ids: jax.Array,
                             attention_mask: jax.Array | None = None,
                             linear: LinearHook = dense_linear) -> jax.Array:
         """Mean-pooled last hidden state [B, H] (all-MiniLM-L6-v2 then L2-normalizes; not done here)."""
         return mean_pool(self.forward(params, input_ids, attention_mask, linear), attention_mask)
+
+
+def bert_linear_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    """attention.self.value -> attention.output.dense in every layer (every head its own K/V).
+
+    No LayerNorm can absorb 1/s: BERT is post-LN, so every LayerNorm's output also feeds a
+    residual (attention.output.LayerNorm's output h comes back in output.LayerNorm(FFN(h) + h);
+    the previous layer's output.LayerNorm feeds q/k/v and attention.output.LayerNorm's
+    residual). intermediate.dense -> output.dense is not smoothable: GELU sits between them.
+    """
+    heads = int(config["num_attention_heads"])
+    return [
+        SmoothingGroup(f"encoder.layer.{i}.attention.self.value", (f"encoder.layer.{i}.attention.output.dense",),
+                       kv_repeat=1, head_dim=int(config["hidden_size"]) // heads)
+        for i in range(int(config["num_hidden_layers"]))
+    ]
+
+
+BERT = Architecture(
+    family="bert",
+    hf_architectures=("BertModel",),
+    linear_pattern=layer_linear_pattern("encoder.layer", LAYER_LINEARS),
+    default_alpha=0.5,
+    linear_smoothing_groups=bert_linear_groups,
+    remedy=(f"{REMEDY_LEAD}attention.self.value rows -> "
+            "attention.output.dense columns (one scale per head channel); no LayerNorm group (post-LN: "
+            "each LayerNorm also feeds a residual) and none into output.dense (GELU comes first)"),
+    causal_lm=False,
+    model=BertModel,
+)

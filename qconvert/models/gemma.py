@@ -11,12 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.errors import InvalidCheckpointError, UnsupportedModelError
+from qconvert.errors import InvalidCheckpointError
 from qconvert.formats import QArray
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, dense_grouped_linear,
                                    dense_linear)
-from qconvert.models.llama import ACTIVATIONS, attention_bias, rms_norm
-from qconvert.models.registry import LLAMA, Architecture, SmoothingGroup, register
+from qconvert.models.activations import ACTIVATIONS, check_activation
+from qconvert.models.family import Architecture, LayerStack, SmoothingGroup
+from qconvert.models.llama import LAYER_LINEARS, LLAMA, attention_bias, rms_norm
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -108,9 +109,7 @@ class GemmaArgs:
                                          f"num_attention_heads ({heads})")
         hidden = _config_int(config, "hidden_size")
         activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
-        if activation not in ACTIVATIONS:
-            raise UnsupportedModelError(
-                f"hidden_activation {activation!r} is not supported; supported: " + ", ".join(ACTIVATIONS))
+        check_activation(activation, key="hidden_activation")
         gemma3 = config.get("model_type") == "gemma3_text"
         types = layer_types(config, layers)
         window = config.get("sliding_window")
@@ -159,7 +158,7 @@ def gemma_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, s
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmaModel:
+class GemmaModel(LayerStack):
     """Gemma2ForCausalLM and Gemma3ForCausalLM as pure functions of `params` (see LlamaModel)."""
 
     args: GemmaArgs
@@ -168,10 +167,6 @@ class GemmaModel:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "GemmaModel":
         return cls(GemmaArgs.from_config(config))
-
-    @property
-    def num_layers(self) -> int:
-        return self.args.num_hidden_layers
 
     def _layer_prefix(self, i: int) -> str:
         return f"{self.prefix}.layers.{i}"
@@ -187,8 +182,7 @@ class GemmaModel:
     def layer_linears(self, i: int) -> list[str]:
         """Module names of layer i's linears, in the order the forward calls them."""
         p = self._layer_prefix(i)
-        return ([f"{p}.self_attn.{x}_proj" for x in "qkvo"]
-                + [f"{p}.mlp.{x}_proj" for x in ("gate", "up", "down")])
+        return [f"{p}.{module}" for module in LAYER_LINEARS]
 
     def _biased(self, module: str) -> bool:
         return self.args.attention_bias and ".self_attn." in module
@@ -303,15 +297,6 @@ class GemmaModel:
         x = gemma_rms_norm(hidden, params[names[0]], self.args.rms_norm_eps)
         return soft_cap(linear("lm_head", x, params[names[1]], None), self.args.final_logit_softcapping)
 
-    def forward(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                linear: LinearHook = dense_linear,
-                grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array:
-        """Logits float32 [B, T, vocab] for input_ids [B, T] (positions 0..T-1, as transformers)."""
-        hidden = self.embed(params, input_ids, attention_mask)
-        for i in range(self.num_layers):
-            hidden = self.layer(i, params, hidden, attention_mask, linear, grouped_linear)
-        return self.head(params, hidden, attention_mask, linear)
-
 
 def _gemma_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
     # Gemma's sandwich norms: input_layernorm feeds q/k/v and pre_feedforward_layernorm
@@ -336,5 +321,7 @@ GEMMA = Architecture(
     # v -> o and up -> down as for Llama: Gemma 3's q/k norms and Gemma 2's soft-capping
     # act on the attention scores, never on v; down_proj's input is gelu(gate) * up.
     linear_smoothing_groups=LLAMA.linear_smoothing_groups,
+    remedy=LLAMA.remedy,
+    causal_lm=True,
+    model=GemmaModel,
 )
-register(GEMMA)

@@ -8,14 +8,17 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from qconvert.errors import UnsupportedModelError
+from qconvert.models.activations import ACTIVATIONS, check_activation
 from qconvert.models.config_values import config_bool, config_float, config_int, require_divides
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32,
                                    dense_grouped_linear, dense_linear)
+from qconvert.models.family import (REMEDY_LEAD, Architecture, LayerStack, SmoothingGroup,
+                                    layer_linear_pattern)
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
 
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-               "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+# A decoder layer's linears, in the order the forward calls them.
+ATTENTION_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+LAYER_LINEARS = ATTENTION_LINEARS + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +54,7 @@ class LlamaArgs:
         else:
             require_divides(config, "num_attention_heads", heads, "hidden_size", hidden)
             head_dim = hidden // heads
-        if config.get("hidden_act", "silu") not in ACTIVATIONS:
-            raise UnsupportedModelError(
-                f"hidden_act {config['hidden_act']!r} is not supported; supported: " + ", ".join(ACTIVATIONS))
+        check_activation(config.get("hidden_act", "silu"))
         return cls(
             hidden_size=hidden,
             intermediate_size=config_int(config, "intermediate_size"),
@@ -127,7 +128,7 @@ def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaModel:
+class LlamaModel(LayerStack):
     """LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM as pure functions of `params`.
 
     `params` maps checkpoint tensor names to arrays (lazily read ones too; linear
@@ -142,10 +143,6 @@ class LlamaModel:
         return cls(LlamaArgs.from_config(config))
 
     @property
-    def num_layers(self) -> int:
-        return self.args.num_hidden_layers
-
-    @property
     def layers_prefix(self) -> str:
         """What every decoder layer's tensor names start with (then the layer index)."""
         return f"{self.prefix}.layers."
@@ -155,13 +152,12 @@ class LlamaModel:
 
     def linear_shapes(self, i: int) -> dict[str, tuple[int, int]]:
         """[out, in] of layer i's linears as config.json implies them."""
-        a, p = self.args, self._layer_prefix(i)
+        a = self.args
         q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-        return {f"{p}.self_attn.q_proj": (q, a.hidden_size), f"{p}.self_attn.k_proj": (kv, a.hidden_size),
-                f"{p}.self_attn.v_proj": (kv, a.hidden_size), f"{p}.self_attn.o_proj": (a.hidden_size, q),
-                f"{p}.mlp.gate_proj": (a.intermediate_size, a.hidden_size),
-                f"{p}.mlp.up_proj": (a.intermediate_size, a.hidden_size),
-                f"{p}.mlp.down_proj": (a.hidden_size, a.intermediate_size)}
+        shapes = ((q, a.hidden_size), (kv, a.hidden_size), (kv, a.hidden_size), (a.hidden_size, q),
+                  (a.intermediate_size, a.hidden_size), (a.intermediate_size, a.hidden_size),
+                  (a.hidden_size, a.intermediate_size))
+        return dict(zip(LlamaModel.layer_linears(self, i), shapes, strict=True))
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the forward reads, with the shape config.json implies (lm_head omitted when tied)."""
@@ -188,8 +184,7 @@ class LlamaModel:
     def layer_linears(self, i: int) -> list[str]:
         """Module names of layer i's linears, in the order the forward calls them."""
         p = self._layer_prefix(i)
-        return ([f"{p}.self_attn.{x}_proj" for x in "qkvo"]
-                + [f"{p}.mlp.{x}_proj" for x in ("gate", "up", "down")])
+        return [f"{p}.{module}" for module in LAYER_LINEARS]
 
     def layer_tensor_names(self, i: int) -> list[str]:
         """Checkpoint tensor names layer i reads (norm weights, linear weights and biases)."""
@@ -274,11 +269,51 @@ class LlamaModel:
         lm_head_name = self.head_tensor_names()[1]
         return linear("lm_head", x, params[lm_head_name], None)
 
-    def forward(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array | None = None,
-                linear: LinearHook = dense_linear,
-                grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array:
-        """Logits float32 [B, T, vocab] for input_ids [B, T] (positions 0..T-1, as transformers)."""
-        hidden = self.embed(params, input_ids, attention_mask)
-        for i in range(self.num_layers):
-            hidden = self.layer(i, params, hidden, attention_mask, linear, grouped_linear)
-        return self.head(params, hidden, attention_mask, linear)
+
+def llama_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    """input_layernorm -> q/k/v and post_attention_layernorm -> gate/up in every layer."""
+    groups = []
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}"
+        groups.append(SmoothingGroup(f"{p}.input_layernorm",
+                                     tuple(f"{p}.self_attn.{x}_proj" for x in "qkv")))
+        groups.append(SmoothingGroup(f"{p}.post_attention_layernorm",
+                                     (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj")))
+    return groups
+
+
+def value_output_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    """v_proj -> o_proj in every layer: attention is linear in V per head, so scaling v_proj's
+    output row c by 1/s scales every o_proj input channel that reads kv channel c by 1/s."""
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    return [SmoothingGroup(f"model.layers.{i}.self_attn.v_proj", (f"model.layers.{i}.self_attn.o_proj",),
+                           kv_repeat=heads // kv_heads, head_dim=head_dim)
+            for i in range(int(config["num_hidden_layers"]))]
+
+
+def llama_linear_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    """v_proj -> o_proj, then up_proj -> down_proj (down_proj's input is act(gate) * up, linear in up)."""
+    groups = []
+    for i, value_group in enumerate(value_output_groups(config)):
+        groups.append(value_group)
+        groups.append(SmoothingGroup(f"model.layers.{i}.mlp.up_proj", (f"model.layers.{i}.mlp.down_proj",)))
+    return groups
+
+
+VALUE_OUTPUT_REMEDY = ("v_proj rows -> o_proj columns "
+                       "(one scale per KV-head channel, shared by the query heads of its group)")
+LLAMA_REMEDY = f"{REMEDY_LEAD}{VALUE_OUTPUT_REMEDY}, up_proj rows -> down_proj columns"
+
+LLAMA = Architecture(
+    family="llama",
+    hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
+    linear_pattern=layer_linear_pattern("layers", LAYER_LINEARS),
+    smoothing_groups=llama_groups,
+    default_alpha=0.85,
+    linear_smoothing_groups=llama_linear_groups,
+    remedy=LLAMA_REMEDY,
+    causal_lm=True,
+    model=LlamaModel,
+)

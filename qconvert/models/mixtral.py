@@ -25,10 +25,15 @@ from typing import Any, Mapping
 import jax
 
 from qconvert.errors import InvalidCheckpointError
+from qconvert.models.activations import ACTIVATIONS
 from qconvert.models.config_values import config_int
+from qconvert.models.family import EXPERT, REMEDY_LEAD, Architecture, SmoothingGroup, layer_linear_pattern
 from qconvert.models.hooks import GroupedLinearHook, LinearHook
-from qconvert.models.llama import ACTIVATIONS, LlamaArgs, LlamaModel
+from qconvert.models.llama import (ATTENTION_LINEARS, VALUE_OUTPUT_REMEDY, LlamaArgs, LlamaModel,
+                                   value_output_groups)
 from qconvert.models.moe import routed_experts
+
+EXPERT_PROJECTIONS = ("w1", "w3", "w2")  # gate, up, down
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +71,8 @@ class MixtralModel(LlamaModel):
 
     def layer_linears(self, i: int) -> list[str]:
         """Module names of layer i's linears: attention, router, then every expert's w1, w3, w2."""
-        attention = [f"{self._layer_prefix(i)}.self_attn.{x}_proj" for x in "qkvo"]
-        experts = [m for proj in ("w1", "w3", "w2") for m in self.expert_linears(i, proj)]
+        attention = [f"{self._layer_prefix(i)}.{module}" for module in ATTENTION_LINEARS]
+        experts = [m for proj in EXPERT_PROJECTIONS for m in self.expert_linears(i, proj)]
         return attention + [f"{self._moe_prefix(i)}.gate"] + experts
 
     def _biased(self, proj: str) -> bool:
@@ -93,5 +98,49 @@ class MixtralModel(LlamaModel):
         router_logits = linear(router, x, params[f"{router}.weight"], None)
         return routed_experts(x, router_logits, attention_mask, top_k=self.moe.num_experts_per_tok,
                               normalize=True, expert_names=lambda proj: self.expert_linears(i, proj),
-                              projections=("w1", "w3", "w2"), params=params, grouped_linear=grouped_linear,
+                              projections=EXPERT_PROJECTIONS, params=params, grouped_linear=grouped_linear,
                               act=ACTIVATIONS[self.args.hidden_act])
+
+
+def mixtral_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    """input_layernorm -> q/k/v; post_attention_layernorm -> every expert's w1 and w3 and the router.
+
+    The router (gate) is listed so its columns absorb s too and the float model stays
+    unchanged; it is not a quantized linear (see MIXTRAL's pattern), so it stays float.
+    """
+    groups = []
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}"
+        experts = [f"{p}.block_sparse_moe.experts.{e}"
+                   for e in range(int(config["num_local_experts"]))]
+        groups.append(SmoothingGroup(f"{p}.input_layernorm",
+                                     tuple(f"{p}.self_attn.{x}_proj" for x in "qkv")))
+        groups.append(SmoothingGroup(
+            f"{p}.post_attention_layernorm",
+            tuple(f"{e}.{w}" for e in experts for w in ("w1", "w3")) + (f"{p}.block_sparse_moe.gate",)))
+    return groups
+
+
+def mixtral_linear_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
+    """v_proj -> o_proj as in Llama; each expert's w3 (up) -> w2 (down), since w2's input is act(w1 x) * w3 x."""
+    groups = value_output_groups(config)
+    for i in range(int(config["num_hidden_layers"])):
+        for e in range(int(config["num_local_experts"])):
+            q = f"model.layers.{i}.block_sparse_moe.experts.{e}"
+            groups.append(SmoothingGroup(f"{q}.w3", (f"{q}.w2",)))
+    return groups
+
+
+MIXTRAL = Architecture(
+    family="mixtral",
+    hf_architectures=("MixtralForCausalLM",),
+    # The router (block_sparse_moe.gate) is deliberately not matched: it stays float.
+    linear_pattern=layer_linear_pattern(
+        "layers", ATTENTION_LINEARS + tuple(f"block_sparse_moe.experts.{EXPERT}.{w}" for w in EXPERT_PROJECTIONS)),
+    smoothing_groups=mixtral_groups,
+    default_alpha=0.85,
+    linear_smoothing_groups=mixtral_linear_groups,
+    remedy=f"{REMEDY_LEAD}{VALUE_OUTPUT_REMEDY}, each expert's w3 rows -> w2 columns",
+    causal_lm=True,
+    model=MixtralModel,
+)

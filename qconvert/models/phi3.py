@@ -11,17 +11,20 @@ value rows -> o_proj, the up rows -> down_proj).
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 
+from qconvert.models.activations import ACTIVATIONS
 from qconvert.models.config_values import config_fraction
 from qconvert.models.decoder_shapes import Shapes, embed_and_head_shapes, layer_norm_shapes
 from qconvert.models.hooks import GroupedLinearHook, LinearHook
-from qconvert.models.llama import ACTIVATIONS, LlamaArgs, LlamaModel
-from qconvert.models.registry import Architecture, SmoothingGroup, register
+from qconvert.models.family import REMEDY_LEAD, Architecture, SmoothingGroup, layer_linear_pattern
+from qconvert.models.llama import LlamaArgs, LlamaModel
+
+# A layer's linears, in the order the forward calls them.
+LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def partial_rotary_factor(config: dict[str, Any]) -> float:
@@ -52,7 +55,7 @@ class Phi3Model(LlamaModel):
     def layer_linears(self, i: int) -> list[str]:
         """Module names of layer i's linears, in the order the forward calls them."""
         p = self._layer_prefix(i)
-        return [f"{p}.self_attn.qkv_proj", f"{p}.self_attn.o_proj", f"{p}.mlp.gate_up_proj", f"{p}.mlp.down_proj"]
+        return [f"{p}.{module}" for module in LAYER_LINEARS]
 
     def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
                   linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -117,9 +120,12 @@ def _phi3_linear_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
 PHI3 = Architecture(
     family="phi3",
     hf_architectures=("Phi3ForCausalLM",),
-    linear_pattern=re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(qkv|o)_proj|mlp\.(gate_up|down)_proj)$"),
+    linear_pattern=layer_linear_pattern("layers", LAYER_LINEARS),
     smoothing_groups=_phi3_groups,
     default_alpha=0.85,
     linear_smoothing_groups=_phi3_linear_groups,
+    remedy=(f"{REMEDY_LEAD}the value rows of qkv_proj -> o_proj columns (one scale per KV-head channel, "
+            "shared by the query heads of its group), the up rows of gate_up_proj -> down_proj columns"),
+    causal_lm=True,
+    model=Phi3Model,
 )
-register(PHI3)

@@ -15,19 +15,19 @@ ordinary linears that stay float (they are not in the family's linear pattern).
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Mapping
 
 import jax
 
 from qconvert.errors import InvalidCheckpointError
+from qconvert.models.activations import ACTIVATIONS
 from qconvert.models.config_values import config_bool, config_int, config_layer_list
 from qconvert.models.decoder_shapes import (Shapes, attention_shapes, embed_and_head_shapes,
                                             layer_norm_shapes, swiglu_shapes)
+from qconvert.models.family import EXPERT, Architecture, SmoothingGroup, layer_linear_pattern
 from qconvert.models.hooks import GroupedLinearHook, LinearHook
-from qconvert.models.llama import ACTIVATIONS, LlamaArgs, LlamaModel
+from qconvert.models.llama import ATTENTION_LINEARS, LLAMA_REMEDY, LlamaArgs, LlamaModel, value_output_groups
 from qconvert.models.moe import routed_experts
-from qconvert.models.registry import LLAMA, Architecture, SmoothingGroup, register
 
 SWIGLU = ("gate_proj", "up_proj", "down_proj")
 
@@ -100,7 +100,7 @@ class Qwen2MoeModel(LlamaModel):
     def layer_linears(self, i: int) -> list[str]:
         """Attention, then the router, every expert's gate/up/down_proj and the shared expert (sparse
         layers) or the dense gate/up/down_proj."""
-        attention = [f"{self._layer_prefix(i)}.self_attn.{x}_proj" for x in "qkvo"]
+        attention = [f"{self._layer_prefix(i)}.{module}" for module in ATTENTION_LINEARS]
         if not self.moe.sparse_layers[i]:
             return attention + [f"{self._mlp_prefix(i)}.{proj}" for proj in SWIGLU]
         experts = [m for proj in SWIGLU for m in self.expert_linears(i, proj)]
@@ -177,7 +177,7 @@ def moe_smoothing_groups(model: Qwen2MoeModel) -> list[SmoothingGroup]:
 
 def moe_linear_smoothing_groups(model: Qwen2MoeModel, config: dict[str, Any]) -> list[SmoothingGroup]:
     """v_proj -> o_proj as in Llama; up_proj -> down_proj in every expert, the shared expert and dense MLPs."""
-    groups = [g for g in LLAMA.linear_smoothing_groups(config) if g.norm.endswith("v_proj")]
+    groups = value_output_groups(config)
     for i in range(model.num_layers):
         mlp = model._mlp_prefix(i)
         if model.moe.sparse_layers[i]:
@@ -190,8 +190,8 @@ def moe_linear_smoothing_groups(model: Qwen2MoeModel, config: dict[str, Any]) ->
 
 
 # Routers (mlp.gate) and shared-expert gates are deliberately not matched: they stay float.
-QWEN_MOE_LINEARS = re.compile(
-    r"(^|\.)layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.((experts\.\d+|shared_expert)\.)?(gate|up|down)_proj)$")
+QWEN_MOE_LINEARS = layer_linear_pattern("layers", ATTENTION_LINEARS + tuple(
+    f"mlp.{owner}{proj}" for owner in ("", f"experts.{EXPERT}.", "shared_expert.") for proj in SWIGLU))
 
 
 def qwen_moe_architecture(family: str, hf_architecture: str, model: type[Qwen2MoeModel]) -> Architecture:
@@ -203,8 +203,11 @@ def qwen_moe_architecture(family: str, hf_architecture: str, model: type[Qwen2Mo
         smoothing_groups=lambda config: moe_smoothing_groups(model.from_config(config)),
         default_alpha=0.85,
         linear_smoothing_groups=lambda config: moe_linear_smoothing_groups(model.from_config(config), config),
+        # v_proj -> o_proj and up_proj -> down_proj (in every expert, the shared expert and dense MLPs).
+        remedy=LLAMA_REMEDY,
+        causal_lm=True,
+        model=model,
     )
 
 
 QWEN2_MOE = qwen_moe_architecture("qwen2_moe", "Qwen2MoeForCausalLM", Qwen2MoeModel)
-register(QWEN2_MOE)

@@ -16,8 +16,8 @@ from qconvert.models.config_values import config_int
 from qconvert.models.decoder_shapes import (Shapes, attention_shapes, embed_and_head_shapes,
                                             layer_norm_shapes, swiglu_shapes)
 from qconvert.models.hooks import LinearHook
-from qconvert.models.llama import LlamaArgs, LlamaModel, rms_norm
-from qconvert.models.registry import LLAMA, Architecture, register
+from qconvert.models.family import Architecture
+from qconvert.models.llama import LLAMA, LlamaArgs, LlamaModel, rms_norm
 
 
 def qk_norm_names(model: LlamaModel, i: int) -> list[str]:
@@ -81,5 +81,7 @@ QWEN3 = Architecture(
     smoothing_groups=LLAMA.smoothing_groups,
     default_alpha=0.85,
     linear_smoothing_groups=LLAMA.linear_smoothing_groups,
+    remedy=LLAMA.remedy,  # the same v_proj -> o_proj and up_proj -> down_proj groups
+    causal_lm=True,
+    model=Qwen3Model,
 )
-register(QWEN3)

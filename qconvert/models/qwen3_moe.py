@@ -14,7 +14,6 @@ from qconvert.models.decoder_shapes import Shapes
 from qconvert.models.llama import LlamaArgs
 from qconvert.models.qwen2_moe import QwenMoeArgs, Qwen2MoeModel, qwen_moe_architecture
 from qconvert.models.qwen3 import QkNormAttention, check_head_dim, qk_norm_names
-from qconvert.models.registry import register
 
 
 def qwen3_moe_windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
@@ -44,4 +43,3 @@ class Qwen3MoeModel(QkNormAttention, Qwen2MoeModel):
 
 
 QWEN3_MOE = qwen_moe_architecture("qwen3_moe", "Qwen3MoeForCausalLM", Qwen3MoeModel)
-register(QWEN3_MOE)

@@ -103,7 +103,8 @@ def weight_only_architecture(selection: WeightOnlySelection) -> Architecture:
         family=FAMILY,
         hf_architectures=(selection.architecture,),
         linear_pattern=re.compile(rf"^{re.escape(selection.layer_prefix)}\.\d+\.(?:{modules})$"),
-        smoothing_groups=lambda config: [],
+        causal_lm=False,  # no forward pass here, so no logits are judged
+        model=None,
     )
 
 
