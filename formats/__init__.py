@@ -1,5 +1,6 @@
 """On-disk formats: QArray, packing, safetensors I/O and the export layouts."""
 
+from qconvert.formats.checkpoint_params import CheckpointParams
 from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import (
     SCHEMES,
@@ -10,7 +11,7 @@ from qconvert.formats.layouts import (
     qarray_to_tensors,
     quantization_config,
 )
-from qconvert.formats.qarray import NF4_LEVELS, QArray, dequantize, unpack_nf4_codes
+from qconvert.formats.qarray import INT8_QMAX, NF4_BLOCK_SIZE, NF4_LEVELS, QArray, dequantize, unpack_nf4_codes
 from qconvert.formats.safetensors_io import (
     SafetensorsCheckpoint,
     TensorSpec,
@@ -20,8 +21,8 @@ from qconvert.formats.safetensors_io import (
 )
 
 __all__ = [
-    "NF4_LEVELS", "QArray", "dequantize", "unpack_nf4_codes",
-    "FormatError",
+    "INT8_QMAX", "NF4_BLOCK_SIZE", "NF4_LEVELS", "QArray", "dequantize", "unpack_nf4_codes",
+    "CheckpointParams", "FormatError",
     "SafetensorsCheckpoint", "TensorSpec", "open_checkpoint", "sha256_file", "write_shards",
     "SCHEMES", "QuantizedCheckpoint", "detect_scheme", "linear_tensor_specs", "open_quantized",
     "qarray_to_tensors", "quantization_config",

@@ -28,11 +28,10 @@ from qconvert.formats.packing import (
     signed_dynamic_map,
     unpack_int32_to_int8,
 )
-from qconvert.formats.qarray import NF4_LEVELS, QArray
+from qconvert.formats.qarray import NF4_BLOCK_SIZE, NF4_LEVELS, QArray
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, TensorSpec, open_checkpoint
 
 SCHEMES = ("int8", "w8a8", "nf4")
-NF4_BLOCK_SIZE = 64
 NF4_STATE_SUFFIX = ".weight.quant_state.bitsandbytes__nf4"
 # vLLM reads the static activation scale as float32 whatever the model dtype.
 INPUT_SCALE_DTYPE = np.dtype(np.float32)

@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qconvert.errors import KernelArgumentError
+from qconvert.kernels.errors import KernelArgumentError
 from qconvert.formats import QArray
 from qconvert.kernels import gpu_grouped, reference, tpu_grouped
 from qconvert.kernels.checks import dtype_of as _dtype

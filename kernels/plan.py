@@ -14,13 +14,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qconvert.errors import KernelArgumentError
+from qconvert.formats import NF4_BLOCK_SIZE
+from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.tiles import Tiling, round_up
 
 OPS = ("int8_matmul", "int8_weight_matmul", "nf4_matmul", "grouped_matmul", "transposed_grouped_matmul")
 BACKENDS = ("auto", "tpu", "gpu", "cpu", "reference")
 RHS_KINDS = ("float", "int8", "nf4")
-NF4_BLOCK = 64
 # TPU interpret mode simulates every grid step in Python-driven XLA code; past this
 # many steps the XLA reference is the only sensible way to get an answer on CPU.
 CPU_INTERPRET_MAX_STEPS = 256
@@ -54,7 +54,7 @@ class KernelProblem:
     n: int
     x_dtype: str = "float32"
     out_dtype: str = "float32"
-    blocksize: int = NF4_BLOCK
+    blocksize: int = NF4_BLOCK_SIZE
     num_groups: int = 1
     rhs_kind: str = "float"
 
@@ -203,7 +203,7 @@ def default_tiling(problem: KernelProblem, backend: str) -> Tiling:
                           min(entry.tn, _power_of_two_at_least(n, 64)))
         # Grouped NF4 experts step K as the dense NF4 kernel does.
         tk_max = table["nf4_matmul"].tk if nf4 else entry.tk
-        tk = _k_tile(k, tk_max, NF4_BLOCK if nf4 else 16, powers_of_two=True)
+        tk = _k_tile(k, tk_max, NF4_BLOCK_SIZE if nf4 else 16, powers_of_two=True)
         return Tiling(min(entry.tm, _power_of_two_at_least(m)), tk, min(entry.tn, _power_of_two_at_least(n)))
     if op == "transposed_grouped_matmul":
         # There K is the output rows and M the contraction; both are lane/sublane dims.
@@ -229,9 +229,9 @@ def check_tiling(problem: KernelProblem, backend: str, tiling: Tiling) -> None:
     if backend == "gpu":
         if any(t < 16 or t & (t - 1) for t in (tm, tk, tn)):
             raise KernelArgumentError(f"GPU tiles must be powers of two >= 16, got {tiling}")
-        if nf4 and tk % NF4_BLOCK:
+        if nf4 and tk % NF4_BLOCK_SIZE:
             raise KernelArgumentError(f"the GPU NF4 kernel steps K by whole 64-blocks; tk must be a multiple of "
-                                      f"{NF4_BLOCK}, got {tk}")
+                                      f"{NF4_BLOCK_SIZE}, got {tk}")
         return
     if problem.op == "transposed_grouped_matmul":
         # lhs [K, M] tiles are (tk, tm): M on lanes, K on sublanes.
@@ -266,10 +266,10 @@ def _reference_plan(problem: KernelProblem, reason: str | None) -> KernelPlan:
 
 def _fallback_reason(problem: KernelProblem) -> str | None:
     nf4 = _decodes_nf4(problem)
-    if nf4 and problem.blocksize != NF4_BLOCK:
-        return f"the NF4 kernels decode blocks of {NF4_BLOCK}, not {problem.blocksize}"
-    if nf4 and problem.k % NF4_BLOCK:
-        return (f"K={problem.k} is not a multiple of the NF4 block size {NF4_BLOCK}, so blocks straddle "
+    if nf4 and problem.blocksize != NF4_BLOCK_SIZE:
+        return f"the NF4 kernels decode blocks of {NF4_BLOCK_SIZE}, not {problem.blocksize}"
+    if nf4 and problem.k % NF4_BLOCK_SIZE:
+        return (f"K={problem.k} is not a multiple of the NF4 block size {NF4_BLOCK_SIZE}, so blocks straddle "
                 "weight rows and cannot be tiled")
     return None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from qconvert.errors import KernelArgumentError
+from qconvert.kernels.errors import KernelArgumentError
 from qconvert.formats import QArray
 from qconvert.kernels.activations import quantize_activations
 from qconvert.kernels.dense import int8_matmul, int8_weight_matmul, nf4_matmul

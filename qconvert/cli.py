@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from qconvert import __version__, interrupts
-from qconvert.errors import EXIT_CODES, QConvertError, UsageError
+from qconvert.errors import EXIT_CODES, QConvertError, UsageError, kernel_error_exit_code
 from qconvert.stages import DEBUG_VARIABLE, INTERNAL_ERROR_EXIT_CODE, internal_error_line, stage
 
 # Every command's --help ends with the same exit-code table as the README.
@@ -360,6 +360,8 @@ def _fail_for(err: BaseException, command: str | None) -> None:
         fail(interrupted.message, interrupted.exit_code)
     if isinstance(err, QConvertError):
         fail(str(err), err.exit_code)
+    if kernel_error_exit_code(err) is not None:
+        fail(str(err), kernel_error_exit_code(err))
     if isinstance(err, (KeyboardInterrupt, interrupts.Interrupted, click.exceptions.Abort)):
         fail(interrupts.message_for(err), interrupts.exit_code_for(err))
     if isinstance(err, click.ClickException):

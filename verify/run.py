@@ -29,7 +29,8 @@ from qconvert.verify.fidelity import make_folder_linear
 from qconvert.verify.kernel_path import make_quantized_linear
 from qconvert.verify.layers import smoothing_factors, verify_layers
 from qconvert.verify.model import verify_model
-from qconvert.verify.params import CheckpointParams, QuantizedParams, check_tensors
+from qconvert.formats.checkpoint_params import CheckpointParams
+from qconvert.verify.params import QuantizedParams, check_tensors
 from qconvert.verify.report import versions
 from qconvert.verify.results import VerifyReport
 from qconvert.verify.thresholds import Check, thresholds_for
