@@ -249,8 +249,9 @@ def inspect_command(out: Path, as_json: bool) -> int:
 @click.option("--samples", type=click.IntRange(min=1), default=None, help="Evaluation sequences (default 8; 2 with --quick).")
 @click.option("--seqlen", type=click.IntRange(min=2), default=None, help="Tokens per sequence (default 64; 32 with --quick).")
 @click.option("--quick", is_flag=True, help="A small evaluation sample: a fast smoke check.")
-@click.option("--backend", type=click.Choice(["auto", "tpu", "gpu", "cpu"]), default="auto", show_default=True,
-              help="Kernel backend; cpu runs the TPU kernels in interpret mode.")
+@click.option("--backend", type=click.Choice(["auto", "tpu", "gpu", "cpu", "xla"]), default="auto", show_default=True,
+              help="Kernel backend; auto: tpu or gpu kernels, xla on a CPU host; cpu runs the TPU kernels in "
+                   "interpret mode.")
 @click.option("--json", "json_path", default=None, metavar="FILE",
               help="Write the full record as JSON to FILE ('-' for stdout; the table then goes to stderr).")
 @click.option("--strict", is_flag=True, help="Also fail when a layer fell back from the Pallas kernel to the reference.")
