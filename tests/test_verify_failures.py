@@ -168,7 +168,9 @@ def test_bad_input_exits_2(tmp_path, converted, capsys):
 
 
 def test_a_kernel_made_wrong_fails_fidelity_naming_the_kernel_and_backend(converted, capsys, monkeypatch):
-    import qconvert.kernels.qlinear as router  # the one router from a QArray to its kernel
+    import importlib
+
+    router = importlib.import_module("qconvert.kernels.qlinear")  # the one router from a QArray to its kernel
 
     right = router.int8_weight_matmul
 
