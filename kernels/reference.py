@@ -24,10 +24,12 @@ HIGHEST = jax.lax.Precision.HIGHEST
 def int8_matmul_reference(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32) -> jax.Array:
     """W8A8: y[m, n] = f32(sum_k x_q[m,k] * w_q[n,k]) * x_scale[m] * w_scale[n] + bias[n].
 
-    The int32 accumulation is exact; the rescale runs in float32 in exactly this
-    order (accumulator, times x_scale, times w_scale, plus bias), then one cast.
+    The int32 accumulation is exact (an int8 x int8 -> int32 dot, which XLA runs
+    as an integer GEMM); the rescale runs in float32 in exactly this order
+    (accumulator, times x_scale, times w_scale, plus bias), then one cast.
     """
-    acc = jnp.matmul(jnp.asarray(x_q, jnp.int32), jnp.asarray(w_q, jnp.int32).T)
+    acc = jax.lax.dot_general(jnp.asarray(x_q, jnp.int8), jnp.asarray(w_q, jnp.int8), (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.int32)
     m = acc.shape[0]
     x_scale = jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,))
     y = acc.astype(jnp.float32) * x_scale[:, None]
