@@ -23,6 +23,6 @@ __all__ = [
     "BACKENDS", "GUARANTEES", "KernelArgumentError", "KernelPlan", "KernelProblem", "Tiling", "fake_quantize_rows",
     "grouped_matmul", "grouped_matmul_reference", "int8_matmul", "int8_matmul_reference", "int8_weight_matmul",
     "int8_weight_matmul_reference", "make_group_metadata", "nf4_dequantize_reference", "nf4_matmul", "nf4_matmul_reference",
-    "qgrouped_linear", "qlinear", "quantize_activations", "stack_experts", "resolve_backend", "select_kernel", "transposed_grouped_matmul",
-    "transposed_grouped_matmul_reference",
+    "qgrouped_linear", "qlinear", "quantize_activations", "resolve_backend", "select_kernel", "stack_experts",
+    "transposed_grouped_matmul", "transposed_grouped_matmul_reference",
 ]

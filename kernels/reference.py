@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qconvert.formats import NF4_LEVELS
+from qconvert.formats import NF4_BLOCK_SIZE, NF4_LEVELS
 
 HIGHEST = jax.lax.Precision.HIGHEST
 # The references are jitted so that XLA fuses their float rescale exactly as it
@@ -58,7 +58,7 @@ def int8_weight_matmul_reference(x, w_q, w_scale, *, bias=None, out_dtype=jnp.fl
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "blocksize"))
-def nf4_dequantize_reference(w_packed, absmax, shape, blocksize: int = 64) -> jax.Array:
+def nf4_dequantize_reference(w_packed, absmax, shape, blocksize: int = NF4_BLOCK_SIZE) -> jax.Array:
     """The float32 [N, K] weight of a bitsandbytes NF4 tensor: level[code] * absmax[block]."""
     n_out, k = shape
     count = n_out * k
@@ -70,7 +70,7 @@ def nf4_dequantize_reference(w_packed, absmax, shape, blocksize: int = 64) -> ja
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "blocksize", "out_dtype"))
-def nf4_matmul_reference(x, w_packed, absmax, *, shape, blocksize: int = 64, bias=None,
+def nf4_matmul_reference(x, w_packed, absmax, *, shape, blocksize: int = NF4_BLOCK_SIZE, bias=None,
                          out_dtype=jnp.float32) -> jax.Array:
     """y = x @ W^T with W the dequantized NF4 weight, cast to x's dtype, float32 accumulation."""
     x = jnp.asarray(x)

@@ -1,4 +1,4 @@
-"""formats.quotient.f32_quotient is the IEEE float32 quotient, with float64 on or off, and the one row quantizer uses it."""
+"""formats.quotient.f32_quotient is the IEEE float32 quotient, with float64 on or off; the int8 row quantizer's values."""
 
 import jax
 import jax.numpy as jnp
