@@ -1,5 +1,6 @@
 """On-disk formats: QArray, packing, safetensors I/O and the export layouts."""
 
+from qconvert.formats.checkpoint_params import CheckpointParams
 from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import (
     LAYOUTS,
@@ -15,7 +16,7 @@ from qconvert.formats.layouts import (
     qarray_to_tensors,
     quantization_config,
 )
-from qconvert.formats.qarray import NF4_LEVELS, QArray, dequantize, unpack_nf4_codes
+from qconvert.formats.qarray import INT8_QMAX, NF4_BLOCK_SIZE, NF4_LEVELS, QArray, dequantize, unpack_nf4_codes
 from qconvert.formats.safetensors_io import (
     SafetensorsCheckpoint,
     TensorSpec,
@@ -25,8 +26,8 @@ from qconvert.formats.safetensors_io import (
 )
 
 __all__ = [
-    "NF4_LEVELS", "QArray", "dequantize", "unpack_nf4_codes",
-    "FormatError",
+    "INT8_QMAX", "NF4_BLOCK_SIZE", "NF4_LEVELS", "QArray", "dequantize", "unpack_nf4_codes",
+    "CheckpointParams", "FormatError",
     "SafetensorsCheckpoint", "TensorSpec", "open_checkpoint", "sha256_file", "write_shards",
     "LAYOUTS", "SCHEMES", "Layout", "LayoutFlags", "QuantizedCheckpoint", "detect_scheme", "layout_for",
     "layout_for_config", "linear_tensor_specs", "open_quantized",

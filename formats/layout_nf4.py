@@ -24,11 +24,10 @@ from qconvert.formats.packing import (
     double_quantize_absmax,
     signed_dynamic_map,
 )
-from qconvert.formats.qarray import NF4_LEVELS, QArray
+from qconvert.formats.qarray import NF4_BLOCK_SIZE, NF4_LEVELS, QArray
 from qconvert.formats.safetensors_io import TensorSpec
 
 QUANT_METHOD = "bitsandbytes"
-NF4_BLOCK_SIZE = 64
 NF4_STATE_SUFFIX = ".weight.quant_state.bitsandbytes__nf4"
 
 

@@ -34,6 +34,11 @@ NF4_LEVELS = np.array(
 )
 
 KINDS = ("int8", "nf4")
+# The largest int8 code a symmetric quantizer uses: codes lie in [-127, 127], so
+# the scale is absmax / 127 and -128 is never written (weights and activations alike).
+INT8_QMAX = 127
+# Elements per NF4 block (QLoRA, bitsandbytes): each block of the flattened weight has one absmax.
+NF4_BLOCK_SIZE = 64
 
 
 @dataclasses.dataclass(frozen=True)

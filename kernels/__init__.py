@@ -6,11 +6,12 @@ Rescale order of every kernel (fixed; the references define it):
   NF4    acc_f32 (x @ (level[code] * absmax[block] in f32, cast to x's dtype)), + bias[n], cast
 """
 
-from qconvert.kernels.activations import quantize_activations
+from qconvert.kernels.activations import fake_quantize_rows, quantize_activations
 from qconvert.kernels.dense import int8_matmul, int8_weight_matmul, nf4_matmul
 from qconvert.kernels.grouped import grouped_matmul, transposed_grouped_matmul
 from qconvert.kernels.grouped_metadata import make_group_metadata
-from qconvert.kernels.qlinear import qlinear
+from qconvert.kernels.errors import KernelArgumentError
+from qconvert.kernels.qlinear import qgrouped_linear, qlinear, stack_experts
 from qconvert.kernels.plan import (BACKENDS, GUARANTEES, KernelPlan, KernelProblem, resolve_backend,
                                    select_kernel)
 from qconvert.kernels.reference import (grouped_matmul_reference, int8_matmul_reference,
@@ -19,9 +20,9 @@ from qconvert.kernels.reference import (grouped_matmul_reference, int8_matmul_re
 from qconvert.kernels.tiles import Tiling
 
 __all__ = [
-    "BACKENDS", "GUARANTEES", "KernelPlan", "KernelProblem", "Tiling",
+    "BACKENDS", "GUARANTEES", "KernelArgumentError", "KernelPlan", "KernelProblem", "Tiling", "fake_quantize_rows",
     "grouped_matmul", "grouped_matmul_reference", "int8_matmul", "int8_matmul_reference", "int8_weight_matmul",
     "int8_weight_matmul_reference", "make_group_metadata", "nf4_dequantize_reference", "nf4_matmul", "nf4_matmul_reference",
-    "qlinear", "quantize_activations", "resolve_backend", "select_kernel", "transposed_grouped_matmul",
-    "transposed_grouped_matmul_reference",
+    "qgrouped_linear", "qlinear", "quantize_activations", "resolve_backend", "select_kernel", "stack_experts",
+    "transposed_grouped_matmul", "transposed_grouped_matmul_reference",
 ]

@@ -1,24 +1,14 @@
-"""Activation quantization for W8A8: per-token dynamic or static per-tensor int8."""
+"""The int8 row quantizer: W8A8 activations per token (dynamic) or per tensor (static), and fake-quantized rows."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from qconvert.errors import KernelArgumentError
+from qconvert.formats.qarray import INT8_QMAX
+from qconvert.formats.quotient import f32_quotient
+from qconvert.kernels.errors import KernelArgumentError
 
-INT8_MAX = 127
-
-
-def _true_divide(numerator: jax.Array, divisor) -> jax.Array:
-    """numerator / divisor as an IEEE division, element by element.
-
-    XLA rewrites a division by a constant or by a broadcast into a multiplication
-    by the rounded reciprocal, which is not always the same number; a full-shape
-    divisor behind an optimization barrier keeps the real division.
-    """
-    divisor = jnp.broadcast_to(jnp.asarray(divisor, jnp.float32), numerator.shape)
-    return numerator / jax.lax.optimization_barrier(divisor)
 
 
 def quantize_activations(x, scale=None) -> tuple[jax.Array, jax.Array]:
@@ -39,7 +29,7 @@ def quantize_activations(x, scale=None) -> tuple[jax.Array, jax.Array]:
     xf = x.astype(jnp.float32)
     if scale is None:
         act_absmax = jnp.max(jnp.abs(xf), axis=1)
-        x_scale = jnp.where(act_absmax > 0, _true_divide(act_absmax, INT8_MAX), 1.0).astype(jnp.float32)
+        x_scale = jnp.where(act_absmax > 0, f32_quotient(act_absmax, INT8_QMAX), 1.0).astype(jnp.float32)
         divisor = x_scale[:, None]
     else:
         x_scale = jnp.asarray(scale, jnp.float32).reshape(-1)
@@ -47,5 +37,16 @@ def quantize_activations(x, scale=None) -> tuple[jax.Array, jax.Array]:
             raise KernelArgumentError(f"a static activation scale must be a scalar or shape [1], got {x_scale.shape}; "
                                       "pass scale=None for per-token scales")
         divisor = x_scale[0]
-    x_q = jnp.clip(jnp.round(_true_divide(xf, divisor)), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    x_q = jnp.clip(jnp.round(f32_quotient(xf, divisor)), -INT8_QMAX, INT8_QMAX).astype(jnp.int8)
     return x_q, x_scale
+
+
+def fake_quantize_rows(x, scale=None) -> jax.Array:
+    """x [M, K] through quantize_activations and back: the int8 codes times their scale, in float32.
+
+    The value a W8A8 matmul really multiplies: per row with scale=None (per token
+    of an activation, or per output channel when x is a weight), per tensor with
+    a static scale.
+    """
+    x_q, x_scale = quantize_activations(x, scale)
+    return x_q.astype(jnp.float32) * (x_scale[:, None] if scale is None else x_scale[0])

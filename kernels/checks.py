@@ -6,7 +6,7 @@ import math
 
 import jax.numpy as jnp
 
-from qconvert.errors import KernelArgumentError
+from qconvert.kernels.errors import KernelArgumentError
 
 
 def _shape(a) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from qconvert.formats import NF4_BLOCK_SIZE
 from qconvert.kernels import gpu_dense, reference, tpu_dense
 from qconvert.kernels.checks import check_int8_matmul, check_int8_weight_matmul, check_nf4_matmul
 from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
@@ -58,7 +59,7 @@ def _int8_weight_matmul_launch(x, w_q, w_scale, bias, *, plan: KernelPlan, out_d
 @functools.partial(jax.jit, static_argnames=("plan", "n", "out_dtype"))
 def _nf4_matmul_launch(x, w_packed, absmax, bias, *, plan: KernelPlan, n: int, out_dtype):
     m, k = x.shape
-    mp, kp, np_ = _padded(plan, m, k, n, k_multiple=64)
+    mp, kp, np_ = _padded(plan, m, k, n, k_multiple=NF4_BLOCK_SIZE)
     x_even, x_odd, w_bytes, block_absmax = nf4_operands(x, w_packed, absmax, n, k, mp, kp, np_)
     kernel = gpu_dense.nf4_matmul_gpu if plan.backend == "gpu" else tpu_dense.nf4_matmul_tpu
     y = kernel(x_even, x_odd, w_bytes, block_absmax, _col_vector(bias, n, np_), tiling=plan.tiling,
@@ -110,13 +111,13 @@ def nf4_operands(x, w_packed, absmax, n: int, k: int, mp: int, kp: int, np_: int
     and zero activations, which contribute nothing.
     """
     w_bytes = pad2d(jnp.asarray(w_packed).reshape(n, k // 2), np_, kp // 2)
-    block_absmax = pad2d(jnp.asarray(absmax, jnp.float32).reshape(n, k // 64), np_, kp // 64)
+    block_absmax = pad2d(jnp.asarray(absmax, jnp.float32).reshape(n, k // NF4_BLOCK_SIZE), np_, kp // NF4_BLOCK_SIZE)
     x_even, x_odd = split_even_odd_columns(pad2d(jnp.asarray(x), mp, kp))
     return x_even, x_odd, w_bytes, block_absmax
 
 
-def nf4_matmul(x, w_packed, absmax, *, shape, blocksize: int = 64, bias=None, out_dtype=jnp.float32,
-               backend: str = "auto", tiling: Tiling | None = None, return_plan: bool = False):
+def nf4_matmul(x, w_packed, absmax, *, shape, blocksize: int = NF4_BLOCK_SIZE, bias=None,
+               out_dtype=jnp.float32, backend: str = "auto", tiling: Tiling | None = None, return_plan: bool = False):
     """NF4 matmul: y = x @ W^T with W [N, K] = shape in the bitsandbytes NF4 layout.
 
     w_packed uint8 [ceil(N*K/2)] (row-major codes, earlier element in the high

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
+from qconvert.formats import NF4_BLOCK_SIZE
 from qconvert.kernels.tiles import Tiling, nf4_level
 
 NT_DIMS = (((1,), (1,)), ((), ()))
 HIGHEST = jax.lax.Precision.HIGHEST
-NF4_BLOCK = 64
 
 
 def _compiler_params(tiling: Tiling):
@@ -119,7 +119,7 @@ def nf4_step_dot(acc, xe, xo, packed, block_scales):
 
 
 def _nf4_kernel(xe_ref, xo_ref, w_ref, a_ref, b_ref, o_ref, *, tk, has_bias):
-    half, blocks = tk // 2, tk // NF4_BLOCK  # a K step is tk codes: tk/2 bytes, tk/64 absmax blocks
+    half, blocks = tk // 2, tk // NF4_BLOCK_SIZE  # a K step is tk codes: tk/2 bytes, tk/64 absmax blocks
 
     def step(k, acc):
         cols = pl.ds(pl.multiple_of(k * half, half), half)

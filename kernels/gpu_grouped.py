@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from qconvert.kernels.gpu_dense import NF4_BLOCK, nf4_step_dot
+from qconvert.formats import NF4_BLOCK_SIZE
+from qconvert.kernels.gpu_dense import nf4_step_dot
 from qconvert.kernels.tiles import Tiling, round_up, split_even_odd_columns
 
 NN_DIMS = (((1,), (0,)), ((), ()))
@@ -82,7 +83,7 @@ def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rh
 
     def k_loop(g):
         if rhs_kind == "nf4":
-            half, blocks = tk // 2, tk // NF4_BLOCK
+            half, blocks = tk // 2, tk // NF4_BLOCK_SIZE
 
             def step(k, acc):
                 cols = pl.ds(pl.multiple_of(k * half, half), half)

@@ -13,10 +13,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qconvert.errors import KernelArgumentError
-from qconvert.formats import QArray
+from qconvert.formats import NF4_BLOCK_SIZE, QArray
 from qconvert.kernels import gpu_grouped, reference, tpu_grouped
 from qconvert.kernels.checks import dtype_of as _dtype
+from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.grouped_metadata import make_group_metadata
 from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
 from qconvert.kernels.tiles import round_up, split_even_odd_columns
@@ -109,7 +109,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
                                   f"{num_groups} groups")
     requested, declined = _resolve_tiling(tiling, m, k, n)
     problem = KernelProblem(OP, m, k, n, dtype_name(lhs.dtype), dtype_name(preferred_element_type),
-                            blocksize or 64, num_groups, rhs_kind)
+                            blocksize or NF4_BLOCK_SIZE, num_groups, rhs_kind)
     plan = select_kernel(problem, "cpu" if interpret else backend, requested)
     if declined:
         plan = KernelPlan(OP, f"{OP}_reference", "reference", None, plan.guarantee, fallback_reason=declined)
@@ -141,7 +141,7 @@ def _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, *, plan: KernelPlan, rh
     if rhs_kind == "nf4":
         lhs_ops = split_even_odd_columns(lhs_p)
         rhs_ops = (_pad(rhs_data.reshape(g_local, n, k // 2), (g_local, np_, kp // 2)),
-                   _pad(rhs_aux.reshape(g_local, n, k // 64), (g_local, np_, kp // 64)))
+                   _pad(rhs_aux.reshape(g_local, n, k // NF4_BLOCK_SIZE), (g_local, np_, kp // NF4_BLOCK_SIZE)))
     else:
         lhs_ops = (lhs_p,)
         rhs_ops = (_pad(rhs_data, (g_local, np_, kp) if transpose_rhs else (g_local, kp, np_)),)

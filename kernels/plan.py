@@ -4,6 +4,15 @@ A plan names the kernel, the backend it runs on, its tiling (from TILE_TABLES,
 one table per backend and M regime, named in the plan) and its numerical
 guarantee; when no kernel takes the problem it names the pure-jnp reference and
 says why (a fallback is never silent).
+
+Backends: "tpu" (Mosaic) and "gpu" (Triton) compile the Pallas kernels; "cpu"
+runs the TPU kernels in TPU interpret mode (exact but slow: for kernel work);
+"xla" runs each kernel's contract as XLA computes it: the functions of
+reference.py themselves, compiled once per shape, so bit-identical to the
+reference (int8 x int8 -> int32 dot for W8A8, the same NF4 decode, int8 codes
+cast to the activation dtype for W8A16). "auto" picks tpu or gpu where JAX runs
+on one, and xla on a CPU host. "reference" names the same code as an explicit
+fallback.
 """
 
 from __future__ import annotations
@@ -14,13 +23,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qconvert.errors import KernelArgumentError
+from qconvert.formats import NF4_BLOCK_SIZE
+from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.tiles import Tiling, round_up
 
 OPS = ("int8_matmul", "int8_weight_matmul", "nf4_matmul", "grouped_matmul", "transposed_grouped_matmul")
-BACKENDS = ("auto", "tpu", "gpu", "cpu", "reference")
+BACKENDS = ("auto", "tpu", "gpu", "cpu", "xla", "reference")
 RHS_KINDS = ("float", "int8", "nf4")
-NF4_BLOCK = 64
 # TPU interpret mode simulates every grid step in Python-driven XLA code; past this
 # many steps the XLA reference is the only sensible way to get an answer on CPU.
 CPU_INTERPRET_MAX_STEPS = 256
@@ -54,7 +63,7 @@ class KernelProblem:
     n: int
     x_dtype: str = "float32"
     out_dtype: str = "float32"
-    blocksize: int = NF4_BLOCK
+    blocksize: int = NF4_BLOCK_SIZE
     num_groups: int = 1
     rhs_kind: str = "float"
 
@@ -74,7 +83,13 @@ class KernelPlan:
 
     @property
     def is_reference(self) -> bool:
-        return self.backend == "reference"
+        """Whether reference.py's code runs: as a fallback ("reference") or as the CPU path ("xla")."""
+        return self.backend in ("reference", "xla")
+
+    @property
+    def is_pallas(self) -> bool:
+        """Whether a Pallas kernel runs (compiled, or interpreted on backend "cpu")."""
+        return not self.is_reference
 
     def describe(self) -> str:
         """One line for reports: kernel, backend, tiling, and the fallback reason if any."""
@@ -88,7 +103,7 @@ class KernelPlan:
 
 
 def resolve_backend(backend: str) -> str:
-    """'auto' -> the platform JAX runs on (tpu, gpu or cpu); other names are checked and kept."""
+    """'auto' -> the platform's kernels (tpu, gpu), or 'xla' on a CPU host; other names are checked and kept."""
     if backend not in BACKENDS:
         raise KernelArgumentError(f"unknown kernel backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend != "auto":
@@ -98,7 +113,8 @@ def resolve_backend(backend: str) -> str:
         return "tpu"
     if platform in ("gpu", "cuda", "rocm"):
         return "gpu"
-    return "cpu"
+    # On CPU Pallas only interprets; XLA's own int8 and float dots run the same contract far faster.
+    return "xla"
 
 
 def _decodes_nf4(problem: KernelProblem) -> bool:
@@ -203,7 +219,7 @@ def default_tiling(problem: KernelProblem, backend: str) -> Tiling:
                           min(entry.tn, _power_of_two_at_least(n, 64)))
         # Grouped NF4 experts step K as the dense NF4 kernel does.
         tk_max = table["nf4_matmul"].tk if nf4 else entry.tk
-        tk = _k_tile(k, tk_max, NF4_BLOCK if nf4 else 16, powers_of_two=True)
+        tk = _k_tile(k, tk_max, NF4_BLOCK_SIZE if nf4 else 16, powers_of_two=True)
         return Tiling(min(entry.tm, _power_of_two_at_least(m)), tk, min(entry.tn, _power_of_two_at_least(n)))
     if op == "transposed_grouped_matmul":
         # There K is the output rows and M the contraction; both are lane/sublane dims.
@@ -229,9 +245,9 @@ def check_tiling(problem: KernelProblem, backend: str, tiling: Tiling) -> None:
     if backend == "gpu":
         if any(t < 16 or t & (t - 1) for t in (tm, tk, tn)):
             raise KernelArgumentError(f"GPU tiles must be powers of two >= 16, got {tiling}")
-        if nf4 and tk % NF4_BLOCK:
+        if nf4 and tk % NF4_BLOCK_SIZE:
             raise KernelArgumentError(f"the GPU NF4 kernel steps K by whole 64-blocks; tk must be a multiple of "
-                                      f"{NF4_BLOCK}, got {tk}")
+                                      f"{NF4_BLOCK_SIZE}, got {tk}")
         return
     if problem.op == "transposed_grouped_matmul":
         # lhs [K, M] tiles are (tk, tm): M on lanes, K on sublanes.
@@ -259,6 +275,11 @@ def grid_steps(problem: KernelProblem, tiling: Tiling) -> int:
     return tiles_m * -(-problem.n // tiling.tn) * -(-problem.k // tiling.tk)
 
 
+def _xla_plan(problem: KernelProblem) -> KernelPlan:
+    return KernelPlan(problem.op, f"{problem.op}_xla", "xla", None,
+                      "the contract as XLA computes it (reference.py's code, jitted): bit-identical to the reference")
+
+
 def _reference_plan(problem: KernelProblem, reason: str | None) -> KernelPlan:
     return KernelPlan(problem.op, f"{problem.op}_reference", "reference", None, GUARANTEES[problem.op],
                       fallback_reason=reason)
@@ -266,16 +287,16 @@ def _reference_plan(problem: KernelProblem, reason: str | None) -> KernelPlan:
 
 def _fallback_reason(problem: KernelProblem) -> str | None:
     nf4 = _decodes_nf4(problem)
-    if nf4 and problem.blocksize != NF4_BLOCK:
-        return f"the NF4 kernels decode blocks of {NF4_BLOCK}, not {problem.blocksize}"
-    if nf4 and problem.k % NF4_BLOCK:
-        return (f"K={problem.k} is not a multiple of the NF4 block size {NF4_BLOCK}, so blocks straddle "
+    if nf4 and problem.blocksize != NF4_BLOCK_SIZE:
+        return f"the NF4 kernels decode blocks of {NF4_BLOCK_SIZE}, not {problem.blocksize}"
+    if nf4 and problem.k % NF4_BLOCK_SIZE:
+        return (f"K={problem.k} is not a multiple of the NF4 block size {NF4_BLOCK_SIZE}, so blocks straddle "
                 "weight rows and cannot be tiled")
     return None
 
 
 def select_kernel(problem: KernelProblem, backend: str = "auto", tiling: Tiling | None = None) -> KernelPlan:
-    """Choose the kernel for a problem on a backend ('auto', 'tpu', 'gpu', 'cpu' or 'reference').
+    """Choose the kernel for a problem on a backend ('auto', 'tpu', 'gpu', 'cpu', 'xla' or 'reference').
 
     'cpu' runs the TPU kernel in TPU interpret mode (for tests; slow), unless the
     grid is larger than CPU_INTERPRET_MAX_STEPS, where it falls back to the
@@ -298,6 +319,8 @@ def _select_kernel(problem: KernelProblem, resolved: str, tiling: Tiling | None)
         raise KernelArgumentError(f"{problem.op} needs non-empty operands, got m={problem.m} k={problem.k} n={problem.n}")
     if resolved == "reference":
         return _reference_plan(problem, None)
+    if resolved == "xla":
+        return _xla_plan(problem)
     reason = _fallback_reason(problem)
     if reason:
         return _reference_plan(problem, reason)

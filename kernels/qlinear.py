@@ -1,37 +1,80 @@
-"""QArray adapters: run a quantized linear layer through the right kernel."""
+"""The one router from a QArray to a kernel: a quantized linear layer, dense or by groups of experts.
+
+  int8 weight, float x       int8_weight_matmul (W8A16): x times int8 codes, per-channel scale
+  int8 weight, act=...       quantize_activations (per token, or the static input_scale), then
+                             int8_matmul: int32 accumulation, x_scale * w_scale rescale
+  int8 weight, int8 QArray x int8_matmul on x's codes and scales as they are
+  nf4 weight                 nf4_matmul: codes decoded with the NF4 table x block absmax
+  experts (qgrouped_linear)  grouped_matmul over the experts' stacked QArrays (int8 or NF4); with
+                             act the rows enter as their exact int8 values x_q * x_scale
+
+verify, ops and calibration all reach the kernels through these two functions;
+each returns the KernelPlan that ran when asked (return_plan=True).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from qconvert.errors import KernelArgumentError
 from qconvert.formats import QArray
-from qconvert.kernels.activations import quantize_activations
+from qconvert.kernels.activations import fake_quantize_rows, quantize_activations
 from qconvert.kernels.dense import int8_matmul, int8_weight_matmul, nf4_matmul
+from qconvert.kernels.errors import KernelArgumentError
+from qconvert.kernels.grouped import grouped_matmul
 
 ACT_MODES = (None, "dynamic", "static")
+
+
+def _check_act(act: str | None, input_scale) -> None:
+    if act not in ACT_MODES:
+        raise KernelArgumentError(f"qlinear: act must be None, 'dynamic' or 'static', got {act!r}")
+    if act is not None and (act == "static") != (input_scale is not None):
+        raise KernelArgumentError("qlinear: act='static' needs input_scale, and only it takes one")
+
+
+def _int8_rows(x: QArray) -> tuple[jax.Array, jax.Array]:
+    """(codes [M, K], scales [M]) of int8 activations [..., K] with one scale per row or per tensor."""
+    if x.kind != "int8" or x.zero_point is not None:
+        raise KernelArgumentError(f"qlinear: quantized activations must be symmetric int8, got {x.kind}")
+    if x.scale.shape[-1:] != (1,):
+        raise KernelArgumentError(f"qlinear: int8 activations need one scale per row or per tensor, "
+                                  f"got scale shape {jnp.shape(x.scale)} for shape {x.shape}")
+    k = x.shape[-1]
+    m = 1
+    for d in x.shape[:-1]:
+        m *= d
+    x_scale = jnp.broadcast_to(jnp.asarray(x.scale, jnp.float32), x.shape[:-1] + (1,)).reshape(m)
+    return jnp.asarray(x.qvalue).reshape(m, k), x_scale
 
 
 def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None, out_dtype=None,
             backend: str = "auto", return_plan: bool = False):
     """y = x @ W^T (+ bias) for a quantized weight W [out, in] held in a QArray.
 
-    x [..., in] float. NF4 QArrays go to nf4_matmul; int8 QArrays go to
-    int8_weight_matmul (act=None, W8A16) or, for W8A8, through
+    x [..., in] float, or an int8 QArray (one scale per row or per tensor) that
+    goes to int8_matmul as it is. NF4 QArrays go to nf4_matmul; int8 QArrays go
+    to int8_weight_matmul (act=None, W8A16) or, for W8A8, through
     quantize_activations (act="dynamic": per token; act="static": the
-    calibrated per-tensor input_scale) into int8_matmul. out_dtype defaults to x's.
+    calibrated per-tensor input_scale) into int8_matmul. out_dtype defaults to
+    x's dtype (float32 for int8 activations).
     """
-    if act not in ACT_MODES:
-        raise KernelArgumentError(f"qlinear: act must be None, 'dynamic' or 'static', got {act!r}")
+    _check_act(act, input_scale)
     if len(q.shape) != 2:
         raise KernelArgumentError(f"qlinear: the weight must be [out, in], got a QArray of shape {q.shape}")
-    x = jnp.asarray(x)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if isinstance(x, QArray):
+        lead = x.shape[:-1]
+        x_q, x_scale = _int8_rows(x)
+        out_dtype = jnp.float32 if out_dtype is None else out_dtype
+    else:
+        x = jnp.asarray(x)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        out_dtype = x.dtype if out_dtype is None else out_dtype
     if q.kind == "nf4":
-        if act is not None:
+        if act is not None or isinstance(x, QArray):
             raise KernelArgumentError("qlinear: NF4 weights take float activations; drop act")
         result = nf4_matmul(x2, q.qvalue, q.scale, shape=q.shape, blocksize=q.block_size, bias=bias,
                             out_dtype=out_dtype, backend=backend, return_plan=True)
@@ -42,15 +85,64 @@ def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None
         if w_scale.shape[0] != q.shape[0]:
             raise KernelArgumentError(f"qlinear: int8 weights need one scale per output channel ({q.shape[0]}), "
                                       f"got scale shape {jnp.shape(q.scale)}")
-        if act is None:
+        if act is None and not isinstance(x, QArray):
             result = int8_weight_matmul(x2, q.qvalue, w_scale, bias=bias, out_dtype=out_dtype, backend=backend,
                                         return_plan=True)
         else:
-            if (act == "static") != (input_scale is not None):
-                raise KernelArgumentError("qlinear: act='static' needs input_scale, and only it takes one")
-            x_q, x_scale = quantize_activations(x2, input_scale)
+            if not isinstance(x, QArray):
+                x_q, x_scale = quantize_activations(x2, input_scale)
             result = int8_matmul(x_q, q.qvalue, x_scale, w_scale, bias=bias, out_dtype=out_dtype, backend=backend,
                                  return_plan=True)
     y, plan = result
     y = y.reshape(*lead, q.shape[0])
     return (y, plan) if return_plan else y
+
+
+def stack_experts(qs: Sequence[QArray]) -> QArray:
+    """The experts' [N, K] QArrays as one QArray of logical shape (G, N, K) for grouped_matmul."""
+    first = qs[0]
+    g, (n, k) = len(qs), first.shape
+    if first.kind == "int8":
+        return QArray(jnp.stack([jnp.asarray(q.qvalue) for q in qs]),
+                      jnp.stack([jnp.asarray(q.scale, jnp.float32).reshape(n, 1) for q in qs]),
+                      kind="int8", shape=(g, n, k), dtype=first.dtype)
+    # NF4 blocks run over the flattened weight; experts concatenate cleanly when
+    # each one holds whole blocks (n * k % 64 == 0, which the kernel needs anyway).
+    return QArray(jnp.concatenate([jnp.asarray(q.qvalue).reshape(-1) for q in qs]),
+                  jnp.concatenate([jnp.asarray(q.scale, jnp.float32).reshape(-1) for q in qs]),
+                  kind="nf4", block_size=first.block_size, shape=(g, n, k), dtype=first.dtype)
+
+
+def int8_rows_by_expert(x, group_sizes, input_scales: Sequence[float | None]) -> jax.Array:
+    """W8A8 activations of rows sorted by expert, as the exact values x_q * x_scale (float32).
+
+    All scales None: per token. Otherwise each expert's rows take that expert's
+    static input_scale (rows past the last group take the last expert's).
+    """
+    if all(s is None for s in input_scales):
+        return fake_quantize_rows(x)
+    rows = jnp.arange(x.shape[0])
+    expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), rows, side="right"), len(input_scales) - 1)
+    out = jnp.zeros(x.shape, jnp.float32)
+    for e, scale in enumerate(input_scales):
+        out = jnp.where((expert == e)[:, None], fake_quantize_rows(x, scale), out)
+    return out
+
+
+def qgrouped_linear(x, qs: Sequence[QArray], group_sizes, *, act: str | None = None,
+                    input_scales: Sequence[float | None] = (), backend: str = "auto", return_plan: bool = False):
+    """Rows of x [M, in] sorted by expert (group_sizes[e] rows for expert e) times expert e's W^T.
+
+    qs holds each expert's [out, in] QArray (int8 or NF4). act="dynamic" quantizes
+    every row per token, act="static" each expert's rows with its input_scales[e];
+    the int8 rows enter the grouped kernel as their exact float values.
+    """
+    if act not in ACT_MODES:
+        raise KernelArgumentError(f"qgrouped_linear: act must be None, 'dynamic' or 'static', got {act!r}")
+    if (act == "static") != any(s is not None for s in input_scales):
+        raise KernelArgumentError("qgrouped_linear: act='static' needs input_scales, and only it takes them")
+    group_sizes = jnp.asarray(group_sizes, jnp.int32)
+    if act is not None:
+        x = int8_rows_by_expert(jnp.asarray(x), group_sizes, list(input_scales) or [None] * len(qs))
+    return grouped_matmul(x, stack_experts(qs), group_sizes, transpose_rhs=True, backend=backend,
+                          return_plan=return_plan)

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qconvert.formats import NF4_LEVELS
+from qconvert.formats import NF4_BLOCK_SIZE, NF4_LEVELS
 
 HIGHEST = jax.lax.Precision.HIGHEST
 # The references are jitted so that XLA fuses their float rescale exactly as it
@@ -24,10 +24,12 @@ HIGHEST = jax.lax.Precision.HIGHEST
 def int8_matmul_reference(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32) -> jax.Array:
     """W8A8: y[m, n] = f32(sum_k x_q[m,k] * w_q[n,k]) * x_scale[m] * w_scale[n] + bias[n].
 
-    The int32 accumulation is exact; the rescale runs in float32 in exactly this
-    order (accumulator, times x_scale, times w_scale, plus bias), then one cast.
+    The int32 accumulation is exact (an int8 x int8 -> int32 dot, which XLA runs
+    as an integer GEMM); the rescale runs in float32 in exactly this order
+    (accumulator, times x_scale, times w_scale, plus bias), then one cast.
     """
-    acc = jnp.matmul(jnp.asarray(x_q, jnp.int32), jnp.asarray(w_q, jnp.int32).T)
+    acc = jax.lax.dot_general(jnp.asarray(x_q, jnp.int8), jnp.asarray(w_q, jnp.int8), (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.int32)
     m = acc.shape[0]
     x_scale = jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,))
     y = acc.astype(jnp.float32) * x_scale[:, None]
@@ -56,7 +58,7 @@ def int8_weight_matmul_reference(x, w_q, w_scale, *, bias=None, out_dtype=jnp.fl
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "blocksize"))
-def nf4_dequantize_reference(w_packed, absmax, shape, blocksize: int = 64) -> jax.Array:
+def nf4_dequantize_reference(w_packed, absmax, shape, blocksize: int = NF4_BLOCK_SIZE) -> jax.Array:
     """The float32 [N, K] weight of a bitsandbytes NF4 tensor: level[code] * absmax[block]."""
     n_out, k = shape
     count = n_out * k
@@ -68,7 +70,7 @@ def nf4_dequantize_reference(w_packed, absmax, shape, blocksize: int = 64) -> ja
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "blocksize", "out_dtype"))
-def nf4_matmul_reference(x, w_packed, absmax, *, shape, blocksize: int = 64, bias=None,
+def nf4_matmul_reference(x, w_packed, absmax, *, shape, blocksize: int = NF4_BLOCK_SIZE, bias=None,
                          out_dtype=jnp.float32) -> jax.Array:
     """y = x @ W^T with W the dequantized NF4 weight, cast to x's dtype, float32 accumulation."""
     x = jnp.asarray(x)

@@ -24,35 +24,14 @@ from safetensors.numpy import save_file
 from qconvert import interrupts
 from qconvert.errors import InvalidCheckpointError, UsageError
 from qconvert.formats.errors import FormatError
-from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint
+from qconvert.formats.checkpoint_params import CheckpointParams
+from qconvert.formats.safetensors_io import open_checkpoint
 from qconvert.models import iterate_layers, read_tensors
 
 STATS_FORMAT = "qconvert-act-stats"
 STATS_VERSION = "1"
 DEFAULT_BATCH_SIZE = 8
 SAMPLE_ROWS = 512  # tokens kept per linear input for the alpha and scale searches
-
-
-class CheckpointParams(Mapping):
-    """A read-only Mapping view of a checkpoint: each tensor is read from its shard when asked for."""
-
-    def __init__(self, checkpoint: SafetensorsCheckpoint):
-        self.checkpoint = checkpoint
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self.checkpoint:
-            raise KeyError(name)
-        return self.checkpoint.get(name)
-
-    def __contains__(self, name: object) -> bool:
-        # Mapping's default would read the whole tensor just to answer `in`.
-        return name in self.checkpoint
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.checkpoint.tensor_names)
-
-    def __len__(self) -> int:
-        return len(self.checkpoint)
 
 
 def open_params(folder: Path, config: dict[str, Any] | None = None) -> CheckpointParams:

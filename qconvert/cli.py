@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from qconvert import __version__, interrupts
-from qconvert.errors import EXIT_CODES, QConvertError, UsageError
+from qconvert.errors import EXIT_CODES, QConvertError, UsageError, kernel_error_exit_code
 from qconvert.stages import DEBUG_VARIABLE, INTERNAL_ERROR_EXIT_CODE, internal_error_line, stage
 
 # Every command's --help ends with the same exit-code table as the README.
@@ -248,8 +248,9 @@ def inspect_command(out: Path, as_json: bool) -> int:
 @click.option("--samples", type=click.IntRange(min=1), default=None, help="Evaluation sequences (default 8; 2 with --quick).")
 @click.option("--seqlen", type=click.IntRange(min=2), default=None, help="Tokens per sequence (default 64; 32 with --quick).")
 @click.option("--quick", is_flag=True, help="A small evaluation sample: a fast smoke check.")
-@click.option("--backend", type=click.Choice(["auto", "tpu", "gpu", "cpu"]), default="auto", show_default=True,
-              help="Kernel backend; cpu runs the TPU kernels in interpret mode.")
+@click.option("--backend", type=click.Choice(["auto", "tpu", "gpu", "cpu", "xla"]), default="auto", show_default=True,
+              help="Kernel backend; auto: tpu or gpu kernels, xla on a CPU host; cpu runs the TPU kernels in "
+                   "interpret mode.")
 @click.option("--json", "json_path", default=None, metavar="FILE",
               help="Write the full record as JSON to FILE ('-' for stdout; the table then goes to stderr).")
 @click.option("--strict", is_flag=True, help="Also fail when a layer fell back from the Pallas kernel to the reference.")
@@ -359,6 +360,8 @@ def _fail_for(err: BaseException, command: str | None) -> None:
         fail(interrupted.message, interrupted.exit_code)
     if isinstance(err, QConvertError):
         fail(str(err), err.exit_code)
+    if kernel_error_exit_code(err) is not None:
+        fail(str(err), kernel_error_exit_code(err))
     if isinstance(err, (KeyboardInterrupt, interrupts.Interrupted, click.exceptions.Abort)):
         fail(interrupts.message_for(err), interrupts.exit_code_for(err))
     if isinstance(err, click.ClickException):

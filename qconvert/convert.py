@@ -26,7 +26,7 @@ from qconvert.output import (
 )
 from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
 from qconvert.prefetch import available_cores, run_ahead
-from qconvert.quantize import quantize_int8, quantize_nf4
+from qconvert.quantizers import quantize_int8, quantize_nf4
 from qconvert.rowwise import quantize_rows
 from qconvert.scale_search import ScaleSearches
 from qconvert.source import SourceModel, open_source, resolve_source

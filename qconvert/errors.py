@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 class QConvertError(Exception):
     """A mistake in what the user asked for or gave us; the CLI prints one line."""
@@ -57,12 +59,6 @@ class OutputWriteError(QConvertError):
     exit_code = 9
 
 
-class KernelArgumentError(QConvertError):
-    """Arguments to a kernel whose dtype, rank, shape or layout do not fit."""
-
-    exit_code = 2
-
-
 class VerificationFailed(QConvertError):
     """A converted folder did not pass verify's checks."""
 
@@ -88,3 +84,15 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
     (130, "interrupted (Ctrl-C, SIGINT)"),
     (143, "interrupted by SIGTERM"),
 )
+
+
+def kernel_error_exit_code(err: BaseException) -> int | None:
+    """The exit code for a kernels KernelArgumentError (a usage error, 2), or None for any other error.
+
+    The kernels package has its own error type and no exit codes; it is looked up
+    only when already imported, so the CLI does not import JAX to map an error.
+    """
+    kernel_errors = sys.modules.get("qconvert.kernels.errors")
+    if kernel_errors is not None and isinstance(err, kernel_errors.KernelArgumentError):
+        return UsageError.exit_code
+    return None

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from qconvert.formats.qarray import QArray
-from qconvert.quantize import NF4_BLOCK_SIZE, quantize_int8, quantize_nf4
+from qconvert.quantizers import NF4_BLOCK_SIZE, quantize_int8, quantize_nf4
 
 # Source bytes read and quantized at a time (per worker).
 BLOCK_BYTES = 32 << 20

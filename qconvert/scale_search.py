@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-INT8_QMAX = 127.0
+from qconvert.formats.qarray import INT8_QMAX
+
 # Candidate clipping ratios, largest (plain absmax) first.
 # int8: fine steps near 1 (127 levels leave little to clip), coarser below 0.95.
 INT8_CLIP_GRID = (tuple(round(1.0 - 0.005 * k, 3) for k in range(10))
@@ -194,7 +195,7 @@ def search_linear(weight: np.ndarray, x: np.ndarray | None, *, scale_dtype, clip
     (as the linear sees it); given, the static input_scale is searched on x, or
     is static_absmax / 127 without rows.
     """
-    from qconvert.quantize import quantize_int8
+    from qconvert.quantizers import quantize_int8
 
     has_rows = x is not None and len(x) > 0
     record: dict = {}
@@ -237,7 +238,7 @@ class ScaleSearches:
             return self.clip[module]
         if scheme == "nf4":
             from qconvert.formats.qarray import NF4_LEVELS
-            from qconvert.quantize import NF4_BLOCK_SIZE, NF4_THRESHOLDS
+            from qconvert.quantizers import NF4_BLOCK_SIZE, NF4_THRESHOLDS
 
             found = nf4_clip_search(weight, NF4_BLOCK_SIZE, NF4_LEVELS, NF4_THRESHOLDS)
         else:

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert.errors import UsageError
+from qconvert.formats.qarray import INT8_QMAX
 from qconvert.models.registry import SmoothingGroup
 
 MIN_SCALE = 1e-5
 ALPHA_GRID = tuple(round(0.05 * k, 2) for k in range(21))
-INT8_QMAX = 127.0
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -206,9 +206,15 @@ def read_group_weights(params: Mapping, group: SmoothingGroup) -> list[np.ndarra
 
 # -- --alpha auto --------------------------------------------------------------
 
-def _fake_quant_rows(x: jax.Array) -> jax.Array:
-    # Symmetric int8 per row (per output channel of a weight, per token of an
-    # activation), dequantized back to float32.
+def simulated_int8_rows(x: jax.Array) -> jax.Array:
+    """The alpha search's model of W8A8 rounding: symmetric int8 per row, dequantized back to float32.
+
+    Per output channel of a weight, per token of an activation. Not the kernels'
+    row quantizer (kernels.activations.quantize_activations, an exact division and
+    scale 1 for a zero row): the errors this gives are recorded in qconvert.json's
+    alpha_search, so its arithmetic (x / scale as XLA computes it, scale floored
+    at 1e-12) stays as it is to keep conversions byte-identical.
+    """
     scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True) / INT8_QMAX, 1e-12)
     return jnp.clip(jnp.round(x / scale), -INT8_QMAX, INT8_QMAX) * scale
 
@@ -231,8 +237,8 @@ def _w8a8_errors(x: jax.Array, w: jax.Array, segment: jax.Array, s: jax.Array, s
         s_a, static = args
         xs = x / s_a
         x_static = jnp.clip(jnp.round(xs / jnp.maximum(static, 1e-12)), -INT8_QMAX, INT8_QMAX) * static
-        xq = jnp.where(static > 0, x_static, _fake_quant_rows(xs))
-        yq = jnp.matmul(xq, _fake_quant_rows(w * s_a[None, :]).T, precision=_HI)
+        xq = jnp.where(static > 0, x_static, simulated_int8_rows(xs))
+        yq = jnp.matmul(xq, simulated_int8_rows(w * s_a[None, :]).T, precision=_HI)
         err = jax.ops.segment_sum(jnp.sum((yq - y) ** 2, axis=0), segment, num_segments=linears)
         return err / jnp.maximum(ref, 1e-30)
 

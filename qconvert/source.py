@@ -43,7 +43,7 @@ class SourceModel:
     def params(self):
         """The checkpoint as a lazy read-only Mapping name -> array (what the model forwards take)."""
         if self._params is None:
-            from qconvert.calibrate import CheckpointParams
+            from qconvert.formats.checkpoint_params import CheckpointParams
 
             self._params = CheckpointParams(self.checkpoint)
         return self._params

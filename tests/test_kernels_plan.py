@@ -4,7 +4,7 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from qconvert.errors import KernelArgumentError
+from qconvert.kernels.errors import KernelArgumentError
 from qconvert.formats import QArray
 from qconvert.kernels import (KernelProblem, grouped_matmul, int8_matmul, nf4_matmul, qlinear, quantize_activations,
                               select_kernel)

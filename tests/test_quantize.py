@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from qconvert.errors import InvalidWeightError
 from qconvert.formats.qarray import NF4_LEVELS
-from qconvert.quantize import quantize_int8, quantize_nf4
+from qconvert.quantizers import quantize_int8, quantize_nf4
 
 from quantize_reference import LEVELS, numpy_int8, numpy_nf4
 

@@ -4,9 +4,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import qconvert.quantize as quantize_module
+import qconvert.quantizers as quantize_module
 from qconvert.errors import InvalidWeightError
-from qconvert.quantize import all_finite, int8_codes_and_scales, nf4_codes_and_absmax, quantize_int8, quantize_nf4
+from qconvert.quantizers import all_finite, int8_codes_and_scales, nf4_codes_and_absmax, quantize_int8, quantize_nf4
 
 from quantize_reference import LEVELS, numpy_int8, numpy_nf4
 

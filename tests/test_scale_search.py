@@ -9,7 +9,7 @@ from quantize_reference import LEVELS
 from safetensors.numpy import load_file
 
 from qconvert.convert import ConvertOptions, convert
-from qconvert.quantize import NF4_THRESHOLDS, quantize_int8, quantize_nf4
+from qconvert.quantizers import NF4_THRESHOLDS, quantize_int8, quantize_nf4
 from qconvert.scale_search import (INT8_CLIP_GRID, NF4_CLIP_GRID, OUTPUT_ERROR_ROWS, STATIC_RATIO_GRID,
                                    int8_clip_search,
                                    nf4_clip_search, static_scale_search)

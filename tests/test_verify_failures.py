@@ -168,16 +168,18 @@ def test_bad_input_exits_2(tmp_path, converted, capsys):
 
 
 def test_a_kernel_made_wrong_fails_fidelity_naming_the_kernel_and_backend(converted, capsys, monkeypatch):
-    import qconvert.verify.kernel_path as kernel_path
+    import importlib
 
-    right = kernel_path.int8_weight_matmul
+    router = importlib.import_module("qconvert.kernels.qlinear")  # the one router from a QArray to its kernel
+
+    right = router.int8_weight_matmul
 
     def wrong(x, w_q, w_scale, **kwargs):
         # A kernel bug: the last output column of every row comes out 3% too large.
         y, plan = right(x, w_q, w_scale, **kwargs)
         return y.at[:, -1].multiply(1.03), plan
 
-    monkeypatch.setattr(kernel_path, "int8_weight_matmul", wrong)
+    monkeypatch.setattr(router, "int8_weight_matmul", wrong)
     code, record, err = verify(converted, capsys)
     assert code == 1
     assert not record["fidelity_passed"]

@@ -122,3 +122,32 @@ def test_check_bounds_and_nan():
     assert check("mean_kl", "model", 0.001, 0.01, "max").passed
     assert not check("mean_kl", "model", float("nan"), 0.01, "max").passed
     assert check("sqnr_db", "l", 3.1, 30, "min").describe() == "l: sqnr_db 3.1 < 30"
+
+
+def test_causal_lm_figures_match_numpy_on_a_masked_batch():
+    rng = np.random.default_rng(5)
+    ref, test = rng.standard_normal((3, 6, 13)), rng.standard_normal((3, 6, 13))
+    ids = rng.integers(0, 13, (3, 6))
+    mask = np.ones((3, 6), int)
+    mask[2, 4:] = 0
+    figures = metrics.causal_lm_figures(ref.astype(np.float32), test.astype(np.float32), ids, mask)
+    r, t = ref.astype(np.float32).astype(np.float64), test.astype(np.float32).astype(np.float64)
+    p = np.exp(r) / np.exp(r).sum(-1, keepdims=True)
+    q = np.exp(t) / np.exp(t).sum(-1, keepdims=True)
+    keep = mask.astype(bool)
+    assert figures["mean_kl"] == pytest.approx((p * np.log(p / q)).sum(-1)[keep].mean(), rel=1e-10)
+    assert figures["top1_agreement"] == pytest.approx((r.argmax(-1) == t.argmax(-1))[keep].mean())
+    pairs = keep[:, :-1] & keep[:, 1:]
+    for key, probs in (("perplexity_float", p), ("perplexity_quantized", q)):
+        nll = -np.log(np.take_along_axis(probs[:, :-1], ids[:, 1:, None], -1)[..., 0])
+        assert figures[key] == pytest.approx(np.exp(nll[pairs].mean()), rel=1e-10)
+
+
+@pytest.mark.parametrize("scale", [1e-120, 1e120])
+def test_tensor_metrics_of_extreme_magnitudes_equal_the_scale_free_figures(scale):
+    rng = np.random.default_rng(6)
+    ref = rng.standard_normal((4, 9))
+    out = ref + 0.01 * rng.standard_normal((4, 9))
+    plain, extreme = metrics.tensor_metrics(ref, out), metrics.tensor_metrics(ref * scale, out * scale)
+    assert extreme.sqnr_db == pytest.approx(plain.sqnr_db, rel=1e-9)
+    assert extreme.cosine == pytest.approx(plain.cosine, rel=1e-9)

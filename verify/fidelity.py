@@ -3,7 +3,8 @@
 The kernel a deployment runs is checked against this, not against the float
 layer: any difference here is the kernel's (a wrong tile, decode or rescale),
 whatever the quantization itself costs. The arithmetic follows the scheme's
-deployment contract, in float64 numpy from the stored tensors:
+deployment contract, in float64 from the stored tensors (numpy, and XLA's float64
+dot for the products):
 
   int8 (W8A16)  x in the model's float dtype  @  (code * weight_scale)^T  + bias
   w8a8          x in the model's float dtype, int8 per token (scale max|x| / 127,
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (numpy learns bfloat16)
 import numpy as np
 
@@ -43,6 +46,17 @@ def _int8_per_token(x: np.ndarray, input_scale: float | None) -> tuple[np.ndarra
     return codes.astype(np.float64), scale.astype(np.float64)
 
 
+@jax.jit
+def _matmul_nt_f64(a, b):
+    return jnp.matmul(a, b.T, precision=jax.lax.Precision.HIGHEST)
+
+
+def matmul_nt_f64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b.T in float64, by XLA's own threads (a threaded BLAS stalls on a busy host)."""
+    with jax.enable_x64(True):
+        return np.asarray(_matmul_nt_f64(np.asarray(a, np.float64), np.asarray(b, np.float64)))
+
+
 def folder_linear_output(x: np.ndarray, q: QArray, bias, scheme: str,
                          input_scale: float | None = None) -> np.ndarray:
     """The layer as the folder's tensors define it (float64 [M, out]); see the module docstring."""
@@ -51,13 +65,13 @@ def folder_linear_output(x: np.ndarray, q: QArray, bias, scheme: str,
         codes, x_scale = _int8_per_token(x, input_scale)
         w_codes = np.asarray(q.qvalue, np.float64)
         w_scale = np.asarray(q.scale, np.float32).astype(np.float64).reshape(1, -1)
-        y = (codes @ w_codes.T) * x_scale * w_scale
+        y = matmul_nt_f64(codes, w_codes) * x_scale * w_scale
     elif scheme == "int8":
         w = np.asarray(q.qvalue, np.float64) * np.asarray(q.scale, np.float32).astype(np.float64).reshape(-1, 1)
-        y = x @ w.T
+        y = matmul_nt_f64(x, w)
     elif scheme == "nf4":
         w = np.asarray(q.dequantize(np.float32)).astype(_model_dtype(q)).astype(np.float64)
-        y = x @ w.reshape(q.shape).T
+        y = matmul_nt_f64(x, w.reshape(q.shape))
     else:
         raise ValueError(f"no folder arithmetic for scheme {scheme!r}")
     if bias is not None:

@@ -1,17 +1,14 @@
-"""The deployment kernel of each scheme, as one function verify calls per quantized linear.
+"""The deployment kernel of each quantized linear, as one function verify calls, recording what ran.
 
-  int8  (W8A16)  int8_weight_matmul: float activations x int8 codes, per-channel scale
-  w8a8           quantize_activations (per token, or the static input_scale) then
-                 int8_matmul: int32 accumulation, x_scale * w_scale rescale
-  nf4            nf4_matmul: codes decoded in-kernel with the NF4 table x block absmax
-  MoE experts    grouped_matmul over the experts' stacked QArrays (int8 or NF4 rhs); for
-                 w8a8 the rows are quantized per token (or with each expert's static
-                 input_scale) first and enter as their exact int8 x scale values
-
-Activations enter in the model's float dtype (the dtype of the QArray's scale:
-bf16 for a bf16 model), as a deployment would feed them. Every call records the
-KernelPlan the kernels chose, so the report names the kernel, backend and tiling
-that really ran, and says why when a layer fell back to the reference.
+The routing from a QArray to its kernel is kernels.qlinear's (the one router):
+int8 -> int8_weight_matmul, w8a8 -> quantize_activations + int8_matmul, nf4 ->
+nf4_matmul, MoE experts -> grouped_matmul (qgrouped_linear). This module adds
+what verify needs around it: activations enter in the model's float dtype (the
+dtype of the QArray's scale: bf16 for a bf16 model), as a deployment would
+feed them; w8a8 layers take the folder's static input_scale where it has one;
+and every call records the KernelPlan that ran, so the report names the
+kernel, backend and tiling that really ran (or the XLA contract path, on a CPU
+host), and says why when a layer fell back to the reference.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from qconvert.formats import QArray
-from qconvert.kernels import (grouped_matmul, int8_matmul, int8_weight_matmul, nf4_matmul,
-                              quantize_activations)
+from qconvert.kernels import qgrouped_linear, qlinear
 from qconvert.kernels.plan import KernelPlan
 from qconvert.verify.results import KernelChoice
 
@@ -36,7 +32,7 @@ def kernel_choice(plan: KernelPlan) -> KernelChoice:
     tiling = None
     if plan.tiling is not None:
         tiling = {"tm": plan.tiling.tm, "tk": plan.tiling.tk, "tn": plan.tiling.tn}
-    return KernelChoice(name=plan.name, backend=plan.backend, pallas=not plan.is_reference,
+    return KernelChoice(name=plan.name, backend=plan.backend, pallas=plan.is_pallas,
                         tiling=tiling, fallback_reason=plan.fallback_reason, interpret=plan.interpret,
                         tile_table=plan.tile_table)
 
@@ -46,52 +42,21 @@ def deployment_dtype(q: QArray):
     return jnp.dtype(q.dtype) if jnp.issubdtype(jnp.dtype(q.dtype), jnp.floating) else jnp.float32
 
 
+def _act(scheme: str, input_scale) -> str | None:
+    if scheme not in ("int8", "w8a8", "nf4"):
+        raise ValueError(f"no deployment kernel for scheme {scheme!r}")
+    if scheme != "w8a8":
+        return None
+    return "dynamic" if input_scale is None else "static"
+
+
 def run_quantized_linear(x: jax.Array, q: QArray, bias, scheme: str, *, backend: str = "auto",
                          input_scale: float | None = None) -> tuple[jax.Array, KernelPlan]:
     """y = x W^T + b through the scheme's deployment kernel; returns (y float32, the plan that ran)."""
     x = jnp.asarray(x).astype(deployment_dtype(q))
     bias = None if bias is None else jnp.asarray(bias, jnp.float32)
-    if scheme == "int8":
-        return int8_weight_matmul(x, q.qvalue, q.scale, bias=bias, backend=backend, return_plan=True)
-    if scheme == "w8a8":
-        x_q, x_scale = quantize_activations(x, input_scale)
-        return int8_matmul(x_q, q.qvalue, x_scale, q.scale, bias=bias, backend=backend, return_plan=True)
-    if scheme == "nf4":
-        return nf4_matmul(x, q.qvalue, q.scale, shape=q.shape, blocksize=q.block_size, bias=bias,
-                          backend=backend, return_plan=True)
-    raise ValueError(f"no deployment kernel for scheme {scheme!r}")
-
-
-def is_expert(name: str) -> bool:
-    """Whether a module is a mixture-of-experts expert linear (run by the grouped kernel)."""
-    return ".experts." in name
-
-
-def stack_experts(qs: Sequence[QArray]) -> QArray:
-    """The experts' [N, K] QArrays as one QArray of logical shape (G, N, K) for grouped_matmul."""
-    first = qs[0]
-    g, (n, k) = len(qs), first.shape
-    if first.kind == "int8":
-        return QArray(jnp.stack([jnp.asarray(q.qvalue) for q in qs]),
-                      jnp.stack([jnp.asarray(q.scale, jnp.float32).reshape(n, 1) for q in qs]),
-                      kind="int8", shape=(g, n, k), dtype=first.dtype)
-    # NF4 blocks run over the flattened weight; experts concatenate cleanly when
-    # each one holds whole blocks (n * k % 64 == 0, which the kernel needs anyway).
-    return QArray(jnp.concatenate([jnp.asarray(q.qvalue).reshape(-1) for q in qs]),
-                  jnp.concatenate([jnp.asarray(q.scale, jnp.float32).reshape(-1) for q in qs]),
-                  kind="nf4", block_size=first.block_size, shape=(g, n, k), dtype=first.dtype)
-
-
-def _fake_quant_rows(x: jax.Array, group_sizes: jax.Array, input_scales: Sequence[float | None]) -> jax.Array:
-    """W8A8 activations of grouped rows as their exact values x_q * x_scale (float32)."""
-    if all(s is None for s in input_scales):
-        x_q, x_scale = quantize_activations(x)
-        return x_q.astype(jnp.float32) * x_scale[:, None]
-    # Static scales differ per expert: each row takes its expert's.
-    rows = jnp.arange(x.shape[0])
-    expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), rows, side="right"), len(input_scales) - 1)
-    row_scale = jnp.asarray([float(s) for s in input_scales], jnp.float32)[expert][:, None]
-    return jnp.clip(jnp.round(x.astype(jnp.float32) / row_scale), -127, 127) * row_scale
+    return qlinear(x, q, bias, act=_act(scheme, input_scale), input_scale=input_scale, out_dtype=jnp.float32,
+                   backend=backend, return_plan=True)
 
 
 def run_grouped_experts(x: jax.Array, group_sizes, qs: Sequence[QArray], scheme: str, *,
@@ -99,16 +64,15 @@ def run_grouped_experts(x: jax.Array, group_sizes, qs: Sequence[QArray], scheme:
                         ) -> tuple[jax.Array, KernelPlan]:
     """Rows of x sorted by expert (group_sizes[e] rows for expert e) through grouped_matmul."""
     x = jnp.asarray(x).astype(deployment_dtype(qs[0]))
-    group_sizes = jnp.asarray(group_sizes, jnp.int32)
-    if scheme == "w8a8":
-        x = _fake_quant_rows(x, group_sizes, list(input_scales) or [None] * len(qs))
-    return grouped_matmul(x, stack_experts(qs), group_sizes, transpose_rhs=True, backend=backend,
-                          return_plan=True)
+    scales = list(input_scales) or [None] * len(qs)
+    act = _act(scheme, next((s for s in scales if s is not None), None))
+    return qgrouped_linear(x, qs, group_sizes, act=act, input_scales=scales if act == "static" else (),
+                           backend=backend, return_plan=True)
 
 
-def _finish(y, plan: KernelPlan):
-    # The kernels already finish an eager interpret-mode call before returning.
-    return y.astype(jnp.float32)
+def is_expert(name: str) -> bool:
+    """Whether a module is a mixture-of-experts expert linear (run by the grouped kernel)."""
+    return ".experts." in name
 
 
 def make_quantized_linear(quantized, scheme: str, backend: str = "auto"
@@ -134,12 +98,12 @@ def make_quantized_linear(quantized, scheme: str, backend: str = "auto"
         else:
             y, plan = run_quantized_linear(x, q, bias, scheme, backend=backend, input_scale=input_scale(name))
         choices[name] = kernel_choice(plan)
-        return _finish(y, plan), choices[name]
+        return y.astype(jnp.float32), choices[name]
 
     def quantized_grouped(names: Sequence[str], x, qs: Sequence[QArray], group_sizes):
-        y, plan = run_grouped_experts(x, group_sizes, qs, scheme, backend=backend,
-                                      input_scales=[input_scale(n) for n in names])
-        return _finish(y, plan)
+        y, _ = run_grouped_experts(x, group_sizes, qs, scheme, backend=backend,
+                                   input_scales=[input_scale(n) for n in names])
+        return y.astype(jnp.float32)
 
     quantized_linear.grouped = quantized_grouped
     return quantized_linear, choices

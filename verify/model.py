@@ -52,15 +52,8 @@ def mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 def compare_causal_lm(float_logits, quant_logits, input_ids, mask, thresholds: Thresholds) -> ModelResult:
     """KL, top-1 agreement and perplexities of quantized against float logits."""
-    ppl_float = metrics.perplexity(float_logits, input_ids, mask)
-    ppl_quant = metrics.perplexity(quant_logits, input_ids, mask)
-    figures = {
-        "mean_kl": metrics.mean_kl_divergence(float_logits, quant_logits, mask),
-        "top1_agreement": metrics.top1_agreement(float_logits, quant_logits, mask),
-        "perplexity_float": ppl_float,
-        "perplexity_quantized": ppl_quant,
-        "perplexity_ratio": ppl_quant / ppl_float,
-    }
+    figures = metrics.causal_lm_figures(float_logits, quant_logits, input_ids, mask)
+    figures["perplexity_ratio"] = figures["perplexity_quantized"] / figures["perplexity_float"]
     checks = (
         check("mean_kl", "model", figures["mean_kl"], thresholds.max_mean_kl, "max"),
         check("top1_agreement", "model", figures["top1_agreement"], thresholds.min_top1_agreement, "min"),

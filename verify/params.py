@@ -2,7 +2,7 @@
 
 The models take any Mapping from checkpoint tensor name to array; both read
 each tensor from its shard only when asked for (the reference through
-calibrate's CheckpointParams), and the converted one hands out a QArray under
+formats' CheckpointParams), and the converted one hands out a QArray under
 "<module>.weight" for every quantized linear.
 """
 
@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from qconvert.calibrate import CheckpointParams  # the reference side; run.py and bench import it here
 from qconvert.formats.errors import FormatError
 from qconvert.models.registry import Architecture, architecture_for
 

@@ -29,7 +29,8 @@ from qconvert.verify.fidelity import make_folder_linear
 from qconvert.verify.kernel_path import make_quantized_linear
 from qconvert.verify.layers import smoothing_factors, verify_layers
 from qconvert.verify.model import verify_model
-from qconvert.verify.params import CheckpointParams, QuantizedParams, check_tensors
+from qconvert.formats.checkpoint_params import CheckpointParams
+from qconvert.verify.params import QuantizedParams, check_tensors
 from qconvert.verify.report import versions
 from qconvert.verify.results import VerifyReport
 from qconvert.verify.thresholds import Check, thresholds_for
@@ -71,13 +72,14 @@ def evaluation_tokens(options: VerifyOptions, reference_folder: Path, config: di
 
 
 def check_backend(backend: str) -> None:
-    """--backend tpu/gpu needs that platform (cpu interprets the TPU kernels anywhere); UsageError if absent."""
+    """--backend tpu/gpu needs that platform (cpu interprets the TPU kernels anywhere, xla runs anywhere);
+    UsageError if absent."""
     platform = jax.default_backend()
-    if backend not in (AUTO, "cpu", "tpu", "gpu"):
-        raise UsageError(f"unknown --backend {backend!r}; choose auto, tpu, gpu or cpu")
+    if backend not in (AUTO, "cpu", "xla", "tpu", "gpu"):
+        raise UsageError(f"unknown --backend {backend!r}; choose auto, tpu, gpu, cpu or xla")
     if backend in ("tpu", "gpu") and platform.replace("cuda", "gpu").replace("rocm", "gpu") != backend:
         raise UsageError(f"--backend {backend} needs a {backend.upper()}, but JAX runs on {platform}; "
-                         "use --backend auto or cpu")
+                         "use --backend auto, xla or cpu")
 
 
 def check_source_unchanged(folder: Path, recorded: Mapping[str, str]) -> None:

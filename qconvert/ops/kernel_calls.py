@@ -1,4 +1,4 @@
-"""Handing plain matmuls on QArrays to the Pallas kernels of qconvert.kernels.
+"""Handing plain matmuls on QArrays to the Pallas kernels, through kernels.qlinear (the one router).
 
 A "plain matmul" is lhs [..., K] contracted on its last dim with a 2-D rhs,
 no batch dims; the leading lhs dims fold into M. The kernels take the weight
@@ -50,7 +50,7 @@ def kernel_backend() -> tuple[str | None, str | None]:
     if setting is None:
         return None, "kernels are turned off (use_kernels(None))"
     resolved = _kernels().resolve_backend(setting)
-    if setting == "auto" and resolved == "cpu":
+    if setting == "auto" and resolved == "xla":
         return None, "on CPU Pallas only interprets; XLA's dot is the faster path here"
     return resolved, None
 
@@ -97,15 +97,12 @@ def nf4_kernel_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None:
 
 def int8_matmul(lhs: QArray, rhs: QArray, form: MatmulForm, out_dtype) -> jax.Array:
     """lhs int8 [..., K] (scale [..., 1]) times rhs int8 [K, N] or [N, K] through the W8A8 kernel."""
-    lhs_shape = operand_shape(lhs)
-    m, k = _rows(lhs_shape), lhs_shape[-1]
-    x_q = lhs.qvalue.reshape(m, k)
-    x_scale = jnp.broadcast_to(jnp.asarray(lhs.scale, jnp.float32), lhs_shape[:-1] + (1,)).reshape(m)
     w_q = rhs.qvalue if form.rhs_layout == "nk" else rhs.qvalue.T
-    w_scale = jnp.broadcast_to(jnp.asarray(rhs.scale, jnp.float32).reshape(-1), (w_q.shape[0],))
+    n, k = w_q.shape
+    w_scale = jnp.broadcast_to(jnp.asarray(rhs.scale, jnp.float32).reshape(-1), (n,)).reshape(n, 1)
+    weight = QArray(w_q, w_scale, kind="int8", shape=(n, k), dtype=rhs.dtype)
     backend, _ = kernel_backend()
-    y = _kernels().int8_matmul(x_q, w_q, x_scale, w_scale, out_dtype=out_dtype, backend=backend)
-    return y.reshape(lhs_shape[:-1] + (w_q.shape[0],))
+    return _kernels().qlinear(lhs, weight, out_dtype=out_dtype, backend=backend)
 
 
 def _with_dequantized_grad(kernel_fn, lhs, rhs: QArray):
@@ -133,27 +130,21 @@ def _with_dequantized_grad(kernel_fn, lhs, rhs: QArray):
 
 def int8_weight_matmul(lhs, rhs: QArray, out_dtype) -> jax.Array:
     """Float lhs [..., K] times an int8 weight [N, K] with per-channel scale through the W8A16 kernel."""
-    lhs_shape = tuple(jnp.shape(lhs))
-    n, k = operand_shape(rhs)
     backend, _ = kernel_backend()
 
     def run(x, qvalue, scale):
-        y = _kernels().int8_weight_matmul(x.reshape(_rows(lhs_shape), k), qvalue, scale.reshape(n),
-                                          out_dtype=out_dtype, backend=backend)
-        return y.reshape(lhs_shape[:-1] + (n,))
+        weight = QArray(qvalue, scale, kind="int8", shape=rhs.shape, dtype=rhs.dtype)
+        return _kernels().qlinear(x, weight, out_dtype=out_dtype, backend=backend)
 
     return _with_dequantized_grad(run, lhs, rhs)
 
 
 def nf4_matmul(lhs, rhs: QArray, out_dtype) -> jax.Array:
     """Float lhs [..., K] times an NF4 weight [N, K] through the NF4 kernel."""
-    lhs_shape = tuple(jnp.shape(lhs))
-    n, k = rhs.shape
     backend, _ = kernel_backend()
 
     def run(x, qvalue, scale):
-        y = _kernels().nf4_matmul(x.reshape(_rows(lhs_shape), k), qvalue, scale, shape=(n, k),
-                                  blocksize=rhs.block_size, out_dtype=out_dtype, backend=backend)
-        return y.reshape(lhs_shape[:-1] + (n,))
+        weight = QArray(qvalue, scale, kind="nf4", block_size=rhs.block_size, shape=rhs.shape, dtype=rhs.dtype)
+        return _kernels().qlinear(x, weight, out_dtype=out_dtype, backend=backend)
 
     return _with_dequantized_grad(run, lhs, rhs)

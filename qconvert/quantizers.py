@@ -3,9 +3,9 @@
 Both schemes divide (w / scale, x / absmax) and then round or compare, and the
 FORMATS.md rules are stated on the correctly rounded float32 quotient. XLA turns
 a division by a broadcast value into a multiplication by its reciprocal, which is
-an ulp off now and then; `f32_quotient` gets the exact float32 quotient from one
-float64 multiply instead (proof in its docstring), so the kernels stay single
-fused passes over the weight.
+an ulp off now and then; formats' `f32_quotient` gets the exact float32 quotient
+from one float64 multiply instead (traced inside `x64()`; proof in its
+docstring), so the kernels stay single fused passes over the weight.
 
 Weights are processed in chunks of a bucketed size (whole rows for int8, whole
 blocks for NF4), so a model compiles a handful of kernels, not one per tensor
@@ -22,32 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert.errors import InvalidWeightError
-from qconvert.formats.qarray import NF4_LEVELS, QArray
+from qconvert.formats.qarray import INT8_QMAX, NF4_BLOCK_SIZE, NF4_LEVELS, QArray
+from qconvert.formats.quotient import f32_quotient
 
-INT8_QMAX = 127
-NF4_BLOCK_SIZE = 64
 # Elements per jitted call: large enough that dispatch costs nothing, small enough to stay in cache-sized buffers.
 CHUNK_ELEMENTS = 1 << 20
 
 # Decision thresholds between neighbouring NF4 levels: a value goes to the
 # number of thresholds it lies strictly above, so a tie lands on the lower code.
 NF4_THRESHOLDS = ((NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / np.float32(2)).astype(np.float32)
-
-
-def f32_quotient(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
-    """numerator / denominator rounded to float32 exactly as an IEEE float32 division rounds it.
-
-    Both operands hold float32 (or narrower) values. Why one float64 multiply is
-    exact: the product with the float64 reciprocal is within 2**-52 (relative) of
-    the true quotient t, whether or not XLA rewrites the division. A float32
-    rounding boundary is a midpoint m = M * 2**e with M odd and 2**24 <= M < 2**25;
-    with a = A * 2**i, d = D * 2**j (A, D < 2**24), a - m * d is a non-zero
-    multiple of 2**(e + j) (zero would need the odd part of A, < 2**24, to equal
-    M times the odd part of D), so t is at least 1 / (M * D) > 2**-49 (relative)
-    away from every boundary and both round to the same float32. Needs 64-bit
-    types on inside the trace (`x64`).
-    """
-    return (numerator.astype(jnp.float64) * (1.0 / denominator.astype(jnp.float64))).astype(jnp.float32)
 
 
 def x64():
