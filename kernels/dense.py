@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qconvert.formats import NF4_BLOCK_SIZE
+from qconvert.formats.qarray import NF4_BLOCK_SIZE
 from qconvert.kernels import gpu_dense, reference, tpu_dense
 from qconvert.kernels.checks import check_int8_matmul, check_int8_weight_matmul, check_nf4_matmul
 from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel

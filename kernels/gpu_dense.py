@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from qconvert.formats import NF4_BLOCK_SIZE
+from qconvert.formats.qarray import NF4_BLOCK_SIZE
 from qconvert.kernels.tiles import Tiling, nf4_level
 
 NT_DIMS = (((1,), (1,)), ((), ()))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from qconvert.formats import NF4_BLOCK_SIZE
+from qconvert.formats.qarray import NF4_BLOCK_SIZE
 from qconvert.kernels.gpu_dense import nf4_step_dot
 from qconvert.kernels.tiles import Tiling, round_up, split_even_odd_columns
 

@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qconvert.formats import NF4_BLOCK_SIZE, QArray
+from qconvert.formats.qarray import NF4_BLOCK_SIZE, QArray
 from qconvert.kernels import gpu_grouped, reference, tpu_grouped
 from qconvert.kernels.checks import dtype_of as _dtype
 from qconvert.kernels.errors import KernelArgumentError

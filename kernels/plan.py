@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qconvert.formats import NF4_BLOCK_SIZE
+from qconvert.formats.qarray import NF4_BLOCK_SIZE
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.tiles import Tiling, round_up
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from qconvert.formats import QArray
+from qconvert.formats.qarray import QArray
 from qconvert.kernels.activations import fake_quantize_rows, quantize_activations
 from qconvert.kernels.dense import int8_matmul, int8_weight_matmul, nf4_matmul
 from qconvert.kernels.errors import KernelArgumentError

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qconvert.formats import NF4_BLOCK_SIZE, NF4_LEVELS
+from qconvert.formats.qarray import NF4_BLOCK_SIZE, NF4_LEVELS
 
 HIGHEST = jax.lax.Precision.HIGHEST
 # The references are jitted so that XLA fuses their float rescale exactly as it

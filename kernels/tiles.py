@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.formats import NF4_LEVELS
+from qconvert.formats.qarray import NF4_LEVELS
 
 
 @dataclasses.dataclass(frozen=True)
