@@ -9,8 +9,8 @@ shape of a 135M model: hidden 576, 30 layers, 9 heads, 3 KV heads, intermediate
 1536, vocab 49152. Calibration draws `--calib random` ids. Each round runs the
 CLI in a fresh process (compile and start-up included) with this tree and,
 given --baseline, with the baseline tree right after, so both see the same
-machine load; it prints seconds, peak RSS of the process, and the ratio
-baseline / this tree (above 1: this tree is faster).
+machine load; it prints wall and CPU seconds, peak RSS of the process, and
+the ratios baseline / this tree (above 1: this tree is faster).
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ SHAPE_135M = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536,
 SHAPE_QUICK = dict(hidden=576, layers=4, heads=9, kv_heads=3, intermediate=1536, vocab=4096)
 
 
-def run_cli(tree: Path, model: Path, out: Path, samples: int, seqlen: int) -> tuple[float, float]:
-    """Seconds and peak RSS (MB) of one `qconvert quantize --scheme w8a8` in a fresh process."""
+def run_cli(tree: Path, model: Path, out: Path, samples: int, seqlen: int) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds (user + system) and peak RSS (MB) of one `qconvert quantize --scheme w8a8`
+    in a fresh process. On a loaded machine the CPU seconds vary less than the wall time."""
     shutil.rmtree(out, ignore_errors=True)
     env = dict(os.environ, PYTHONPATH=str(tree))
     code = ("import sys; from qconvert.cli import main; sys.argv=['qconvert']+sys.argv[1:]; main()")
@@ -50,7 +51,7 @@ def run_cli(tree: Path, model: Path, out: Path, samples: int, seqlen: int) -> tu
         if proc.returncode != 0:
             err.seek(0)
             raise SystemExit(f"{tree}: exit {proc.returncode}: {err.read().decode()[-2000:]}")
-    return seconds, usage.ru_maxrss / 1024
+    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
 def main() -> None:
@@ -68,16 +69,20 @@ def main() -> None:
             trees = [("this tree", ROOT)] + ([("baseline", args.baseline)] if args.baseline else [])
             for name, tree in trees:
                 load = os.getloadavg()[0]
-                seconds, rss = run_cli(tree, model, Path(tmp) / "out", samples, seqlen)
-                rows.append((r, name, seconds, rss, load))
-                print(f"round {r}: {name}: {seconds:.1f} s, peak RSS {rss:.0f} MB, load {load:.1f}", flush=True)
+                seconds, cpu, rss = run_cli(tree, model, Path(tmp) / "out", samples, seqlen)
+                rows.append((r, name, seconds, cpu, rss, load))
+                print(f"round {r}: {name}: {seconds:.1f} s wall, {cpu:.1f} s CPU, peak RSS {rss:.0f} MB, "
+                      f"load average before {load:.1f}", flush=True)
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, {samples} x {seqlen} tokens, "
           f"shape {shape}")
-    ours = [s for _, n, s, _, _ in rows if n == "this tree"]
-    print(f"this tree: best {min(ours):.1f} s")
+    ours = [(s, c) for _, n, s, c, _, _ in rows if n == "this tree"]
+    print(f"this tree: best {min(w for w, _ in ours):.1f} s wall, {min(c for _, c in ours):.1f} s CPU")
     if args.baseline:
-        base = [s for _, n, s, _, _ in rows if n == "baseline"]
-        print(f"baseline: best {min(base):.1f} s; ratio baseline/this tree {min(base) / min(ours):.2f}x")
+        base = [(s, c) for _, n, s, c, _, _ in rows if n == "baseline"]
+        wall = min(w for w, _ in base) / min(w for w, _ in ours)
+        cpu = min(c for _, c in base) / min(c for _, c in ours)
+        print(f"baseline: best {min(w for w, _ in base):.1f} s wall, {min(c for _, c in base):.1f} s CPU; "
+              f"ratio baseline / this tree: {wall:.2f}x wall, {cpu:.2f}x CPU")
 
 
 if __name__ == "__main__":

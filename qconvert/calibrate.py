@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from qconvert import interrupts
+from qconvert.calib_memory import checkpoint_shapes, device_budget, fit_batch_size
 from qconvert.errors import InvalidCheckpointError, UsageError
 from qconvert.formats.errors import FormatError
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint
@@ -32,6 +33,7 @@ STATS_FORMAT = "qconvert-act-stats"
 STATS_VERSION = "1"
 DEFAULT_BATCH_SIZE = 8
 SAMPLE_ROWS = 512  # tokens kept per linear input for the alpha and scale searches
+HOST_BUDGET_BYTES = 4 * 2**30  # what calibration may use when the device (a CPU) states no limit
 
 
 class CheckpointParams(Mapping):
@@ -133,13 +135,18 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
 
     devices: where the layers run; None: every visible device of jax's default
     backend (with more than one, the batches are split across them and the
-    statistics are the same as on one).
+    statistics are the same as on one). `batch_size` is lowered where the
+    estimate of calib_memory says it would not fit the device (its allocator's
+    limit; on a CPU, HOST_BUDGET_BYTES).
     """
     keep_inputs = frozenset(keep_inputs)
-    n = int(np.asarray(input_ids).shape[0])
+    n, t = np.asarray(input_ids).shape
+    devices = jax.devices() if devices is None else devices
+    if hasattr(params, "checkpoint"):  # shapes from the index, no tensor read
+        budget = device_budget(devices[0]) or HOST_BUDGET_BYTES
+        batch_size = fit_batch_size(checkpoint_shapes(model, params), n, t, batch_size, budget)
     batches = math.ceil(n / max(1, batch_size))
     observe = _observer(keep_inputs, max(1, math.ceil(sample_rows / batches)))
-    devices = jax.devices() if devices is None else devices
     hidden = None
     for result in iterate_layers(model, params, input_ids, attention_mask, observe=observe,
                                  batch_size=batch_size, devices=devices):
