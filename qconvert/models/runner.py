@@ -173,12 +173,14 @@ def iterate_layers(model, params: Mapping, input_ids, attention_mask=None, *,
         rep = programs.representative(i)
         layer_params = {programs.rename(name, i, rep): value
                         for name, value in read_tensors(params, model.layer_tensor_names(i)).items()}
-        outs, observed = [], {}
+        outs, observed, sinks = [], {}, []
         for s in range(0, split, group):  # whole groups: one batch per device
             out, sink = sharded_step(rep, layer_params, hidden[s:s + group], mask[s:s + group])
             outs.append(out)
+            sinks.append(sink)
+        # One transfer for all groups, once they are all dispatched; then one entry per batch.
+        for sink in jax.device_get(sinks):
             for name, value in sink.items():
-                value = jax.device_get(value)  # one transfer per group; the observations are small
                 per_device = [jax.tree.map(lambda a, d=d: a[d], value) for d in range(mesh.size)]
                 observed.setdefault(programs.rename(name, rep, i), []).extend(per_device)
         for s in range(split, n, batch_size):
