@@ -6,7 +6,8 @@ Calibration holds, at its peak, the float32 hidden states of every sample
 the compiled layer computes with, and one batch's work inside the layer: the
 linears' outputs (B x T x the sum of the layer's output features, and the
 inputs again, in float32) and the attention scores with their softmax
-(2 x B x heads x T x T x 4 bytes). Before the layers, the embedding table is
+(2 x B x heads x T x T x 4 bytes), for two batches (dispatch runs one batch
+ahead of the device, no further). Before the layers, the embedding table is
 read and converted to float32; after them, the head's tensors. The host holds
 the tensors read from disk (one layer's, or the embedding or head) and the rows
 sampled for the alpha and scale searches. On a CPU the device is the host: the
@@ -86,7 +87,8 @@ def estimate(shapes: ModelShapes, samples: int, seqlen: int, batch_size: int,
     """The peak memory of calibrating on `samples` x `seqlen` tokens, `batch_size` samples per batch and device."""
     n, t, b = samples, seqlen, min(batch_size, samples)
     hidden = n * t * shapes.hidden * F32
-    batch = b * t * F32 * (shapes.layer_width + 2 * shapes.hidden) + 2 * b * shapes.heads * t * t * F32
+    # Two batches in flight at most (the runner waits for the one before the last).
+    batch = 2 * (b * t * F32 * (shapes.layer_width + 2 * shapes.hidden) + 2 * b * shapes.heads * t * t * F32)
     embed_phase = 2 * hidden + shapes.embed_bytes + shapes.embed_elements * F32
     layer_phase = 3 * hidden + shapes.layer_bytes + shapes.layer_elements * F32 + batch
     head_phase = hidden + shapes.head_bytes

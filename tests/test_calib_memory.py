@@ -60,7 +60,7 @@ def test_estimate_by_hand():
                          embed_bytes=300, embed_elements=150, head_bytes=200, layer_inputs=24)
     got = estimate(shapes, samples=4, seqlen=3, batch_size=2, sample_rows=5)
     hidden = 4 * 3 * 8 * 4                                # 384
-    batch = 2 * 3 * 4 * (40 + 16) + 2 * 2 * 2 * 3 * 3 * 4  # 1344 + 288
+    batch = 2 * (2 * 3 * 4 * (40 + 16) + 2 * 2 * 2 * 3 * 3 * 4)  # two batches of 1344 + 288
     assert got.batch_bytes == batch
     assert got.device_bytes == 3 * hidden + 1000 + 500 * 4 + batch
     assert got.host_bytes == 1000 + 5 * 24 * 4
