@@ -6,15 +6,17 @@
 Two models: a tiny random Llama (hidden 256, 4 layers, GQA; written by the test
 builders) and the real all-MiniLM-L6-v2 (BERT, hidden 384, 6 layers). For each:
 
-  qconvert     collect_act_stats: weights read lazily, one layer at a time (each
-               layer jit-compiled), per-channel max|x| of every linear's input.
+  qconvert     collect_act_stats: weights read lazily, one layer at a time (one
+               compiled program for all layers of a kind), per-channel max|x| of
+               every linear's input.
   transformers the same forward in torch (float32, no_grad) over the same token
                batches, with forward pre-hooks on every nn.Linear keeping the same
                per-channel max|x|: the equivalent calibration pass.
 
 Each line: seconds, tokens/s (first run, compile included; and warm, a second
 run), the ratio of qconvert's warm tokens/s to transformers', and the peak RSS
-above the RSS at the phase's start (sampled every 5 ms). torch is used here only,
+above the RSS at the phase's start (sampled every 5 ms), beside qconvert's own
+estimate of it (qconvert.calib_memory, arrays only, without XLA's runtime). torch is used here only,
 as the baseline; qconvert itself never imports it.
 """
 
@@ -38,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from checkpoints import make_llama_checkpoint, minilm_path  # noqa: E402
 
 from qconvert.calib_data import load_calibration  # noqa: E402
+from qconvert.calib_memory import checkpoint_shapes, estimate  # noqa: E402
 from qconvert.calibrate import collect_act_stats, open_params  # noqa: E402
 from qconvert.models import build  # noqa: E402
 
@@ -90,10 +93,12 @@ def run_qconvert(folder: Path, config: dict, ids: np.ndarray, batch: int) -> dic
         t0 = time.perf_counter()
         stats = collect_act_stats(model, params, ids, batch_size=batch)
         total = time.perf_counter() - t0
-    # Each layer is jit-compiled once per call: a fixed cost that long runs amortize.
+    # One program per kind of layer, compiled once per call: a fixed cost that long runs amortize.
     compile_s = sum(COMPILE_SECONDS)
+    est = estimate(checkpoint_shapes(model, params), len(ids), ids.shape[1], batch)
     return {"total_s": total, "compile_s": compile_s, "steady_s": max(total - compile_s, 1e-9),
-            "rss_mb": mem.delta_mb, "linears": len(stats.act_absmax)}
+            "rss_mb": mem.delta_mb, "estimate_mb": (est.device_bytes + est.host_bytes) / 2**20,
+            "linears": len(stats.act_absmax)}
 
 
 def run_transformers(folder: Path, family: str, ids: np.ndarray, batch: int) -> dict:
@@ -158,14 +163,15 @@ def main() -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_version()}, "
           f"load average {os.getloadavg()[0]:.1f}")
     print("| model | tokens | qconvert tok/s (all; without compile) | compile s | transformers tok/s "
-          "| ratio (all; without compile) | peak RSS qconvert / transformers |")
-    print("|---|---|---|---|---|---|---|")
+          "| ratio (all; without compile) | peak RSS qconvert / transformers | qconvert's estimate |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['model']} | {r['tokens']} ({r['samples']}x{r['seqlen']}) "
               f"| {r['tok_s_qconvert']:.0f}; {r['tok_s_qconvert_steady']:.0f} "
               f"| {r['qconvert']['compile_s']:.1f} | {r['tok_s_transformers']:.0f} "
               f"| {r['ratio']:.2f}; {r['ratio_steady']:.2f} "
-              f"| {r['qconvert']['rss_mb']:.0f} MB / {r['transformers']['rss_mb']:.0f} MB |")
+              f"| {r['qconvert']['rss_mb']:.0f} MB / {r['transformers']['rss_mb']:.0f} MB "
+              f"| {r['qconvert']['estimate_mb']:.0f} MB |")
     print(json.dumps(results, indent=1))
 
 

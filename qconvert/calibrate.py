@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -22,6 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from qconvert import interrupts
+from qconvert.calib_memory import checkpoint_shapes, device_budget, fit_batch_size
 from qconvert.errors import InvalidCheckpointError, UsageError
 from qconvert.formats.errors import FormatError
 from qconvert.formats.checkpoint_params import CheckpointParams
@@ -32,6 +34,7 @@ STATS_FORMAT = "qconvert-act-stats"
 STATS_VERSION = "1"
 DEFAULT_BATCH_SIZE = 8
 SAMPLE_ROWS = 512  # tokens kept per linear input for the alpha and scale searches
+HOST_BUDGET_BYTES = 4 * 2**30  # what calibration may use when the device (a CPU) states no limit
 
 
 def open_params(folder: Path, config: dict[str, Any] | None = None) -> CheckpointParams:
@@ -69,13 +72,27 @@ class LayerStats:
     input_samples: dict[str, np.ndarray]   # module -> float32 [rows, in], for the modules asked for
 
 
+def layer_relative(name: str) -> str:
+    """A module name with its layer index replaced by '#' (the first '.<digits>.' component).
+
+    Layers that share a compiled program see one representative layer's names;
+    what the observer keeps must be decided alike for every layer.
+    """
+    return _LAYER_INDEX.sub(".#.", name, count=1)
+
+
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
 def _observer(keep_inputs: frozenset[str], rows_per_batch: int):
+    keep_relative = frozenset(layer_relative(m) for m in keep_inputs)
+
     def observe(name: str, x: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
         flat = x.astype(jnp.float32).reshape(-1, x.shape[-1])
         ok = valid.reshape(-1)
         # Padding (and, for experts, tokens routed elsewhere) count as 0 in the max.
         out = {"absmax": jnp.max(jnp.where(ok[:, None], jnp.abs(flat), 0.0), axis=0)}
-        if name in keep_inputs:
+        if layer_relative(name) in keep_relative:
             # A spread subset of the tokens. The first ones alone over-represent
             # position 0, whose activations are often atypically large; so does a
             # stride that divides the window length (every row at position 0), so
@@ -92,15 +109,26 @@ def _observer(keep_inputs: frozenset[str], rows_per_batch: int):
 
 def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_mask=None, *,
                      batch_size: int = DEFAULT_BATCH_SIZE, keep_inputs=frozenset(),
-                     sample_rows: int = SAMPLE_ROWS) -> Iterator[LayerStats]:
-    """Yield each layer's LayerStats in order; `keep_inputs` modules also get up to `sample_rows` input rows."""
+                     sample_rows: int = SAMPLE_ROWS, devices=None) -> Iterator[LayerStats]:
+    """Yield each layer's LayerStats in order; `keep_inputs` modules also get up to `sample_rows` input rows.
+
+    devices: where the layers run; None: every visible device of jax's default
+    backend (with more than one, the batches are split across them and the
+    statistics are the same as on one). `batch_size` is lowered where the
+    estimate of calib_memory says it would not fit the device (its allocator's
+    limit; on a CPU, HOST_BUDGET_BYTES).
+    """
     keep_inputs = frozenset(keep_inputs)
-    n = int(np.asarray(input_ids).shape[0])
+    n, t = np.asarray(input_ids).shape
+    devices = jax.devices() if devices is None else devices
+    if hasattr(params, "checkpoint"):  # shapes from the index, no tensor read
+        budget = device_budget(devices[0]) or HOST_BUDGET_BYTES
+        batch_size = fit_batch_size(checkpoint_shapes(model, params), n, t, batch_size, budget)
     batches = math.ceil(n / max(1, batch_size))
     observe = _observer(keep_inputs, max(1, math.ceil(sample_rows / batches)))
     hidden = None
     for result in iterate_layers(model, params, input_ids, attention_mask, observe=observe,
-                                 batch_size=batch_size):
+                                 batch_size=batch_size, devices=devices):
         hidden = result.hidden
         interrupts.check()  # between layers: a signal that a callee swallowed still stops calibration
         yield _layer_stats(result.index, result.observed, keep_inputs, sample_rows)
@@ -112,6 +140,7 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
 
 def _layer_stats(index: int, observed: dict[str, list], keep_inputs: frozenset[str],
                  sample_rows: int) -> LayerStats:
+    observed = jax.device_get(observed)  # the layer's statistics to the host in one transfer
     absmax, samples = {}, {}
     for name, per_batch in observed.items():
         absmax[name] = np.max(np.stack([np.asarray(o["absmax"]) for o in per_batch]), axis=0)

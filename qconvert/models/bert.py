@@ -94,6 +94,10 @@ class BertModel(LayerStack):
     def _layer_prefix(self, i: int) -> str:
         return f"{self.prefix}encoder.layer.{i}"
 
+    def layer_signature(self, i: int) -> tuple:
+        """What besides the weights sets layer i's program (layers with equal signatures share one)."""
+        return ()
+
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the forward reads, with the shape config.json implies."""
         a = self.args

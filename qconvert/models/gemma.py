@@ -171,6 +171,10 @@ class GemmaModel(LayerStack):
     def _layer_prefix(self, i: int) -> str:
         return f"{self.prefix}.layers.{i}"
 
+    def layer_signature(self, i: int) -> tuple:
+        """What besides the weights sets layer i's program (layers with equal signatures share one)."""
+        return (self.args.layer_types[i], self.args.ropes[i])
+
     def _norms(self, i: int) -> list[str]:
         p = self._layer_prefix(i)
         norms = [f"{p}.{n}" for n in ("input_layernorm", "post_attention_layernorm",

@@ -150,6 +150,10 @@ class LlamaModel(LayerStack):
     def _layer_prefix(self, i: int) -> str:
         return f"{self.prefix}.layers.{i}"
 
+    def layer_signature(self, i: int) -> tuple:
+        """What besides the weights sets layer i's program (layers with equal signatures share one)."""
+        return (self.args.sliding_windows[i],)
+
     def linear_shapes(self, i: int) -> dict[str, tuple[int, int]]:
         """[out, in] of layer i's linears as config.json implies them."""
         a = self.args

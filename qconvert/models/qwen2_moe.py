@@ -82,6 +82,10 @@ class Qwen2MoeModel(LlamaModel):
     def _mlp_prefix(self, i: int) -> str:
         return f"{self._layer_prefix(i)}.mlp"
 
+    def layer_signature(self, i: int) -> tuple:
+        """What besides the weights sets layer i's program (layers with equal signatures share one)."""
+        return super().layer_signature(i) + (self.moe.sparse_layers[i],)
+
     def router(self, i: int) -> str:
         """Layer i's router module (`mlp.gate`)."""
         return f"{self._mlp_prefix(i)}.gate"

@@ -2,20 +2,25 @@
 
 Only one layer's weights are alive at once: layer i's tensors are read from the
 params Mapping just before the layer runs and dropped after, so a model larger
-than memory can be calibrated. Each layer runs jit-compiled (one compile per
-layer, since names and windows differ by layer); what the caller wants to know
-about a linear's input comes out of the compiled layer as a functional output of
-`observe`, so nothing leaks out of the trace.
+than memory can be calibrated. Layers run jit-compiled, one program per layer
+signature (the family's `layer_signature(i)`: e.g. sliding-window against global
+attention), not per layer: names are mapped outside the trace. What the caller
+wants to know about a linear's input comes out of the compiled layer as a
+functional output of `observe`, so nothing leaks out of the trace. With several
+devices the batches are split across them (data parallel).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator, Mapping, Sequence
+import functools
+from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from qconvert.formats import QArray
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, dense_grouped_linear,
@@ -64,25 +69,90 @@ def _observing_hooks(linear: LinearHook, grouped_linear: GroupedLinearHook, obse
     return observed_linear, observed_grouped
 
 
+def layer_signature(model, i: int) -> Hashable:
+    """What, besides its weights' shapes, decides layer i's program (the family's `layer_signature(i)`).
+
+    Layers with equal signatures run one compiled program. A family without the
+    method gives every layer a program of its own.
+    """
+    method = getattr(model, "layer_signature", None)
+    return ("layer", i) if method is None else method(i)
+
+
+class LayerPrograms:
+    """Which layer's trace each layer reuses, and the name mapping between the two.
+
+    The program of a signature is traced once, with the first layer of that
+    signature (its representative) and that layer's names; another layer runs
+    it on its own weights, handed in under the representative's names, and what
+    the trace observed is renamed back outside the jit.
+    """
+
+    def __init__(self, model, share: bool):
+        self.model = model
+        self.share = share and hasattr(model, "_layer_prefix")
+        self.representatives: dict[Hashable, int] = {}
+
+    def representative(self, i: int) -> int:
+        if not self.share:
+            return i
+        rep = self.representatives.setdefault(layer_signature(self.model, i), i)
+        if rep != i:
+            names = sorted(self.rename(n, i, rep) for n in self.model.layer_tensor_names(i))
+            if names != sorted(self.model.layer_tensor_names(rep)):
+                return i  # the layers differ in more than the index in their names: a program of its own
+        return rep
+
+    def rename(self, name: str, src: int, dst: int) -> str:
+        """`name` of layer `src` as layer `dst` calls it."""
+        if src == dst:
+            return name
+        a, b = f"{self.model._layer_prefix(src)}.", f"{self.model._layer_prefix(dst)}."
+        return b + name[len(a):] if name.startswith(a) else name
+
+
+def _data_mesh(devices) -> Mesh | None:
+    devices = list(devices or ())
+    return Mesh(np.asarray(devices), ("data",)) if len(devices) > 1 else None
+
+
 def iterate_layers(model, params: Mapping, input_ids, attention_mask=None, *,
                    linear: LinearHook = dense_linear,
                    grouped_linear: GroupedLinearHook = dense_grouped_linear,
                    observe: Observer | None = None, batch_size: int | None = None,
-                   jit: bool = True) -> Iterator[LayerResult]:
+                   jit: bool = True, share_programs: bool | None = None,
+                   devices: Sequence[jax.Device] | None = None) -> Iterator[LayerResult]:
     """Embed `input_ids` [N, T], then yield each layer's LayerResult in order.
 
-    The hidden states of all N samples pass from one layer to the next; a layer
-    runs over them `batch_size` samples at a time (all at once when None), which
-    bounds the attention scores' memory. The hooks must be traceable when
-    `jit` is true (the float defaults and the kernels are); pass jit=False to
-    run hooks with Python side effects eagerly. The generator reads layer i's
-    weights only when the caller asks for layer i.
+    The hidden states of all N samples pass from one layer to the next on the
+    device; a layer runs over them `batch_size` samples at a time (all at once
+    when None), which bounds the attention scores' memory. The hooks must be
+    traceable when `jit` is true (the float defaults and the kernels are); pass
+    jit=False to run hooks with Python side effects eagerly. The generator reads
+    layer i's weights only when the caller asks for layer i.
+
+    share_programs: layers of equal `layer_signature` run one compiled program
+    (traced with the first of them). The hooks and `observe` then see that
+    layer's module names, so they must treat every layer alike; the observed
+    values come back under the real names. Default: on with the float hooks
+    (which ignore names), off with others.
+
+    devices: with more than one, the batches are split across them (a Mesh
+    with one `data` axis): each device runs whole batches of `batch_size`
+    samples, the same program as one device would, with the weights
+    replicated; what `observe` returns is gathered, one entry per batch, in
+    sample order, as on one device. Batches left over (fewer than one per
+    device) run on the first device.
     """
     input_ids = jnp.asarray(input_ids, jnp.int32)
     n, t = input_ids.shape
     mask = jnp.ones((n, t), jnp.int32) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
     batch_size = n if batch_size is None else max(1, int(batch_size))
     observe = observe or (lambda name, x, valid: None)
+    if share_programs is None:
+        share_programs = linear is dense_linear and grouped_linear is dense_grouped_linear
+    programs = LayerPrograms(model, share_programs and jit)
+    mesh = _data_mesh(devices) if jit else None
 
     def run_layer(i, layer_params, hidden, mask):
         sink: dict[str, Any] = {}
@@ -91,22 +161,66 @@ def iterate_layers(model, params: Mapping, input_ids, attention_mask=None, *,
         return out, sink
 
     step = jax.jit(run_layer, static_argnums=0) if jit else run_layer
+    sharded_step = _sharded_step(run_layer, mesh) if mesh is not None else None
     embed = jax.jit(model.embed) if jit else model.embed
     embed_params = read_tensors(params, model.embed_tensor_names())
     hidden = jnp.concatenate([embed(embed_params, input_ids[s:s + batch_size], mask[s:s + batch_size])
                               for s in range(0, n, batch_size)])
     del embed_params
+    group = batch_size * (mesh.size if mesh is not None else 1)
+    split = n - n % group if mesh is not None and n >= batch_size * mesh.size else 0
     for i in range(model.num_layers):
-        layer_params = read_tensors(params, model.layer_tensor_names(i))
-        outs, observed = [], {}
-        for s in range(0, n, batch_size):
-            out, sink = step(i, layer_params, hidden[s:s + batch_size], mask[s:s + batch_size])
+        rep = programs.representative(i)
+        layer_params = {programs.rename(name, i, rep): value
+                        for name, value in read_tensors(params, model.layer_tensor_names(i)).items()}
+        outs, observed, sinks = [], {}, []
+        for s in range(0, split, group):  # whole groups: one batch per device
+            out, sink = sharded_step(rep, layer_params, hidden[s:s + group], mask[s:s + group])
             outs.append(out)
+            sinks.append(sink)
+            _bound_in_flight(outs)
+        # One transfer for all groups, once they are all dispatched; then one entry per batch.
+        for sink in jax.device_get(sinks):
             for name, value in sink.items():
-                observed.setdefault(name, []).append(value)
+                per_device = [jax.tree.map(lambda a, d=d: a[d], value) for d in range(mesh.size)]
+                observed.setdefault(programs.rename(name, rep, i), []).extend(per_device)
+        for s in range(split, n, batch_size):
+            out, sink = step(rep, layer_params, hidden[s:s + batch_size], mask[s:s + batch_size])
+            outs.append(out)
+            _bound_in_flight(outs)
+            for name, value in sink.items():
+                observed.setdefault(programs.rename(name, rep, i), []).append(value)
         del layer_params
-        hidden = jnp.concatenate(outs)
+        hidden = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
         yield LayerResult(i, hidden, observed)
+
+
+def _bound_in_flight(outs: list) -> None:
+    """Wait for the batch before the last: dispatch runs ahead of the device, and every batch
+    in flight holds its own activations, so at most two are (calib_memory counts two)."""
+    if len(outs) >= 2 and isinstance(outs[-2], jax.Array):
+        outs[-2].block_until_ready()
+
+
+def _sharded_step(run_layer, mesh: Mesh):
+    """run_layer over a [devices * batch] group: each device runs its own batch, weights replicated."""
+    data, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def step(i, layer_params, hidden, mask):
+        def local(layer_params, hidden, mask):
+            out, sink = run_layer(i, layer_params, hidden, mask)
+            # One leading entry per device: gathered along the data axis.
+            return out, jax.tree.map(lambda a: a[None], sink)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                             out_specs=(P("data"), P("data")), check_vma=False)(layer_params, hidden, mask)
+
+    def run(i, layer_params, hidden, mask):
+        layer_params = jax.device_put(layer_params, replicated)
+        return step(i, layer_params, jax.device_put(hidden, data), jax.device_put(mask, data))
+
+    return run
 
 
 def forward_layerwise(model, params: Mapping, input_ids, attention_mask=None, *,

@@ -1,0 +1,128 @@
+"""How much memory layer-by-layer calibration needs: a bound from the model's shapes and the sample count.
+
+Calibration holds, at its peak, the float32 hidden states of every sample
+(the layer's input, its output and the concatenation of the batches' outputs:
+3 x N x T x H x 4 bytes), one layer's weights as stored plus the float32 copy
+the compiled layer computes with, and one batch's work inside the layer: the
+linears' outputs (B x T x the sum of the layer's output features, and the
+inputs again, in float32) and the attention scores with their softmax
+(2 x B x heads x T x T x 4 bytes), for two batches (dispatch runs one batch
+ahead of the device, no further). Before the layers, the embedding table is
+read and converted to float32; after them, the head's tensors. The host holds
+the tensors read from disk (one layer's, or the embedding or head) and the rows
+sampled for the alpha and scale searches. On a CPU the device is the host: the
+two add up. XLA's compiler and runtime take a fixed amount on top
+(RUNTIME_BYTES, measured on this project's CPU runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import numpy as np
+
+# XLA compilation, runtime buffers and allocator slack beside the arrays counted here: up to about
+# 0.7 GB more than the arrays were measured on a loaded 2-core machine (about 0.1 GB on a quiet one).
+RUNTIME_BYTES = 768 * 2**20
+F32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShapes:
+    """What the estimate needs to know of a model: sizes in elements and bytes."""
+
+    hidden: int
+    heads: int
+    layer_bytes: int        # the largest layer's tensors as stored
+    layer_elements: int     # ... in elements
+    layer_width: int        # sum over the layer's linears of out + in features (per token, float32)
+    embed_bytes: int
+    embed_elements: int
+    head_bytes: int
+    layer_inputs: int       # sum of the layer's linear input widths (rows kept per linear)
+
+    @classmethod
+    def of(cls, model, shape: Callable[[str], tuple[int, ...]], itemsize: Callable[[str], int]) -> "ModelShapes":
+        """Read the sizes from `shape(name)` / `itemsize(name)` of the checkpoint's tensors (no tensor is read)."""
+        def size(names):
+            names = [n for n in names if _has(shape, n)]
+            return (sum(math.prod(shape(n)) * itemsize(n) for n in names), sum(math.prod(shape(n)) for n in names))
+
+        layers = [size(model.layer_tensor_names(i)) for i in range(model.num_layers)] or [(0, 0)]
+        big = max(range(len(layers)), key=lambda i: layers[i][0])
+        linears = [shape(f"{m}.weight") for m in model.layer_linears(big) if _has(shape, f"{m}.weight")]
+        embed_bytes, embed_elements = size(model.embed_tensor_names())
+        head_bytes, _ = size(model.head_tensor_names())
+        args = model.args
+        return cls(hidden=int(args.hidden_size), heads=int(args.num_attention_heads),
+                   layer_bytes=layers[big][0], layer_elements=layers[big][1],
+                   layer_width=sum(o + i for o, i in linears), embed_bytes=embed_bytes,
+                   embed_elements=embed_elements, head_bytes=head_bytes,
+                   layer_inputs=sum(i for _, i in linears))
+
+
+def _has(shape, name: str) -> bool:
+    try:
+        shape(name)
+    except (KeyError, ValueError):
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak bytes of a calibration run: on the (first) device, and on the host beside it."""
+
+    device_bytes: int
+    host_bytes: int        # host memory beside the device's (on a CPU: add device_bytes)
+    batch_bytes: int       # of device_bytes, the part one batch adds (what --batch-size scales)
+
+    def total_on_cpu(self) -> int:
+        """The process's growth when the device is the host (plus XLA's runtime)."""
+        return self.device_bytes + self.host_bytes + RUNTIME_BYTES
+
+
+def estimate(shapes: ModelShapes, samples: int, seqlen: int, batch_size: int,
+             sample_rows: int = 512) -> MemoryEstimate:
+    """The peak memory of calibrating on `samples` x `seqlen` tokens, `batch_size` samples per batch and device."""
+    n, t, b = samples, seqlen, min(batch_size, samples)
+    hidden = n * t * shapes.hidden * F32
+    # Two batches in flight at most (the runner waits for the one before the last).
+    batch = 2 * (b * t * F32 * (shapes.layer_width + 2 * shapes.hidden) + 2 * b * shapes.heads * t * t * F32)
+    embed_phase = 2 * hidden + shapes.embed_bytes + shapes.embed_elements * F32
+    layer_phase = 3 * hidden + shapes.layer_bytes + shapes.layer_elements * F32 + batch
+    head_phase = hidden + shapes.head_bytes
+    device = max(embed_phase, layer_phase, head_phase)
+    rows = min(sample_rows, n * t) * shapes.layer_inputs * F32
+    host = max(shapes.layer_bytes, shapes.embed_bytes, shapes.head_bytes) + rows
+    return MemoryEstimate(int(device), int(host), int(batch))
+
+
+def device_budget(device) -> int | None:
+    """Bytes the device can hold (its allocator's limit), or None where jax does not say (CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def fit_batch_size(shapes: ModelShapes, samples: int, seqlen: int, batch_size: int, budget: int) -> int:
+    """The largest batch size up to `batch_size` whose estimate fits `budget` bytes (at least 1)."""
+    for b in range(max(1, batch_size), 0, -1):
+        if estimate(shapes, samples, seqlen, b).device_bytes <= budget:
+            return b
+    return 1
+
+
+def checkpoint_shapes(model, params) -> ModelShapes:
+    """ModelShapes of a model over a CheckpointParams-like Mapping (shapes from its index, else the arrays)."""
+    checkpoint = getattr(params, "checkpoint", None)
+    if checkpoint is not None:
+        def shape(name):
+            if name not in checkpoint:
+                raise KeyError(name)
+            return tuple(checkpoint.shape(name))
+
+        return ModelShapes.of(model, shape, lambda name: np.dtype(checkpoint.dtype(name)).itemsize)
+    return ModelShapes.of(model, lambda name: tuple(np.shape(params[name])),
+                          lambda name: np.asarray(params[name]).dtype.itemsize)

@@ -1,0 +1,76 @@
+"""The calibration memory estimate against a measured peak, and the batch size it fits to a budget."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from checkpoints import make_llama_checkpoint
+
+from qconvert.calib_memory import RUNTIME_BYTES, ModelShapes, checkpoint_shapes, estimate, fit_batch_size
+from qconvert.calibrate import open_params
+from qconvert.models import build
+
+_MEASURE = textwrap.dedent("""
+    import json, resource, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from qconvert.calib_data import random_windows
+    from qconvert.calibrate import iter_layer_stats, open_params
+    from qconvert.models import build
+
+    folder, samples, seqlen, batch = sys.argv[1], *map(int, sys.argv[2:5])
+    config = json.load(open(folder + "/config.json"))
+    model, params = build(config), open_params(folder)
+    ids = random_windows(int(config["vocab_size"]), samples, seqlen, seed=0)
+    (jnp.ones(4) + 1).block_until_ready()  # the runtime started before the baseline is taken
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1]) * 4096
+    keep = {m for i in range(model.num_layers) for m in model.layer_linears(i)}
+    for layer in iter_layer_stats(model, params, ids, batch_size=batch, keep_inputs=keep):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"growth": peak - before}))
+""")
+
+
+def _measure(folder, samples, seqlen, batch) -> int:
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, str(folder), str(samples), str(seqlen), str(batch)],
+                          capture_output=True, text=True, timeout=600, env={"JAX_PLATFORMS": "cpu",
+                                                                              "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["growth"]
+
+
+def test_estimate_bounds_the_measured_peak_on_cpu(tmp_path):
+    # The 135M geometry (hidden 576, intermediate 1536, 9 heads, 3 KV heads), two layers.
+    folder = make_llama_checkpoint(tmp_path / "m", hidden=576, layers=2, heads=9, kv_heads=3,
+                                   intermediate=1536, vocab=4096, dtype="bfloat16")
+    model = build(json.loads((folder / "config.json").read_text()))
+    shapes = checkpoint_shapes(model, open_params(folder))
+    for samples, seqlen, batch in ((32, 512, 8), (16, 256, 16)):
+        want = estimate(shapes, samples, seqlen, batch)
+        measured = _measure(folder, samples, seqlen, batch)
+        assert measured <= want.total_on_cpu(), (samples, seqlen, batch, measured, want)
+        # ... and it is a bound of the arrays, not of the runtime alone: they are most of the measure.
+        assert want.device_bytes + want.host_bytes >= 0.5 * (measured - RUNTIME_BYTES), (measured, want)
+
+
+def test_estimate_by_hand():
+    shapes = ModelShapes(hidden=8, heads=2, layer_bytes=1000, layer_elements=500, layer_width=40,
+                         embed_bytes=300, embed_elements=150, head_bytes=200, layer_inputs=24)
+    got = estimate(shapes, samples=4, seqlen=3, batch_size=2, sample_rows=5)
+    hidden = 4 * 3 * 8 * 4                                # 384
+    batch = 2 * (2 * 3 * 4 * (40 + 16) + 2 * 2 * 2 * 3 * 3 * 4)  # two batches of 1344 + 288
+    assert got.batch_bytes == batch
+    assert got.device_bytes == 3 * hidden + 1000 + 500 * 4 + batch
+    assert got.host_bytes == 1000 + 5 * 24 * 4
+
+
+def test_fit_batch_size_shrinks_the_batch_to_the_budget():
+    shapes = ModelShapes(hidden=576, heads=9, layer_bytes=2 * 10**7, layer_elements=10**7, layer_width=10000,
+                         embed_bytes=5 * 10**7, embed_elements=2.5 * 10**7, head_bytes=10**6, layer_inputs=5000)
+    full = estimate(shapes, 64, 512, 8).device_bytes
+    assert fit_batch_size(shapes, 64, 512, 8, budget=full) == 8
+    four = estimate(shapes, 64, 512, 4).device_bytes
+    assert fit_batch_size(shapes, 64, 512, 8, budget=four + 1) == 4
+    assert fit_batch_size(shapes, 64, 512, 8, budget=1) == 1

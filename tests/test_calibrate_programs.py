@@ -1,0 +1,158 @@
+"""Calibration's layer programs: one compile per layer signature, and data parallel over devices."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from checkpoints import make_llama_checkpoint, make_mixtral_checkpoint
+
+from qconvert.calib_data import random_windows
+from qconvert.calibrate import iter_layer_stats, open_params
+from qconvert.models import build, iterate_layers
+from qconvert.models.runner import layer_signature
+
+
+class CountingModel:
+    """A model whose `layer` counts how often it is called: under jit, once per trace."""
+
+    def __init__(self, model):
+        self.model = model
+        self.traces = 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def layer(self, *args, **kwargs):
+        self.traces += 1
+        return self.model.layer(*args, **kwargs)
+
+
+def _windowed_llama(folder: Path) -> tuple[Path, dict]:
+    """A 5-layer Llama with Qwen2's window layout: layers 0-2 full attention, 3-4 a sliding window of 3 tokens."""
+    folder = make_llama_checkpoint(folder, layers=5, outlier_channels=(3,))
+    config = json.loads((folder / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=3, max_window_layers=3)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, config
+
+
+def test_layers_of_one_signature_share_one_program(tmp_path):
+    folder, config = _windowed_llama(tmp_path / "m")
+    params = open_params(folder)
+    ids = random_windows(256, 4, 8, seed=1)
+    model = CountingModel(build(config))
+    assert model.args.sliding_windows == (None, None, None, 3, 3)
+    signatures = {layer_signature(model, i) for i in range(model.num_layers)}
+    assert len(signatures) == 2
+
+    def observe(name, x, valid):
+        return jnp.max(jnp.abs(x), axis=tuple(range(x.ndim - 1)))
+
+    shared = list(iterate_layers(model, params, ids, observe=observe, batch_size=2))
+    assert model.traces == len(signatures)  # not one per layer (5)
+
+    separate_model = CountingModel(build(config))
+    separate = list(iterate_layers(separate_model, params, ids, observe=observe, batch_size=2,
+                                   share_programs=False))
+    assert separate_model.traces == 5
+    for a, b in zip(shared, separate):
+        # Each layer's names come back as its own, with the same values as its own program gives.
+        assert sorted(a.observed) == sorted(b.observed) == sorted(model.layer_linears(a.index))
+        for name in a.observed:
+            for x, y in zip(a.observed[name], b.observed[name]):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        np.testing.assert_array_equal(np.asarray(a.hidden), np.asarray(b.hidden))
+
+    # Independent of both: the whole model's eager forward (the window applied per layer).
+    with jax.disable_jit():
+        hidden = model.embed(params, jnp.asarray(ids))
+        for i in range(model.num_layers):
+            hidden = model.model.layer(i, params, hidden)
+    np.testing.assert_allclose(np.asarray(shared[-1].hidden), np.asarray(hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_a_family_without_signatures_compiles_each_layer(tmp_path):
+    folder = make_llama_checkpoint(tmp_path / "m", layers=3)
+    config = json.loads((folder / "config.json").read_text())
+
+    class NoSignature(CountingModel):
+        def __getattr__(self, name):
+            if name == "layer_signature":
+                raise AttributeError(name)
+            return getattr(self.model, name)
+
+    model = NoSignature(build(config))
+    list(iterate_layers(model, open_params(folder), random_windows(256, 2, 8, seed=0)))
+    assert model.traces == 3
+
+
+_DEVICES_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    from qconvert.calib_data import random_windows
+    from qconvert.calibrate import iter_layer_stats, open_params
+    from qconvert.models import build
+
+    folder, samples = sys.argv[1], int(sys.argv[2])
+    config = json.load(open(folder + "/config.json"))
+    model, params = build(config), open_params(folder)
+    ids = random_windows(int(config["vocab_size"]), samples, 16, seed=5)
+    keep = {m for i in range(model.num_layers) for m in model.layer_linears(i)}
+    runs = {}
+    for label, devices in (("four", jax.devices()), ("one", jax.devices()[:1])):
+        runs[label] = list(iter_layer_stats(model, params, ids, batch_size=2, keep_inputs=keep,
+                                            sample_rows=40, devices=devices))
+    report = {"devices": len(jax.devices()), "modules": 0, "absmax_equal": True, "rows_equal": True,
+              "rows": 0}
+    for a, b in zip(runs["four"], runs["one"]):
+        assert sorted(a.act_absmax) == sorted(b.act_absmax)
+        for m in a.act_absmax:
+            report["modules"] += 1
+            report["absmax_equal"] &= bool(np.array_equal(a.act_absmax[m], b.act_absmax[m]))
+            assert (m in a.input_samples) == (m in b.input_samples) == (m in keep)
+            if m in keep:
+                report["rows_equal"] &= bool(np.array_equal(a.input_samples[m], b.input_samples[m]))
+                report["rows"] += len(b.input_samples[m])
+    print(json.dumps(report))
+""")
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("samples", [8, 11])  # 4 batches of 2: one per device; 11: 5 whole batches and a half
+def test_statistics_on_four_devices_equal_one_device(tmp_path, family, samples):
+    if family == "llama":
+        folder = make_llama_checkpoint(tmp_path / "m", layers=2, outlier_channels=(3,))
+    else:
+        folder = make_mixtral_checkpoint(tmp_path / "m")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _DEVICES_SCRIPT, str(folder), str(samples)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["devices"] == 4
+    assert report["modules"] > 0 and report["rows"] > 0
+    # Bit-equal: the per-channel maxima and the sampled input rows of every linear.
+    assert report["absmax_equal"] and report["rows_equal"], report
+
+
+def test_iter_layer_stats_one_device_matches_separate_programs(tmp_path):
+    """Shared programs change nothing in the statistics (same values as one program per layer)."""
+    folder, config = _windowed_llama(tmp_path / "m")
+    params = open_params(folder)
+    ids = random_windows(256, 5, 8, seed=2)
+    model = build(config)
+    keep = {m for i in range(model.num_layers) for m in model.layer_linears(i)}
+    got = list(iter_layer_stats(model, params, ids, batch_size=2, keep_inputs=keep, sample_rows=16))
+    assert all(set(layer.input_samples) == set(layer.act_absmax) for layer in got[:model.num_layers])
+    separate = list(iterate_layers(model, params, ids, batch_size=2, share_programs=False,
+                                   observe=lambda name, x, valid: jnp.max(jnp.abs(x).reshape(-1, x.shape[-1]), 0)))
+    for layer, ref in zip(got, separate):
+        for name, values in ref.observed.items():
+            np.testing.assert_array_equal(layer.act_absmax[name], np.max(np.stack(values), axis=0))
