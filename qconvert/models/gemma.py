@@ -17,7 +17,7 @@ from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, de
                                    dense_linear)
 from qconvert.models.activations import ACTIVATIONS, check_activation
 from qconvert.models.family import Architecture, LayerStack, SmoothingGroup
-from qconvert.models.llama import LAYER_LINEARS, LLAMA, attention_bias, rms_norm
+from qconvert.models.llama import LAYER_LINEARS, LLAMA, DecoderArgs, attention_bias, rms_norm
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -76,17 +76,9 @@ def layer_ropes(config: dict[str, Any], types: tuple[str, ...]) -> tuple[RopeCon
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmaArgs:
+class GemmaArgs(DecoderArgs):
     """The config.json fields a Gemma 2 / Gemma 3 text forward needs."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
     query_pre_attn_scalar: float
     layer_types: tuple[str, ...]
     ropes: tuple[RopeConfig, ...]

@@ -22,8 +22,8 @@ LAYER_LINEARS = ATTENTION_LINEARS + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_p
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaArgs:
-    """The config.json fields a Llama-family forward needs."""
+class DecoderArgs:
+    """The config.json sizes every decoder forward needs; each family's args add their own fields after them."""
 
     hidden_size: int
     intermediate_size: int
@@ -33,6 +33,12 @@ class LlamaArgs:
     head_dim: int
     vocab_size: int
     rms_norm_eps: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaArgs(DecoderArgs):
+    """The config.json fields a Llama-family forward needs."""
+
     rope: RopeConfig
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
