@@ -1,4 +1,5 @@
-"""The compressed-tensors pieces the int8 and w8a8 layouts share: the quantization args, the config, int8 read-back."""
+"""The compressed-tensors pieces the int8 and w8a8 layouts share: their base class, the quantization args,
+the config, int8 read-back."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from qconvert.formats.errors import FormatError
-from qconvert.formats.layout_base import FLOAT_DTYPES, TensorSource
+from qconvert.formats.layout_base import FLOAT_DTYPES, Layout, TensorSource
 from qconvert.formats.qarray import QArray
 
 QUANT_METHOD = "compressed-tensors"
@@ -90,3 +91,23 @@ def int8_qarray(source: TensorSource, module: str, codes: np.ndarray, scale: np.
         raise FormatError(f"{source.file_of(module + '.weight_scale')}: {module} weight_scale "
                           f"{list(scale.shape)} does not fit {codes.shape[0]} output channels")
     return QArray(qvalue=codes, scale=scale, kind="int8", shape=codes.shape, dtype=scale.dtype.name)
+
+
+def check_int8_qarray(module: str, q: QArray, scheme: str) -> None:
+    """ValueError unless `q` is a 2-D symmetric int8 QArray (what both int8 layouts store)."""
+    if q.kind != "int8" or q.ndim != 2:
+        raise ValueError(f"{module}: scheme {scheme} needs a 2-D int8 QArray, got kind {q.kind} {q.shape}")
+    if q.zero_point is not None:
+        raise ValueError(f"{module}: symmetric layouts store no zero point")
+
+
+class CompressedTensorsInt8(Layout):
+    """A compressed-tensors layout of symmetric int8 codes with one weight_scale per output channel;
+    subclasses set `format` (the compressed-tensors format name) and the tensors they store."""
+
+    qarray_kind = "int8"
+    quant_method = QUANT_METHOD
+    format: str
+
+    def claims(self, qconfig: dict[str, Any]) -> bool:
+        return claims(qconfig, self.format)

@@ -13,7 +13,7 @@ import numpy as np
 
 from qconvert.formats import compressed_tensors as ct
 from qconvert.formats.errors import FormatError
-from qconvert.formats.layout_base import Layout, LayoutFlags, TensorSource
+from qconvert.formats.layout_base import LayoutFlags, TensorSource
 from qconvert.formats.packing import pack_int8_to_int32, unpack_int32_to_int8
 from qconvert.formats.qarray import QArray
 from qconvert.formats.safetensors_io import TensorSpec
@@ -21,20 +21,11 @@ from qconvert.formats.safetensors_io import TensorSpec
 FORMAT = "pack-quantized"
 
 
-def check_int8_qarray(module: str, q: QArray, scheme: str) -> None:
-    """ValueError unless `q` is a 2-D symmetric int8 QArray (what both int8 layouts store)."""
-    if q.kind != "int8" or q.ndim != 2:
-        raise ValueError(f"{module}: scheme {scheme} needs a 2-D int8 QArray, got kind {q.kind} {q.shape}")
-    if q.zero_point is not None:
-        raise ValueError(f"{module}: symmetric layouts store no zero point")
-
-
-class PackQuantizedInt8(Layout):
+class PackQuantizedInt8(ct.CompressedTensorsInt8):
     """`--scheme int8`: per-output-channel int8 codes packed into int32, float activations."""
 
     scheme = "int8"
-    qarray_kind = "int8"
-    quant_method = ct.QUANT_METHOD
+    format = FORMAT
     marker_suffix = ".weight_packed"
     part_suffixes = (".weight_packed", ".weight_scale", ".weight_shape")
 
@@ -48,7 +39,7 @@ class PackQuantizedInt8(Layout):
 
     def to_tensors(self, module: str, q: QArray, flags: LayoutFlags,
                    input_scale: float | None = None) -> dict[str, np.ndarray]:
-        check_int8_qarray(module, q, self.scheme)
+        ct.check_int8_qarray(module, q, self.scheme)
         return {
             f"{module}.weight_packed": pack_int8_to_int32(np.asarray(q.qvalue, dtype=np.int8)),
             f"{module}.weight_scale": np.asarray(q.scale).reshape(q.shape[0], 1),
@@ -66,9 +57,6 @@ class PackQuantizedInt8(Layout):
 
     def quantization_config(self, flags: LayoutFlags, ignore: tuple[str, ...], compute_dtype: str) -> dict:
         return ct.config(FORMAT, None, ignore)
-
-    def claims(self, qconfig: dict[str, Any]) -> bool:
-        return ct.claims(qconfig, FORMAT)
 
     def flags_of(self, qconfig: dict[str, Any]) -> LayoutFlags:
         acts = ct.input_activations(qconfig)

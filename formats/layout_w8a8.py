@@ -12,8 +12,7 @@ from typing import Any
 import numpy as np
 
 from qconvert.formats import compressed_tensors as ct
-from qconvert.formats.layout_base import FLOAT_DTYPES, Layout, LayoutFlags, TensorSource
-from qconvert.formats.layout_int8 import check_int8_qarray
+from qconvert.formats.layout_base import FLOAT_DTYPES, LayoutFlags, TensorSource
 from qconvert.formats.qarray import QArray
 from qconvert.formats.safetensors_io import TensorSpec
 
@@ -25,12 +24,11 @@ DYNAMIC_ACTS = ("token", True)
 STATIC_ACTS = ("tensor", False)
 
 
-class IntQuantizedW8A8(Layout):
+class IntQuantizedW8A8(ct.CompressedTensorsInt8):
     """`--scheme w8a8`: int8 codes as they are, per-token dynamic or per-tensor static int8 activations."""
 
     scheme = "w8a8"
-    qarray_kind = "int8"
-    quant_method = ct.QUANT_METHOD
+    format = FORMAT
     marker_suffix = ".weight_scale"
     part_suffixes = (".weight", ".weight_scale", ".input_scale")
     takes_input_scale = True
@@ -47,7 +45,7 @@ class IntQuantizedW8A8(Layout):
 
     def to_tensors(self, module: str, q: QArray, flags: LayoutFlags,
                    input_scale: float | None = None) -> dict[str, np.ndarray]:
-        check_int8_qarray(module, q, self.scheme)
+        ct.check_int8_qarray(module, q, self.scheme)
         tensors = {f"{module}.weight": np.asarray(q.qvalue, dtype=np.int8),
                    f"{module}.weight_scale": np.asarray(q.scale).reshape(q.shape[0], 1)}
         if input_scale is not None:
@@ -72,9 +70,6 @@ class IntQuantizedW8A8(Layout):
         else:
             acts = ct.int_args(8, *DYNAMIC_ACTS, None)
         return ct.config(FORMAT, acts, ignore)
-
-    def claims(self, qconfig: dict[str, Any]) -> bool:
-        return ct.claims(qconfig, FORMAT)
 
     def flags_of(self, qconfig: dict[str, Any]) -> LayoutFlags:
         acts = ct.input_activations(qconfig)

@@ -29,6 +29,31 @@ def _save_sharded(folder: Path, tensors: dict[str, np.ndarray], shards: int) -> 
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def _new_checkpoint(folder, seed: int):
+    """Create `folder`; returns it as a Path and w(*shape, std=0.05): float32 normal draws from one seeded rng."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+
+    def w(*shape, std=0.05):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    return folder, w
+
+
+def _decoder_attention(t: dict, w, p: str, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                       outlier_channels: tuple[int, ...] = (), outlier_scale: float = 1.0) -> None:
+    """Layer `p`'s two RMSNorm weights (with `outlier_channels` scaled up) and its q/k/v/o projections."""
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        g = 1 + w(hidden, std=0.1)
+        g[list(outlier_channels)] *= outlier_scale
+        t[f"{p}.{norm}.weight"] = g
+    t[f"{p}.self_attn.q_proj.weight"] = w(heads * head_dim, hidden)
+    t[f"{p}.self_attn.k_proj.weight"] = w(kv_heads * head_dim, hidden)
+    t[f"{p}.self_attn.v_proj.weight"] = w(kv_heads * head_dim, hidden)
+    t[f"{p}.self_attn.o_proj.weight"] = w(hidden, heads * head_dim)
+
+
 def make_llama_checkpoint(
     folder,
     *,
@@ -51,26 +76,14 @@ def make_llama_checkpoint(
     `outlier_channels` plants large values in those hidden channels of every
     norm weight, as trained LLMs have in their norm outputs.
     """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
+    folder, w = _new_checkpoint(folder, seed)
     head_dim = hidden // heads
     np_dtype = _NP_DTYPES[dtype]
-
-    def w(*shape, std=0.05):
-        return (rng.standard_normal(shape) * std).astype(np.float32)
 
     t = {"model.embed_tokens.weight": w(vocab, hidden, std=0.5), "model.norm.weight": 1 + w(hidden)}
     for i in range(layers):
         p = f"model.layers.{i}"
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            g = 1 + w(hidden, std=0.1)
-            g[list(outlier_channels)] *= outlier_scale
-            t[f"{p}.{norm}.weight"] = g
-        t[f"{p}.self_attn.q_proj.weight"] = w(heads * head_dim, hidden)
-        t[f"{p}.self_attn.k_proj.weight"] = w(kv_heads * head_dim, hidden)
-        t[f"{p}.self_attn.v_proj.weight"] = w(kv_heads * head_dim, hidden)
-        t[f"{p}.self_attn.o_proj.weight"] = w(hidden, heads * head_dim)
+        _decoder_attention(t, w, p, hidden, heads, kv_heads, head_dim, outlier_channels, outlier_scale)
         if architecture == "Qwen2ForCausalLM":
             t[f"{p}.self_attn.q_proj.bias"] = w(heads * head_dim)
             t[f"{p}.self_attn.k_proj.bias"] = w(kv_heads * head_dim)
@@ -121,13 +134,8 @@ def make_bert_checkpoint(
     seed: int = 0,
 ) -> Path:
     """Write a random BertModel checkpoint (the all-MiniLM-L6-v2 tensor names); returns the folder."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
+    folder, w = _new_checkpoint(folder, seed)
     np_dtype = _NP_DTYPES[dtype]
-
-    def w(*shape, std=0.05):
-        return (rng.standard_normal(shape) * std).astype(np.float32)
 
     t = {
         "embeddings.word_embeddings.weight": w(vocab, hidden, std=0.5),
@@ -230,24 +238,14 @@ def make_mixtral_checkpoint(
 ) -> Path:
     """Write a random MixtralForCausalLM checkpoint in the Hub layout
     (block_sparse_moe.gate, block_sparse_moe.experts.<e>.w1/w2/w3); returns the folder."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
+    folder, w = _new_checkpoint(folder, seed)
     head_dim = hidden // heads
-
-    def w(*shape, std=0.05):
-        return (rng.standard_normal(shape) * std).astype(np.float32)
 
     t = {"model.embed_tokens.weight": w(vocab, hidden, std=0.5), "model.norm.weight": 1 + w(hidden),
          "lm_head.weight": w(vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}"
-        t[f"{p}.input_layernorm.weight"] = 1 + w(hidden, std=0.1)
-        t[f"{p}.post_attention_layernorm.weight"] = 1 + w(hidden, std=0.1)
-        t[f"{p}.self_attn.q_proj.weight"] = w(heads * head_dim, hidden)
-        t[f"{p}.self_attn.k_proj.weight"] = w(kv_heads * head_dim, hidden)
-        t[f"{p}.self_attn.v_proj.weight"] = w(kv_heads * head_dim, hidden)
-        t[f"{p}.self_attn.o_proj.weight"] = w(hidden, heads * head_dim)
+        _decoder_attention(t, w, p, hidden, heads, kv_heads, head_dim)
         # A spread-out router so that every expert gets tokens.
         t[f"{p}.block_sparse_moe.gate.weight"] = w(experts, hidden, std=0.5)
         for e in range(experts):

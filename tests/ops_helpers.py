@@ -47,3 +47,18 @@ def nf4_values(q: QArray) -> np.ndarray:
     codes = np.stack([packed >> 4, packed & 0xF], axis=-1).reshape(-1)[: q.size]
     absmax = np.repeat(np.asarray(q.scale), q.block_size)[: q.size]
     return (NF4_LEVELS[codes] * absmax).reshape(q.shape)
+
+
+def group_bounds(sizes) -> np.ndarray:
+    """Row offsets of consecutive groups: [0, sizes[0], sizes[0] + sizes[1], ...]."""
+    return np.concatenate([[0], np.cumsum(sizes)])
+
+
+def numpy_grouped(lhs, weights, sizes, offset=0) -> np.ndarray:
+    """weights[l] is group (l + offset)'s float64 [K, N]; rows of other groups stay 0."""
+    bounds = group_bounds(sizes)
+    out = np.zeros((lhs.shape[0], weights[0].shape[1]))
+    for local, w in enumerate(weights):
+        g = local + offset
+        out[bounds[g]:bounds[g + 1]] = lhs[bounds[g]:bounds[g + 1]].astype(np.float64) @ w
+    return out

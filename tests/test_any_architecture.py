@@ -14,16 +14,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from checkpoints import make_llama_checkpoint, make_mixtral_checkpoint  # noqa: E402
+from cli_helpers import run  # noqa: E402
 from qconvert.cli import main  # noqa: E402
 from qconvert.errors import UnsupportedModelError  # noqa: E402
 from qconvert.models.weight_only import select_linears  # noqa: E402
-
-
-def run_cli(args, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +51,7 @@ def rel_error(got, ref):
 
 def test_unknown_architecture_without_the_flag_is_refused_naming_the_flag(neox, tmp_path, capsys):
     folder, _ = neox
-    code, out, err = run_cli(["quantize", str(folder), "-o", str(tmp_path / "out")], capsys)
+    code, out, err = run(["quantize", str(folder), "-o", str(tmp_path / "out")], capsys)
     assert code == 5 and not out
     assert len(err.strip().splitlines()) == 1
     assert "GPTNeoXForCausalLM" in err and "--any-architecture" in err
@@ -66,8 +60,8 @@ def test_unknown_architecture_without_the_flag_is_refused_naming_the_flag(neox, 
 
 def test_w8a8_with_the_flag_says_it_needs_a_known_family(neox, tmp_path, capsys):
     folder, _ = neox
-    code, _, err = run_cli(["quantize", str(folder), "-o", str(tmp_path / "out"), "--scheme", "w8a8",
-                            "--any-architecture", "--calib", "random"], capsys)
+    code, _, err = run(["quantize", str(folder), "-o", str(tmp_path / "out"), "--scheme", "w8a8",
+                        "--any-architecture", "--calib", "random"], capsys)
     assert code == 5 and len(err.strip().splitlines()) == 1
     assert "w8a8 needs a known family" in err
     assert not (tmp_path / "out").exists()
@@ -75,15 +69,15 @@ def test_w8a8_with_the_flag_says_it_needs_a_known_family(neox, tmp_path, capsys)
 
 def test_dry_run_lists_every_linear_of_the_layer_stack_and_nothing_else(neox, tmp_path, capsys):
     folder, linears = neox
-    code, out, _ = run_cli(["quantize", str(folder), "-o", str(tmp_path / "out"), "--any-architecture",
-                            "--dry-run", "--json"], capsys)
+    code, out, _ = run(["quantize", str(folder), "-o", str(tmp_path / "out"), "--any-architecture",
+                        "--dry-run", "--json"], capsys)
     assert code == 0 and not (tmp_path / "out").exists()
     summary = json.loads(out)
     quantized = sorted(t["name"] for t in summary["tensors"] if t["kind"] == "int8")
     assert quantized == linears
     assert summary["weight_only"]["layer_prefix"] == "gpt_neox.layers"
-    code, out, _ = run_cli(["quantize", str(folder), "-o", str(tmp_path / "out"), "--any-architecture",
-                            "--dry-run"], capsys)
+    code, out, _ = run(["quantize", str(folder), "-o", str(tmp_path / "out"), "--any-architecture",
+                        "--dry-run"], capsys)
     assert "every 2-D weight under gpt_neox.layers.N" in " ".join(out.split())
 
 
@@ -133,8 +127,8 @@ def test_nf4_folder_loads_in_transformers_with_bitsandbytes(neox, tmp_path, caps
 
     folder, _ = neox
     out = tmp_path / "nf4"
-    code, _, err = run_cli(["quantize", str(folder), "-o", str(out), "--scheme", "nf4", "--any-architecture",
-                            "--quiet"], capsys)
+    code, _, err = run(["quantize", str(folder), "-o", str(out), "--scheme", "nf4", "--any-architecture",
+                        "--quiet"], capsys)
     assert code == 0, err
     quantized = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
     assert isinstance(quantized.gpt_neox.layers[0].mlp.dense_h_to_4h, bitsandbytes.nn.Linear4bit)
@@ -148,7 +142,7 @@ def test_nf4_folder_loads_in_transformers_with_bitsandbytes(neox, tmp_path, caps
 
 def test_verify_runs_every_linear_through_its_kernel_and_says_what_it_skipped(neox, neox_int8, capsys):
     _, linears = neox
-    code, out, err = run_cli(["verify", str(neox_int8), "--backend", "cpu", "--json", "-"], capsys)
+    code, out, err = run(["verify", str(neox_int8), "--backend", "cpu", "--json", "-"], capsys)
     assert code == 0, err
     record = json.loads(out)
     assert record["passed"] and record["model"] is None
@@ -170,7 +164,7 @@ def test_verify_of_a_weight_only_folder_fails_a_wrong_scale(neox_int8, tmp_path,
     manifest = json.loads((bad / "qconvert.json").read_text())
     manifest["files"]["model.safetensors"] = hashlib.sha256((bad / "model.safetensors").read_bytes()).hexdigest()
     (bad / "qconvert.json").write_text(json.dumps(manifest))
-    code, out, _ = run_cli(["verify", str(bad), "--backend", "cpu", "--json", "-"], capsys)
+    code, out, _ = run(["verify", str(bad), "--backend", "cpu", "--json", "-"], capsys)
     assert code == 1
     failed = {r["name"] for r in json.loads(out)["layers"] if not r["passed"]}
     assert failed == {"gpt_neox.layers.1.mlp.dense_4h_to_h"}
@@ -181,8 +175,8 @@ def test_a_known_family_keeps_its_own_linears_with_the_flag(tmp_path, capsys):
     src = make_mixtral_checkpoint(tmp_path / "mixtral", layers=1)
     runs = []
     for flags in ((), ("--any-architecture",)):
-        code, out, _ = run_cli(["quantize", str(src), "-o", str(tmp_path / "x"), "--dry-run", "--json", *flags],
-                               capsys)
+        code, out, _ = run(["quantize", str(src), "-o", str(tmp_path / "x"), "--dry-run", "--json", *flags],
+                           capsys)
         assert code == 0
         runs.append(json.loads(out))
     assert runs[0]["tensors"] == runs[1]["tensors"] and runs[1]["weight_only"] is None

@@ -83,24 +83,20 @@ def test_hub_id_not_cached_offline_is_hub_unavailable(hf_home):
         hub.resolve_model("org/not-cached")
 
 
-def test_hub_unsupported_architecture_fails_before_weights(tmp_path, hf_home):
-    # The cache holds only config.json: the refusal must come from it alone.
+@pytest.mark.parametrize("repo_id,architecture,pickles,match", [
+    # The cache holds only config.json: the refusal must come from it alone, before any weights.
+    ("org/gpt", "GPT2LMHeadModel", False, "GPT2LMHeadModel.*LlamaForCausalLM"),
+    ("org/pickles", "LlamaForCausalLM", True, "pickled weights"),
+], ids=["unsupported_architecture_fails_before_weights", "checkpoint_with_only_pickles"])
+def test_hub_checkpoint_is_refused(tmp_path, hf_home, repo_id, architecture, pickles, match):
     source = tmp_path / "src"
     source.mkdir()
-    (source / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    build_hub_cache(hf_home, "org/gpt", source)
-    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
-        hub.resolve_model("org/gpt")
-
-
-def test_hub_checkpoint_with_only_pickles_is_refused(tmp_path, hf_home):
-    source = tmp_path / "src"
-    source.mkdir()
-    (source / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    (source / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
-    build_hub_cache(hf_home, "org/pickles", source)
-    with pytest.raises(UnsupportedModelError, match="pickled weights"):
-        hub.resolve_model("org/pickles")
+    (source / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    if pickles:
+        (source / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
+    build_hub_cache(hf_home, repo_id, source)
+    with pytest.raises(UnsupportedModelError, match=match):
+        hub.resolve_model(repo_id)
 
 
 def test_local_folder_with_only_pickles_is_refused(tmp_path):

@@ -16,23 +16,11 @@ from qconvert.kernels import (KernelProblem, grouped_matmul, grouped_matmul_refe
 from qconvert.kernels import gpu_grouped
 from qconvert.kernels.tiles import Tiling
 
+from ops_helpers import group_bounds, numpy_grouped
+
 RNG = np.random.default_rng(11)
 S = jax.ShapeDtypeStruct
 I32 = jnp.int32
-
-
-def bounds(sizes):
-    return np.concatenate([[0], np.cumsum(sizes)])
-
-
-def numpy_grouped(lhs, weights, sizes, offset=0):
-    """weights[l] is group (l + offset)'s float64 [K, N]; rows of other groups stay 0."""
-    b = bounds(sizes)
-    out = np.zeros((lhs.shape[0], weights[0].shape[1]))
-    for local, w in enumerate(weights):
-        g = local + offset
-        out[b[g]:b[g + 1]] = lhs[b[g]:b[g + 1]].astype(np.float64) @ w
-    return out
 
 
 def test_tile_group_map_hand_worked():
@@ -83,7 +71,7 @@ def test_sharded_experts_with_group_offset_transposed_rhs_bf16_output(triton_int
     assert plan.name == "grouped_matmul_triton" and y.dtype == jnp.bfloat16
     expected = numpy_grouped(lhs, [w.T.astype(np.float64) for w in rhs_nk], sizes, offset=1)
     np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)), expected, rtol=1e-2, atol=2e-2)
-    b = bounds(sizes)
+    b = group_bounds(sizes)
     assert not np.asarray(y[:b[1]]).any() and not np.asarray(y[b[3]:]).any()  # other experts' rows
 
 
@@ -123,7 +111,7 @@ def test_transposed_grouped_matmul_zeroes_empty_groups_with_offset(triton_interp
     y, plan = transposed_grouped_matmul(lhs, rhs, jnp.asarray(sizes), group_offset=1, num_actual_groups=3,
                                         tiling=(32, 16, 64), backend="gpu", return_plan=True)
     assert (plan.name, plan.backend) == ("transposed_grouped_matmul_triton", "gpu")
-    b = bounds(sizes)
+    b = group_bounds(sizes)
     expected = np.stack([lhs[:, b[g]:b[g + 1]].astype(np.float64) @ rhs[b[g]:b[g + 1]] for g in (1, 2, 3)])
     assert y.shape == (3, 24, 70)
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-4)
@@ -151,7 +139,7 @@ def test_property_random_group_sizes_match_the_jnp_references(cuts, seed):
                                atol=1e-4)
     expected_dw = transposed_grouped_matmul_reference(lhs.T, grad, jnp.asarray(sizes))
     np.testing.assert_allclose(np.asarray(dw), np.asarray(expected_dw), rtol=1e-5, atol=1e-4)
-    b = bounds(sizes)
+    b = group_bounds(sizes)
     for g in range(4):  # and each group's weight gradient against numpy, zeros for an empty group
         np.testing.assert_allclose(np.asarray(dw[g]), lhs.T[:, b[g]:b[g + 1]].astype(np.float64) @ grad[b[g]:b[g + 1]],
                                    rtol=1e-5, atol=1e-4)

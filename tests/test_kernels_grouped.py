@@ -7,21 +7,9 @@ import pytest
 from qconvert.formats import NF4_LEVELS, QArray
 from qconvert.kernels import grouped_matmul, make_group_metadata, transposed_grouped_matmul
 
+from ops_helpers import group_bounds, numpy_grouped
+
 RNG = np.random.default_rng(7)
-
-
-def group_bounds(sizes):
-    return np.concatenate([[0], np.cumsum(sizes)])
-
-
-def numpy_grouped(lhs, weights, sizes, offset=0):
-    """weights[l] is group (l + offset)'s float64 [K, N]; rows of other groups stay 0."""
-    bounds = group_bounds(sizes)
-    out = np.zeros((lhs.shape[0], weights[0].shape[1]))
-    for local, w in enumerate(weights):
-        g = local + offset
-        out[bounds[g]:bounds[g + 1]] = lhs[bounds[g]:bounds[g + 1]].astype(np.float64) @ w
-    return out
 
 
 def test_make_group_metadata_hand_worked():

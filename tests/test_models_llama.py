@@ -61,6 +61,15 @@ def _batch(vocab: int, batch: int = 2, seq: int = 10, seed: int = 1):
     return ids, mask
 
 
+def _built_llama(tmp_path, layers: int, batch: int = 2):
+    """A random Llama of `layers` layers: its built model, a batch (ids, mask) and its LazyCheckpoint."""
+    folder = make_llama_checkpoint(tmp_path, layers=layers)
+    config = json.loads((folder / "config.json").read_text())
+    model = build(config)
+    ids, mask = _batch(config["vocab_size"], batch=batch)
+    return model, ids, mask, LazyCheckpoint(folder)
+
+
 def _reference_logits(folder: Path, ids, mask) -> np.ndarray:
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     model.eval()
@@ -155,11 +164,7 @@ def test_tied_embeddings_match_transformers(tmp_path):
 
 
 def test_layerwise_runner_reads_one_layer_at_a_time_and_matches_forward(tmp_path):
-    folder = make_llama_checkpoint(tmp_path, layers=3)
-    config = json.loads((folder / "config.json").read_text())
-    model = build(config)
-    ids, mask = _batch(config["vocab_size"], batch=3)
-    params = LazyCheckpoint(folder)
+    model, ids, mask, params = _built_llama(tmp_path, layers=3, batch=3)
     steps = iterate_layers(model, params, ids, mask, batch_size=2)
     first = next(steps)
     # Nothing of layers 1 and 2 has been read while layer 0 is observed.
@@ -174,11 +179,7 @@ def test_layerwise_runner_reads_one_layer_at_a_time_and_matches_forward(tmp_path
 
 
 def test_runner_observes_each_linear_input_under_jit(tmp_path):
-    folder = make_llama_checkpoint(tmp_path, layers=1)
-    config = json.loads((folder / "config.json").read_text())
-    model = build(config)
-    ids, mask = _batch(config["vocab_size"], batch=3)
-    params = LazyCheckpoint(folder)
+    model, ids, mask, params = _built_llama(tmp_path, layers=1, batch=3)
 
     def absmax(name, x, valid):
         return jnp.max(jnp.where(valid[..., None], jnp.abs(x), 0.0), axis=tuple(range(x.ndim - 1)))
@@ -197,16 +198,13 @@ def test_runner_observes_each_linear_input_under_jit(tmp_path):
 
 
 def test_every_linear_goes_through_the_hook(tmp_path):
-    folder = make_llama_checkpoint(tmp_path, layers=2)
-    config = json.loads((folder / "config.json").read_text())
-    model = build(config)
-    ids, mask = _batch(config["vocab_size"])
+    model, ids, mask, params = _built_llama(tmp_path, layers=2)
     called = []
 
     def spy(name, x, weight, bias):
         called.append(name)
         return jnp.zeros(x.shape[:-1] + (weight.shape[0],))
 
-    logits = model.forward(LazyCheckpoint(folder), ids, mask, linear=spy)
+    logits = model.forward(params, ids, mask, linear=spy)
     assert called == model.layer_linears(0) + model.layer_linears(1) + ["lm_head"]
     assert np.all(np.asarray(logits) == 0)

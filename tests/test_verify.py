@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import make_llama_checkpoint
+from cli_helpers import run
 from safetensors.numpy import load_file, save_file
 
 from qconvert.cli import main
@@ -36,14 +37,6 @@ def scale_tensor_and_rehash(folder, name, factor):
     (folder / "qconvert.json").write_text(json.dumps(manifest))
 
 
-def run_cli(args, capsys):
-    """Run `qconvert ...`; (exit code, stdout, stderr)."""
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
-
-
 @pytest.fixture(scope="module")
 def tiny_source(tmp_path_factory):
     return make_llama_checkpoint(tmp_path_factory.mktemp("src") / "llama", **TINY)
@@ -65,7 +58,7 @@ def conversions(tiny_source, tmp_path_factory):
 
 
 def verify_json(folder, capsys, *extra):
-    code, out, err = run_cli(["verify", str(folder), "--quick", "--backend", "cpu", "--json", "-", *extra], capsys)
+    code, out, err = run(["verify", str(folder), "--quick", "--backend", "cpu", "--json", "-", *extra], capsys)
     return code, (json.loads(out) if out.strip() else None), err
 
 

@@ -5,6 +5,7 @@ and a local RoPE base (Gemma 3)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping
 
 import jax
@@ -15,9 +16,9 @@ from qconvert.errors import InvalidCheckpointError
 from qconvert.formats import QArray
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, dense_grouped_linear,
                                    dense_linear)
-from qconvert.models.activations import ACTIVATIONS, check_activation
+from qconvert.models.activations import check_activation
 from qconvert.models.family import Architecture, LayerStack, SmoothingGroup
-from qconvert.models.llama import LAYER_LINEARS, LLAMA, attention_bias, rms_norm
+from qconvert.models.llama import LAYER_LINEARS, LLAMA, DecoderArgs, attention_bias, gated_mlp, rms_norm
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -76,17 +77,9 @@ def layer_ropes(config: dict[str, Any], types: tuple[str, ...]) -> tuple[RopeCon
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmaArgs:
+class GemmaArgs(DecoderArgs):
     """The config.json fields a Gemma 2 / Gemma 3 text forward needs."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
     query_pre_attn_scalar: float
     layer_types: tuple[str, ...]
     ropes: tuple[RopeConfig, ...]
@@ -276,10 +269,8 @@ class GemmaModel(LayerStack):
 
     def mlp(self, i: int, params: Mapping, x: jax.Array, linear: LinearHook) -> jax.Array:
         """Gated feed-forward: down(act(gate(x)) * up(x)), act gelu-tanh."""
-        p = f"{self._layer_prefix(i)}.mlp"
-        gate = self._linear(linear, params, f"{p}.gate_proj", x)
-        up = self._linear(linear, params, f"{p}.up_proj", x)
-        return self._linear(linear, params, f"{p}.down_proj", ACTIVATIONS[self.args.hidden_activation](gate) * up)
+        project = functools.partial(self._linear, linear, params)
+        return gated_mlp(project, f"{self._layer_prefix(i)}.mlp", x, self.args.hidden_activation)
 
     def layer(self, i: int, params: Mapping, hidden: jax.Array, attention_mask: jax.Array | None = None,
               linear: LinearHook = dense_linear,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import functools
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +23,8 @@ LAYER_LINEARS = ATTENTION_LINEARS + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_p
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaArgs:
-    """The config.json fields a Llama-family forward needs."""
+class DecoderArgs:
+    """The config.json sizes every decoder forward needs; each family's args add their own fields after them."""
 
     hidden_size: int
     intermediate_size: int
@@ -33,6 +34,12 @@ class LlamaArgs:
     head_dim: int
     vocab_size: int
     rms_norm_eps: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaArgs(DecoderArgs):
+    """The config.json fields a Llama-family forward needs."""
+
     rope: RopeConfig
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
@@ -99,6 +106,14 @@ def rms_norm(x: jax.Array, weight: Any, eps: float) -> jax.Array:
     """x / rms(x) * weight, in float32."""
     x = x.astype(jnp.float32)
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * as_float32(weight)
+
+
+def gated_mlp(project: Callable[[str, jax.Array], jax.Array], p: str, x: jax.Array,
+              activation: str) -> jax.Array:
+    """down(act(gate(x)) * up(x)) of the feed-forward at prefix p; project(module, x) runs one linear."""
+    gate = project(f"{p}.gate_proj", x)
+    up = project(f"{p}.up_proj", x)
+    return project(f"{p}.down_proj", ACTIVATIONS[activation](gate) * up)
 
 
 def attention_bias(seq_len: int, attention_mask: jax.Array | None, window: int | None) -> jax.Array:
@@ -245,10 +260,8 @@ class LlamaModel(LayerStack):
     def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook,
             grouped_linear: GroupedLinearHook) -> jax.Array:
         """SwiGLU feed-forward: down(act(gate(x)) * up(x))."""
-        p = f"{self._layer_prefix(i)}.mlp"
-        gate = self._linear(linear, params, f"{p}.gate_proj", x)
-        up = self._linear(linear, params, f"{p}.up_proj", x)
-        return self._linear(linear, params, f"{p}.down_proj", ACTIVATIONS[self.args.hidden_act](gate) * up)
+        project = functools.partial(self._linear, linear, params)
+        return gated_mlp(project, f"{self._layer_prefix(i)}.mlp", x, self.args.hidden_act)
 
     def layer(self, i: int, params: Mapping, hidden: jax.Array, attention_mask: jax.Array | None = None,
               linear: LinearHook = dense_linear,
