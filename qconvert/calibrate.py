@@ -20,14 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from qconvert import interrupts
 from qconvert.calib_memory import checkpoint_shapes, device_budget, fit_batch_size
 from qconvert.errors import InvalidCheckpointError, UsageError
 from qconvert.formats.errors import FormatError
 from qconvert.formats.checkpoint_params import CheckpointParams
-from qconvert.formats.safetensors_io import open_checkpoint
+from qconvert.formats.safetensors_io import TensorSpec, encode_header, open_checkpoint
 from qconvert.models import iterate_layers, read_tensors
 
 STATS_FORMAT = "qconvert-act-stats"
@@ -195,7 +194,12 @@ def save_act_stats(path: Path, stats: ActStats, model: str = "") -> None:
     metadata = {"format": STATS_FORMAT, "version": STATS_VERSION, "model": model,
                 "tokens": str(stats.tokens), "calibration": json.dumps(stats.calibration, sort_keys=True)}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata=metadata)
+    # formats' header encoder sorts the metadata keys, so the same statistics give the same bytes.
+    specs = [TensorSpec(name, np.float32, tensors[name].shape) for name in sorted(tensors)]
+    with open(path, "wb") as f:
+        f.write(encode_header(specs, metadata))
+        for spec in specs:
+            f.write(tensors[spec.name].astype("<f4").tobytes())
 
 
 def load_act_stats(path: Path) -> ActStats:

@@ -41,6 +41,22 @@ def test_calibrate_then_quantize_with_act_stats(model, tmp_path, capsys):
     assert all(q.input_scale(m) > 0 for m in q.quantized_modules)
 
 
+def test_calibrate_writes_the_same_bytes_every_run(model, tmp_path):
+    """The statistics file is byte-reproducible (its metadata in a fixed order) and a plain safetensors file."""
+    from safetensors import safe_open
+
+    paths = [tmp_path / f"stats{i}.safetensors" for i in range(2)]
+    for path in paths:
+        assert run(["calibrate", str(model), "-o", str(path), "--calib", "random", "--calib-samples", "2",
+                    "--calib-seqlen", "8"]) == 0
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    with safe_open(str(paths[0]), framework="numpy") as f:
+        assert f.metadata()["format"] == "qconvert-act-stats" and f.metadata()["tokens"] == "16"
+        absmax = f.get_tensor("model.layers.0.mlp.down_proj.act_absmax")
+        assert absmax.dtype.name == "float32" and absmax.shape == (128,)
+        assert f.get_tensor("model.layers.0.mlp.down_proj.act_tensor_absmax")[0] == absmax.max()
+
+
 def test_alpha_auto_records_the_search(model, tmp_path):
     out = tmp_path / "auto"
     assert run(["quantize", str(model), "-o", str(out), "--scheme", "w8a8", "--alpha", "auto",
