@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from cli_helpers import run as run_cli
 import qconvert
 from hf_checkpoints import load_config, make_hf_checkpoint, reference_logits, token_batch
 from quantize_reference import numpy_int8
@@ -35,13 +36,6 @@ def source(request, tmp_path_factory):
     # (perplexity above the vocabulary size) NF4's noise flips a coin on many tokens.
     return make_hf_checkpoint(tmp_path_factory.mktemp(request.param) / "src", request.param, layers=1,
                               peaked=True)
-
-
-def run_cli(argv, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
 
 
 def cosine(a, b) -> float:

@@ -12,6 +12,7 @@ from safetensors.numpy import load_file
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from cli_helpers import run as run_cli
 import qconvert  # noqa: E402
 from gemma_checkpoints import GEMMA2, GEMMA3, make_gemma_checkpoint, reference_logits  # noqa: E402
 from qconvert import models, ops  # noqa: E402
@@ -22,13 +23,6 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 TWO_LAYERS = {"gemma2": dict(GEMMA2, num_hidden_layers=2),
               "gemma3": dict(GEMMA3, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])}
-
-
-def run_cli(args, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
 
 
 @pytest.fixture(scope="module", params=sorted(TWO_LAYERS))

@@ -8,7 +8,8 @@ import pytest
 import torch
 from checkpoints import minilm_path
 from safetensors.numpy import load_file
-from test_verify import dequantize_file, per_token_fake_quant, run_cli
+from cli_helpers import run as run_cli
+from test_verify import dequantize_file, per_token_fake_quant
 
 from qconvert.calib_data import load_calibration
 from qconvert.cli import main

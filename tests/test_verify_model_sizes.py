@@ -4,17 +4,8 @@ model converted to w8a8 with its experts through the grouped kernel."""
 
 import json
 
-import pytest
 from checkpoints import make_llama_checkpoint, make_mixtral_checkpoint
-
-from qconvert.cli import main
-
-
-def run_cli(args, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
+from cli_helpers import run as run_cli
 
 
 def quantize_and_verify(source, out, scheme, capsys, *extra):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from checkpoints import make_llama_checkpoint
 from test_kernels_dense import int8_operands, nf4_weight, numpy_w8a8
-from test_verify import TINY, run_cli
+from cli_helpers import run as run_cli
+from test_verify import TINY
 
 from qconvert.kernels import (int8_matmul, int8_matmul_reference, int8_weight_matmul, int8_weight_matmul_reference,
                               nf4_matmul, nf4_matmul_reference, resolve_backend)
