@@ -51,17 +51,6 @@ def _all_finite(w: jax.Array) -> jax.Array:
     return jnp.all(jnp.isfinite(w))
 
 
-_finite_hint = jax.jit(_all_finite_hint)
-
-
-def all_finite(array) -> bool:
-    """Whether a float32/float16/bfloat16 array holds no NaN/Inf (chunked sums, confirmed exactly on doubt)."""
-    flat = np.ascontiguousarray(array).reshape(-1)
-    parts = (flat[i:i + CHUNK_ELEMENTS] for i in range(0, flat.size, CHUNK_ELEMENTS))
-    hints = [_finite_hint(_padded(part, _bucket(part.size, CHUNK_ELEMENTS))) for part in parts]
-    return all(bool(h) for h in hints) or bool(_all_finite(flat))
-
-
 def _scale_floor(scale_dtype) -> float:
     # Clamp all-zero rows away from a zero scale; the floor must survive the cast
     # to fp16, whose smallest subnormal is ~6e-8.
@@ -93,7 +82,8 @@ def _bucket(count: int, full: int) -> int:
     return min(full, 1 << max(0, count - 1).bit_length())
 
 
-def _padded(part: np.ndarray, length: int) -> np.ndarray:
+def pad_rows(part: np.ndarray, length: int) -> np.ndarray:
+    """`part` with zero rows appended up to `length` rows (itself when it has that many)."""
     if part.shape[0] == length:
         return part
     out = np.zeros((length,) + part.shape[1:], part.dtype)
@@ -141,9 +131,9 @@ def quantize_int8(w, *, scale_dtype=None, clip=None) -> QArray:
         for start in range(0, rows, step):
             part = w[start:start + step]
             length = _bucket(part.shape[0], step)
-            part_clip = None if ratios is None else _padded(ratios[start:start + step], length)
+            part_clip = None if ratios is None else pad_rows(ratios[start:start + step], length)
             pending.append((start, part.shape[0], int8_codes_and_scales(
-                _padded(part, length), scale_dtype, part_clip)))
+                pad_rows(part, length), scale_dtype, part_clip)))
         for start, count, (q_part, scale_part, _) in pending:
             q[start:start + count] = np.asarray(q_part)[:count]
             scale[start:start + count] = np.asarray(scale_part)[:count]
@@ -244,9 +234,9 @@ def quantize_nf4(w, block_size: int = NF4_BLOCK_SIZE, *, clip=None) -> QArray:
         for start in range(0, n, step):
             part = flat[start:start + step]
             length = unit * _bucket(-(-part.size // unit), step // unit)
-            part_clip = None if ratios is None else _padded(
+            part_clip = None if ratios is None else pad_rows(
                 ratios[start // block_size:(start + part.size + block_size - 1) // block_size], length // block_size)
-            codes, part_absmax, hint = nf4_codes_and_absmax(_padded(part, length), block_size, part_clip)
+            codes, part_absmax, hint = nf4_codes_and_absmax(pad_rows(part, length), block_size, part_clip)
             pending.append((start, part.size, pack_nf4_pairs(codes, np.int32(part.size)), part_absmax, hint))
         for start, count, part_packed, part_absmax, _ in pending:
             packed[start // 2:(start + count + 1) // 2] = np.asarray(part_packed)[:(count + 1) // 2]

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.formats.qarray import INT8_QMAX
+from qconvert.formats.qarray import INT8_QMAX, NF4_LEVELS
+from qconvert.quantizers import NF4_BLOCK_SIZE, NF4_THRESHOLDS, pad_rows, quantize_int8
 
 # Candidate clipping ratios, largest (plain absmax) first.
 # int8: fine steps near 1 (127 levels leave little to clip), coarser below 0.95.
@@ -127,20 +128,12 @@ def nf4_clip_search(flat: np.ndarray, block_size: int, levels: np.ndarray, thres
     lv, th = jnp.asarray(levels, jnp.float32), jnp.asarray(thresholds, jnp.float32)
     # Chunks of blocks keep the [ratios, chunk, 64, 15] comparison small.
     chunk = 4096
-    errors = np.concatenate([np.asarray(_nf4_block_errors(jnp.asarray(_pad_rows(blocks[s:s + chunk], chunk)),
+    errors = np.concatenate([np.asarray(_nf4_block_errors(jnp.asarray(pad_rows(blocks[s:s + chunk], chunk)),
                                                           lv, th, g))[:, : min(chunk, nblocks - s)]
                              for s in range(0, nblocks, chunk)], axis=1).astype(np.float64)
     best = np.argmin(errors, axis=0)
     return SearchResult(np.asarray(grid, np.float32)[best], float(errors[0].sum()),
                         float(errors[best, np.arange(nblocks)].sum()))
-
-
-def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
-    if a.shape[0] == rows:
-        return a
-    out = np.zeros((rows,) + a.shape[1:], a.dtype)
-    out[: a.shape[0]] = a
-    return out
 
 
 @jax.jit
@@ -195,8 +188,6 @@ def search_linear(weight: np.ndarray, x: np.ndarray | None, *, scale_dtype, clip
     (as the linear sees it); given, the static input_scale is searched on x, or
     is static_absmax / 127 without rows.
     """
-    from qconvert.quantizers import quantize_int8
-
     has_rows = x is not None and len(x) > 0
     record: dict = {}
     clip = None
@@ -237,9 +228,6 @@ class ScaleSearches:
         if scheme != "nf4" and module in self.clip:
             return self.clip[module]
         if scheme == "nf4":
-            from qconvert.formats.qarray import NF4_LEVELS
-            from qconvert.quantizers import NF4_BLOCK_SIZE, NF4_THRESHOLDS
-
             found = nf4_clip_search(weight, NF4_BLOCK_SIZE, NF4_LEVELS, NF4_THRESHOLDS)
         else:
             found = int8_clip_search(weight)

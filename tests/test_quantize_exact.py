@@ -6,7 +6,8 @@ import pytest
 
 import qconvert.quantizers as quantize_module
 from qconvert.errors import InvalidWeightError
-from qconvert.quantizers import all_finite, int8_codes_and_scales, nf4_codes_and_absmax, quantize_int8, quantize_nf4
+from qconvert.convert import all_finite
+from qconvert.quantizers import int8_codes_and_scales, nf4_codes_and_absmax, quantize_int8, quantize_nf4
 
 from quantize_reference import LEVELS, numpy_int8, numpy_nf4
 
