@@ -10,6 +10,11 @@ Kinds:
   "nf4"   qvalue uint8 [ceil(n / 2)]: the row-major flattened codes, two per byte,
           the earlier element in the high nibble; scale float32 [ceil(n / block_size)]
           holds each block's absmax. value = NF4_LEVELS[code] * absmax[block].
+  "int4"  qvalue int8 codes in [-8, 7] at the logical shape ([out, in] for a linear, [G, out, in]
+          for stacked experts); scale has the same rank, one value per output channel and group of
+          `block_size` consecutive input columns ([out, in / block_size]; [out, 1] per channel, when
+          block_size is None). value = qvalue * scale[..., col // block_size]. Nibble packing
+          belongs to the layouts and to the kernels' operand preparation.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ NF4_LEVELS = np.array(
     dtype=np.float32,
 )
 
-KINDS = ("int8", "nf4")
+KINDS = ("int8", "nf4", "int4")
 # The largest int8 code a symmetric quantizer uses: codes lie in [-127, 127], so
 # the scale is absmax / 127 and -128 is never written (weights and activations alike).
 INT8_QMAX = 127
+# The int4 code range of a symmetric quantizer (compressed-tensors' uint4b8 less its offset of 8).
+INT4_QMIN, INT4_QMAX = -8, 7
 # Elements per NF4 block (QLoRA, bitsandbytes): each block of the flattened weight has one absmax.
 NF4_BLOCK_SIZE = 64
 
@@ -92,14 +99,23 @@ def unpack_nf4_codes(packed: jax.Array, n: int) -> jax.Array:
     return codes[:n]
 
 
+def group_scale(q: QArray) -> jax.Array:
+    """The float32 scale broadcast to q's logical shape: each group's scale repeated over its columns."""
+    scale = jnp.asarray(q.scale).astype(jnp.float32)
+    groups = scale.shape[-1]
+    if groups not in (1, q.shape[-1]):
+        scale = jnp.repeat(scale, q.shape[-1] // groups, axis=-1)
+    return jnp.broadcast_to(scale, q.shape)
+
+
 def dequantize(q: QArray, dtype=None) -> jax.Array:
     """Materialize a QArray as a float array (computed in float32, cast at the end)."""
     out_dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(q.dtype)
-    if q.kind == "int8":
+    if q.kind != "nf4":
         values = jnp.asarray(q.qvalue).astype(jnp.float32)
         if q.zero_point is not None:
             values = values - jnp.asarray(q.zero_point).astype(jnp.float32)
-        return (values * jnp.asarray(q.scale).astype(jnp.float32)).astype(out_dtype)
+        return (values * group_scale(q)).astype(out_dtype)
     n = q.size
     codes = unpack_nf4_codes(q.qvalue, n)
     levels = jnp.asarray(NF4_LEVELS)[codes]
