@@ -14,17 +14,18 @@ from qconvert.formats.qarray import QArray
 QUANT_METHOD = "compressed-tensors"
 
 
-def int_args(num_bits: int, strategy: str, dynamic: bool, observer: str | None) -> dict:
+def int_args(num_bits: int, strategy: str, dynamic: bool, observer: str | None, group_size: int | None = None) -> dict:
     """A symmetric int QuantizationArgs object, every key written (older vLLM wants exactly these)."""
     return {
         "num_bits": num_bits, "type": "int", "symmetric": True, "strategy": strategy,
-        "group_size": None, "dynamic": dynamic, "actorder": None, "block_structure": None,
+        "group_size": group_size, "dynamic": dynamic, "actorder": None, "block_structure": None,
         "observer": observer, "observer_kwargs": {},
     }
 
 
-def config(fmt: str, input_activations: dict | None, ignore: tuple[str, ...]) -> dict:
-    """A compressed-tensors quantization_config: one group over every Linear, 8-bit per-channel weights."""
+def config(fmt: str, input_activations: dict | None, ignore: tuple[str, ...], weights: dict | None = None) -> dict:
+    """A compressed-tensors quantization_config: one group over every Linear (8-bit per-channel weights
+    unless `weights` gives other QuantizationArgs)."""
     return {
         "quant_method": QUANT_METHOD,
         "format": fmt,
@@ -36,7 +37,7 @@ def config(fmt: str, input_activations: dict | None, ignore: tuple[str, ...]) ->
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": int_args(8, "channel", False, "minmax"),
+                "weights": weights or int_args(8, "channel", False, "minmax"),
                 "input_activations": input_activations,
                 "output_activations": None,
             }
@@ -47,6 +48,15 @@ def config(fmt: str, input_activations: dict | None, ignore: tuple[str, ...]) ->
 def claims(qconfig: dict[str, Any], fmt: str) -> bool:
     """Whether `qconfig` is compressed-tensors in format `fmt`."""
     return qconfig.get("quant_method") == QUANT_METHOD and qconfig.get("format") == fmt
+
+
+def weight_bits(qconfig: dict[str, Any]) -> set:
+    """The num_bits of every config group's weights (unreadable groups give None)."""
+    groups = qconfig.get("config_groups")
+    if not isinstance(groups, dict):
+        return {None}
+    return {g.get("weights", {}).get("num_bits") if isinstance(g, dict) and isinstance(g.get("weights"), dict)
+            else None for g in groups.values()}
 
 
 def _is_int8(args: Any) -> bool:

@@ -31,6 +31,7 @@ class LayoutFlags:
 
     static_act: bool = False  # w8a8: one static per-tensor input_scale per linear
     double_quant: bool = False  # nf4: the block absmax quantized again
+    group_size: int | None = None  # int4: input columns per weight_scale (None: one scale per output channel)
 
 
 class TensorSource(Protocol):

@@ -29,6 +29,10 @@ class PackQuantizedInt8(ct.CompressedTensorsInt8):
     marker_suffix = ".weight_packed"
     part_suffixes = (".weight_packed", ".weight_scale", ".weight_shape")
 
+    def claims(self, qconfig: dict[str, Any]) -> bool:
+        # pack-quantized also holds int4 (layout_int4); every other width is this layout's to refuse.
+        return super().claims(qconfig) and ct.weight_bits(qconfig) != {4}
+
     def tensor_specs(self, module: str, shape: tuple[int, int], float_dtype, flags: LayoutFlags) -> list[TensorSpec]:
         out_features, in_features = (int(d) for d in shape)
         return [

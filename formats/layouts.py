@@ -1,6 +1,7 @@
 """The export layouts, one per scheme, collected: find one by scheme or by its quantization_config, open a folder.
 
     "int8"  compressed-tensors pack-quantized, 8 bits   (layout_int8.PackQuantizedInt8)
+    "int4"  compressed-tensors pack-quantized, 4 bits   (layout_int4.PackQuantizedInt4)
     "w8a8"  compressed-tensors int-quantized            (layout_w8a8.IntQuantizedW8A8)
     "nf4"   bitsandbytes 4-bit                          (layout_nf4.BitsandbytesNF4)
 
@@ -18,13 +19,14 @@ import numpy as np
 from qconvert.formats.errors import FormatError
 from qconvert.formats.jsonfile import MISSING, NOT_OBJECT, JsonFileError, read_json_object
 from qconvert.formats.layout_base import FLOAT_DTYPES, Layout, LayoutFlags
+from qconvert.formats.layout_int4 import PackQuantizedInt4
 from qconvert.formats.layout_int8 import PackQuantizedInt8
 from qconvert.formats.layout_nf4 import NF4_BLOCK_SIZE, NF4_STATE_SUFFIX, BitsandbytesNF4, nf4_state_blob
 from qconvert.formats.layout_w8a8 import INPUT_SCALE_DTYPE, IntQuantizedW8A8
 from qconvert.formats.qarray import QArray
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, TensorSpec, open_checkpoint
 
-LAYOUTS: tuple[Layout, ...] = (PackQuantizedInt8(), IntQuantizedW8A8(), BitsandbytesNF4())
+LAYOUTS: tuple[Layout, ...] = (PackQuantizedInt8(), PackQuantizedInt4(), IntQuantizedW8A8(), BitsandbytesNF4())
 SCHEMES = tuple(layout.scheme for layout in LAYOUTS)
 _BY_SCHEME = {layout.scheme: layout for layout in LAYOUTS}
 ACTS = ("dynamic", "static")
@@ -65,13 +67,14 @@ def detect_scheme(qconfig: Any) -> str:
 
 
 def linear_tensor_specs(module: str, scheme: str, shape: tuple[int, int], float_dtype, *,
-                        static_act: bool = False, double_quant: bool = False) -> list[TensorSpec]:
+                        static_act: bool = False, double_quant: bool = False,
+                        group_size: int | None = None) -> list[TensorSpec]:
     """The tensors a quantized linear `module` (float weight [out, in]) becomes, in write order.
 
     `float_dtype` is the dtype of weight_scale (int8/w8a8); it must be the dtype
     of the QArray's scale that qarray_to_tensors will receive.
     """
-    flags = LayoutFlags(static_act=static_act, double_quant=double_quant)
+    flags = LayoutFlags(static_act=static_act, double_quant=double_quant, group_size=group_size)
     return layout_for(scheme).tensor_specs(module, shape, float_dtype, flags)
 
 
@@ -83,7 +86,8 @@ def qarray_to_tensors(module: str, q: QArray, scheme: str, *, input_scale: float
 
 
 def quantization_config(scheme: str, *, act: str = "dynamic", ignore: tuple[str, ...] = ("lm_head",),
-                        double_quant: bool = False, compute_dtype: str = "bfloat16") -> dict:
+                        double_quant: bool = False, compute_dtype: str = "bfloat16",
+                        group_size: int | None = None) -> dict:
     """The `quantization_config` entry of config.json for `scheme`, with the exact key set loaders accept.
 
     `act` ("dynamic" per-token or "static" per-tensor) matters for w8a8 only;
@@ -92,7 +96,7 @@ def quantization_config(scheme: str, *, act: str = "dynamic", ignore: tuple[str,
     layout = layout_for(scheme)
     if act not in ACTS:
         raise ValueError(f"act must be 'dynamic' or 'static', got {act!r}")
-    flags = LayoutFlags(static_act=act == "static", double_quant=double_quant)
+    flags = LayoutFlags(static_act=act == "static", double_quant=double_quant, group_size=group_size)
     return layout.quantization_config(flags, tuple(ignore), compute_dtype)
 
 

@@ -44,6 +44,38 @@ def unpack_int32_to_int8(packed: np.ndarray, cols: int) -> np.ndarray:
     return (unsigned.reshape(packed.shape[0], -1)[:, :cols] ^ 0x80).view(np.int8)
 
 
+def pack_int4_to_int32(q: np.ndarray) -> np.ndarray:
+    """int4 codes (int8 in [-8, 7]) [rows, cols] -> int32 [rows, ceil(cols/8)] (pack_to_int32, 4 bits).
+
+    u = q + 8; column 8k+j of a row lands in bits 4j..4j+3 of word k (least
+    significant first); the unused nibbles of a row's last partial word are 0.
+    """
+    q = np.asarray(q)
+    if q.dtype != np.int8 or q.ndim != 2:
+        raise ValueError(f"expected int8 codes [rows, cols], got {q.dtype}{list(q.shape)}")
+    if q.size and (q.min() < -8 or q.max() > 7):
+        raise ValueError("int4 codes must lie in [-8, 7]")
+    rows, cols = q.shape
+    words = -(-cols // 8)
+    nibbles = np.zeros((rows, words * 8), dtype=np.uint32)
+    nibbles[:, :cols] = (q.astype(np.int16) + 8).astype(np.uint32)
+    shifts = (4 * np.arange(8, dtype=np.uint32))
+    packed = np.bitwise_or.reduce(nibbles.reshape(rows, words, 8) << shifts, axis=2)
+    return packed.astype("<u4").view("<i4").astype(np.int32, copy=False).reshape(rows, words)
+
+
+def unpack_int32_to_int4(packed: np.ndarray, cols: int) -> np.ndarray:
+    """int32 [rows, ceil(cols/8)] -> int4 codes (int8 in [-8, 7]) [rows, cols]; the inverse of pack_int4_to_int32."""
+    packed = np.asarray(packed)
+    if packed.dtype != np.int32 or packed.ndim != 2 or packed.shape[1] != -(-cols // 8):
+        raise ValueError(
+            f"expected int32 [rows, {-(-cols // 8)}] for {cols} columns, got {packed.dtype}{list(packed.shape)}"
+        )
+    words = packed.astype("<i4", copy=False).view("<u4").astype(np.uint32)
+    nibbles = (words[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+    return (nibbles.reshape(packed.shape[0], -1)[:, :cols].astype(np.int16) - 8).astype(np.int8)
+
+
 def pack_nf4_codes(codes: np.ndarray) -> np.ndarray:
     """NF4 codes (0..15, any shape, flattened row-major) -> uint8 [ceil(n/2)].
 

@@ -16,6 +16,7 @@ import click
 
 from qconvert import __version__, interrupts
 from qconvert.errors import EXIT_CODES, QConvertError, UsageError, kernel_error_exit_code
+from qconvert.schemes import NAMES as SCHEME_NAMES
 from qconvert.stages import DEBUG_VARIABLE, INTERNAL_ERROR_EXIT_CODE, internal_error_line, stage
 
 # Every command's --help ends with the same exit-code table as the README.
@@ -86,13 +87,29 @@ def _w8a8_options(command):
     ]))
 
 
+class _SchemeOption(click.Option):
+    """--scheme, whose help lists each scheme's own summary and loaders (read when help is shown)."""
+
+    def get_help_record(self, ctx):
+        from qconvert.schemes import SCHEMES
+
+        self.help = "; ".join(f"{s.name}: {s.summary}, loads in {s.loads_in}" for s in SCHEMES.values()) + "."
+        return super().get_help_record(ctx)
+
+
+def _group_size(ctx, param, value):
+    if value is None or value == "channel":
+        return value
+    if value.isdigit():
+        return int(value)
+    raise click.BadParameter(f"{value!r} is not 32, 64, 128 or channel")
+
+
 @cli.command(epilog=EXIT_CODES_EPILOG)
 @click.argument("model")
 @click.option("-o", "--out", "out", required=True, callback=_out_path,
               help="Output folder (written beside, then renamed into place).")
-@click.option("--scheme", type=click.Choice(["int8", "nf4", "w8a8"]), default="int8", show_default=True,
-              help="int8: W8A16 pack-quantized; nf4: bitsandbytes 4-bit (byte-identical to bitsandbytes' own "
-                   "quantization unless --scale-search); w8a8: int8 weights and activations.")
+@click.option("--scheme", type=click.Choice(SCHEME_NAMES), default="int8", show_default=True, cls=_SchemeOption)
 @click.option("--revision", default=None, help="Hub branch, tag or commit (Hub ids only).")
 @click.option("--include", multiple=True, metavar="PATTERN",
               help="Also quantize modules matching a glob or re:REGEX (repeatable), e.g. lm_head.")
@@ -100,6 +117,9 @@ def _w8a8_options(command):
               help="Keep modules matching a glob or re:REGEX in float (repeatable).")
 @click.option("--max-shard-size", default="5GiB", show_default=True, help="Largest shard, e.g. 5GiB, 500MB.")
 @click.option("--double-quant", is_flag=True, help="NF4: quantize the absmax values too (bitsandbytes).")
+@click.option("--group-size", default=None, metavar="32|64|128|channel", callback=_group_size,
+              help="int4: input columns per weight scale [default: 128, else the largest of 64 and 32 that "
+                   "divides every quantized linear's input width, else channel].")
 @click.option("--scale-search/--no-scale-search", default=None,
               help="Search each scale's clipping ratio instead of using the plain absmax (same layout, "
                    "recorded in qconvert.json): int8 per output channel, nf4 per block of 64, w8a8 on "
@@ -112,14 +132,14 @@ def _w8a8_options(command):
               help="Replace OUT if it is a folder qconvert wrote (it has qconvert.json) or an empty folder.")
 @click.option("--dry-run", is_flag=True, help="List what would be quantized and the expected size; write nothing.")
 @click.option("--any-architecture", is_flag=True,
-              help="int8/nf4: convert a decoder of no known family weight-only, taking every 2-D weight "
+              help="int8/int4/nf4: convert a decoder of no known family weight-only, taking every 2-D weight "
                    "under its numbered layers (model.layers.N.) as a linear. A known family keeps its own list.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @_verbose_option
 @_w8a8_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
-             exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, scale_search: bool | None,
+             exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, group_size, scale_search: bool | None,
              workers: int | None,
              overwrite: bool, dry_run: bool, any_architecture: bool, quiet: bool, as_json: bool, verbose: bool,
              **w8a8_flags) -> int:
@@ -132,7 +152,7 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
 
     options = ConvertOptions(scheme=scheme, revision=revision, include=include, exclude=exclude,
                              max_shard_size=parse_size(max_shard_size), double_quant=double_quant,
-                             scale_search=scale_search, overwrite=overwrite, dry_run=dry_run,
+                             group_size=group_size, scale_search=scale_search, overwrite=overwrite, dry_run=dry_run,
                              act=w8a8_flags["act"], any_architecture=any_architecture, workers=workers,
                              w8a8=_w8a8_options_from(scheme, w8a8_flags))
     message = None if quiet or as_json else (lambda text: click.echo(f"qconvert: {text}", err=True))
@@ -145,11 +165,12 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
 
 
 def _w8a8_options_from(scheme: str, flags: dict):
-    """The W8A8Options of --scheme w8a8; for another scheme None, or the flags given (ConvertOptions refuses them)."""
+    """The W8A8Options of a calibrating scheme; for another None, or the flags given (ConvertOptions refuses them)."""
     from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
     from qconvert.options import W8A8Options
+    from qconvert.schemes import scheme_named
 
-    if scheme != "w8a8" and flags["act"] == "dynamic" and all(
+    if not scheme_named(scheme).calibrates and flags["act"] == "dynamic" and all(
             flags[k] in (None, False) for k in ("calib", "calib_samples", "calib_seqlen", "alpha", "no_smooth",
                                                 "act_stats")):
         return None

@@ -14,7 +14,7 @@ import numpy as np
 from qconvert import __version__
 from qconvert.errors import InvalidCheckpointError, InvalidWeightError, UsageError
 from qconvert.formats.errors import FormatError
-from qconvert.formats.layouts import qarray_to_tensors, quantization_config
+from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.record import write_record
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, write_shards
 from qconvert.hub import ResolvedModel
@@ -26,8 +26,6 @@ from qconvert.output import (
 )
 from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
 from qconvert.prefetch import available_cores, run_ahead
-from qconvert.quantizers import quantize_int8, quantize_nf4
-from qconvert.rowwise import quantize_rows
 from qconvert.scale_search import ScaleSearches
 from qconvert.source import SourceModel, open_source, resolve_source
 from qconvert.stages import stage
@@ -42,6 +40,8 @@ PRESENTATION_OPTIONS = ("overwrite", "dry_run", "any_architecture", "workers")
 # The w8a8 calibration and smoothing choices are recorded in full as qconvert.json's
 # `calibration` and `smoothing`, not among the flags.
 RECORDED_ELSEWHERE = ("w8a8",)
+# Recorded only for the schemes that take them (so other schemes' records stay as they were).
+SCHEME_ONLY_OPTIONS = ("group_size",)
 
 
 class Progress(Protocol):
@@ -107,8 +107,8 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
     out = Path(out)
     if not options.dry_run:
         check_output_target(model, out, options.overwrite)  # before any download
-    resolved = resolve_source(model, options.revision, scheme=options.scheme,
-                              any_architecture=options.any_architecture)
+    scheme = options.scheme_object
+    resolved = resolve_source(model, options.revision, scheme=scheme, any_architecture=options.any_architecture)
     if not options.dry_run and resolved.is_hub:
         check_output_location(out, resolved.folder)  # not inside the Hub cache either
     phases: list[tuple[str, float]] = []
@@ -117,11 +117,15 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
             source = open_source(resolved, any_architecture=options.any_architecture)
         try:
             with stage("planning"):
-                plan = plan_conversion(source.checkpoint, resolved.config, source.arch, scheme=options.scheme,
+                plan = plan_conversion(source.checkpoint, resolved.config, source.arch, scheme=scheme,
                                        include=options.include, exclude=options.exclude,
-                                       double_quant=options.double_quant, static_act=options.act == "static")
+                                       double_quant=options.double_quant, static_act=options.act == "static",
+                                       group_size=options.group_size)
+            for note in plan.notes:
+                if message is not None:
+                    message(note)
             w8a8 = W8A8Adjustments()
-            if options.scheme == "w8a8" and not (options.dry_run and options.act == "dynamic"):
+            if scheme.calibrates and not (options.dry_run and options.act == "dynamic"):
                 calibration_started = time.perf_counter()
                 with stage("calibration"):
                     w8a8 = prepare_w8a8(source, options, message)
@@ -167,7 +171,7 @@ def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: 
         files.update(copy_side_files(resolved.folder, staging))
         files["config.json"] = write_json(staging / "config.json", quantized_config(resolved.config, plan, options))
         record = manifest(resolved, source_hashes(), options, files, w8a8.calibration_record,
-                          w8a8.smoothing_record, searches.record(options.scheme))
+                          w8a8.smoothing_record, searches.record(options.scheme_object), plan.flags)
         if source.weight_only is not None:
             record["weight_only"] = source.weight_only.record()
         write_record(staging, record)
@@ -234,14 +238,16 @@ def stream_tensors(ckpt: SafetensorsCheckpoint, plan: ConversionPlan, options: C
     if progress is not None:
         progress.start(sum(t.source_bytes for t in plan.tensors), len(plan.tensors))
     tasks = ((planned.source_bytes, functools.partial(output_tensors, ckpt, planned, options, weight_transform,
-                                                      input_scales, searches)) for planned in plan.tensors)
+                                                      input_scales, searches, plan.flags))
+             for planned in plan.tensors)
     return run_ahead(tasks, prefetch_limit(plan), on_done=progress.advance if progress is not None else None,
                      workers=options.workers or available_cores())
 
 
 def output_tensors(ckpt: SafetensorsCheckpoint, planned: PlannedTensor, options: ConvertOptions,
                    weight_transform, input_scales: Mapping[str, float],
-                   searches: ScaleSearches | None = None) -> list[tuple[str, np.ndarray]]:
+                   searches: ScaleSearches | None = None, flags: LayoutFlags | None = None
+                   ) -> list[tuple[str, np.ndarray]]:
     """The (name, array) output tensors of one planned tensor: read, transform, check, quantize.
 
     An untransformed 2-D float linear whose scales are not searched is read a block of rows at a
@@ -250,7 +256,7 @@ def output_tensors(ckpt: SafetensorsCheckpoint, planned: PlannedTensor, options:
     if (planned.module is not None and weight_transform is None and len(planned.shape) == 2
             and planned.source_dtype in FLOAT_WEIGHT_DTYPES and not (searches is not None and searches.enabled)):
         tensors = quantized_tensors(planned, functools.partial(ckpt.get_rows, planned.source), options,
-                                    input_scales.get(planned.module))
+                                    input_scales.get(planned.module), flags=flags)
         return [(spec.name, tensors.pop(spec.name)) for spec in planned.specs]
     array = ckpt.get(planned.source)
     if weight_transform is not None:
@@ -259,7 +265,7 @@ def output_tensors(ckpt: SafetensorsCheckpoint, planned: PlannedTensor, options:
         if is_float_array(array) and not all_finite(array):
             raise InvalidWeightError(f"{planned.source} has NaN or Inf values; fix the checkpoint")
         return [(planned.source, array)]
-    tensors = quantized_tensors(planned, array, options, input_scales.get(planned.module), searches)
+    tensors = quantized_tensors(planned, array, options, input_scales.get(planned.module), searches, flags)
     return [(spec.name, tensors.pop(spec.name)) for spec in planned.specs]
 
 
@@ -273,37 +279,36 @@ def _transformed(planned: PlannedTensor, array) -> np.ndarray:
 
 def quantized_tensors(planned: PlannedTensor, weight: np.ndarray | Callable[[int, int], np.ndarray],
                       options: ConvertOptions, input_scale: float | None,
-                      searches: ScaleSearches | None = None) -> dict[str, np.ndarray]:
+                      searches: ScaleSearches | None = None, flags: LayoutFlags | None = None
+                      ) -> dict[str, np.ndarray]:
     """One linear's weight -> its output tensors in the scheme's layout (NaN/Inf refused).
 
     `weight` is the array, or `read_rows(start, stop)` returning a block of its rows (no scale search).
+    `flags` are the plan's layout flags (default: the options' own, for a scheme that needs no shapes).
     """
-    clip = None
+    scheme = options.scheme_object
+    if flags is None:
+        flags = scheme.layout_flags(act=options.act, double_quant=options.double_quant, group_size=options.group_size)
+    dtype = np.dtype(planned.source_dtype)
     try:
         if callable(weight):
-            q = quantize_rows(weight, planned.shape, np.dtype(planned.source_dtype),
-                              "nf4" if options.scheme == "nf4" else "int8",
-                              scale_dtype=np.dtype(planned.source_dtype))
+            q = scheme.quantize_rows(weight, planned.shape, dtype, flags)
         else:
+            clip = None
             if searches is not None and searches.enabled:
-                clip = searches.clip_for(planned.module, weight, options.scheme)
-            if options.scheme == "nf4":
-                q = quantize_nf4(weight, clip=clip)
-            else:
-                q = quantize_int8(weight, scale_dtype=np.dtype(planned.source_dtype), clip=clip)
+                clip = searches.clip_for(planned.module, weight, scheme, flags)
+            q = scheme.quantize(weight, flags, scale_dtype=dtype, clip=clip)
     except InvalidWeightError:
         raise InvalidWeightError(f"{planned.source} has NaN or Inf values; fix the checkpoint") from None
-    return qarray_to_tensors(planned.module, q, options.scheme, input_scale=input_scale,
-                             double_quant=options.double_quant)
+    return scheme.layout.to_tensors(planned.module, q, flags, input_scale=input_scale)
 
 
 def quantized_config(config: dict[str, Any], plan: ConversionPlan, options: ConvertOptions) -> dict[str, Any]:
     """The source config.json with the scheme's quantization_config added."""
     declared = config.get("torch_dtype") or config.get("dtype")
     compute_dtype = declared if declared in FLOAT_WEIGHT_DTYPES else plan.float_dtype
-    return {**config, "quantization_config": quantization_config(
-        options.scheme, act=options.act, ignore=plan.ignore, double_quant=options.double_quant,
-        compute_dtype=compute_dtype)}
+    return {**config, "quantization_config": options.scheme_object.layout.quantization_config(
+        plan.flags, tuple(plan.ignore), compute_dtype)}
 
 
 def input_files(folder: Path, ckpt: SafetensorsCheckpoint) -> list[str]:
@@ -316,10 +321,16 @@ def input_files(folder: Path, ckpt: SafetensorsCheckpoint) -> list[str]:
 
 def manifest(resolved: ResolvedModel, source_hashes: Mapping[str, str], options: ConvertOptions,
              files: Mapping[str, str], calibration_record: dict | None,
-             smoothing_record: dict | None, search_record: dict | None = None) -> dict[str, Any]:
-    """qconvert.json: tool version, source and its file hashes, scheme, flags, records, output hashes."""
+             smoothing_record: dict | None, search_record: dict | None = None,
+             layout_flags: LayoutFlags | None = None) -> dict[str, Any]:
+    """qconvert.json: tool version, source and its file hashes, scheme, flags, records, output hashes.
+
+    A scheme that takes a group size records the one written (`layout_flags`), whatever was asked.
+    """
     flags = {k: v for k, v in dataclasses.asdict(options).items()
-             if k not in PRESENTATION_OPTIONS + RECORDED_ELSEWHERE}
+             if k not in PRESENTATION_OPTIONS + RECORDED_ELSEWHERE + SCHEME_ONLY_OPTIONS}
+    if options.scheme_object.takes_group_size:
+        flags["group_size"] = (layout_flags.group_size if layout_flags is not None else options.group_size) or "channel"
     flags["include"], flags["exclude"] = list(options.include), list(options.exclude)
     flags["scale_search"] = options.searches_scales
     return {

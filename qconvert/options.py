@@ -12,11 +12,12 @@ from pathlib import Path
 
 from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
 from qconvert.errors import UsageError
-from qconvert.formats.layouts import SCHEMES
+from qconvert.schemes import scheme_named
+from qconvert.schemes.base import Scheme
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
-ACT_MODES = ("dynamic", "static")
-W8A8_ONLY = "--calib, --alpha, --no-smooth, --act and --act-stats apply to --scheme w8a8 only"
+# --group-size: a whole number of input columns, or "channel" (one scale per output channel).
+GROUP_SIZE_CHOICES = (32, 64, 128, "channel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,8 @@ class ConvertOptions:
     exclude: tuple[str, ...] = ()
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     double_quant: bool = False
+    # int4: input columns per scale; None: 128, or the largest of 64 and 32 that divides every width.
+    group_size: int | str | None = None
     act: str = "dynamic"
     # None: on for w8a8 (searched on calibration activations), off for int8 and nf4.
     scale_search: bool | None = None
@@ -72,30 +75,30 @@ class ConvertOptions:
     def __post_init__(self):
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
-        if self.scheme not in SCHEMES:
-            raise UsageError(f"unknown scheme {self.scheme!r}; choose one of {', '.join(SCHEMES)}")
-        if self.w8a8 is not None and self.scheme != "w8a8":
-            raise UsageError(W8A8_ONLY)
-        if self.double_quant and self.scheme != "nf4":
-            raise UsageError("--double-quant applies to --scheme nf4 only")
-        if self.act not in ACT_MODES:
-            raise UsageError(f"--act must be dynamic or static, not {self.act!r}")
-        if self.act == "static" and self.scheme != "w8a8":
-            raise UsageError("static activation scales apply to --scheme w8a8 only")
+        scheme = scheme_named(self.scheme)
+        scheme.check_options(act=self.act, double_quant=self.double_quant, group_size=self.group_size,
+                             calibrates=self.w8a8 is not None)
+        if self.group_size is not None and self.group_size not in GROUP_SIZE_CHOICES:
+            raise UsageError(f"--group-size must be 32, 64, 128 or channel, not {self.group_size!r}")
         if self.max_shard_size <= 0:
             raise UsageError("--max-shard-size must be positive")
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
                                          or self.workers < 1):
             raise UsageError(f"--workers must be a whole number of at least 1, not {self.workers!r}")
-        if self.scheme == "w8a8":
+        if scheme.calibrates:
             if self.w8a8 is None:
                 object.__setattr__(self, "w8a8", W8A8Options())
             _check_w8a8(self.w8a8)
 
     @property
+    def scheme_object(self) -> Scheme:
+        """The Scheme this run writes."""
+        return scheme_named(self.scheme)
+
+    @property
     def searches_scales(self) -> bool:
         """Whether scales are searched (clipping ratios) rather than plain absmax: --scale-search."""
-        return self.scheme == "w8a8" if self.scale_search is None else bool(self.scale_search)
+        return self.scheme_object.default_scale_search if self.scale_search is None else bool(self.scale_search)
 
 
 def _check_w8a8(options: W8A8Options) -> None:

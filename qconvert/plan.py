@@ -17,10 +17,11 @@ import numpy as np
 
 from qconvert.consistency import check_weights_match_config
 from qconvert.errors import InvalidWeightError, UnsupportedModelError, UsageError
-from qconvert.formats.layouts import linear_tensor_specs
+from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, TensorSpec
 from qconvert.models.registry import Architecture
 from qconvert.models.weight_only import FAMILY as WEIGHT_ONLY_FAMILY
+from qconvert.schemes.base import Scheme
 
 FLOAT_WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 # The kind of a tensor written as the source holds it (float or not: int64 position_ids too).
@@ -74,6 +75,8 @@ class ConversionPlan:
     ignore: tuple[str, ...]
     dropped: tuple[str, ...]  # source tensors not written (a tied lm_head)
     float_dtype: str  # the dtype of the quantized linears' float weights
+    flags: LayoutFlags = LayoutFlags()  # the layout flags every quantized linear is written with
+    notes: tuple[str, ...] = ()  # lines for the user about choices made for this model (int4's group size)
 
     @property
     def specs(self) -> list[TensorSpec]:
@@ -134,8 +137,9 @@ def _check_linear(ckpt: SafetensorsCheckpoint, module: str) -> tuple[int, int]:
 
 
 def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: Architecture, *,
-                    scheme: str, include: tuple[str, ...] = (), exclude: tuple[str, ...] = (),
-                    double_quant: bool = False, static_act: bool = False) -> ConversionPlan:
+                    scheme: Scheme, include: tuple[str, ...] = (), exclude: tuple[str, ...] = (),
+                    double_quant: bool = False, static_act: bool = False,
+                    group_size: int | str | None = None) -> ConversionPlan:
     """Decide every output tensor, its layout and order (sorted by source name), before any byte is read."""
     if "quantization_config" in config:
         raise UnsupportedModelError("the model is already quantized (config.json has quantization_config); "
@@ -143,6 +147,12 @@ def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: A
     # A tied lm_head is the embedding table: loaders re-tie it, so it is not written twice.
     dropped = {"lm_head.weight"} if config.get("tie_word_embeddings") is True and "lm_head.weight" in ckpt else set()
     modules = select_modules(ckpt, arch, tuple(include), tuple(exclude), dropped)
+    chosen = set(modules)
+    shapes = {name[: -len(".weight")]: _check_linear(ckpt, name[: -len(".weight")]) for name in ckpt.tensor_names
+              if name.endswith(".weight") and name[: -len(".weight")] in chosen}
+    flags = scheme.layout_flags(act="static" if static_act else "dynamic", double_quant=double_quant,
+                                group_size=group_size, shapes=shapes)
+    scheme.check_modules(modules, flags)
     tensors = []
     for name in ckpt.tensor_names:
         if name in dropped:
@@ -150,10 +160,9 @@ def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: A
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         shape, dtype = ckpt.shape(name), ckpt.dtype(name)
         if module in modules:
-            out_in = _check_linear(ckpt, module)
-            specs = linear_tensor_specs(module, scheme, out_in, dtype, static_act=static_act,
-                                        double_quant=double_quant)
-            tensors.append(PlannedTensor(name, module, scheme, shape, dtype.name, ckpt.nbytes(name), tuple(specs)))
+            specs = scheme.layout.tensor_specs(module, shapes[module], dtype, flags)
+            tensors.append(PlannedTensor(name, module, scheme.name, shape, dtype.name, ckpt.nbytes(name),
+                                         tuple(specs)))
         else:
             spec = TensorSpec(name, dtype, shape)
             tensors.append(PlannedTensor(name, None, UNCHANGED, shape, dtype.name, ckpt.nbytes(name), (spec,)))
@@ -165,8 +174,10 @@ def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: A
     ignore = sorted(set(_linear_candidates(ckpt)) - set(modules) - {"lm_head"})
     if "lm_head" not in modules:
         ignore.insert(0, "lm_head")
+    note = scheme.group_note(group_size, shapes)
     return ConversionPlan(tensors=tuple(tensors), ignore=tuple(ignore), dropped=tuple(sorted(dropped)),
-                          float_dtype=ckpt.dtype(f"{modules[0]}.weight").name if modules else "float32")
+                          float_dtype=ckpt.dtype(f"{modules[0]}.weight").name if modules else "float32",
+                          flags=flags, notes=(note,) if note else ())
 
 
 def is_float_array(array: np.ndarray) -> bool:

@@ -223,27 +223,22 @@ class ScaleSearches:
         self.clip = clip
         self.records = records
 
-    def clip_for(self, module: str, weight: np.ndarray, scheme: str) -> np.ndarray:
-        """The clipping ratios of one linear's weight: handed in, else searched on the weight's error."""
-        if scheme != "nf4" and module in self.clip:
+    def clip_for(self, module: str, weight: np.ndarray, scheme, flags) -> np.ndarray:
+        """The clipping ratios of one linear's weight: handed in (the w8a8 stage's, searched on
+        activations), else searched on the weight's error by `scheme` (a qconvert.schemes.Scheme)."""
+        if module in self.clip:
             return self.clip[module]
-        if scheme == "nf4":
-            found = nf4_clip_search(weight, NF4_BLOCK_SIZE, NF4_LEVELS, NF4_THRESHOLDS)
-        else:
-            found = int8_clip_search(weight)
+        found = scheme.clip_search(weight, flags)
         self.records[module] = {**self.records.get(module, {}), "weight_clip": {
             "objective": "weight error", "error_plain": _rounded(found.error_plain),
             "error_searched": _rounded(found.error_searched), "mean_ratio": _rounded(float(np.mean(found.ratios)))}}
         return found.ratios
 
-    def record(self, scheme: str) -> dict | None:
+    def record(self, scheme) -> dict | None:
         """qconvert.json's `scale_search`: the method, its grids, and each linear's error before and after."""
         if not self.enabled:
             return None
-        grid = NF4_CLIP_GRID if scheme == "nf4" else INT8_CLIP_GRID
-        what = ("per block of 64: stored absmax = c * max|block|, values beyond it clip to +-1" if scheme == "nf4"
-                else "per output channel: scale = c * absmax / 127")
-        record = {"weight_clip": {"what": what, "grid": list(grid),
+        record = {"weight_clip": {"what": scheme.clip.what, "grid": list(scheme.clip.grid),
                                   "objective": "squared output error on calibration activations where the "
                                                "conversion has them (w8a8), else squared weight error"},
                   "modules": {m: self.records[m] for m in sorted(self.records)}}

@@ -18,6 +18,8 @@ from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoi
 from qconvert.hub import ResolvedModel, resolve_model
 from qconvert.models.registry import Architecture, architecture_for
 from qconvert.models.weight_only import WeightOnlySelection, check_architecture, checkpoint_architecture
+from qconvert.schemes import names_where
+from qconvert.schemes.base import Scheme
 from qconvert.stages import stage
 
 
@@ -58,16 +60,17 @@ class SourceModel:
         self.checkpoint.close()
 
 
-def resolve_source(model: str, revision: str | None = None, *, scheme: str | None = None,
+def resolve_source(model: str, revision: str | None = None, *, scheme: Scheme | None = None,
                    any_architecture: bool = False) -> ResolvedModel:
     """MODEL (a folder or Hub id) as a local folder; the architecture is checked before any weight moves.
 
     With `scheme`, the check is the conversion's (--any-architecture lets an
-    unknown decoder through for int8/nf4); without, the model must be of a
-    known family.
+    unknown decoder through for the weight-only schemes); without, the model
+    must be of a known family.
     """
     check = architecture_for if scheme is None else functools.partial(
-        check_architecture, any_architecture=any_architecture, scheme=scheme)
+        check_architecture, any_architecture=any_architecture, scheme=scheme.name,
+        weight_only=scheme.weight_only, weight_only_schemes=names_where(lambda s: s.weight_only))
     with stage("resolving the model"):
         return resolve_model(model, revision, check_architecture=check)
 

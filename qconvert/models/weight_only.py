@@ -20,7 +20,6 @@ from qconvert.errors import UnsupportedModelError
 from qconvert.models.registry import Architecture, architecture_for
 
 FAMILY = "weight-only"
-WEIGHT_ONLY_SCHEMES = ("int8", "nf4")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 _NUMBERED = re.compile(r"^((?:[^.]+\.)*?[^.\d][^.]*)\.(\d+)\.(.+)\.weight$")
 
@@ -30,21 +29,23 @@ def architecture_name(config: Mapping[str, Any]) -> str:
     return str(names[0]) if isinstance(names, list) and names else "an unnamed architecture"
 
 
-def check_architecture(config: dict[str, Any], *, any_architecture: bool, scheme: str) -> None:
+def check_architecture(config: dict[str, Any], *, any_architecture: bool, scheme: str, weight_only: bool,
+                       weight_only_schemes: str) -> None:
     """Refuse, before any weight is read, what cannot be converted: an unknown architecture
-    without --any-architecture, or with it for a scheme that needs a forward pass."""
+    without --any-architecture, or with it for a scheme that needs a forward pass (not `weight_only`).
+    `weight_only_schemes` names the schemes that need none, as the message lists them."""
     try:
         architecture_for(config)
         return
     except UnsupportedModelError as err:
         if not any_architecture:
             raise UnsupportedModelError(
-                f"{err}; --any-architecture converts an unknown decoder weight-only (--scheme int8 or nf4)"
-            ) from None
-    if scheme not in WEIGHT_ONLY_SCHEMES:
+                f"{err}; --any-architecture converts an unknown decoder weight-only "
+                f"(--scheme {weight_only_schemes})") from None
+    if not weight_only:
         raise UnsupportedModelError(
             f"--scheme {scheme} needs a known family (calibration runs its forward pass) and "
-            f"{architecture_name(config)} is not one; --any-architecture converts with --scheme int8 or nf4")
+            f"{architecture_name(config)} is not one; --any-architecture converts with --scheme {weight_only_schemes}")
 
 
 @dataclasses.dataclass(frozen=True)

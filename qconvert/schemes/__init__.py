@@ -1,0 +1,51 @@
+"""The scheme registry: every `--scheme`, one object each, in the order the CLI lists them.
+
+Each scheme's module is imported when the scheme is first asked for, so the
+CLI can list the names without starting JAX. To add a scheme: one module here
+with its Scheme subclass (and its layout in formats/), one line in _CLASSES,
+its row in the README's scheme table, and tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from qconvert.errors import UsageError
+
+if TYPE_CHECKING:
+    from qconvert.schemes.base import Scheme
+
+# name -> "module:class" under qconvert.schemes
+_CLASSES = {"int8": "int8:Int8", "int4": "int4:Int4", "w8a8": "w8a8:W8A8", "nf4": "nf4:NF4"}
+NAMES = tuple(_CLASSES)
+
+__all__ = ["NAMES", "SCHEMES", "names_where", "scheme_named"]
+
+
+@functools.cache
+def _load(name: str) -> Scheme:
+    module, cls = _CLASSES[name].split(":")
+    return getattr(importlib.import_module(f"qconvert.schemes.{module}"), cls)()
+
+
+def scheme_named(name: str) -> Scheme:
+    """The scheme called `name`; UsageError naming the choices otherwise."""
+    if not isinstance(name, str) or name not in _CLASSES:
+        raise UsageError(f"unknown scheme {name!r}; choose one of {', '.join(NAMES)}")
+    return _load(name)
+
+
+def names_where(test: Callable[[Scheme], bool]) -> str:
+    """The names of the schemes that pass `test`, as a message lists them ('int8, int4 or nf4')."""
+    names = [name for name in NAMES if test(_load(name))]
+    return " or ".join(filter(None, [", ".join(names[:-1]), names[-1]])) if names else ""
+
+
+def __getattr__(attribute: str):
+    # SCHEMES (name -> Scheme, every scheme loaded) on first use.
+    if attribute == "SCHEMES":
+        return {name: _load(name) for name in NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {attribute!r}")

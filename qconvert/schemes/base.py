@@ -1,0 +1,121 @@
+"""A quantization scheme as one object: everything about `--scheme NAME` in one class.
+
+A Scheme holds its name, its on-disk layout (formats/layout_*.py), its weight
+quantizer (whole tensor and a block of rows at a time), its clip grid and
+search, the flags it takes, whether it calibrates, its activation mode (what
+the kernels get), and its verify thresholds. The CLI's choices, the options
+checks, the pipeline and verify ask the scheme; none of them compares names.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from qconvert.errors import UsageError
+from qconvert.formats.layout_base import Layout, LayoutFlags
+from qconvert.formats.qarray import QArray, group_scale
+from qconvert.rowwise import quantize_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    """What a converted folder must reach to pass verify."""
+
+    min_layer_sqnr_db: float
+    min_layer_cosine: float
+    max_mean_kl: float
+    min_top1_agreement: float
+    max_perplexity_ratio: float
+    min_pooled_cosine: float
+    min_fidelity_sqnr_db: float = 60.0
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipSearch:
+    """A scheme's clipping search: its grid, what one ratio scales, and the search over a weight."""
+
+    grid: tuple[float, ...]
+    what: str
+
+
+class Scheme(abc.ABC):
+    """One `--scheme`. Subclasses set the class attributes and implement quantize and clip_search."""
+
+    name: str
+    layout: Layout
+    summary: str                     # one line: what it stores
+    loads_in: str                    # the loaders that read its layout, as measured
+    act_modes: tuple[str, ...] = ()  # activation modes it quantizes with; () keeps activations float
+    calibrates: bool = False         # takes calibration and smoothing (--calib, --alpha, ...)
+    default_scale_search: bool = False
+    takes_double_quant: bool = False
+    takes_group_size: bool = False
+    clip: ClipSearch
+    thresholds: Thresholds
+    static_thresholds: Thresholds | None = None  # with --act static, where it differs
+
+    @property
+    def weight_only(self) -> bool:
+        """Whether activations stay float (the --any-architecture schemes)."""
+        return not self.act_modes
+
+    def layout_flags(self, *, act: str = "dynamic", double_quant: bool = False, group_size: int | str | None = None,
+                     shapes: Mapping[str, tuple[int, int]] | None = None) -> LayoutFlags:
+        """The layout flags of a run's options, given the quantized linears' [out, in] shapes."""
+        return LayoutFlags(static_act=act == "static", double_quant=double_quant)
+
+    def group_note(self, group_size: int | str | None, shapes: Mapping[str, tuple[int, int]]) -> str:
+        """One line to show the user about the layout's grouping ('' when there is nothing to say)."""
+        return ""
+
+    def check_modules(self, modules: list[str], flags: LayoutFlags) -> None:
+        """UsageError when the chosen linears cannot be written so that the servers load them."""
+
+    @abc.abstractmethod
+    def quantize(self, weight: np.ndarray, flags: LayoutFlags, *, scale_dtype, clip=None) -> QArray:
+        """The QArray of a float [out, in] weight; `clip` holds searched ratios (clip.grid's units)."""
+
+    def quantize_rows(self, read_rows: Callable[[int, int], np.ndarray], shape: tuple[int, int],
+                      dtype: np.dtype, flags: LayoutFlags) -> QArray:
+        """The same QArray as quantize, from blocks of rows read a block at a time (no clip)."""
+        return quantize_rows(lambda part: self.quantize(part, flags, scale_dtype=dtype), read_rows, shape, dtype)
+
+    @abc.abstractmethod
+    def clip_search(self, weight: np.ndarray, flags: LayoutFlags):
+        """The per row/group/block ratios minimising the weight's squared error (a SearchResult)."""
+
+    def kernel_act(self, input_scale: float | None) -> str | None:
+        """The activation mode the deployment kernel runs with (None: float activations)."""
+        return None
+
+    def verify_thresholds(self, act: str) -> Thresholds:
+        """verify's default thresholds for a folder of this scheme and activation mode."""
+        return self.static_thresholds if act == "static" and self.static_thresholds else self.thresholds
+
+    def folder_weight(self, q: QArray) -> np.ndarray:
+        """The float64 weight the folder's tensors define: codes times their scale (verify's fidelity)."""
+        return np.asarray(q.qvalue, np.float64) * np.asarray(group_scale(q), np.float64)
+
+    def check_options(self, *, act: str, double_quant: bool, group_size, calibrates: bool) -> None:
+        """UsageError for a flag this scheme does not take; the message names the schemes that do."""
+        from qconvert.schemes import names_where
+
+        if calibrates and not self.calibrates:
+            raise UsageError("--calib, --alpha, --no-smooth, --act and --act-stats apply to --scheme "
+                             f"{names_where(lambda s: s.calibrates)} only")
+        if double_quant and not self.takes_double_quant:
+            raise UsageError(f"--double-quant applies to --scheme {names_where(lambda s: s.takes_double_quant)} only")
+        if act not in ("dynamic", "static"):
+            raise UsageError(f"--act must be dynamic or static, not {act!r}")
+        if act == "static" and "static" not in self.act_modes:
+            raise UsageError(f"static activation scales apply to --scheme "
+                             f"{names_where(lambda s: 'static' in s.act_modes)} only")
+        if group_size is not None and not self.takes_group_size:
+            raise UsageError(f"--group-size applies to --scheme {names_where(lambda s: s.takes_group_size)} only")

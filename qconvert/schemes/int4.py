@@ -1,0 +1,179 @@
+"""`--scheme int4`: symmetric int4 weights per group of input channels, float activations (W4A16).
+
+Written in compressed-tensors `pack-quantized` (4 bits), which vLLM serves with
+its Machete or Marlin kernels. Plain rounding is compressed-tensors' own
+round-to-nearest, byte for byte: per output row and group of `group_size`
+input columns, scale = absmax / 7.5 (its symmetric range (7 - -8) / 2) in the
+weight's dtype, a zero scale replaced by that dtype's eps, and
+code = round_half_even(w / scale) clamped to [-8, 7], the quotient taken in
+the weight's dtype as torch takes it (the float32 quotient, rounded once more).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qconvert.errors import UsageError
+from qconvert.formats.layout_base import LayoutFlags
+from qconvert.formats.layout_int4 import PackQuantizedInt4
+from qconvert.formats.qarray import INT4_QMAX, INT4_QMIN, QArray
+from qconvert.formats.quotient import f32_quotient
+from qconvert.quantizers import CHUNK_ELEMENTS, _all_finite_hint, _bucket, _check_finite, _host_weight, pad_rows, x64
+from qconvert.scale_search import SearchResult
+from qconvert.schemes.base import ClipSearch, Scheme, Thresholds
+
+DEFAULT_GROUP_SIZE = 128
+GROUP_SIZES = (128, 64, 32)  # the default's fallbacks, largest first; then per channel
+HALF_RANGE = (INT4_QMAX - INT4_QMIN) / 2  # 7.5: compressed-tensors' symmetric scale divisor
+INT4_CLIP_GRID = tuple(round(1.0 - 0.0125 * k, 4) for k in range(21))  # 1.00 .. 0.75
+
+
+def in_dtype(x: jax.Array, dtype) -> jax.Array:
+    """float32 x rounded to `dtype`'s precision (range and mantissa), kept float32.
+
+    An explicit reduce_precision: XLA may drop a cast to bf16 and back as excess
+    precision (seen: the divisor taken from the unrounded scale at 512 rows).
+    """
+    info = jnp.finfo(dtype)
+    if info.bits >= 32:
+        return x.astype(jnp.float32)
+    return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+@functools.partial(jax.jit, static_argnames=("group", "scale_dtype"))
+def int4_codes_and_scales(w: jax.Array, group: int, scale_dtype, clip: jax.Array | None = None
+                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Codes int8 [rows, cols], scales [rows, cols / group] in scale_dtype, and a finite hint.
+
+    `clip` (float32 [rows, cols / group], optional) shrinks each group's absmax
+    first (a searched ratio). Call inside `x64()`.
+    """
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // group, group)
+    absmax = jnp.max(jnp.abs(groups), axis=2).astype(jnp.float32)
+    if clip is not None:
+        absmax = absmax * clip
+    # The scale is rounded to its dtype before it divides, as loaders multiply by the rounded one.
+    scale = in_dtype(f32_quotient(absmax, jnp.float32(HALF_RANGE)), scale_dtype)
+    scale = jnp.where(scale == 0, jnp.float32(jnp.finfo(scale_dtype).eps), scale)
+    quotient = in_dtype(f32_quotient(groups.astype(jnp.float32), scale[..., None]), w.dtype)
+    codes = jnp.round(jnp.clip(quotient, INT4_QMIN, INT4_QMAX))
+    return codes.astype(jnp.int8).reshape(rows, cols), scale.astype(scale_dtype), _all_finite_hint(w)
+
+
+def quantize_int4(w, group_size: int | None, *, scale_dtype=None, clip=None) -> QArray:
+    """Symmetric int4 of a [out, in] weight per output row and group of input columns (None: per channel).
+
+    Rows go through the kernel in chunks of a power-of-two row count, a tail
+    padded with zero rows whose codes are dropped. InvalidWeightError for NaN/Inf.
+    """
+    w = _host_weight(w)
+    if w.ndim != 2:
+        raise ValueError(f"int4 quantization takes a 2-D [out, in] weight, got shape {tuple(w.shape)}")
+    rows, cols = w.shape
+    group = group_size or cols
+    if cols % group:
+        raise ValueError(f"int4 group size {group} does not divide the input width {cols}")
+    scale_dtype = jnp.dtype(scale_dtype if scale_dtype is not None else w.dtype)
+    step = 1 << max(0, (CHUNK_ELEMENTS // max(cols, 1)).bit_length() - 1)
+    codes = np.empty((rows, cols), np.int8)
+    scale = np.empty((rows, cols // group), scale_dtype)
+    ratios = None if clip is None else np.asarray(clip, np.float32).reshape(rows, cols // group)
+    pending = []
+    with x64():
+        for start in range(0, rows, step):
+            part = w[start:start + step]
+            length = _bucket(part.shape[0], step)
+            part_clip = None if ratios is None else pad_rows(ratios[start:start + step], length)
+            pending.append((start, part.shape[0],
+                            int4_codes_and_scales(pad_rows(part, length), group, scale_dtype, part_clip)))
+        for start, count, (q_part, scale_part, _) in pending:
+            codes[start:start + count] = np.asarray(q_part)[:count]
+            scale[start:start + count] = np.asarray(scale_part)[:count]
+        _check_finite(w, [hint for _, _, (_, _, hint) in pending])
+    return QArray(qvalue=codes, scale=scale, kind="int4", block_size=group_size, shape=w.shape, dtype=w.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("group",))
+def _group_errors(w: jax.Array, grid: jax.Array, group: int) -> jax.Array:
+    """[ratios, rows, groups] squared weight error of each group with scale = c * absmax / 7.5."""
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // group, group)
+    absmax = jnp.max(jnp.abs(groups), axis=2, keepdims=True)
+
+    def one(c):
+        scale = jnp.maximum(c * absmax / HALF_RANGE, 1e-12)
+        d = groups - jnp.clip(jnp.round(groups / scale), INT4_QMIN, INT4_QMAX) * scale
+        return jnp.sum(d * d, axis=2)
+
+    return jax.lax.map(one, grid)
+
+
+def int4_clip_search(w: np.ndarray, group_size: int | None, grid: tuple[float, ...] = INT4_CLIP_GRID
+                     ) -> SearchResult:
+    """Per output row and group, the absmax ratio c minimising the group's squared weight error."""
+    w32 = np.asarray(w, np.float32)
+    errors = np.asarray(_group_errors(jnp.asarray(w32), jnp.asarray(grid, jnp.float32), group_size or w32.shape[1]),
+                        np.float64)
+    best = np.argmin(errors, axis=0)  # the first minimum: the largest ratio
+    chosen = np.take_along_axis(errors, best[None], axis=0)[0]
+    return SearchResult(np.asarray(grid, np.float32)[best], float(errors[0].sum()), float(chosen.sum()))
+
+
+def resolve_group_size(requested: int | str | None, shapes: Mapping[str, tuple[int, int]]) -> tuple[int | None, str]:
+    """The group size to write (None: per channel) and, when the default had to fall back, one line saying so.
+
+    An explicit size that does not divide every quantized linear's input width is a UsageError.
+    """
+    widths = {m: int(shape[1]) for m, shape in shapes.items()}
+    if requested == "channel":
+        return None, ""
+    if requested is not None:
+        bad = next((m for m, k in sorted(widths.items()) if k % int(requested)), None)
+        if bad is not None:
+            fits = [g for g in GROUP_SIZES if all(k % g == 0 for k in widths.values())]
+            raise UsageError(f"--group-size {requested} does not divide {bad}'s input width {widths[bad]}; "
+                             f"use {' or '.join(map(str, fits)) or 'channel'}" + (" or channel" if fits else ""))
+        return int(requested), ""
+    for group in GROUP_SIZES:
+        if all(k % group == 0 for k in widths.values()):
+            if group == DEFAULT_GROUP_SIZE:
+                return group, ""
+            return group, f"int4: group size {group} (128 does not divide every input width)"
+    return None, "int4: one scale per output channel (no group size of 128, 64 or 32 divides every input width)"
+
+
+class Int4(Scheme):
+    """Symmetric int4 codes with one scale per output row and group of input columns, float activations."""
+
+    name = "int4"
+    layout = PackQuantizedInt4()
+    summary = "int4 weights per group of input channels (128 by default), float activations (W4A16)"
+    loads_in = "vLLM, transformers + compressed-tensors"
+    takes_group_size = True
+    clip = ClipSearch(INT4_CLIP_GRID, "per output row and group: scale = c * absmax / 7.5")
+    thresholds = Thresholds(
+        min_layer_sqnr_db=12.0, min_layer_cosine=0.97, max_mean_kl=0.15,
+        min_top1_agreement=0.65, max_perplexity_ratio=1.35, min_pooled_cosine=0.93,
+        min_fidelity_sqnr_db=40.0,
+    )
+
+    def layout_flags(self, *, act: str = "dynamic", double_quant: bool = False, group_size: int | str | None = None,
+                     shapes: Mapping[str, tuple[int, int]] | None = None) -> LayoutFlags:
+        group, _ = resolve_group_size(group_size, shapes or {})
+        return LayoutFlags(group_size=group)
+
+    def group_note(self, group_size: int | str | None, shapes: Mapping[str, tuple[int, int]]) -> str:
+        """The one line saying the default group size fell back ('' when it did not)."""
+        return resolve_group_size(group_size, shapes)[1]
+
+    def quantize(self, weight: np.ndarray, flags: LayoutFlags, *, scale_dtype, clip=None) -> QArray:
+        return quantize_int4(weight, flags.group_size, scale_dtype=scale_dtype, clip=clip)
+
+    def clip_search(self, weight: np.ndarray, flags: LayoutFlags):
+        return int4_clip_search(weight, flags.group_size)

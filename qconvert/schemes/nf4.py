@@ -1,0 +1,50 @@
+"""`--scheme nf4`: QLoRA NormalFloat-4 in blocks of 64, bitsandbytes' 4-bit serialization."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from qconvert.formats.layout_base import LayoutFlags
+from qconvert.formats.layout_nf4 import BitsandbytesNF4
+from qconvert.formats.qarray import NF4_BLOCK_SIZE, NF4_LEVELS, QArray
+from qconvert.quantizers import NF4_THRESHOLDS, quantize_nf4
+from qconvert.rowwise import quantize_nf4_rows
+from qconvert.scale_search import NF4_CLIP_GRID, nf4_clip_search
+from qconvert.schemes.base import ClipSearch, Scheme, Thresholds
+
+
+class NF4(Scheme):
+    """16 NormalFloat levels times each block's absmax; blocks of 64 run over the flattened weight."""
+
+    name = "nf4"
+    layout = BitsandbytesNF4()
+    summary = "NormalFloat-4 weights, blocks of 64 (QLoRA), optional double quantization"
+    loads_in = "transformers + bitsandbytes only (vLLM 0.33 removed bitsandbytes)"
+    takes_double_quant = True
+    clip = ClipSearch(NF4_CLIP_GRID, "per block of 64: stored absmax = c * max|block|, values beyond it clip to +-1")
+    thresholds = Thresholds(
+        min_layer_sqnr_db=15.0, min_layer_cosine=0.98, max_mean_kl=0.10,
+        min_top1_agreement=0.70, max_perplexity_ratio=1.25, min_pooled_cosine=0.95,
+        min_fidelity_sqnr_db=40.0,
+    )
+
+    def layout_flags(self, *, act: str = "dynamic", double_quant: bool = False, group_size: int | str | None = None,
+                     shapes: Mapping[str, tuple[int, int]] | None = None) -> LayoutFlags:
+        return LayoutFlags(double_quant=double_quant)
+
+    def quantize(self, weight: np.ndarray, flags: LayoutFlags, *, scale_dtype, clip=None) -> QArray:
+        return quantize_nf4(weight, clip=clip)
+
+    def quantize_rows(self, read_rows: Callable[[int, int], np.ndarray], shape: tuple[int, int],
+                      dtype: np.dtype, flags: LayoutFlags) -> QArray:
+        return quantize_nf4_rows(quantize_nf4, read_rows, shape, dtype)
+
+    def clip_search(self, weight: np.ndarray, flags: LayoutFlags):
+        return nf4_clip_search(weight, NF4_BLOCK_SIZE, NF4_LEVELS, NF4_THRESHOLDS)
+
+    def folder_weight(self, q: QArray) -> np.ndarray:
+        # Loaders decode in float32 and cast to the model's dtype before the matmul.
+        dtype = np.dtype(q.dtype) if np.dtype(q.dtype).kind in "fV" else np.dtype(np.float32)
+        return np.asarray(q.dequantize(np.float32)).astype(dtype).astype(np.float64).reshape(q.shape)

@@ -1,0 +1,42 @@
+"""`--scheme w8a8`: SmoothQuant, int8 weights per output channel and int8 activations, compressed-tensors int-quantized."""
+
+from __future__ import annotations
+
+from qconvert.errors import UsageError
+from qconvert.formats.layout_base import LayoutFlags
+from qconvert.formats.layout_w8a8 import IntQuantizedW8A8
+from qconvert.schemes.base import Thresholds
+from qconvert.schemes.int8 import Int8
+
+# Where vLLM's int8 fused-MoE method refuses anything but dynamic per-token activations.
+EXPERT_MARK = ".experts."
+
+
+class W8A8(Int8):
+    """int8 codes as they are, activations quantized per token at run time or per tensor (calibrated)."""
+
+    name = "w8a8"
+    layout = IntQuantizedW8A8()
+    summary = "SmoothQuant: int8 weights and int8 activations"
+    loads_in = "vLLM, transformers + compressed-tensors (dense; MoE in vLLM)"
+    act_modes = ("dynamic", "static")
+    calibrates = True
+    default_scale_search = True
+    thresholds = Thresholds(
+        min_layer_sqnr_db=20.0, min_layer_cosine=0.99, max_mean_kl=0.05,
+        min_top1_agreement=0.80, max_perplexity_ratio=1.10, min_pooled_cosine=0.98,
+    )
+    static_thresholds = Thresholds(
+        min_layer_sqnr_db=15.0, min_layer_cosine=0.98, max_mean_kl=0.15,
+        min_top1_agreement=0.75, max_perplexity_ratio=1.15, min_pooled_cosine=0.95,
+    )
+
+    def check_modules(self, modules: list[str], flags: LayoutFlags) -> None:
+        experts = [m for m in modules if EXPERT_MARK in m]
+        if flags.static_act and experts:
+            raise UsageError(f"--act static cannot serve this model's experts ({experts[0]}, ...): vLLM's int8 "
+                             "fused-MoE kernel takes only dynamic per-token activations; use --act dynamic "
+                             "(the default) for a mixture-of-experts model")
+
+    def kernel_act(self, input_scale: float | None) -> str | None:
+        return "dynamic" if input_scale is None else "static"
