@@ -164,7 +164,7 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
     statistics and gets no adjustments.
     """
     calib = options.w8a8
-    if options.scheme != "w8a8" or not (calib.smooth or options.act == "static"):
+    if not options.scheme_object.calibrates or not (calib.smooth or options.act == "static"):
         return W8A8Adjustments()
     spec = calib.alpha_spec()
     progress = progress or (lambda message: None)

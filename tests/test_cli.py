@@ -188,7 +188,7 @@ def test_ctrl_c_exits_130_and_leaves_nothing(source, tmp_path, capsys, monkeypat
 @pytest.mark.parametrize("argv,words", [
     (["--max-shard-size", "lots"], "cannot read size"),
     (["--scheme", "int8", "--double-quant"], "--double-quant"),
-    (["--scheme", "int4"], "int4"),
+    (["--scheme", "fp6"], "fp6"),
     (["--revision", "main"], "--revision"),
 ])
 def test_usage_errors_exit_2(source, tmp_path, capsys, argv, words):

@@ -20,7 +20,7 @@ from qconvert.options import W8A8Options
 from qconvert.errors import UsageError
 from qconvert.formats.safetensors_io import TensorSpec, open_checkpoint, write_shards
 from qconvert.prefetch import available_cores, run_ahead
-from qconvert.rowwise import quantize_rows
+from qconvert.schemes import scheme_named
 
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
@@ -83,12 +83,13 @@ def test_row_blocks_give_the_numpy_reference_codes(monkeypatch, shape, dtype):
         reads.append((start, stop))
         return w[start:stop].copy()
 
-    q = quantize_rows(read_rows, shape, w.dtype, "int8", scale_dtype=w.dtype)
+    int8, nf4 = scheme_named("int8"), scheme_named("nf4")
+    q = int8.quantize_rows(read_rows, shape, w.dtype, int8.layout_flags())
     codes, scale = numpy_int8(w, w.dtype)
     np.testing.assert_array_equal(q.qvalue, codes)
     np.testing.assert_array_equal(q.scale, scale)
     assert shape[0] < 8 or len(reads) > 1
-    q = quantize_rows(read_rows, shape, w.dtype, "nf4")
+    q = nf4.quantize_rows(read_rows, shape, w.dtype, nf4.layout_flags())
     packed, absmax = numpy_nf4(w)
     np.testing.assert_array_equal(q.qvalue, packed)
     np.testing.assert_array_equal(q.scale, absmax)
@@ -96,9 +97,9 @@ def test_row_blocks_give_the_numpy_reference_codes(monkeypatch, shape, dtype):
 
 def test_nf4_row_blocks_hold_whole_blocks_and_bytes():
     for cols in (100, 576, 896, 3, 4096, 128256):
-        rows = rowwise.block_rows(10**7, cols, 2, "nf4")
+        rows = rowwise.block_rows(10**7, cols, 2, 128)
         assert rows * cols % 128 == 0 and rows * cols * 2 <= max(rowwise.BLOCK_BYTES, 128 * cols * 2)
-    assert rowwise.block_rows(7, 576, 2, "nf4") == 7  # one block: the whole weight
+    assert rowwise.block_rows(7, 576, 2, 128) == 7  # one block: the whole weight
 
 
 def test_get_rows_reads_exactly_those_rows(sharded_llama):

@@ -53,8 +53,12 @@ def test_the_compressed_tensors_w8a8_preset_is_w8a8_with_dynamic_activations():
 
 
 @pytest.mark.parametrize("fmt, weights, acts, words", [
-    # A 4-bit pack-quantized model is not an int8 one, whatever its format says.
-    ("pack-quantized", dict(num_bits=4, type="int", symmetric=True, strategy="channel"), None, "8-bit"),
+    # A 2-bit pack-quantized model is neither an int8 nor an int4 one, whatever its format says.
+    ("pack-quantized", dict(num_bits=2, type="int", symmetric=True, strategy="channel"), None, "8-bit"),
+    ("pack-quantized", dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128), None,
+     "symmetric int4"),
+    ("pack-quantized", dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128), INT8_TOKEN,
+     "keeps them in float"),
     ("pack-quantized", dict(num_bits=8, type="int", symmetric=True, strategy="group", group_size=128), None,
      "per output channel"),
     ("pack-quantized", dict(num_bits=8, type="int", symmetric=False, strategy="channel"), None, "symmetric"),
@@ -70,10 +74,9 @@ def test_settings_the_layouts_do_not_store_are_refused_by_name(fmt, weights, act
     assert scheme_of_quantization_config(qconfig) is None
 
 
-def test_the_compressed_tensors_w4a16_preset_is_not_read_as_int8():
+def test_the_compressed_tensors_w4a16_preset_is_int4_with_groups_of_128():
     qconfig = compressed_tensors_config("pack-quantized", preset_name_to_scheme("W4A16", ["Linear"]).weights)
-    with pytest.raises(ValueError, match="8-bit"):
-        detect_scheme(qconfig)
+    assert layout_for_config(qconfig) == (layout_for("int4"), LayoutFlags(group_size=128))
 
 
 @pytest.mark.parametrize("double_quant", [False, True])
@@ -99,7 +102,7 @@ def test_each_layout_claims_only_its_own_configs():
         assert [other.scheme for other in LAYOUTS if other.claims(own)] == [layout.scheme]
 
 
-def test_a_folder_whose_config_describes_4_bit_weights_is_refused_with_exit_code_6(tmp_path, capsys):
+def test_a_folder_whose_config_describes_2_bit_weights_is_refused_with_exit_code_6(tmp_path, capsys):
     rng = np.random.default_rng(0)
     module = "model.layers.0.mlp.up_proj"
     q = QArray(qvalue=rng.integers(-127, 128, (4, 8)).astype(np.int8),
@@ -109,7 +112,7 @@ def test_a_folder_whose_config_describes_4_bit_weights_is_refused_with_exit_code
     tensors = qarray_to_tensors(module, q, "int8")
     write_shards(tmp_path, specs, ((s.name, tensors[s.name]) for s in specs), max_shard_size=1 << 30)
     qconfig = quantization_config("int8")
-    qconfig["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+    qconfig["config_groups"]["group_0"]["weights"]["num_bits"] = 2
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Test"], "quantization_config": qconfig}))
     with pytest.raises(FormatError, match="config.json: .*8-bit"):
         open_quantized(tmp_path)

@@ -284,7 +284,7 @@ def test_detect_scheme_reads_each_config_back():
 
 def test_unknown_scheme_is_refused():
     with pytest.raises(ValueError):
-        linear_tensor_specs(MODULE, "int4", (2, 2), np.float32)
+        linear_tensor_specs(MODULE, "int3", (2, 2), np.float32)
     with pytest.raises(ValueError):
         quantization_config("w8a8", act="sometimes")
 
