@@ -216,12 +216,13 @@ def int4_tile_dot(acc, xe_ref, xo_ref, w_ref, s_ref):
     holds whole groups (one per channel scale: a single group).
     """
     tn, tile_bytes = w_ref.shape
-    group_bytes = tile_bytes // s_ref.shape[-1]
+    scales = s_ref[...]  # the tile's [tn, groups] scales: one load, then a column per group
+    group_bytes = tile_bytes // scales.shape[1]
     compute_dtype = xe_ref.dtype
     for start, width in nf4_chunks(tile_bytes):  # the same chunking as NF4: small float planes, whole tile
         cols = slice(start, start + width)
         first, last = start // group_bytes, (start + width - 1) // group_bytes
-        scale = group_scale_columns([s_ref[:, g:g + 1] for g in range(first, last + 1)], (tn, width), group_bytes,
+        scale = group_scale_columns([scales[:, g:g + 1] for g in range(first, last + 1)], (tn, width), group_bytes,
                                     start - first * group_bytes)
         low, high = int4_nibbles(w_ref[:, cols].astype(jnp.int32))
         w_low = (low.astype(jnp.float32) * scale).astype(compute_dtype)
