@@ -11,8 +11,9 @@ the same weights: bf16 `dot`, XLA's own int8 dot_general (int32 accumulation;
 activations quantized per token in both it and W8A8), an XLA NF4
 dequantize-then-dot and an XLA int4 dequantize-then-dot (nibble-packed codes,
 groups of 128). The int4 entry point takes the codes at their logical shape
-and packs them inside its jitted launch, so its time includes that pass. Ratios are baseline time / method time (> 1: the method is
-faster). The memory-bound floor is the bytes a layer must read (weights in each
+and packs them inside its jitted launch, so its time includes that pass.
+Ratios are baseline time / method time (> 1: the method is faster). The
+memory-bound floor is the bytes a layer must read (weights in each
 format plus activations) over the device's read bandwidth, measured here
 (a jitted sum over 256 MiB).
 

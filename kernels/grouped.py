@@ -2,8 +2,9 @@
 
 grouped_matmul(lhs, rhs, group_sizes) computes lhs[rows of group i] @ rhs[i] with
 rhs in float, int8 per output channel (rhs_scale), or NF4 or int4 (a QArray of
-logical shape (G, N, K), one nn.Linear weight per expert). transposed_grouped_matmul is
-the weight-gradient form. Rows are sorted by group, as an MoE router's sort gives.
+logical shape (G, N, K), one nn.Linear weight per expert).
+transposed_grouped_matmul is the weight-gradient form. Rows are sorted by
+group, as an MoE router's sort gives.
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ def _int4_parts(rhs: QArray):
     group = rhs.block_size
     if rhs.zero_point is not None:
         raise KernelArgumentError(f"{OP}: int4 rhs must be symmetric (no zero point)")
-    if tuple(jnp.shape(rhs.qvalue)) != (g, n, k) or jnp.asarray(rhs.qvalue).dtype != jnp.int8:
+    if tuple(jnp.shape(rhs.qvalue)) != (g, n, k) or _dtype(rhs.qvalue) != jnp.int8:
         raise KernelArgumentError(f"{OP}: int4 rhs codes must be int8 [G, N, K] = {(g, n, k)}, got "
-                                  f"{jnp.shape(rhs.qvalue)} {jnp.asarray(rhs.qvalue).dtype}")
+                                  f"{jnp.shape(rhs.qvalue)} {_dtype(rhs.qvalue)}")
     if group is not None and k % group:
         raise KernelArgumentError(f"{OP}: int4 rhs K={k} is not a multiple of its group size {group}")
     scale_shape = (g, n, 1 if group is None else k // group)
@@ -110,8 +111,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
     lhs float [M, K], rows sorted by group; group_sizes int32 [num_groups]
     (sum <= M); rhs one of: float [G, K, N] ([G, N, K] with transpose_rhs); int8
     codes of the same layouts with rhs_scale [G, N]; or a QArray ("int8", "nf4"
-    or "int4") of logical shape (G, N, K) with transpose_rhs=True. G may be a shard of
-    the experts starting at group_offset. Rows of groups outside the shard, and
+    or "int4") of logical shape (G, N, K) with transpose_rhs=True. G may be a
+    shard of the experts starting at group_offset. Rows of groups outside the shard, and
     rows past sum(group_sizes), are 0. tiling: (tm, tk, tn), a function of
     (m, k, n) returning one (or None to decline), or None to let the plan choose.
     interpret=True runs the TPU kernel in interpret mode (backend "cpu"); on

@@ -148,9 +148,10 @@ def qgrouped_linear(x, qs: Sequence[QArray], group_sizes, *, act: str | None = N
                     input_scales: Sequence[float | None] = (), backend: str = "auto", return_plan: bool = False):
     """Rows of x [M, in] sorted by expert (group_sizes[e] rows for expert e) times expert e's W^T.
 
-    qs holds each expert's [out, in] QArray (int8, NF4 or int4; int4 takes act=None). act="dynamic" quantizes
-    every row per token, act="static" each expert's rows with its input_scales[e];
-    the int8 rows enter the grouped kernel as their exact float values.
+    qs holds each expert's [out, in] QArray (int8, NF4 or int4; int4 takes
+    act=None). act="dynamic" quantizes every row per token, act="static" each
+    expert's rows with its input_scales[e]; the int8 rows enter the grouped
+    kernel as their exact float values.
     """
     if act not in ACT_MODES:
         raise KernelArgumentError(f"qgrouped_linear: act must be None, 'dynamic' or 'static', got {act!r}")

@@ -80,22 +80,21 @@ def int4_nibbles(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
     return ((packed & 0xF) ^ 8) - 8, packed >> 4
 
 
-def group_scale_columns(columns, shape: tuple[int, int], group_bytes: int, first_byte: int = 0) -> jax.Array:
+def group_scale_columns(columns, shape: tuple[int, int], group_bytes: int, offset: int = 0) -> jax.Array:
     """The float32 scale of every byte of a [rows, width] weight chunk, from its groups' scale columns.
 
     columns[g] ([rows, 1]) is the scale of the g-th group the chunk touches;
     group_bytes bytes (2 * group_bytes codes) share one scale, and the chunk
-    starts first_byte bytes into its first group's tile. A select per group
-    boundary over a lane-index map (no gather, reshape or repeat) lowers on
-    both Mosaic and Triton.
+    starts offset bytes into its first group. A select per group boundary over
+    a lane-index map (no gather, reshape or repeat) lowers on both Mosaic and
+    Triton.
     """
     scale = jnp.broadcast_to(columns[0], shape)
     if len(columns) == 1:
         return scale
     lane = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-    first_group = first_byte // group_bytes
     for g in range(1, len(columns)):
-        scale = jnp.where(lane >= (first_group + g) * group_bytes - first_byte, columns[g], scale)
+        scale = jnp.where(lane >= g * group_bytes - offset, columns[g], scale)
     return scale
 
 
