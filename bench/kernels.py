@@ -6,11 +6,14 @@
 
 Every method runs L stacked layers of the same shape inside one jitted
 lax.scan (bf16 in and out), as a forward pass runs its layers; the time per
-layer is the scan's time over L. Beside each kernel run three XLA baselines on
+layer is the scan's time over L. Beside each kernel run four XLA baselines on
 the same weights: bf16 `dot`, XLA's own int8 dot_general (int32 accumulation;
-activations quantized per token in both it and W8A8) and an XLA NF4
-dequantize-then-dot. Ratios are baseline time / method time (> 1: the method is
-faster). The memory-bound floor is the bytes a layer must read (weights in each
+activations quantized per token in both it and W8A8), an XLA NF4
+dequantize-then-dot and an XLA int4 dequantize-then-dot (nibble-packed codes,
+groups of 128). The int4 entry point takes the codes at their logical shape
+and packs them inside its jitted launch, so its time includes that pass.
+Ratios are baseline time / method time (> 1: the method is faster). The
+memory-bound floor is the bytes a layer must read (weights in each
 format plus activations) over the device's read bandwidth, measured here
 (a jitted sum over 256 MiB).
 
@@ -34,12 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert.formats import NF4_LEVELS
-from qconvert.kernels import (int8_matmul, int8_weight_matmul, nf4_matmul, quantize_activations, resolve_backend,
-                              select_kernel, KernelProblem)
+from qconvert.kernels import (int4_weight_matmul, int8_matmul, int8_weight_matmul, nf4_matmul, quantize_activations,
+                              resolve_backend, select_kernel, KernelProblem)
 from qconvert.kernels import gpu_dense, tpu_dense
 
 BF16 = jnp.bfloat16
 NT = (((1,), (1,)), ((), ()))
+INT4_GROUP = 128
 
 
 def timed(fn, repeats: int) -> float:
@@ -59,12 +63,18 @@ def stacked_operands(layers: int, m: int, k: int, n: int, seed: int = 0) -> dict
     w_q = rng.integers(-127, 128, (layers, n, k)).astype(np.int8)
     w_scale = rng.uniform(1e-3, 1e-2, (layers, n)).astype(np.float32)
     codes = rng.integers(0, 16, (layers, n * k))
+    int4_q = rng.integers(-8, 8, (layers, n, k)).astype(np.int8)
+    int4_u = int4_q.astype(np.int32) & 0xF
     return {
         "x": jnp.asarray(rng.normal(size=(m, k)).astype(np.float32)).astype(BF16),
         "w_bf16": jnp.asarray(w_q.astype(np.float32) * w_scale[:, :, None]).astype(BF16),
         "w_q": jnp.asarray(w_q), "w_scale": jnp.asarray(w_scale),
         "packed": jnp.asarray(((codes[:, 0::2] << 4) | codes[:, 1::2]).astype(np.uint8)),
         "absmax": jnp.asarray(rng.uniform(0.1, 1.0, (layers, n * k // 64)).astype(np.float32)),
+        "int4_q": jnp.asarray(int4_q),
+        "int4_scale": jnp.asarray(rng.uniform(1e-3, 1e-2, (layers, n, k // INT4_GROUP)).astype(np.float32)),
+        # the same codes two per byte (column 2j low, 2j + 1 high), for the XLA baseline
+        "int4_packed": jnp.asarray(((int4_u[..., 1::2] << 4) | int4_u[..., 0::2]).astype(np.uint8)),
     }
 
 
@@ -72,6 +82,15 @@ def nf4_dequantize_then_dot(x, packed, absmax, n: int, k: int):
     """XLA's way without a kernel: decode the whole NF4 weight to bf16 (table gather), then dot."""
     codes = jnp.stack([packed >> 4, packed & 0xF], axis=-1).reshape(-1).astype(jnp.int32)
     w = (jnp.asarray(NF4_LEVELS, jnp.float32)[codes] * jnp.repeat(absmax, 64)).reshape(n, k).astype(BF16)
+    return jax.lax.dot_general(x, w, NT, preferred_element_type=jnp.float32).astype(BF16)
+
+
+def int4_dequantize_then_dot(x, packed, scale, n: int, k: int):
+    """XLA's way without a kernel: unpack the nibbles, times the group scales, to bf16, then dot."""
+    packed = packed.astype(jnp.int32)
+    low, high = ((packed & 0xF) ^ 8) - 8, ((packed >> 4) ^ 8) - 8
+    codes = jnp.stack([low, high], axis=-1).reshape(n, k)
+    w = (codes.astype(jnp.float32) * jnp.repeat(scale, INT4_GROUP, axis=-1)).astype(BF16)
     return jax.lax.dot_general(x, w, NT, preferred_element_type=jnp.float32).astype(BF16)
 
 
@@ -94,11 +113,16 @@ def layer_methods(n: int, k: int, backend: str) -> dict:
         "int8 XLA dot": (lambda x, w: xla_int8_dot(x, w["w_q"], w["w_scale"]), ("w_q", "w_scale")),
         "NF4 XLA dequant+dot": (lambda x, w: nf4_dequantize_then_dot(x, w["packed"], w["absmax"], n, k),
                                 ("packed", "absmax")),
+        "int4 XLA dequant+dot": (lambda x, w: int4_dequantize_then_dot(x, w["int4_packed"], w["int4_scale"], n, k),
+                                 ("int4_packed", "int4_scale")),
         "W8A8 int8_matmul": (w8a8, ("w_q", "w_scale")),
         "W8A16 int8_weight_matmul": (lambda x, w: int8_weight_matmul(x, w["w_q"], w["w_scale"], out_dtype=BF16,
                                                                      backend=backend), ("w_q", "w_scale")),
         "NF4 nf4_matmul": (lambda x, w: nf4_matmul(x, w["packed"], w["absmax"], shape=(n, k), out_dtype=BF16,
                                                    backend=backend), ("packed", "absmax")),
+        "W4A16 int4_weight_matmul": (lambda x, w: int4_weight_matmul(x, w["int4_q"], w["int4_scale"],
+                                                                     group_size=INT4_GROUP, out_dtype=BF16,
+                                                                     backend=backend), ("int4_q", "int4_scale")),
     }
 
 
@@ -123,15 +147,16 @@ def read_bandwidth(repeats: int) -> float:
 def floors(m: int, k: int, n: int, bandwidth: float) -> dict[str, float]:
     """Memory-bound floor (seconds) per layer: weight bytes in each format plus bf16 activations in and out."""
     act = 2 * m * k + 2 * m * n
-    weights = {"bf16": 2 * n * k, "int8": n * k + 4 * n, "nf4": n * k // 2 + 4 * n * k // 64}
+    weights = {"bf16": 2 * n * k, "int8": n * k + 4 * n, "nf4": n * k // 2 + 4 * n * k // 64,
+               "int4": n * k // 2 + 4 * n * k // INT4_GROUP}
     return {name: (b + act) / bandwidth for name, b in weights.items()}
 
 
 @contextlib.contextmanager
 def no_op_kernels():
     """Swap every dense Pallas kernel for a no-op returning zeros of its output shape."""
-    names = ("int8_matmul_tpu", "int8_weight_matmul_tpu", "nf4_matmul_tpu"), (
-        "int8_matmul_gpu", "int8_weight_matmul_gpu", "nf4_matmul_gpu")
+    names = ("int8_matmul_tpu", "int8_weight_matmul_tpu", "nf4_matmul_tpu", "int4_weight_matmul_tpu"), (
+        "int8_matmul_gpu", "int8_weight_matmul_gpu", "nf4_matmul_gpu", "int4_weight_matmul_gpu")
     saved = []
     for module, module_names in zip((tpu_dense, gpu_dense), names):
         for name in module_names:
@@ -157,18 +182,22 @@ def entry_overheads(backend: str, repeats: int) -> list[str]:
     x, w_q, w_scale = ops["x"], ops["w_q"][0], ops["w_scale"][0]
     x_q, x_scale = quantize_activations(x)
     packed, absmax = ops["packed"][0], ops["absmax"][0]
+    int4_q, int4_scale = ops["int4_q"][0], ops["int4_scale"][0]
     calls = {
         "int8_matmul": lambda a, b, c, d: int8_matmul(a, b, c, d, out_dtype=BF16, backend=backend),
         "int8_weight_matmul": lambda a, b, c, d: int8_weight_matmul(a, b, c, out_dtype=BF16, backend=backend),
         "nf4_matmul": lambda a, b, c, d: nf4_matmul(a, b, c, shape=(n, k), out_dtype=BF16, backend=backend),
+        "int4_weight_matmul": lambda a, b, c, d: int4_weight_matmul(a, b, c, group_size=INT4_GROUP, out_dtype=BF16,
+                                                                    backend=backend),
     }
     operands = {"int8_matmul": (x_q, w_q, x_scale, w_scale), "int8_weight_matmul": (x, w_q, w_scale, None),
-                "nf4_matmul": (x, packed, absmax, None)}
+                "nf4_matmul": (x, packed, absmax, None), "int4_weight_matmul": (x, int4_q, int4_scale, None)}
     lines = []
     with no_op_kernels():
         for name, call in calls.items():
             args = operands[name]
-            plan = select_kernel(KernelProblem(name, m, k, n), backend)
+            group = INT4_GROUP if name == "int4_weight_matmul" else None
+            plan = select_kernel(KernelProblem(name, m, k, n, group_size=group), backend)
             eager = timed(lambda: call(*args), repeats * 20)
             jitted_fn = jax.jit(call)
             jitted = timed(lambda: jitted_fn(*args), repeats * 20)
@@ -184,10 +213,12 @@ def bench_shape(m: int, k: int, n: int, layers: int, backend: str, repeats: int,
         times[name] = scan_time_per_layer(fn, ops["x"], {key: ops[key] for key in keys}, layers, repeats)
     floor = floors(m, k, n, bandwidth)
     bf16, int8_xla, nf4_xla = times["bf16 XLA"], times["int8 XLA dot"], times["NF4 XLA dequant+dot"]
+    int4_xla = times["int4 XLA dequant+dot"]
     lines = []
     for name, seconds in times.items():
-        fmt = "nf4" if "NF4" in name else "int8" if ("int8" in name or "W8" in name) else "bf16"
-        own = {"int8": int8_xla, "nf4": nf4_xla, "bf16": bf16}[fmt]
+        fmt = ("int4" if ("int4" in name or "W4" in name) else "nf4" if "NF4" in name
+               else "int8" if ("int8" in name or "W8" in name) else "bf16")
+        own = {"int8": int8_xla, "nf4": nf4_xla, "int4": int4_xla, "bf16": bf16}[fmt]
         lines.append(f"| {name} | {m} | {k}x{n} | {seconds * 1e6:.1f} | {bf16 / seconds:.2f} | {own / seconds:.2f} | "
                      f"{floor[fmt] * 1e6:.1f} ({fmt}) |")
     return lines

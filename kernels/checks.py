@@ -113,3 +113,31 @@ def check_nf4_matmul(x, w_packed, absmax, shape, blocksize, bias, out_dtype) -> 
         require_vector(op, "bias", bias, (n,), f"[{n}]")
     require_floatdtype_of(op, out_dtype)
     return m, k, n
+
+
+def check_int4_weight_matmul(x, w_codes, w_scale, group_size, bias, out_dtype) -> tuple[int, int, int]:
+    """Check W4A16 arguments (codes at the logical shape, group or per-channel scales); returns (M, K, N)."""
+    op = "int4_weight_matmul"
+    m, k = require_matrix(op, "x", x, None, "[M, K]")
+    require_float(op, "x", x)
+    n, k_w = require_matrix(op, "w_codes", w_codes, (jnp.int8,), "[N, K] (int4 codes in [-8, 7], nn.Linear layout)")
+    if k != k_w:
+        raise KernelArgumentError(f"{op}: x has K={k} but w_codes has K={k_w}; w_codes must be [N, K] "
+                                  "(nn.Linear layout)")
+    require_float(op, "w_scale", w_scale)
+    if group_size is None:
+        require_vector(op, "w_scale", w_scale, (n,), f"[{n}] or [{n}, 1] (one scale per output channel)")
+    else:
+        if not isinstance(group_size, int) or group_size <= 0:
+            raise KernelArgumentError(f"{op}: group_size must be a positive int or None (per channel), "
+                                      f"got {group_size!r}")
+        if k % group_size:
+            raise KernelArgumentError(f"{op}: K={k} is not a multiple of group_size={group_size}; each scale "
+                                      "covers whole groups of input columns")
+        if _shape(w_scale) != (n, k // group_size):
+            raise KernelArgumentError(f"{op}: w_scale has shape {_shape(w_scale)}; a ({n}, {k}) weight in groups "
+                                      f"of {group_size} needs [{n}, {k // group_size}]")
+    if bias is not None:
+        require_vector(op, "bias", bias, (n,), f"[{n}]")
+    require_floatdtype_of(op, out_dtype)
+    return m, k, n

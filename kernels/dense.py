@@ -1,4 +1,4 @@
-"""The dense quantized matmuls (W8A8, W8A16, NF4): check, plan, pad, launch, slice.
+"""The dense quantized matmuls (W8A8, W8A16, NF4, W4A16): check, plan, pad, launch, slice.
 
 Each entry point takes plain arrays, checks them, asks plan.select_kernel for a
 kernel, and runs it (or the reference, when the plan says so). With
@@ -14,9 +14,10 @@ import jax.numpy as jnp
 
 from qconvert.formats.qarray import NF4_BLOCK_SIZE
 from qconvert.kernels import gpu_dense, reference, tpu_dense
-from qconvert.kernels.checks import check_int8_matmul, check_int8_weight_matmul, check_nf4_matmul
+from qconvert.kernels.checks import (check_int4_weight_matmul, check_int8_matmul, check_int8_weight_matmul,
+                                     check_nf4_matmul)
 from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
-from qconvert.kernels.tiles import pad2d, round_up, split_even_odd_columns
+from qconvert.kernels.tiles import int4_weight_operands, pad2d, round_up, split_even_odd_columns
 
 
 def _padded(plan: KernelPlan, m: int, k: int, n: int, k_multiple: int = 1) -> tuple[int, int, int]:
@@ -64,6 +65,19 @@ def _nf4_matmul_launch(x, w_packed, absmax, bias, *, plan: KernelPlan, n: int, o
     kernel = gpu_dense.nf4_matmul_gpu if plan.backend == "gpu" else tpu_dense.nf4_matmul_tpu
     y = kernel(x_even, x_odd, w_bytes, block_absmax, _col_vector(bias, n, np_), tiling=plan.tiling,
                out_dtype=out_dtype, has_bias=bias is not None, interpret=plan.interpret)
+    return y[:m, :n]
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "group_size", "out_dtype"))
+def _int4_weight_matmul_launch(x, w_codes, w_scale, bias, *, plan: KernelPlan, group_size: int | None, out_dtype):
+    (m, k), n = x.shape, w_codes.shape[0]
+    mp, kp, np_ = _padded(plan, m, k, n)
+    gpu = plan.backend == "gpu"
+    w_bytes, scales = int4_weight_operands(w_codes, w_scale, group_size, np_, kp, plan.tiling.tk, tpu_layout=not gpu)
+    x_even, x_odd = split_even_odd_columns(pad2d(jnp.asarray(x), mp, kp))
+    kernel = gpu_dense.int4_weight_matmul_gpu if gpu else tpu_dense.int4_weight_matmul_tpu
+    y = kernel(x_even, x_odd, w_bytes, scales, _col_vector(bias, n, np_), tiling=plan.tiling, out_dtype=out_dtype,
+               has_bias=bias is not None, interpret=plan.interpret)
     return y[:m, :n]
 
 
@@ -133,4 +147,29 @@ def nf4_matmul(x, w_packed, absmax, *, shape, blocksize: int = NF4_BLOCK_SIZE, b
                                            out_dtype=out_dtype)
         return plan_result(y, plan, return_plan)
     y = _nf4_matmul_launch(x, w_packed, absmax, bias, plan=plan, n=n, out_dtype=jnp.dtype(out_dtype))
+    return plan_result(y, plan, return_plan)
+
+
+def int4_weight_matmul(x, w_codes, w_scale, *, group_size: int | None, bias=None, out_dtype=jnp.float32,
+                       backend: str = "auto", tiling: Tiling | None = None, return_plan: bool = False):
+    """W4A16 matmul: y = x @ W^T + bias[n], W [N, K] the int4 weight q[n, k] * w_scale[n, k // group_size].
+
+    x float [M, K] (bf16/f16/f32); w_codes int8 [N, K], codes in [-8, 7] at the
+    logical shape (the kernels keep each code's low nibble); w_scale float
+    [N, K/group_size], or [N] / [N, 1] with group_size=None (per channel). K must
+    be a multiple of group_size. The launch packs two codes per byte, so the
+    kernels read half the weight bytes; they sign-extend each nibble, multiply it
+    by its group's scale in float32, cast to x's dtype and accumulate in float32.
+    """
+    m, k, n = check_int4_weight_matmul(x, w_codes, w_scale, group_size, bias, out_dtype)
+    group_size = None if group_size is None else int(group_size)
+    problem = KernelProblem("int4_weight_matmul", m, k, n, dtype_name(x.dtype), dtype_name(out_dtype),
+                            group_size=group_size)
+    plan = select_kernel(problem, backend, tiling)
+    if plan.is_reference:
+        y = reference.int4_weight_matmul_reference(x, w_codes, w_scale, group_size=group_size, bias=bias,
+                                                   out_dtype=out_dtype)
+        return plan_result(y, plan, return_plan)
+    y = _int4_weight_matmul_launch(x, w_codes, w_scale, bias, plan=plan, group_size=group_size,
+                                   out_dtype=jnp.dtype(out_dtype))
     return plan_result(y, plan, return_plan)

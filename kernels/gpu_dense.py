@@ -1,4 +1,4 @@
-"""GPU (Triton, through Pallas) kernels for the dense quantized matmuls: W8A8, W8A16 and NF4.
+"""GPU (Triton, through Pallas) kernels for the dense quantized matmuls: W8A8, W8A16, NF4 and int4 (W4A16).
 
 Grid (M tiles, N tiles); each program walks the whole K axis in a loop inside the
 kernel with a register accumulator (int32 for W8A8, float32 otherwise), then
@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from qconvert.formats.qarray import NF4_BLOCK_SIZE
-from qconvert.kernels.tiles import Tiling, nf4_level
+from qconvert.kernels.tiles import Tiling, group_scale_columns, int4_nibbles, nf4_level
 
 NT_DIMS = (((1,), (1,)), ((), ()))
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -152,3 +152,65 @@ def nf4_matmul_gpu(x_even, x_odd, w_bytes, absmax, bias, *, tiling: Tiling, out_
         compiler_params=_compiler_params(tiling),
         interpret=interpret,
     )(x_even, x_odd, w_bytes, absmax, bias)
+
+
+def int4_step_dot(acc, xe, xo, packed, group_scales):
+    """acc + one K step's products: packed int32 [tn, tk/2] bytes (sign-extended), group_scales the step's
+    scale columns [tn, 1], one per group (a single one for a per-channel scale).
+
+    Each code is sign-extended from its nibble, times its group's scale in
+    float32 and cast to the activation dtype; low nibbles meet xe [tm, tk/2],
+    high nibbles xo, and both products accumulate in float32.
+    """
+    scale = group_scale_columns(group_scales, packed.shape, packed.shape[1] // len(group_scales))
+    low, high = int4_nibbles(packed)
+    w_low = (low.astype(jnp.float32) * scale).astype(xe.dtype)
+    w_high = (high.astype(jnp.float32) * scale).astype(xe.dtype)
+    acc = acc + jax.lax.dot_general(xe, w_low, NT_DIMS, preferred_element_type=jnp.float32, precision=HIGHEST)
+    return acc + jax.lax.dot_general(xo, w_high, NT_DIMS, preferred_element_type=jnp.float32, precision=HIGHEST)
+
+
+def int4_step_scales(s_ref, k, groups: int, g=None):
+    """The K step k's scale columns [tn, 1] from a [tn, Kp/group] ([G, tn, Kp/group] with expert g) scale ref."""
+    if g is None:
+        return [s_ref[:, pl.ds(k * groups + b, 1)] for b in range(groups)]
+    return [s_ref[g, :, pl.ds(k * groups + b, 1)] for b in range(groups)]
+
+
+def _int4_kernel(xe_ref, xo_ref, w_ref, s_ref, b_ref, o_ref, *, tk, has_bias):
+    half = tk // 2
+    steps = w_ref.shape[1] // half
+    groups = s_ref.shape[1] // steps  # scale groups per K step (1 for a per-channel scale)
+
+    def step(k, acc):
+        cols = pl.ds(pl.multiple_of(k * half, half), half)
+        return int4_step_dot(acc, xe_ref[:, cols], xo_ref[:, cols], w_ref[:, cols].astype(jnp.int32),
+                             int4_step_scales(s_ref, k, groups))
+
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, jnp.float32))
+    if has_bias:
+        acc = acc + b_ref[...]
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
+def int4_weight_matmul_gpu(x_even, x_odd, w_bytes, scales, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
+                           interpret: bool = False):
+    """Padded operands: x_even/x_odd [Mp, Kp/2], w_bytes [Np, Kp/2] i8 (int4_weight_operands),
+    scales [Np, Kp/group] f32, bias [1, Np]."""
+    mp, kp_half = x_even.shape
+    np_ = w_bytes.shape[0]
+    tm, tn = tiling.tm, tiling.tn
+    return pl.pallas_call(
+        functools.partial(_int4_kernel, tk=tiling.tk, has_bias=has_bias),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid=(mp // tm, np_ // tn),
+        in_specs=[pl.BlockSpec((tm, kp_half), lambda i, j: (i, 0)),
+                  pl.BlockSpec((tm, kp_half), lambda i, j: (i, 0)),
+                  pl.BlockSpec((tn, kp_half), lambda i, j: (j, 0)),
+                  pl.BlockSpec((tn, scales.shape[1]), lambda i, j: (j, 0)),
+                  pl.BlockSpec((1, tn), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
+        compiler_params=_compiler_params(tiling),
+        interpret=interpret,
+    )(x_even, x_odd, w_bytes, scales, bias)

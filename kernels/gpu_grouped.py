@@ -23,8 +23,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from qconvert.formats.qarray import NF4_BLOCK_SIZE
-from qconvert.kernels.gpu_dense import nf4_step_dot
-from qconvert.kernels.tiles import Tiling, round_up, split_even_odd_columns
+from qconvert.kernels.gpu_dense import int4_step_dot, int4_step_scales, nf4_step_dot
+from qconvert.kernels.tiles import Tiling, int4_weight_operands, round_up, split_even_odd_columns
 
 NN_DIMS = (((1,), (0,)), ((), ()))
 NT_DIMS = (((1,), (1,)), ((), ()))
@@ -71,7 +71,7 @@ def live_count(count, live) -> jax.Array:
 
 
 def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rhs, tiling):
-    if rhs_kind == "nf4":
+    if rhs_kind in ("nf4", "int4"):
         xe_ref, xo_ref, w_ref, a_ref, o_ref = refs
     elif rhs_kind == "int8":
         x_ref, w_ref, s_ref, o_ref = refs
@@ -92,6 +92,18 @@ def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rh
                                     scales)
 
             return step, w_ref.shape[2] // half
+
+        if rhs_kind == "int4":
+            half = tk // 2
+            steps = w_ref.shape[2] // half
+            groups = a_ref.shape[2] // steps  # scale groups per K step (1 for a per-channel scale)
+
+            def step(k, acc):
+                cols = pl.ds(pl.multiple_of(k * half, half), half)
+                return int4_step_dot(acc, xe_ref[:, cols], xo_ref[:, cols], w_ref[g, :, cols].astype(jnp.int32),
+                                     int4_step_scales(a_ref, k, groups, g))
+
+            return step, steps
 
         def step(k, acc):
             cols = pl.ds(pl.multiple_of(k * tk, tk), tk)
@@ -123,15 +135,16 @@ def grouped_matmul_gpu(local_offsets, tile_first, tile_count, lhs_operands, rhs_
                        out_dtype, rhs_kind: str, transpose_rhs: bool, interpret: bool = False):
     """Padded operands. local_offsets [G+1], tile_first/tile_count [Mp/tm] (tile_group_map).
 
-    lhs_operands: (lhs [Mp, Kp],) or, for NF4, (lhs_even, lhs_odd) [Mp, Kp/2].
+    lhs_operands: (lhs [Mp, Kp],) or, for NF4 and int4, (lhs_even, lhs_odd) [Mp, Kp/2].
     rhs_operands: float/int8 (rhs [G, Kp, Np] or [G, Np, Kp] transposed,) plus the
-    int8 scale [G, Np]; NF4 (bytes [G, Np, Kp/2], absmax [G, Np, Kp/64]).
+    int8 scale [G, Np]; NF4 (bytes [G, Np, Kp/2], absmax [G, Np, Kp/64]); int4
+    (bytes [G, Np, Kp/2] i8, scales [G, Np, Kp/group], as int4_weight_operands lays them out).
     """
     tm, tn = tiling.tm, tiling.tn
     mp, kp_x = lhs_operands[0].shape
     w = rhs_operands[0]
     num_local = w.shape[0]
-    if rhs_kind == "nf4" or transpose_rhs:
+    if rhs_kind in ("nf4", "int4") or transpose_rhs:
         np_ = w.shape[1]
         w_spec = pl.BlockSpec((num_local, tn, w.shape[2]), lambda i, j: (0, j, 0))
     else:
@@ -139,7 +152,7 @@ def grouped_matmul_gpu(local_offsets, tile_first, tile_count, lhs_operands, rhs_
         w_spec = pl.BlockSpec((num_local, w.shape[1], tn), lambda i, j: (0, 0, j))
     in_specs = [_whole(local_offsets.shape), _whole(tile_first.shape), _whole(tile_count.shape)]
     in_specs += [pl.BlockSpec((tm, kp_x), lambda i, j: (i, 0))] * len(lhs_operands) + [w_spec]
-    if rhs_kind == "nf4":
+    if rhs_kind in ("nf4", "int4"):
         in_specs.append(pl.BlockSpec((num_local, tn, rhs_operands[1].shape[2]), lambda i, j: (0, j, 0)))
     elif rhs_kind == "int8":
         in_specs.append(pl.BlockSpec((num_local, tn), lambda i, j: (0, j)))
@@ -200,11 +213,12 @@ def transposed_grouped_matmul_gpu(local_offsets, lhs, rhs, *, tiling: Tiling, ou
 
 
 def run_grouped_matmul(lhs, rhs_kind: str, rhs_data, rhs_aux, group_sizes, *, offset: int, num_local: int, n: int,
-                       tiling: Tiling, out_dtype, transpose_rhs: bool) -> jax.Array:
+                       tiling: Tiling, out_dtype, transpose_rhs: bool, group_size: int | None = None) -> jax.Array:
     """Lay out checked grouped_matmul operands for the Triton kernel, launch it, return [M, N].
 
     rhs_data/rhs_aux as grouped.py's _rhs_parts gives them (float or int8 rhs and
-    the int8 scale [G, N]; or NF4 bytes and float32 absmax, flat).
+    the int8 scale [G, N]; NF4 bytes and float32 absmax, flat; or int4 codes
+    [G, N, K] and float32 scales [G, N, K/group_size], [G, N, 1] per channel).
     """
     m, k = lhs.shape
     mp, np_ = round_up(m, tiling.tm), round_up(n, tiling.tn)
@@ -216,6 +230,9 @@ def run_grouped_matmul(lhs, rhs_kind: str, rhs_data, rhs_aux, group_sizes, *, of
         lhs_ops = split_even_odd_columns(lhs_p)
         rhs_ops = (_pad(jnp.asarray(rhs_data).reshape(num_local, n, k // 2), (num_local, np_, kp // 2)),
                    _pad(jnp.asarray(rhs_aux).reshape(num_local, n, k // 64), (num_local, np_, kp // 64)))
+    elif rhs_kind == "int4":
+        lhs_ops = split_even_odd_columns(lhs_p)
+        rhs_ops = int4_weight_operands(rhs_data, rhs_aux, group_size, np_, kp, tiling.tk, tpu_layout=False)
     else:
         lhs_ops = (lhs_p,)
         rhs_ops = (_pad(rhs_data, (num_local, np_, kp) if transpose_rhs else (num_local, kp, np_)),)

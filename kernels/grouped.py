@@ -1,9 +1,10 @@
 """The grouped (MoE) matmuls: check, plan, build group metadata, pad, launch, slice.
 
 grouped_matmul(lhs, rhs, group_sizes) computes lhs[rows of group i] @ rhs[i] with
-rhs in float, int8 per output channel (rhs_scale), or NF4 (a QArray of logical
-shape (G, N, K), one nn.Linear weight per expert). transposed_grouped_matmul is
-the weight-gradient form. Rows are sorted by group, as an MoE router's sort gives.
+rhs in float, int8 per output channel (rhs_scale), or NF4 or int4 (a QArray of
+logical shape (G, N, K), one nn.Linear weight per expert).
+transposed_grouped_matmul is the weight-gradient form. Rows are sorted by
+group, as an MoE router's sort gives.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from qconvert.kernels.checks import dtype_of as _dtype
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.grouped_metadata import make_group_metadata
 from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
-from qconvert.kernels.tiles import round_up, split_even_odd_columns
+from qconvert.kernels.tiles import int4_weight_operands, round_up, split_even_odd_columns
 
 OP = "grouped_matmul"
 
@@ -51,8 +52,27 @@ def _resolve_tiling(tiling, m, k, n):
     return (None if tiling is None else Tiling(*tiling)), None
 
 
+def _int4_parts(rhs: QArray):
+    """The checked codes [G, N, K] and float32 scales [G, N, K/group] (or [G, N, 1]) of an int4 QArray."""
+    g, n, k = rhs.shape
+    group = rhs.block_size
+    if rhs.zero_point is not None:
+        raise KernelArgumentError(f"{OP}: int4 rhs must be symmetric (no zero point)")
+    if tuple(jnp.shape(rhs.qvalue)) != (g, n, k) or _dtype(rhs.qvalue) != jnp.int8:
+        raise KernelArgumentError(f"{OP}: int4 rhs codes must be int8 [G, N, K] = {(g, n, k)}, got "
+                                  f"{jnp.shape(rhs.qvalue)} {_dtype(rhs.qvalue)}")
+    if group is not None and k % group:
+        raise KernelArgumentError(f"{OP}: int4 rhs K={k} is not a multiple of its group size {group}")
+    scale_shape = (g, n, 1 if group is None else k // group)
+    if tuple(jnp.shape(rhs.scale)) != scale_shape:
+        raise KernelArgumentError(f"{OP}: int4 rhs scale has shape {jnp.shape(rhs.scale)}; expected {scale_shape} "
+                                  f"(group size {group})")
+    return jnp.asarray(rhs.qvalue), jnp.asarray(rhs.scale, jnp.float32)
+
+
 def _rhs_parts(lhs, rhs, rhs_scale, transpose_rhs):
-    """(rhs_kind, codes/float rhs, scale or absmax, G, K, N) from the accepted rhs forms."""
+    """(rhs_kind, codes/float rhs, scale or absmax, G, K, N, NF4 block or int4 group size) from the accepted
+    rhs forms."""
     k = lhs.shape[1]
     if isinstance(rhs, QArray):
         if len(rhs.shape) != 3 or not transpose_rhs:
@@ -62,6 +82,8 @@ def _rhs_parts(lhs, rhs, rhs_scale, transpose_rhs):
         g, n, k_w = rhs.shape
         if rhs.kind == "nf4":
             return "nf4", jnp.asarray(rhs.qvalue), jnp.asarray(rhs.scale, jnp.float32), g, k_w, n, rhs.block_size
+        if rhs.kind == "int4":
+            return ("int4", *_int4_parts(rhs), g, k_w, n, rhs.block_size)
         if rhs.zero_point is not None:
             raise KernelArgumentError(f"{OP}: int8 rhs must be symmetric (no zero point)")
         return "int8", jnp.asarray(rhs.qvalue), jnp.asarray(rhs.scale, jnp.float32).reshape(g, n), g, k_w, n, None
@@ -77,7 +99,7 @@ def _rhs_parts(lhs, rhs, rhs_scale, transpose_rhs):
                                       f"got {None if rhs_scale is None else jnp.shape(rhs_scale)}")
         return "int8", rhs, jnp.asarray(rhs_scale, jnp.float32).reshape(g, n), g, k_w, n, None
     if not jnp.issubdtype(rhs.dtype, jnp.floating):
-        raise KernelArgumentError(f"{OP}: rhs must be float or int8 (or an NF4 QArray), got {rhs.dtype}")
+        raise KernelArgumentError(f"{OP}: rhs must be float or int8 (or an NF4 or int4 QArray), got {rhs.dtype}")
     return "float", rhs, None, g, k_w, n, None
 
 
@@ -88,9 +110,9 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
 
     lhs float [M, K], rows sorted by group; group_sizes int32 [num_groups]
     (sum <= M); rhs one of: float [G, K, N] ([G, N, K] with transpose_rhs); int8
-    codes of the same layouts with rhs_scale [G, N]; or a QArray ("int8" or
-    "nf4") of logical shape (G, N, K) with transpose_rhs=True. G may be a shard of
-    the experts starting at group_offset. Rows of groups outside the shard, and
+    codes of the same layouts with rhs_scale [G, N]; or a QArray ("int8", "nf4"
+    or "int4") of logical shape (G, N, K) with transpose_rhs=True. G may be a
+    shard of the experts starting at group_offset. Rows of groups outside the shard, and
     rows past sum(group_sizes), are 0. tiling: (tm, tk, tn), a function of
     (m, k, n) returning one (or None to decline), or None to let the plan choose.
     interpret=True runs the TPU kernel in interpret mode (backend "cpu"); on
@@ -109,7 +131,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
                                   f"{num_groups} groups")
     requested, declined = _resolve_tiling(tiling, m, k, n)
     problem = KernelProblem(OP, m, k, n, dtype_name(lhs.dtype), dtype_name(preferred_element_type),
-                            blocksize or NF4_BLOCK_SIZE, num_groups, rhs_kind)
+                            blocksize if rhs_kind == "nf4" else NF4_BLOCK_SIZE, num_groups, rhs_kind,
+                            blocksize if rhs_kind == "int4" else None)
     plan = select_kernel(problem, "cpu" if interpret else backend, requested)
     if declined:
         plan = KernelPlan(OP, f"{OP}_reference", "reference", None, plan.guarantee, fallback_reason=declined)
@@ -118,20 +141,21 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
                                preferred_element_type, offset, transpose_rhs)
         return plan_result(y, plan, return_plan)
     y = _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, plan=plan, rhs_kind=rhs_kind, offset=offset,
-                        g_local=g_local, n=n, out_dtype=jnp.dtype(preferred_element_type), transpose_rhs=transpose_rhs)
+                        g_local=g_local, n=n, out_dtype=jnp.dtype(preferred_element_type), transpose_rhs=transpose_rhs,
+                        group_size=blocksize if rhs_kind == "int4" else None)
     return plan_result(y, plan, return_plan)
 
 
 # Jitted with the plan static: metadata, padding and layout run at trace time into
 # one compiled call (an eager call pays the checks, a cached plan and one dispatch).
 @functools.partial(jax.jit, static_argnames=("plan", "rhs_kind", "offset", "g_local", "n", "out_dtype",
-                                             "transpose_rhs"))
+                                             "transpose_rhs", "group_size"))
 def _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, *, plan: KernelPlan, rhs_kind: str, offset: int,
-                    g_local: int, n: int, out_dtype, transpose_rhs: bool):
+                    g_local: int, n: int, out_dtype, transpose_rhs: bool, group_size: int | None = None):
     if plan.backend == "gpu":
         return gpu_grouped.run_grouped_matmul(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, offset=offset,
                                               num_local=g_local, n=n, tiling=plan.tiling, out_dtype=out_dtype,
-                                              transpose_rhs=transpose_rhs)
+                                              transpose_rhs=transpose_rhs, group_size=group_size)
     m, k = lhs.shape
     t = plan.tiling
     mp, kp, np_ = round_up(m, t.tm), round_up(k, t.tk), round_up(n, t.tn)
@@ -142,6 +166,9 @@ def _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, *, plan: KernelPlan, rh
         lhs_ops = split_even_odd_columns(lhs_p)
         rhs_ops = (_pad(rhs_data.reshape(g_local, n, k // 2), (g_local, np_, kp // 2)),
                    _pad(rhs_aux.reshape(g_local, n, k // NF4_BLOCK_SIZE), (g_local, np_, kp // NF4_BLOCK_SIZE)))
+    elif rhs_kind == "int4":
+        lhs_ops = split_even_odd_columns(lhs_p)
+        rhs_ops = int4_weight_operands(rhs_data, rhs_aux, group_size, np_, kp, t.tk, tpu_layout=True)
     else:
         lhs_ops = (lhs_p,)
         rhs_ops = (_pad(rhs_data, (g_local, np_, kp) if transpose_rhs else (g_local, kp, np_)),)
@@ -163,8 +190,11 @@ def _local_rows(group_sizes, m: int, offset: int, g_local: int) -> jax.Array:
 
 def _grouped_reference(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, g_local, k, n, blocksize, out_dtype, offset,
                        transpose_rhs):
-    if rhs_kind == "nf4":
-        dense = reference.nf4_dequantize_reference(rhs_data, rhs_aux, (g_local * n, k), blocksize)
+    if rhs_kind in ("nf4", "int4"):
+        if rhs_kind == "nf4":
+            dense = reference.nf4_dequantize_reference(rhs_data, rhs_aux, (g_local * n, k), blocksize)
+        else:
+            dense = reference.int4_dequantize_reference(rhs_data, rhs_aux, blocksize)
         return reference.grouped_matmul_reference(lhs, dense.reshape(g_local, n, k).astype(lhs.dtype), group_sizes,
                                                   preferred_element_type=out_dtype, group_offset=offset,
                                                   transpose_rhs=True)

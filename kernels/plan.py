@@ -10,9 +10,9 @@ runs the TPU kernels in TPU interpret mode (exact but slow: for kernel work);
 "xla" runs each kernel's contract as XLA computes it: the functions of
 reference.py themselves, compiled once per shape, so bit-identical to the
 reference (int8 x int8 -> int32 dot for W8A8, the same NF4 decode, int8 codes
-cast to the activation dtype for W8A16). "auto" picks tpu or gpu where JAX runs
-on one, and xla on a CPU host. "reference" names the same code as an explicit
-fallback.
+cast to the activation dtype for W8A16, the same int4 dequantize for W4A16).
+"auto" picks tpu or gpu where JAX runs on one, and xla on a CPU host.
+"reference" names the same code as an explicit fallback.
 """
 
 from __future__ import annotations
@@ -27,9 +27,12 @@ from qconvert.formats.qarray import NF4_BLOCK_SIZE
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.tiles import Tiling, round_up
 
-OPS = ("int8_matmul", "int8_weight_matmul", "nf4_matmul", "grouped_matmul", "transposed_grouped_matmul")
+OPS = ("int8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "grouped_matmul",
+       "transposed_grouped_matmul")
 BACKENDS = ("auto", "tpu", "gpu", "cpu", "xla", "reference")
-RHS_KINDS = ("float", "int8", "nf4")
+RHS_KINDS = ("float", "int8", "nf4", "int4")
+# int4 group sizes the kernels decode (or one scale per output channel): a K tile holds whole groups.
+INT4_GROUP_SIZES = (32, 64, 128, 256)
 # TPU interpret mode simulates every grid step in Python-driven XLA code; past this
 # many steps the XLA reference is the only sensible way to get an answer on CPU.
 CPU_INTERPRET_MAX_STEPS = 256
@@ -41,8 +44,12 @@ GUARANTEES = {
                            "then * w_scale[n] + bias[n]; matches the reference within float32 summation-order error"),
     "nf4_matmul": ("codes decoded with the exact 16-level NF4 table times the block absmax (float32, then the "
                    "activation dtype), float32 accumulation; matches the reference within float32 summation-order error"),
+    "int4_weight_matmul": ("int4 codes sign-extended from their nibbles, times their group's scale in float32, "
+                           "cast to the activation dtype, float32 accumulation, then + bias[n]; matches the "
+                           "reference within float32 summation-order error"),
     "grouped_matmul": ("per-group float32 accumulation (int8 rhs: exact codes, per-channel scale after the sum; "
-                       "NF4 rhs: exact table decode); matches the reference within float32 summation-order error"),
+                       "NF4 rhs: exact table decode; int4 rhs: code times group scale, cast to the activation "
+                       "dtype); matches the reference within float32 summation-order error"),
     "transposed_grouped_matmul": ("per-group float32 accumulation over the group's rows; empty groups give zeros; "
                                   "matches the reference within float32 summation-order error"),
 }
@@ -54,7 +61,8 @@ class KernelProblem:
 
     m, k, n are the logical sizes of y[m, n] = x[m, k] . w[n, k] (for the grouped
     forms: lhs rows, contraction and output columns). rhs_kind is the grouped rhs'
-    encoding ("float", "int8", "nf4").
+    encoding ("float", "int8", "nf4", "int4"); group_size is the int4 weight's
+    input columns per scale (None: one scale per output channel).
     """
 
     op: str
@@ -66,6 +74,7 @@ class KernelProblem:
     blocksize: int = NF4_BLOCK_SIZE
     num_groups: int = 1
     rhs_kind: str = "float"
+    group_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +131,25 @@ def _decodes_nf4(problem: KernelProblem) -> bool:
     return problem.op == "nf4_matmul" or (problem.op == "grouped_matmul" and problem.rhs_kind == "nf4")
 
 
+def _decodes_int4(problem: KernelProblem) -> bool:
+    """Whether the kernel for the problem decodes int4 weights (its K tiles hold whole scale groups)."""
+    return problem.op == "int4_weight_matmul" or (problem.op == "grouped_matmul" and problem.rhs_kind == "int4")
+
+
+def _int4_k_align(problem: KernelProblem, backend: str) -> int:
+    """The int4 K tile's alignment: whole groups, and (Mosaic) whole 128-byte lane widths of packed codes;
+    Triton's dot needs a contraction of at least 16 bytes."""
+    group = problem.group_size or 1
+    return max(256, group) if backend == "tpu" else max(32, group)
+
+
+def _int4_k_tile(problem: KernelProblem, backend: str) -> int:
+    """The K tile of an int4 kernel (dense, or grouped experts, which step K as the dense kernel does)."""
+    align = _int4_k_align(problem, backend)
+    tk_max = max(TILE_TABLES[(backend, regime(problem))]["int4_weight_matmul"].tk, align)
+    return _k_tile(problem.k, tk_max, align, powers_of_two=backend == "gpu")
+
+
 # Tile tables: (tm, tk, tn) per backend, per M regime and per operation. Decode
 # (M <= DECODE_MAX_M rows: one token per sequence) is memory-bound: the weight must
 # stream from memory exactly once, so the row tile covers every row and the N axis
@@ -130,7 +158,10 @@ def _decodes_nf4(problem: KernelProblem) -> bool:
 # (more rows) is compute-bound: square-ish tiles feed the matrix units, and each K
 # step decodes its weight tile once for all tm rows. tm is an upper bound (a
 # smaller M takes the smallest aligned tile that holds it); tk and tn are upper
-# bounds clamped to the padded K and N.
+# bounds clamped to the padded K and N. int4 steps K by whole scale groups (packed
+# two codes per byte, so a tk of 256 reads 128 bytes of each weight row); on Mosaic
+# each K tile's scales are one block as wide as their array, so tk is not tied to
+# the whole K as NF4's is. Grouped int4 experts step K as the dense int4 kernel.
 DECODE_MAX_M = 16
 NF4_TPU_MAX_TK = 8192
 REGIMES = ("decode", "prefill")
@@ -141,6 +172,7 @@ TILE_TABLES: dict[tuple[str, str], dict[str, Tiling]] = {
         "int8_matmul": Tiling(16, 256, 32),
         "int8_weight_matmul": Tiling(16, 128, 32),
         "nf4_matmul": Tiling(16, 256, 32),
+        "int4_weight_matmul": Tiling(16, 256, 32),
         "grouped_matmul": Tiling(16, 128, 32),
         "transposed_grouped_matmul": Tiling(16, 64, 64),
     },
@@ -148,6 +180,7 @@ TILE_TABLES: dict[tuple[str, str], dict[str, Tiling]] = {
         "int8_matmul": Tiling(128, 128, 128),
         "int8_weight_matmul": Tiling(128, 64, 128),
         "nf4_matmul": Tiling(128, 128, 128),
+        "int4_weight_matmul": Tiling(128, 128, 128),
         "grouped_matmul": Tiling(64, 64, 128),
         "transposed_grouped_matmul": Tiling(64, 64, 128),
     },
@@ -158,6 +191,7 @@ TILE_TABLES: dict[tuple[str, str], dict[str, Tiling]] = {
         "int8_matmul": Tiling(32, 1024, 512),
         "int8_weight_matmul": Tiling(16, 1024, 512),
         "nf4_matmul": Tiling(16, NF4_TPU_MAX_TK, 256),
+        "int4_weight_matmul": Tiling(16, 4096, 256),
         "grouped_matmul": Tiling(16, 512, 256),
         "transposed_grouped_matmul": Tiling(256, 256, 256),
     },
@@ -165,6 +199,7 @@ TILE_TABLES: dict[tuple[str, str], dict[str, Tiling]] = {
         "int8_matmul": Tiling(256, 512, 256),
         "int8_weight_matmul": Tiling(256, 512, 256),
         "nf4_matmul": Tiling(256, NF4_TPU_MAX_TK, 256),
+        "int4_weight_matmul": Tiling(256, 2048, 256),
         "grouped_matmul": Tiling(256, 512, 256),
         "transposed_grouped_matmul": Tiling(256, 256, 256),
     },
@@ -211,7 +246,7 @@ def default_tiling(problem: KernelProblem, backend: str) -> Tiling:
     m, k, n, op = problem.m, problem.k, problem.n, problem.op
     table = TILE_TABLES[(backend, regime(problem))]
     entry = table[op]
-    nf4 = _decodes_nf4(problem)
+    nf4, int4 = _decodes_nf4(problem), _decodes_int4(problem)
     if backend == "gpu":
         if op == "transposed_grouped_matmul":
             # M is the contraction here, walked in row chunks; the output tile is tk x tn.
@@ -219,7 +254,10 @@ def default_tiling(problem: KernelProblem, backend: str) -> Tiling:
                           min(entry.tn, _power_of_two_at_least(n, 64)))
         # Grouped NF4 experts step K as the dense NF4 kernel does.
         tk_max = table["nf4_matmul"].tk if nf4 else entry.tk
-        tk = _k_tile(k, tk_max, NF4_BLOCK_SIZE if nf4 else 16, powers_of_two=True)
+        if int4:
+            tk = _int4_k_tile(problem, backend)
+        else:
+            tk = _k_tile(k, tk_max, NF4_BLOCK_SIZE if nf4 else 16, powers_of_two=True)
         return Tiling(min(entry.tm, _power_of_two_at_least(m)), tk, min(entry.tn, _power_of_two_at_least(n)))
     if op == "transposed_grouped_matmul":
         # There K is the output rows and M the contraction; both are lane/sublane dims.
@@ -233,15 +271,21 @@ def default_tiling(problem: KernelProblem, backend: str) -> Tiling:
         # must span its array's full width or a multiple of 128 lanes.
         kp = round_up(k, 256)
         return Tiling(tm, min(kp, NF4_TPU_MAX_TK), tn)
+    if int4:
+        return Tiling(tm, _int4_k_tile(problem, backend), tn)
     return Tiling(tm, _k_tile(k, entry.tk, 128, powers_of_two=False), tn)
 
 
 def check_tiling(problem: KernelProblem, backend: str, tiling: Tiling) -> None:
     """Raise KernelArgumentError when a requested tiling breaks the backend's layout rules."""
-    nf4 = _decodes_nf4(problem)
+    nf4, int4 = _decodes_nf4(problem), _decodes_int4(problem)
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
     if min(tm, tk, tn) <= 0:
         raise KernelArgumentError(f"tile sizes must be positive, got {tiling}")
+    if int4 and tk % _int4_k_align(problem, backend):
+        what = "whole 128-byte lane widths of packed codes" if backend == "tpu" else "a dot of 16 bytes or more"
+        raise KernelArgumentError(f"{backend.upper()} int4 tiles need tk to be a multiple of "
+                                  f"{_int4_k_align(problem, backend)} (whole scale groups and {what}), got {tk}")
     if backend == "gpu":
         if any(t < 16 or t & (t - 1) for t in (tm, tk, tn)):
             raise KernelArgumentError(f"GPU tiles must be powers of two >= 16, got {tiling}")
@@ -286,6 +330,13 @@ def _reference_plan(problem: KernelProblem, reason: str | None) -> KernelPlan:
 
 
 def _fallback_reason(problem: KernelProblem) -> str | None:
+    if _decodes_int4(problem) and problem.group_size is not None:
+        if problem.group_size not in INT4_GROUP_SIZES:
+            sizes = ", ".join(str(g) for g in INT4_GROUP_SIZES)
+            return (f"the int4 kernels decode groups of {sizes} input columns (or one scale per channel), "
+                    f"not {problem.group_size}")
+        if problem.k % problem.group_size:
+            return f"K={problem.k} is not a multiple of the int4 group size {problem.group_size}"
     nf4 = _decodes_nf4(problem)
     if nf4 and problem.blocksize != NF4_BLOCK_SIZE:
         return f"the NF4 kernels decode blocks of {NF4_BLOCK_SIZE}, not {problem.blocksize}"

@@ -5,7 +5,8 @@
                              int8_matmul: int32 accumulation, x_scale * w_scale rescale
   int8 weight, int8 QArray x int8_matmul on x's codes and scales as they are
   nf4 weight                 nf4_matmul: codes decoded with the NF4 table x block absmax
-  experts (qgrouped_linear)  grouped_matmul over the experts' stacked QArrays (int8 or NF4); with
+  int4 weight                int4_weight_matmul (W4A16): codes x group (or per-channel) scale
+  experts (qgrouped_linear)  grouped_matmul over the experts' stacked QArrays (int8, NF4 or int4); with
                              act the rows enter as their exact int8 values x_q * x_scale
 
 verify, ops and calibration all reach the kernels through these two functions;
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 
 from qconvert.formats.qarray import QArray
 from qconvert.kernels.activations import fake_quantize_rows, quantize_activations
-from qconvert.kernels.dense import int8_matmul, int8_weight_matmul, nf4_matmul
+from qconvert.kernels.dense import int4_weight_matmul, int8_matmul, int8_weight_matmul, nf4_matmul
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.grouped import grouped_matmul
 
@@ -55,7 +56,8 @@ def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None
     """y = x @ W^T (+ bias) for a quantized weight W [out, in] held in a QArray.
 
     x [..., in] float, or an int8 QArray (one scale per row or per tensor) that
-    goes to int8_matmul as it is. NF4 QArrays go to nf4_matmul; int8 QArrays go
+    goes to int8_matmul as it is. NF4 QArrays go to nf4_matmul and int4 ones to
+    int4_weight_matmul (float x only, act=None); int8 QArrays go
     to int8_weight_matmul (act=None, W8A16) or, for W8A8, through
     quantize_activations (act="dynamic": per token; act="static": the
     calibrated per-tensor input_scale) into int8_matmul. out_dtype defaults to
@@ -78,6 +80,13 @@ def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None
             raise KernelArgumentError("qlinear: NF4 weights take float activations; drop act")
         result = nf4_matmul(x2, q.qvalue, q.scale, shape=q.shape, blocksize=q.block_size, bias=bias,
                             out_dtype=out_dtype, backend=backend, return_plan=True)
+    elif q.kind == "int4":
+        if act is not None or isinstance(x, QArray):
+            raise KernelArgumentError("qlinear: int4 weights take float activations (W4A16); drop act")
+        if q.zero_point is not None:
+            raise KernelArgumentError("qlinear: int4 weights must be symmetric (no zero point)")
+        result = int4_weight_matmul(x2, q.qvalue, q.scale, group_size=q.block_size, bias=bias, out_dtype=out_dtype,
+                                    backend=backend, return_plan=True)
     else:
         if q.zero_point is not None:
             raise KernelArgumentError("qlinear: int8 weights must be symmetric (no zero point)")
@@ -106,6 +115,12 @@ def stack_experts(qs: Sequence[QArray]) -> QArray:
         return QArray(jnp.stack([jnp.asarray(q.qvalue) for q in qs]),
                       jnp.stack([jnp.asarray(q.scale, jnp.float32).reshape(n, 1) for q in qs]),
                       kind="int8", shape=(g, n, k), dtype=first.dtype)
+    if first.kind == "int4":
+        if any(q.kind != "int4" or q.block_size != first.block_size or q.shape != first.shape for q in qs):
+            raise KernelArgumentError("stack_experts: int4 experts must share one shape and group size")
+        return QArray(jnp.stack([jnp.asarray(q.qvalue) for q in qs]),
+                      jnp.stack([jnp.asarray(q.scale, jnp.float32).reshape(n, -1) for q in qs]),
+                      kind="int4", block_size=first.block_size, shape=(g, n, k), dtype=first.dtype)
     # NF4 blocks run over the flattened weight; experts concatenate cleanly when
     # each one holds whole blocks (n * k % 64 == 0, which the kernel needs anyway).
     return QArray(jnp.concatenate([jnp.asarray(q.qvalue).reshape(-1) for q in qs]),
@@ -133,14 +148,17 @@ def qgrouped_linear(x, qs: Sequence[QArray], group_sizes, *, act: str | None = N
                     input_scales: Sequence[float | None] = (), backend: str = "auto", return_plan: bool = False):
     """Rows of x [M, in] sorted by expert (group_sizes[e] rows for expert e) times expert e's W^T.
 
-    qs holds each expert's [out, in] QArray (int8 or NF4). act="dynamic" quantizes
-    every row per token, act="static" each expert's rows with its input_scales[e];
-    the int8 rows enter the grouped kernel as their exact float values.
+    qs holds each expert's [out, in] QArray (int8, NF4 or int4; int4 takes
+    act=None). act="dynamic" quantizes every row per token, act="static" each
+    expert's rows with its input_scales[e]; the int8 rows enter the grouped
+    kernel as their exact float values.
     """
     if act not in ACT_MODES:
         raise KernelArgumentError(f"qgrouped_linear: act must be None, 'dynamic' or 'static', got {act!r}")
     if (act == "static") != any(s is not None for s in input_scales):
         raise KernelArgumentError("qgrouped_linear: act='static' needs input_scales, and only it takes them")
+    if act is not None and qs and qs[0].kind == "int4":
+        raise KernelArgumentError("qgrouped_linear: int4 experts take float activations (W4A16); drop act")
     group_sizes = jnp.asarray(group_sizes, jnp.int32)
     if act is not None:
         x = int8_rows_by_expert(jnp.asarray(x), group_sizes, list(input_scales) or [None] * len(qs))

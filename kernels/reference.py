@@ -83,6 +83,34 @@ def nf4_matmul_reference(x, w_packed, absmax, *, shape, blocksize: int = NF4_BLO
     return y.astype(out_dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("group_size",))
+def int4_dequantize_reference(w_codes, w_scale, group_size: int | None) -> jax.Array:
+    """The float32 weight [..., N, K] of int4 codes: q[n, k] * scale[n, k // group_size] (scale[n] when None)."""
+    codes = jnp.asarray(w_codes).astype(jnp.float32)
+    scale = jnp.asarray(w_scale, jnp.float32).reshape(*codes.shape[:-1], -1)
+    if group_size is not None:
+        scale = jnp.repeat(scale, group_size, axis=-1)
+    return codes * scale
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "out_dtype"))
+def int4_weight_matmul_reference(x, w_codes, w_scale, *, group_size: int | None, bias=None,
+                                 out_dtype=jnp.float32) -> jax.Array:
+    """W4A16: y = x @ W^T + bias[n], W the int4 weight dequantized in float32 and cast to x's dtype.
+
+    w_codes int8 [N, K] in [-8, 7]; w_scale [N, K/group_size] ([N, 1] per channel
+    when group_size is None). Accumulation is float32.
+    """
+    x = jnp.asarray(x)
+    w = int4_dequantize_reference(w_codes, w_scale, group_size).astype(x.dtype)
+    y = jax.lax.dot_general(
+        x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=HIGHEST
+    )
+    if bias is not None:
+        y = y + jnp.asarray(bias, jnp.float32).reshape(1, -1)
+    return y.astype(out_dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("preferred_element_type", "group_offset", "transpose_rhs"))
 def grouped_matmul_reference(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
                              group_offset: int = 0, transpose_rhs: bool = False, rhs_scale=None) -> jax.Array:

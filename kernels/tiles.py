@@ -1,4 +1,4 @@
-"""Tile sizes, padding and the NF4 code decode shared by the TPU and GPU kernels."""
+"""Tile sizes, padding, the NF4 code decode and the int4 nibble packing shared by the TPU and GPU kernels."""
 
 from __future__ import annotations
 
@@ -55,3 +55,69 @@ def split_even_odd_columns(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     codes as two separate weight planes, so no interleave is ever done in-kernel.
     """
     return x[:, 0::2], x[:, 1::2]
+
+
+def pack_int4_pairs(codes: jax.Array) -> jax.Array:
+    """int8 codes [..., K] in [-8, 7], K even -> int8 bytes [..., K/2], two codes per byte.
+
+    Byte j holds column 2j in its low nibble and column 2j + 1 in its high one
+    (the earlier column in the lower bits, as compressed-tensors packs), so the
+    low nibbles meet x[:, 0::2] and the high ones x[:, 1::2]
+    (split_even_odd_columns): the kernels read half the weight bytes and never
+    interleave. As a signed byte, the value is high * 16 + (low & 15), exactly.
+    """
+    codes = jnp.asarray(codes).astype(jnp.int32)
+    return ((codes[..., 1::2] << 4) | (codes[..., 0::2] & 0xF)).astype(jnp.int8)
+
+
+def int4_nibbles(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """int32 bytes (sign-extended from int8) -> the (low, high) int32 codes in [-8, 7].
+
+    The high nibble is an arithmetic shift of the signed byte; the low one is
+    sign-extended by flipping and removing its sign bit. Shifts and bit ops
+    only: no division, which lowers through sign() on the TPU.
+    """
+    return ((packed & 0xF) ^ 8) - 8, packed >> 4
+
+
+def group_scale_columns(columns, shape: tuple[int, int], group_bytes: int, offset: int = 0) -> jax.Array:
+    """The float32 scale of every byte of a [rows, width] weight chunk, from its groups' scale columns.
+
+    columns[g] ([rows, 1]) is the scale of the g-th group the chunk touches;
+    group_bytes bytes (2 * group_bytes codes) share one scale, and the chunk
+    starts offset bytes into its first group. A select per group boundary over
+    a lane-index map (no gather, reshape or repeat) lowers on both Mosaic and
+    Triton.
+    """
+    scale = jnp.broadcast_to(columns[0], shape)
+    if len(columns) == 1:
+        return scale
+    lane = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    for g in range(1, len(columns)):
+        scale = jnp.where(lane >= g * group_bytes - offset, columns[g], scale)
+    return scale
+
+
+def int4_weight_operands(codes, scale, group_size: int | None, np_: int, kp: int, tk: int, tpu_layout: bool):
+    """Pack int4 weights [..., N, K] (scale [..., N, K/group_size] or [..., N, 1]) for the kernels.
+
+    Returns (bytes [..., Np, Kp/2] int8, scales float32). Each K tile of tk codes
+    holds whole scale groups; one scale per channel is treated as one group per
+    K tile. The scales come [..., Np, Kp/group] for Triton (each program reads
+    its rows' whole K range) and [..., Kp/tk, Np, tk/group] for Mosaic, where a
+    K tile's scales are one block whose width is the array's whole last axis
+    (a narrower block would have to span a multiple of 128 lanes). Padding adds
+    zero codes and zero scales, which contribute nothing.
+    """
+    codes = jnp.asarray(codes)
+    lead, (n, k) = codes.shape[:-2], codes.shape[-2:]
+    scale = jnp.asarray(scale, jnp.float32).reshape(*lead, n, -1)
+    group = tk if group_size is None else group_size
+    if group_size is None:
+        scale = jnp.broadcast_to(scale, (*lead, n, kp // tk))
+    pad = [(0, 0)] * len(lead)
+    w_bytes = pack_int4_pairs(jnp.pad(codes, pad + [(0, np_ - n), (0, kp - k)]))
+    scale = jnp.pad(scale, pad + [(0, np_ - n), (0, kp // group - scale.shape[-1])])
+    if tpu_layout:
+        scale = jnp.moveaxis(scale.reshape(*lead, np_, kp // tk, tk // group), -2, -3)
+    return w_bytes, scale

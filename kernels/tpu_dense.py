@@ -1,4 +1,4 @@
-"""TPU (Mosaic) Pallas kernels for the dense quantized matmuls: W8A8, W8A16 and NF4.
+"""TPU (Mosaic) Pallas kernels for the dense quantized matmuls: W8A8, W8A16, NF4 and int4 (W4A16).
 
 Grid (M tiles, N tiles, K tiles), K innermost and "arbitrary" so the float32 or
 int32 accumulator stays in VMEM scratch across it; the rescale runs once, on the
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from qconvert.kernels.tiles import Tiling, nf4_level
+from qconvert.kernels.tiles import Tiling, group_scale_columns, int4_nibbles, nf4_level
 
 NT_DIMS = (((1,), (1,)), ((), ()))  # contract the last axis of both: x [m, k] . w [n, k]
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -205,3 +205,71 @@ def nf4_matmul_tpu(x_even, x_odd, w_bytes, absmax, bias, *, tiling: Tiling, out_
         compiler_params=_compiler_params(),
         interpret=_interpret(interpret),
     )(x_even, x_odd, w_bytes, absmax, bias)
+
+
+def int4_tile_dot(acc, xe_ref, xo_ref, w_ref, s_ref):
+    """acc + one tile's products: packed int4 bytes w_ref [tn, tile_bytes] with scales s_ref [tn, groups].
+
+    Low nibbles meet xe_ref, high nibbles xo_ref. Each code is sign-extended,
+    times its group's scale in float32 and cast to the activation dtype (the
+    reference's dequantize); both products accumulate in float32. The tile
+    holds whole groups (one per channel scale: a single group).
+    """
+    tn, tile_bytes = w_ref.shape
+    scales = s_ref[...]  # the tile's [tn, groups] scales: one load, then a column per group
+    group_bytes = tile_bytes // scales.shape[1]
+    compute_dtype = xe_ref.dtype
+    for start, width in nf4_chunks(tile_bytes):  # the same chunking as NF4: small float planes, whole tile
+        cols = slice(start, start + width)
+        first, last = start // group_bytes, (start + width - 1) // group_bytes
+        scale = group_scale_columns([scales[:, g:g + 1] for g in range(first, last + 1)], (tn, width), group_bytes,
+                                    start - first * group_bytes)
+        low, high = int4_nibbles(w_ref[:, cols].astype(jnp.int32))
+        w_low = (low.astype(jnp.float32) * scale).astype(compute_dtype)
+        w_high = (high.astype(jnp.float32) * scale).astype(compute_dtype)
+        acc += jax.lax.dot_general(xe_ref[:, cols], w_low, NT_DIMS,
+                                   preferred_element_type=jnp.float32, precision=HIGHEST)
+        acc += jax.lax.dot_general(xo_ref[:, cols], w_high, NT_DIMS,
+                                   preferred_element_type=jnp.float32, precision=HIGHEST)
+    return acc
+
+
+def _int4_kernel(xe_ref, xo_ref, w_ref, s_ref, b_ref, o_ref, acc_ref, *, has_bias):
+    @pl.when(pl.program_id(2) == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    acc_ref[...] = int4_tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, s_ref)
+
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+    def _store():
+        y = acc_ref[...]
+        if has_bias:
+            y = y + b_ref[...]
+        o_ref[...] = y.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
+def int4_weight_matmul_tpu(x_even, x_odd, w_bytes, scales, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
+                           interpret: bool):
+    """Padded operands: x_even/x_odd [Mp, Kp/2], w_bytes [Np, Kp/2] i8 (int4_weight_operands),
+    scales [Kp/tk, Np, groups per K tile] f32, bias [1, Np]."""
+    mp = x_even.shape[0]
+    np_, kp_half = w_bytes.shape
+    tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
+    grid, out_spec, _, col_vec = _grid_specs(tiling, mp, np_, 2 * kp_half)
+    return pl.pallas_call(
+        functools.partial(_int4_kernel, has_bias=has_bias),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0, grid=grid,
+            in_specs=[pl.BlockSpec((tm, tk // 2), lambda i, j, k: (i, k)),
+                      pl.BlockSpec((tm, tk // 2), lambda i, j, k: (i, k)),
+                      pl.BlockSpec((tn, tk // 2), lambda i, j, k: (j, k)),
+                      pl.BlockSpec((None, tn, scales.shape[2]), lambda i, j, k: (k, j, 0)),
+                      col_vec],
+            out_specs=out_spec,
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)]),
+        compiler_params=_compiler_params(),
+        interpret=_interpret(interpret),
+    )(x_even, x_odd, w_bytes, scales, bias)

@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from qconvert.kernels.tiles import Tiling
-from qconvert.kernels.tpu_dense import nf4_tile_dot
+from qconvert.kernels.tpu_dense import int4_tile_dot, nf4_tile_dot
 
 NN_DIMS = (((1,), (0,)), ((), ()))
 NT_DIMS = (((1,), (1,)), ((), ()))
@@ -37,7 +37,7 @@ def _row_mask(shape, axis, tm, m_tile, start, end):
 
 def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *refs, rhs_kind, transpose_rhs,
                 tm):
-    if rhs_kind == "nf4":
+    if rhs_kind in ("nf4", "int4"):
         xe_ref, xo_ref, w_ref, a_ref, o_ref, acc_ref = refs
     elif rhs_kind == "int8":
         x_ref, w_ref, s_ref, o_ref, acc_ref = refs
@@ -54,6 +54,8 @@ def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *
     def _accumulate():
         if rhs_kind == "nf4":
             acc_ref[...] = nf4_tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, a_ref)
+        elif rhs_kind == "int4":
+            acc_ref[...] = int4_tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, a_ref)
         else:
             x = x_ref[...]
             w = w_ref[...].astype(x.dtype)
@@ -74,14 +76,15 @@ def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "rhs_kind", "transpose_rhs", "interpret"))
 def grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs_operands, rhs_operands, *, tiling: Tiling, out_dtype,
                        rhs_kind: str, transpose_rhs: bool, interpret: bool):
-    """Padded operands. lhs_operands: (lhs [Mp, Kp],) or, for NF4, (lhs_even, lhs_odd) [Mp, Kp/2].
+    """Padded operands. lhs_operands: (lhs [Mp, Kp],) or, for NF4 and int4, (lhs_even, lhs_odd) [Mp, Kp/2].
     rhs_operands: float/int8 (rhs [G, Kp, Np] or [G, Np, Kp] transposed,) plus int8 scale [G, 1, Np];
-    NF4 (bytes [G, Np, Kp/2], absmax [G, Np, Kp/64])."""
+    NF4 (bytes [G, Np, Kp/2], absmax [G, Np, Kp/64]); int4 (bytes [G, Np, Kp/2] i8, scales
+    [G, Kp/tk, Np, groups per K tile], as int4_weight_operands lays them out)."""
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
     group_offsets, group_ids, m_tile_ids = metadata
     mp = lhs_operands[0].shape[0]
     num_local = rhs_operands[0].shape[0]
-    if rhs_kind == "nf4":
+    if rhs_kind in ("nf4", "int4"):
         np_, kp = rhs_operands[0].shape[1], 2 * rhs_operands[0].shape[2]
     elif transpose_rhs:
         np_, kp = rhs_operands[0].shape[1:]
@@ -94,14 +97,21 @@ def grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs_operands, rhs_oper
 
     def rhs_map(n, i, k, go, gi, mt, goff, nt):
         g = _local_group(gi, i, goff, num_local)
-        return (g, n, k) if (transpose_rhs or rhs_kind == "nf4") else (g, k, n)
+        return (g, n, k) if (transpose_rhs or rhs_kind in ("nf4", "int4")) else (g, k, n)
 
     def scale_map(n, i, k, go, gi, mt, goff, nt):
         return _local_group(gi, i, goff, num_local), 0, n
 
+    def int4_scale_map(n, i, k, go, gi, mt, goff, nt):
+        return _local_group(gi, i, goff, num_local), k, n, 0
+
     if rhs_kind == "nf4":
         in_specs = [pl.BlockSpec((tm, tk // 2), lhs_map)] * 2 + [
             pl.BlockSpec((None, tn, tk // 2), rhs_map), pl.BlockSpec((None, tn, tk // 64), rhs_map)]
+    elif rhs_kind == "int4":
+        in_specs = [pl.BlockSpec((tm, tk // 2), lhs_map)] * 2 + [
+            pl.BlockSpec((None, tn, tk // 2), rhs_map),
+            pl.BlockSpec((None, None, tn, rhs_operands[1].shape[3]), int4_scale_map)]
     else:
         block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
         in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(block, rhs_map)]

@@ -49,6 +49,23 @@ def nf4_values(q: QArray) -> np.ndarray:
     return (NF4_LEVELS[codes] * absmax).reshape(q.shape)
 
 
+def int4_qarray(x: np.ndarray, group_size: int | None = None, dtype: str = "float32") -> QArray:
+    """Symmetric int4 along the last axis: absmax / 7 per group of group_size columns (per row when None)."""
+    x = np.asarray(x, np.float32)
+    groups = x.reshape(*x.shape[:-1], -1, x.shape[-1] if group_size is None else group_size)
+    absmax = np.max(np.abs(groups), axis=-1)
+    scale = np.where(absmax > 0, absmax / 7.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(groups / scale[..., None]), -8, 7).astype(np.int8).reshape(x.shape)
+    return QArray(q, scale, kind="int4", block_size=group_size, shape=x.shape, dtype=dtype)
+
+
+def int4_values(q: QArray) -> np.ndarray:
+    """q's values in float32, computed with numpy: each code times its group's scale."""
+    scale = np.asarray(q.scale, np.float32)
+    per_column = np.repeat(scale, q.shape[-1] // scale.shape[-1], axis=-1)
+    return np.asarray(q.qvalue, np.float32) * per_column
+
+
 def group_bounds(sizes) -> np.ndarray:
     """Row offsets of consecutive groups: [0, sizes[0], sizes[0] + sizes[1], ...]."""
     return np.concatenate([[0], np.cumsum(sizes)])

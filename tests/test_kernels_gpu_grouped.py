@@ -151,20 +151,24 @@ def lowered_text(fn, args, **static):
 
 @pytest.mark.parametrize("rhs_kind,transpose_rhs,x_dtype", [
     ("float", False, jnp.bfloat16), ("float", True, jnp.float32), ("int8", False, jnp.bfloat16),
-    ("int8", True, jnp.bfloat16), ("nf4", True, jnp.bfloat16), ("nf4", True, jnp.float32)])
+    ("int8", True, jnp.bfloat16), ("nf4", True, jnp.bfloat16), ("nf4", True, jnp.float32),
+    ("int4", True, jnp.bfloat16), ("int4", True, jnp.float32)])
 def test_grouped_matmul_lowers_to_a_triton_call_for_cuda(rhs_kind, transpose_rhs, x_dtype):
     # 8 experts at a decode-like tiling; K and G deliberately not powers of two
     tables = (S((7,), I32), S((6,), I32), S((6,), I32))
     if rhs_kind == "nf4":
         lhs = (S((96, 384), x_dtype),) * 2
         rhs = (S((6, 256, 384), jnp.uint8), S((6, 256, 12), jnp.float32))
+    elif rhs_kind == "int4":  # K 768 in groups of 32: two groups per K step of 64
+        lhs = (S((96, 384), x_dtype),) * 2
+        rhs = (S((6, 256, 384), jnp.int8), S((6, 256, 24), jnp.float32))
     else:
         lhs = (S((96, 768), x_dtype),)
         dtype = jnp.int8 if rhs_kind == "int8" else jnp.bfloat16
         rhs = (S((6, 256, 768) if transpose_rhs else (6, 768, 256), dtype),)
         if rhs_kind == "int8":
             rhs += (S((6, 256), jnp.float32),)
-    tiling = Tiling(16, 64, 32) if rhs_kind == "nf4" else Tiling(16, 64, 64)
+    tiling = Tiling(16, 64, 32) if rhs_kind in ("nf4", "int4") else Tiling(16, 64, 64)
     text = lowered_text(gpu_grouped.grouped_matmul_gpu, (*tables, lhs, rhs), tiling=tiling, out_dtype=jnp.bfloat16,
                         rhs_kind=rhs_kind, transpose_rhs=transpose_rhs, interpret=False)
     assert "__gpu$xla.gpu.triton" in text

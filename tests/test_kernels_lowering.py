@@ -45,13 +45,30 @@ def test_w8a16_and_nf4_lower_for_tpu_and_gpu(x_dtype):
     assert "triton" in lowered_text(gpu_dense.nf4_matmul_gpu, nf4, "cuda", tiling=Tiling(16, 64, 32), **static)
 
 
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("groups_per_tile", [16, 1])  # groups of 32 in a K tile of 512, or one scale per channel
+def test_int4_lowers_for_tpu_and_gpu(x_dtype, groups_per_tile):
+    static = dict(out_dtype=jnp.bfloat16, has_bias=True, interpret=False)
+    # TPU: K 2048 in tiles of 512 (four K tiles of scales); GPU: the K row's scales, 64 of 32 or one per step
+    tpu = (S((16, 1024), x_dtype), S((16, 1024), x_dtype), S((512, 1024), jnp.int8),
+           S((4, 512, groups_per_tile), jnp.float32), S((1, 512), jnp.float32))
+    assert "tpu_custom_call" in lowered_text(tpu_dense.int4_weight_matmul_tpu, tpu, "tpu",
+                                             tiling=Tiling(16, 512, 256), **static)
+    gpu = tpu[:3] + (S((512, 64 if groups_per_tile > 1 else 8), jnp.float32), tpu[4])
+    assert "triton" in lowered_text(gpu_dense.int4_weight_matmul_gpu, gpu, "cuda", tiling=Tiling(16, 256, 32),
+                                    **static)
+
+
 @pytest.mark.parametrize("rhs_kind,transpose_rhs", [("float", False), ("float", True), ("int8", True),
-                                                    ("nf4", True)])
+                                                    ("nf4", True), ("int4", True)])
 def test_grouped_matmul_lowers_for_tpu(rhs_kind, transpose_rhs):
     metadata = (S((5,), I32), S((12,), I32), S((12,), I32))
     if rhs_kind == "nf4":
         lhs = (S((256, 256), jnp.bfloat16),) * 2
         rhs = (S((4, 256, 256), jnp.uint8), S((4, 256, 8), jnp.float32))
+    elif rhs_kind == "int4":  # K 512 in one tile, groups of 64
+        lhs = (S((256, 256), jnp.bfloat16),) * 2
+        rhs = (S((4, 256, 256), jnp.int8), S((4, 1, 256, 8), jnp.float32))
     else:
         lhs = (S((256, 512), jnp.bfloat16),)
         dtype = jnp.int8 if rhs_kind == "int8" else jnp.bfloat16

@@ -12,7 +12,8 @@ import pytest
 
 import mlir_verify
 from qconvert.formats import QArray
-from qconvert.kernels import grouped_matmul, int8_matmul, int8_weight_matmul, nf4_matmul, transposed_grouped_matmul
+from qconvert.kernels import (grouped_matmul, int4_weight_matmul, int8_matmul, int8_weight_matmul, nf4_matmul,
+                              transposed_grouped_matmul)
 from qconvert.kernels.plan import REGIMES, TILE_TABLES
 
 S = jax.ShapeDtypeStruct
@@ -21,8 +22,10 @@ PLATFORM = {"tpu": ("tpu", "mosaic"), "gpu": ("cuda", "triton")}
 # Per regime: M rows, and a K whose tiles are odd multiples of 256 (576 -> 768) or long (4864).
 SIZES = {"decode": (3, 576, 200), "prefill": (300, 4864, 384)}
 EXPERTS = 4
-CASES = ["int8_matmul", "int8_weight_matmul", "nf4_matmul", "grouped_float", "grouped_float_transposed",
-         "grouped_int8", "grouped_nf4", "transposed_grouped_matmul"]
+CASES = ["int8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "int4_weight_matmul_per_channel",
+         "grouped_float", "grouped_float_transposed", "grouped_int8", "grouped_nf4", "grouped_int4",
+         "grouped_int4_per_channel", "transposed_grouped_matmul"]
+INT4_GROUP = 32  # divides every K of SIZES; the per-channel cases take one scale per row
 
 
 def case_call(case: str, m: int, k: int, n: int, backend: str):
@@ -39,6 +42,19 @@ def case_call(case: str, m: int, k: int, n: int, backend: str):
         return (lambda x, w, a: nf4_matmul(x, w, a, shape=(n, k), out_dtype=BF16, backend=backend,
                                            return_plan=True),
                 (S((m, k), BF16), S((n * k // 2,), jnp.uint8), S((n * k // 64,), jnp.float32)))
+    if case.startswith("int4_weight_matmul"):
+        group = None if case.endswith("per_channel") else INT4_GROUP
+        return (lambda x, w, s: int4_weight_matmul(x, w, s, group_size=group, out_dtype=BF16, backend=backend,
+                                                   return_plan=True),
+                (S((m, k), BF16), S((n, k), jnp.int8), S((n, 1 if group is None else k // group), BF16)))
+    if case.startswith("grouped_int4"):
+        # two local experts of four, as for NF4
+        group = None if case.endswith("per_channel") else INT4_GROUP
+        return (lambda x, w, s, gs: grouped_matmul(
+                    x, QArray(w, s, kind="int4", block_size=group, shape=(2, n, k), dtype="bfloat16"), gs,
+                    transpose_rhs=True, preferred_element_type=BF16, group_offset=1, backend=backend,
+                    return_plan=True),
+                (S((m, k), BF16), S((2, n, k), jnp.int8), S((2, n, 1 if group is None else k // group), BF16), sizes))
     if case in ("grouped_float", "grouped_float_transposed"):
         transposed = case.endswith("transposed")
         return (lambda x, w, gs: grouped_matmul(x, w, gs, transpose_rhs=transposed, preferred_element_type=BF16,
@@ -80,14 +96,14 @@ def test_kernel_lowers_to_a_verified_module_at_its_tile_table_entry(backend, reg
     expected_regime = "prefill" if case == "transposed_grouped_matmul" else regime
     assert plan.fallback_reason is None and plan.backend == backend
     assert plan.tile_table == f"{backend}/{expected_regime}"
-    op = case if case in TILE_TABLES[(backend, regime)] else "grouped_matmul"
-    assert plan.tiling.tm <= TILE_TABLES[(backend, expected_regime)][op].tm
+    assert plan.tiling.tm <= TILE_TABLES[(backend, expected_regime)][plan.op].tm
     assert mlir_verify.verified[dialect] > before, f"no {dialect} module reached the verifier"
     assert ("tpu_custom_call" if backend == "tpu" else "triton") in text
 
 
 def test_every_operation_has_an_entry_in_every_table():
-    ops = {"int8_matmul", "int8_weight_matmul", "nf4_matmul", "grouped_matmul", "transposed_grouped_matmul"}
+    ops = {"int8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "grouped_matmul",
+           "transposed_grouped_matmul"}
     assert set(TILE_TABLES) == {(b, r) for b in ("tpu", "gpu") for r in REGIMES}
     assert all(set(table) == ops for table in TILE_TABLES.values())
     # the two backends tile differently: Triton's power-of-two tiles are not Mosaic's (8, 128) vreg tiles

@@ -7,10 +7,10 @@ Each op returns what the jax.lax (or jax.numpy) op returns for the dequantized
 operands (shape, dtype, preferred_element_type rules), computed by one of two
 ways chosen in qconvert.ops.dispatch.choose_path: an exact integer path when
 both operands are int8 with scales that factor out of the contraction (Pallas
-kernels for plain matmuls), otherwise dequantize-then-compute (the NF4 kernel
-for a plain matmul with an NF4 weight). `record_paths()` shows the choices;
-`use_kernels(backend)` sets where the Pallas kernels run (default: TPU/GPU
-only, since on CPU Pallas merely interprets).
+kernels for plain matmuls), otherwise dequantize-then-compute (the NF4 or
+int4 kernel for a plain matmul with an NF4 or int4 weight). `record_paths()`
+shows the choices; `use_kernels(backend)` sets where the Pallas kernels run
+(default: TPU/GPU only, since on CPU Pallas merely interprets).
 
 Transformations: QArray is a pytree, so ops work under jax.jit (paths are
 chosen while tracing), jax.grad (w.r.t. float operands; the kernel paths carry

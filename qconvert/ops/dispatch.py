@@ -14,6 +14,10 @@ jit) and then follows the answer:
                dtype, plain matmul: the Pallas W8A16 kernel.
   nf4_kernel   an NF4 weight times a float activation of the same dtype, plain
                matmul: the Pallas NF4 kernel, which decodes tile by tile.
+  int4_weight_kernel
+               a symmetric int4 weight (group or per-channel scales) times a
+               float activation of the same dtype, plain matmul: the Pallas
+               W4A16 kernel, which unpacks nibbles tile by tile.
   dequantize   everything else: dequantize the QArray operand(s) to their float
                dtype and run the jax.lax op; XLA fuses the dequantization.
 
@@ -38,8 +42,9 @@ INT8_KERNEL = "int8_kernel"
 INT8_INT32 = "int8_int32"
 INT8_WEIGHT_KERNEL = "int8_weight_kernel"
 NF4_KERNEL = "nf4_kernel"
+INT4_WEIGHT_KERNEL = "int4_weight_kernel"
 DEQUANTIZE = "dequantize"
-PATHS = (INT8_KERNEL, INT8_INT32, INT8_WEIGHT_KERNEL, NF4_KERNEL, DEQUANTIZE)
+PATHS = (INT8_KERNEL, INT8_INT32, INT8_WEIGHT_KERNEL, NF4_KERNEL, INT4_WEIGHT_KERNEL, DEQUANTIZE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +151,10 @@ def _decide(lhs, rhs, lhs_contracting, rhs_contracting, out_dtype, matmul_form, 
             kernel_blocker = kernel_calls.nf4_kernel_blocker(lhs, rhs, matmul_form)
             if kernel_blocker is None:
                 return NF4_KERNEL, "float x nf4 weight, plain matmul"
+        elif rhs.kind == "int4":
+            kernel_blocker = kernel_calls.int4_weight_kernel_blocker(lhs, rhs, matmul_form)
+            if kernel_blocker is None:
+                return INT4_WEIGHT_KERNEL, "float x int4 weight, plain matmul"
         else:
             kernel_blocker = kernel_calls.int8_weight_kernel_blocker(lhs, rhs, matmul_form)
             if kernel_blocker is None:

@@ -13,6 +13,7 @@ from qconvert.ops.dispatch import (
     DEQUANTIZE,
     INT8_INT32,
     INT8_KERNEL,
+    INT4_WEIGHT_KERNEL,
     INT8_WEIGHT_KERNEL,
     NF4_KERNEL,
     MatmulForm,
@@ -43,8 +44,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     The result (shape and dtype) is what jax.lax.dot_general gives for the
     dequantized operands. int8 x int8 with scales that are size 1 on every
     contracting dim runs as an int32-accumulated integer dot (a Pallas kernel
-    for a plain matmul) with the scales applied to the output; an NF4 weight in
-    a plain matmul goes to the NF4 kernel; anything else dequantizes first.
+    for a plain matmul) with the scales applied to the output; an NF4 or int4
+    weight in a plain matmul goes to its kernel; anything else dequantizes first.
     """
     dn = _normalize(dimension_numbers)
     out = jax.eval_shape(
@@ -65,6 +66,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         return kernel_calls.int8_weight_matmul(lhs, rhs, out.dtype)
     if decision.path == NF4_KERNEL:
         return kernel_calls.nf4_matmul(lhs, rhs, out.dtype)
+    if decision.path == INT4_WEIGHT_KERNEL:
+        return kernel_calls.int4_weight_matmul(lhs, rhs, out.dtype)
     assert decision.path == DEQUANTIZE
     return jax.lax.dot_general(as_float(lhs), as_float(rhs), dn, precision=precision,
                                preferred_element_type=preferred_element_type)
@@ -105,7 +108,7 @@ def dot(a, b, *, precision=None, preferred_element_type=None):
 def linear(name: str, x: jax.Array, weight, bias=None) -> jax.Array:
     """A linear hook for qconvert.models forwards: y = x W^T + b with W [out, in] float or QArray.
 
-    Runs through dot_general, so an NF4 weight goes to the NF4 kernel and an
+    Runs through dot_general, so an NF4 or int4 weight goes to its kernel and an
     int8 weight (weight-only) is dequantized next to the matmul.
     """
     del name

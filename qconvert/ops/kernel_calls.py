@@ -70,7 +70,7 @@ def int8_kernel_blocker(lhs: QArray, rhs: QArray, form: MatmulForm) -> str | Non
 
 
 def _weight_only_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None:
-    """Why a weight-only kernel (W8A16, NF4) cannot take float lhs x this weight, or None when it can."""
+    """Why a weight-only kernel (W8A16, NF4, W4A16) cannot take float lhs x this weight, or None when it can."""
     backend, reason = kernel_backend()
     if backend is None:
         return reason
@@ -78,6 +78,8 @@ def _weight_only_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None:
         return f"the {rhs.kind} weight is contracted on its first axis; the kernel takes [N, K] contracted on K"
     if rhs.kind == "int8" and (rhs.zero_point is not None or rhs.scale.ndim != 2 or rhs.scale.shape[1] != 1):
         return "the weight scale is not one per output channel"
+    if rhs.kind == "int4" and (rhs.zero_point is not None or rhs.scale.ndim != 2):
+        return "the int4 weight has a zero point or scales that are not [N, groups]"
     if jnp.result_type(lhs) != jnp.dtype(rhs.dtype):
         return f"activation dtype {jnp.result_type(lhs)} differs from the weight's {rhs.dtype}"
     if _rows(operand_shape(lhs)) == 0 or 0 in operand_shape(rhs):
@@ -92,6 +94,11 @@ def int8_weight_kernel_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None
 
 def nf4_kernel_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None:
     """Why the NF4 kernel cannot take float lhs x NF4 weight, or None when it can."""
+    return _weight_only_blocker(lhs, rhs, form)
+
+
+def int4_weight_kernel_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None:
+    """Why the W4A16 kernel cannot take float lhs x int4 weight, or None when it can."""
     return _weight_only_blocker(lhs, rhs, form)
 
 
@@ -145,6 +152,17 @@ def nf4_matmul(lhs, rhs: QArray, out_dtype) -> jax.Array:
 
     def run(x, qvalue, scale):
         weight = QArray(qvalue, scale, kind="nf4", block_size=rhs.block_size, shape=rhs.shape, dtype=rhs.dtype)
+        return _kernels().qlinear(x, weight, out_dtype=out_dtype, backend=backend)
+
+    return _with_dequantized_grad(run, lhs, rhs)
+
+
+def int4_weight_matmul(lhs, rhs: QArray, out_dtype) -> jax.Array:
+    """Float lhs [..., K] times an int4 weight [N, K] (group or per-channel scales) through the W4A16 kernel."""
+    backend, _ = kernel_backend()
+
+    def run(x, qvalue, scale):
+        weight = QArray(qvalue, scale, kind="int4", block_size=rhs.block_size, shape=rhs.shape, dtype=rhs.dtype)
         return _kernels().qlinear(x, weight, out_dtype=out_dtype, backend=backend)
 
     return _with_dequantized_grad(run, lhs, rhs)

@@ -7,6 +7,9 @@ What stays packed (no float copy is ever made):
   nf4   reshape to any shape of the same size (the codes are stored flat in
         row-major order, so the blocks do not move); slicing whole rows of the
         first axis when the cut falls on a block boundary.
+  int4  as int8 on every axis but the last, which holds the scale groups and
+        stays last and whole: transposes and reshapes that keep it, slices of
+        it on group boundaries, stacking on any new axis but the last.
 
 Anything else would have to re-block the codes, which needs the float values:
 these functions then raise PackedLayoutError instead of silently
@@ -39,7 +42,8 @@ def _replace(q: QArray, qvalue, scale, zero_point, shape) -> QArray:
 
 
 def transpose(operand, permutation: Sequence[int]):
-    """jax.lax.transpose; an int8 QArray stays packed, an NF4 one only for the identity."""
+    """jax.lax.transpose; an int8 QArray stays packed, an int4 one when its last axis stays last, an NF4 one
+    only for the identity."""
     if not isinstance(operand, QArray):
         return jax.lax.transpose(operand, tuple(permutation))
     perm = tuple(int(p) for p in permutation)
@@ -52,6 +56,10 @@ def transpose(operand, permutation: Sequence[int]):
         raise PackedLayoutError(
             f"transposing an NF4 QArray {shape} would re-block its codes; call .dequantize() first "
             f"(a float copy of {math.prod(shape)} elements)"
+        )
+    if operand.kind == "int4" and perm[-1] != len(shape) - 1:
+        raise PackedLayoutError(
+            f"transposing an int4 QArray {shape} by {perm} would move its grouped last axis; call .dequantize() first"
         )
     zero_point = None if operand.zero_point is None else jnp.transpose(operand.zero_point, perm)
     new_shape = tuple(shape[p] for p in perm)
@@ -106,13 +114,21 @@ def reshape(operand, new_sizes: Sequence[int]):
         raise PackedLayoutError(f"cannot reshape a QArray of shape {old} to {new}: the sizes differ")
     if operand.kind == "nf4":
         return _replace(operand, operand.qvalue, operand.scale, operand.zero_point, new)
-    scale = _reshape_scale(operand.scale, old, new)
+    old_blocks, new_blocks = old, new
+    if operand.kind == "int4":
+        if not old or not new or new[-1] != old[-1]:
+            raise PackedLayoutError(f"reshaping int4 QArray {old} to {new} would change its grouped last axis; "
+                                    "keep it, or call .dequantize() first")
+        # Seen per scale group, the last axis is a per-element axis of as many groups as the scale has.
+        groups = operand.scale.shape[-1]
+        old_blocks, new_blocks = old[:-1] + (groups,), new[:-1] + (groups,)
+    scale = _reshape_scale(operand.scale, old_blocks, new_blocks)
     zero_point = operand.zero_point
     if zero_point is not None:
-        zero_point = _reshape_scale(zero_point, old, new)
+        zero_point = _reshape_scale(zero_point, old_blocks, new_blocks)
     if scale is None or (operand.zero_point is not None and zero_point is None):
         raise PackedLayoutError(
-            f"reshaping int8 QArray {old} to {new} would merge axes where the scale "
+            f"reshaping {operand.kind} QArray {old} to {new} would merge axes where the scale "
             f"{tuple(operand.scale.shape)} is shared with axes where it is not; call .dequantize() first"
         )
     return _replace(operand, jnp.reshape(operand.qvalue, new), scale, zero_point, new)
@@ -125,14 +141,17 @@ def _slice_axis(x, start: int, limit: int, stride: int, axis: int):
 
 
 def slice_in_dim(operand, start_index: int, limit_index: int, stride: int = 1, axis: int = 0):
-    """jax.lax.slice_in_dim; whole channels of an int8 QArray, whole blocks of rows of an NF4 one."""
+    """jax.lax.slice_in_dim; whole channels of an int8 QArray (int4: whole groups of its last axis), whole
+    blocks of rows of an NF4 one."""
     if not isinstance(operand, QArray):
         return jax.lax.slice_in_dim(operand, start_index, limit_index, stride, axis)
     shape = operand_shape(operand)
     axis = axis % len(shape)
     start, limit, _ = slice(start_index, limit_index).indices(shape[axis])
     new_shape = shape[:axis] + (len(range(start, limit, stride)),) + shape[axis + 1:]
-    if operand.kind == "int8":
+    if operand.kind == "int4" and axis == len(shape) - 1:
+        return _slice_int4_groups(operand, start, limit, stride, new_shape)
+    if operand.kind in ("int8", "int4"):
         zero_point = operand.zero_point
         if zero_point is not None:
             zero_point = _slice_axis(zero_point, start, limit, stride, axis)
@@ -152,10 +171,29 @@ def slice_in_dim(operand, start_index: int, limit_index: int, stride: int = 1, a
     return _replace(operand, qvalue, scale, operand.zero_point, new_shape)
 
 
+def _slice_int4_groups(operand: QArray, start: int, limit: int, stride: int, new_shape) -> QArray:
+    """Whole scale groups of an int4 QArray's last axis (any columns for a per-channel scale)."""
+    group = operand.block_size
+    axis = len(new_shape) - 1
+    if group is None:
+        parts = [operand.scale, operand.zero_point]
+    elif stride != 1 or start % group or limit % group:
+        raise PackedLayoutError(
+            f"slicing int4 QArray {operand.shape} at [{start}:{limit}:{stride}] on its last axis would cut its "
+            f"groups of {group}; slice whole groups, or call .dequantize() first"
+        )
+    else:
+        parts = [None if a is None else _slice_axis(a, start // group, limit // group, 1, axis)
+                 for a in (operand.scale, operand.zero_point)]
+    qvalue = jax.lax.slice_in_dim(operand.qvalue, start, limit, stride, axis)
+    return _replace(operand, qvalue, parts[0], parts[1], new_shape)
+
+
 def stack(operands: Sequence, axis: int = 0):
     """jax.numpy.stack for QArrays of one kind, shape and dtype; the result stays packed.
 
-    int8: payloads and scales stack along `axis`. NF4 (axis 0 only): the flat
+    int8: payloads and scales stack along `axis` (int4: any axis but a new last
+    one, which would move the grouped axis). NF4 (axis 0 only): the flat
     codes and absmax of each operand are concatenated, which is the packing of
     the stacked tensor when every operand fills whole blocks. Plain arrays go
     to jnp.stack.
@@ -170,7 +208,10 @@ def stack(operands: Sequence, axis: int = 0):
     shape = operand_shape(first)
     axis = axis % (len(shape) + 1)
     new_shape = shape[:axis] + (len(operands),) + shape[axis:]
-    if first.kind == "int8":
+    if first.kind == "int4" and axis == len(shape):
+        raise PackedLayoutError(f"stacking int4 QArrays {shape} on a new last axis would move their grouped axis; "
+                                "stack on an earlier axis, or call .dequantize() first")
+    if first.kind in ("int8", "int4"):
         zero_points = None
         if first.zero_point is not None:
             zero_points = jnp.stack([x.zero_point for x in operands], axis=axis)
