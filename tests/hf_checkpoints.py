@@ -10,6 +10,9 @@ import numpy as np
 
 # Per family: the transformers config class and the fields of a tiny model of it.
 TINY = {
+    "llama": ("LlamaConfig", dict()),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=8)),
     "qwen3": ("Qwen3Config", dict(head_dim=24, attention_bias=False)),  # head_dim != hidden / heads, as in Qwen3
     "phi3": ("Phi3Config", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
