@@ -3,6 +3,12 @@
 A QArray carries an integer payload, its scales, an optional zero point, the
 quantization kind, the block size, and the original (logical) shape and dtype.
 
+A kind is a QKind: a type object that answers what code that handles QArrays
+needs to know (its bits, whether codes index a level table, whether scales run
+over blocks of the flattened tensor or over groups of the last axis), so no
+code outside this module and the layouts compares kind names. Its name is its
+string value (a QKind is a str), which is what files and reports show.
+
 Kinds:
   "int8"  qvalue int8 with the logical shape ([out, in] for a linear); scale has
           the same rank as qvalue, with size 1 on the axes it is shared along
@@ -38,7 +44,51 @@ NF4_LEVELS = np.array(
     dtype=np.float32,
 )
 
-KINDS = ("int8", "nf4", "int4")
+
+
+class QKind(str):
+    """A quantization kind: its name (the str value) and the properties code branches on."""
+
+    bits: int
+    levels: np.ndarray | None
+    flat_blocks: bool
+    column_groups: bool
+
+    def __new__(cls, name: str, *, bits: int, levels: np.ndarray | None = None, flat_blocks: bool = False,
+                column_groups: bool = False):
+        kind = super().__new__(cls, name)
+        kind.bits = bits
+        kind.levels = levels  # codes index this float table (NF4) instead of being the integers themselves
+        kind.flat_blocks = flat_blocks  # codes packed over the flattened tensor, one scale per block of it
+        kind.column_groups = column_groups  # one scale per group of `block_size` last-axis columns
+        return kind
+
+    def __reduce__(self):
+        # Pickled and copied as its name, which finds the one QKind of that name again.
+        return (kind_named, (str(self),))
+
+    @property
+    def integer(self) -> bool:
+        """Whether each code is the integer the scale multiplies (int8, int4), not a table index."""
+        return self.levels is None
+
+    @property
+    def packs_nibbles(self) -> bool:
+        """Whether two codes share a byte in the kernels' operands (4-bit kinds)."""
+        return self.bits == 4
+
+
+INT8 = QKind("int8", bits=8)
+NF4 = QKind("nf4", bits=4, levels=NF4_LEVELS, flat_blocks=True)
+INT4 = QKind("int4", bits=4, column_groups=True)
+KINDS = {kind: kind for kind in (INT8, NF4, INT4)}  # name -> QKind (a QKind is its own name)
+
+
+def kind_named(name: str) -> QKind:
+    """The QKind called `name` (ValueError for a name no kind has)."""
+    if name not in KINDS:
+        raise ValueError(f"unknown QArray kind {name!r}; expected one of {tuple(KINDS)}")
+    return KINDS[name]
 # The largest int8 code a symmetric quantizer uses: codes lie in [-127, 127], so
 # the scale is absmax / 127 and -128 is never written (weights and activations alike).
 INT8_QMAX = 127
@@ -55,14 +105,13 @@ class QArray:
     qvalue: jax.Array | np.ndarray
     scale: jax.Array | np.ndarray
     zero_point: jax.Array | np.ndarray | None = None
-    kind: str = "int8"
+    kind: QKind = INT8
     block_size: int | None = None
     shape: tuple[int, ...] = ()
     dtype: str = "float32"
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown QArray kind {self.kind!r}; expected one of {KINDS}")
+        object.__setattr__(self, "kind", kind_named(self.kind))  # a name given is taken as its QKind
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         object.__setattr__(self, "dtype", str(jnp.dtype(self.dtype)))
 
@@ -111,7 +160,7 @@ def group_scale(q: QArray) -> jax.Array:
 def dequantize(q: QArray, dtype=None) -> jax.Array:
     """Materialize a QArray as a float array (computed in float32, cast at the end)."""
     out_dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(q.dtype)
-    if q.kind != "nf4":
+    if q.kind.integer:
         values = jnp.asarray(q.qvalue).astype(jnp.float32)
         if q.zero_point is not None:
             values = values - jnp.asarray(q.zero_point).astype(jnp.float32)

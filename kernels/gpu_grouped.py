@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as pltr
 
 from qconvert.formats.qarray import NF4_BLOCK_SIZE
 from qconvert.kernels.gpu_dense import int4_step_dot, int4_step_scales, nf4_step_dot
-from qconvert.kernels.tiles import Tiling, int4_weight_operands, round_up, split_even_odd_columns
+from qconvert.kernels.tiles import Tiling, int4_weight_operands, rhs_kind_of, round_up, split_even_odd_columns
 
 NN_DIMS = (((1,), (0,)), ((), ()))
 NT_DIMS = (((1,), (1,)), ((), ()))
@@ -71,9 +71,9 @@ def live_count(count, live) -> jax.Array:
 
 
 def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rhs, tiling):
-    if rhs_kind in ("nf4", "int4"):
+    if rhs_kind.packs_nibbles:
         xe_ref, xo_ref, w_ref, a_ref, o_ref = refs
-    elif rhs_kind == "int8":
+    elif rhs_kind.bits == 8:
         x_ref, w_ref, s_ref, o_ref = refs
     else:
         x_ref, w_ref, o_ref = refs
@@ -82,7 +82,7 @@ def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rh
     rows = i * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
 
     def k_loop(g):
-        if rhs_kind == "nf4":
+        if rhs_kind.flat_blocks:
             half, blocks = tk // 2, tk // NF4_BLOCK_SIZE
 
             def step(k, acc):
@@ -93,7 +93,7 @@ def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rh
 
             return step, w_ref.shape[2] // half
 
-        if rhs_kind == "int4":
+        if rhs_kind.column_groups:
             half = tk // 2
             steps = w_ref.shape[2] // half
             groups = a_ref.shape[2] // steps  # scale groups per K step (1 for a per-channel scale)
@@ -122,7 +122,7 @@ def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rh
         # The bound is built in int32 arithmetic: a select of Python ints lowers to an
         # i1 loop bound, which Triton's verifier refuses ('scf.for' bounds differ in type).
         acc = jax.lax.fori_loop(0, live_count(num_k, end > start), step, jnp.zeros((tm, tn), jnp.float32))
-        if rhs_kind == "int8":
+        if rhs_kind.bits == 8:
             acc = acc * s_ref[pl.ds(g, 1), :]
         return jnp.where((rows >= start) & (rows < end), acc, y)
 
@@ -140,11 +140,12 @@ def grouped_matmul_gpu(local_offsets, tile_first, tile_count, lhs_operands, rhs_
     int8 scale [G, Np]; NF4 (bytes [G, Np, Kp/2], absmax [G, Np, Kp/64]); int4
     (bytes [G, Np, Kp/2] i8, scales [G, Np, Kp/group], as int4_weight_operands lays them out).
     """
+    rhs_kind = rhs_kind_of(rhs_kind)
     tm, tn = tiling.tm, tiling.tn
     mp, kp_x = lhs_operands[0].shape
     w = rhs_operands[0]
     num_local = w.shape[0]
-    if rhs_kind in ("nf4", "int4") or transpose_rhs:
+    if rhs_kind.packs_nibbles or transpose_rhs:
         np_ = w.shape[1]
         w_spec = pl.BlockSpec((num_local, tn, w.shape[2]), lambda i, j: (0, j, 0))
     else:
@@ -152,9 +153,9 @@ def grouped_matmul_gpu(local_offsets, tile_first, tile_count, lhs_operands, rhs_
         w_spec = pl.BlockSpec((num_local, w.shape[1], tn), lambda i, j: (0, 0, j))
     in_specs = [_whole(local_offsets.shape), _whole(tile_first.shape), _whole(tile_count.shape)]
     in_specs += [pl.BlockSpec((tm, kp_x), lambda i, j: (i, 0))] * len(lhs_operands) + [w_spec]
-    if rhs_kind in ("nf4", "int4"):
+    if rhs_kind.packs_nibbles:
         in_specs.append(pl.BlockSpec((num_local, tn, rhs_operands[1].shape[2]), lambda i, j: (0, j, 0)))
-    elif rhs_kind == "int8":
+    elif rhs_kind.bits == 8:
         in_specs.append(pl.BlockSpec((num_local, tn), lambda i, j: (0, j)))
     return pl.pallas_call(
         functools.partial(_gmm_kernel, rhs_kind=rhs_kind, transpose_rhs=transpose_rhs, tiling=tiling),
@@ -220,23 +221,24 @@ def run_grouped_matmul(lhs, rhs_kind: str, rhs_data, rhs_aux, group_sizes, *, of
     the int8 scale [G, N]; NF4 bytes and float32 absmax, flat; or int4 codes
     [G, N, K] and float32 scales [G, N, K/group_size], [G, N, 1] per channel).
     """
+    rhs_kind = rhs_kind_of(rhs_kind)
     m, k = lhs.shape
     mp, np_ = round_up(m, tiling.tm), round_up(n, tiling.tn)
     kp = round_up(k, tiling.tk)
     local_offsets = local_group_offsets(group_sizes, offset, num_local)
     tile_first, tile_count = tile_group_map(local_offsets, mp, tiling.tm)
     lhs_p = _pad(lhs, (mp, kp))
-    if rhs_kind == "nf4":
+    if rhs_kind.flat_blocks:
         lhs_ops = split_even_odd_columns(lhs_p)
         rhs_ops = (_pad(jnp.asarray(rhs_data).reshape(num_local, n, k // 2), (num_local, np_, kp // 2)),
                    _pad(jnp.asarray(rhs_aux).reshape(num_local, n, k // 64), (num_local, np_, kp // 64)))
-    elif rhs_kind == "int4":
+    elif rhs_kind.column_groups:
         lhs_ops = split_even_odd_columns(lhs_p)
         rhs_ops = int4_weight_operands(rhs_data, rhs_aux, group_size, np_, kp, tiling.tk, tpu_layout=False)
     else:
         lhs_ops = (lhs_p,)
         rhs_ops = (_pad(rhs_data, (num_local, np_, kp) if transpose_rhs else (num_local, kp, np_)),)
-        if rhs_kind == "int8":
+        if rhs_kind.bits == 8:
             rhs_ops += (_pad(rhs_aux.reshape(num_local, n), (num_local, np_)),)
     y = grouped_matmul_gpu(local_offsets, tile_first, tile_count, lhs_ops, rhs_ops, tiling=tiling,
                            out_dtype=jnp.dtype(out_dtype), rhs_kind=rhs_kind, transpose_rhs=transpose_rhs)

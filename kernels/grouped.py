@@ -14,12 +14,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qconvert.formats.qarray import NF4_BLOCK_SIZE, QArray
+from qconvert.formats.qarray import INT8, NF4_BLOCK_SIZE, QArray
 from qconvert.kernels import gpu_grouped, reference, tpu_grouped
 from qconvert.kernels.checks import dtype_of as _dtype
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.grouped_metadata import make_group_metadata
-from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
+from qconvert.kernels.plan import FLOAT, KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
 from qconvert.kernels.tiles import int4_weight_operands, round_up, split_even_odd_columns
 
 OP = "grouped_matmul"
@@ -80,13 +80,13 @@ def _rhs_parts(lhs, rhs, rhs_scale, transpose_rhs):
                                       f"per expert) with transpose_rhs=True, got shape {rhs.shape} "
                                       f"transpose_rhs={transpose_rhs}")
         g, n, k_w = rhs.shape
-        if rhs.kind == "nf4":
-            return "nf4", jnp.asarray(rhs.qvalue), jnp.asarray(rhs.scale, jnp.float32), g, k_w, n, rhs.block_size
-        if rhs.kind == "int4":
-            return ("int4", *_int4_parts(rhs), g, k_w, n, rhs.block_size)
+        if rhs.kind.flat_blocks:
+            return rhs.kind, jnp.asarray(rhs.qvalue), jnp.asarray(rhs.scale, jnp.float32), g, k_w, n, rhs.block_size
+        if rhs.kind.column_groups:
+            return (rhs.kind, *_int4_parts(rhs), g, k_w, n, rhs.block_size)
         if rhs.zero_point is not None:
             raise KernelArgumentError(f"{OP}: int8 rhs must be symmetric (no zero point)")
-        return "int8", jnp.asarray(rhs.qvalue), jnp.asarray(rhs.scale, jnp.float32).reshape(g, n), g, k_w, n, None
+        return INT8, jnp.asarray(rhs.qvalue), jnp.asarray(rhs.scale, jnp.float32).reshape(g, n), g, k_w, n, None
     rhs = jnp.asarray(rhs)
     if rhs.ndim != 3:
         raise KernelArgumentError(f"{OP}: rhs must be rank 3 [G, K, N] ([G, N, K] with transpose_rhs), "
@@ -97,10 +97,10 @@ def _rhs_parts(lhs, rhs, rhs_scale, transpose_rhs):
         if rhs_scale is None or jnp.size(rhs_scale) != g * n:
             raise KernelArgumentError(f"{OP}: int8 rhs needs rhs_scale [G={g}, N={n}] (per output channel), "
                                       f"got {None if rhs_scale is None else jnp.shape(rhs_scale)}")
-        return "int8", rhs, jnp.asarray(rhs_scale, jnp.float32).reshape(g, n), g, k_w, n, None
+        return INT8, rhs, jnp.asarray(rhs_scale, jnp.float32).reshape(g, n), g, k_w, n, None
     if not jnp.issubdtype(rhs.dtype, jnp.floating):
         raise KernelArgumentError(f"{OP}: rhs must be float or int8 (or an NF4 or int4 QArray), got {rhs.dtype}")
-    return "float", rhs, None, g, k_w, n, None
+    return FLOAT, rhs, None, g, k_w, n, None
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32, tiling=None,
@@ -131,8 +131,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
                                   f"{num_groups} groups")
     requested, declined = _resolve_tiling(tiling, m, k, n)
     problem = KernelProblem(OP, m, k, n, dtype_name(lhs.dtype), dtype_name(preferred_element_type),
-                            blocksize if rhs_kind == "nf4" else NF4_BLOCK_SIZE, num_groups, rhs_kind,
-                            blocksize if rhs_kind == "int4" else None)
+                            blocksize if rhs_kind.flat_blocks else NF4_BLOCK_SIZE, num_groups, rhs_kind,
+                            blocksize if rhs_kind.column_groups else None)
     plan = select_kernel(problem, "cpu" if interpret else backend, requested)
     if declined:
         plan = KernelPlan(OP, f"{OP}_reference", "reference", None, plan.guarantee, fallback_reason=declined)
@@ -142,7 +142,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
         return plan_result(y, plan, return_plan)
     y = _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, plan=plan, rhs_kind=rhs_kind, offset=offset,
                         g_local=g_local, n=n, out_dtype=jnp.dtype(preferred_element_type), transpose_rhs=transpose_rhs,
-                        group_size=blocksize if rhs_kind == "int4" else None)
+                        group_size=blocksize if rhs_kind.column_groups else None)
     return plan_result(y, plan, return_plan)
 
 
@@ -162,17 +162,17 @@ def _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, *, plan: KernelPlan, rh
     metadata, num_tiles = make_group_metadata(group_sizes=group_sizes, m=mp, tm=t.tm, start_group=offset,
                                               num_nonzero_groups=g_local, visit_empty_groups=False)
     lhs_p = _pad(lhs, (mp, kp))
-    if rhs_kind == "nf4":
+    if rhs_kind.flat_blocks:
         lhs_ops = split_even_odd_columns(lhs_p)
         rhs_ops = (_pad(rhs_data.reshape(g_local, n, k // 2), (g_local, np_, kp // 2)),
                    _pad(rhs_aux.reshape(g_local, n, k // NF4_BLOCK_SIZE), (g_local, np_, kp // NF4_BLOCK_SIZE)))
-    elif rhs_kind == "int4":
+    elif rhs_kind.column_groups:
         lhs_ops = split_even_odd_columns(lhs_p)
         rhs_ops = int4_weight_operands(rhs_data, rhs_aux, group_size, np_, kp, t.tk, tpu_layout=True)
     else:
         lhs_ops = (lhs_p,)
         rhs_ops = (_pad(rhs_data, (g_local, np_, kp) if transpose_rhs else (g_local, kp, np_)),)
-        if rhs_kind == "int8":
+        if rhs_kind.bits == 8:
             rhs_ops += (_pad(rhs_aux.reshape(g_local, 1, n), (g_local, 1, np_)),)
     y = tpu_grouped.grouped_matmul_tpu(
         metadata, jnp.full((1,), offset, jnp.int32), num_tiles.reshape(1), lhs_ops, rhs_ops, tiling=t,
@@ -190,8 +190,8 @@ def _local_rows(group_sizes, m: int, offset: int, g_local: int) -> jax.Array:
 
 def _grouped_reference(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, g_local, k, n, blocksize, out_dtype, offset,
                        transpose_rhs):
-    if rhs_kind in ("nf4", "int4"):
-        if rhs_kind == "nf4":
+    if rhs_kind.packs_nibbles:
+        if rhs_kind.flat_blocks:
             dense = reference.nf4_dequantize_reference(rhs_data, rhs_aux, (g_local * n, k), blocksize)
         else:
             dense = reference.int4_dequantize_reference(rhs_data, rhs_aux, blocksize)

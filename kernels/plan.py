@@ -23,14 +23,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qconvert.formats.qarray import NF4_BLOCK_SIZE
+from qconvert.formats.qarray import NF4_BLOCK_SIZE, QKind
 from qconvert.kernels.errors import KernelArgumentError
-from qconvert.kernels.tiles import Tiling, round_up
+from qconvert.kernels.tiles import FLOAT, RHS_KINDS, Tiling, round_up
 
 OPS = ("int8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "grouped_matmul",
        "transposed_grouped_matmul")
 BACKENDS = ("auto", "tpu", "gpu", "cpu", "xla", "reference")
-RHS_KINDS = ("float", "int8", "nf4", "int4")
+
 # int4 group sizes the kernels decode (or one scale per output channel): a K tile holds whole groups.
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 # TPU interpret mode simulates every grid step in Python-driven XLA code; past this
@@ -61,8 +61,8 @@ class KernelProblem:
 
     m, k, n are the logical sizes of y[m, n] = x[m, k] . w[n, k] (for the grouped
     forms: lhs rows, contraction and output columns). rhs_kind is the grouped rhs'
-    encoding ("float", "int8", "nf4", "int4"); group_size is the int4 weight's
-    input columns per scale (None: one scale per output channel).
+    encoding, a QKind (or its name: "float", "int8", "nf4", "int4"); group_size
+    is the int4 weight's input columns per scale (None: one scale per output channel).
     """
 
     op: str
@@ -73,8 +73,12 @@ class KernelProblem:
     out_dtype: str = "float32"
     blocksize: int = NF4_BLOCK_SIZE
     num_groups: int = 1
-    rhs_kind: str = "float"
+    rhs_kind: QKind = FLOAT
     group_size: int | None = None
+
+    def __post_init__(self):
+        # A name given is taken as its kind; an unknown one stays for select_kernel to refuse by name.
+        object.__setattr__(self, "rhs_kind", RHS_KINDS.get(self.rhs_kind, self.rhs_kind))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +132,12 @@ def resolve_backend(backend: str) -> str:
 
 def _decodes_nf4(problem: KernelProblem) -> bool:
     """Whether the kernel for the problem decodes NF4 weights (which constrains its K tiling)."""
-    return problem.op == "nf4_matmul" or (problem.op == "grouped_matmul" and problem.rhs_kind == "nf4")
+    return problem.op == "nf4_matmul" or (problem.op == "grouped_matmul" and problem.rhs_kind.flat_blocks)
 
 
 def _decodes_int4(problem: KernelProblem) -> bool:
     """Whether the kernel for the problem decodes int4 weights (its K tiles hold whole scale groups)."""
-    return problem.op == "int4_weight_matmul" or (problem.op == "grouped_matmul" and problem.rhs_kind == "int4")
+    return problem.op == "int4_weight_matmul" or (problem.op == "grouped_matmul" and problem.rhs_kind.column_groups)
 
 
 def _int4_k_align(problem: KernelProblem, backend: str) -> int:
@@ -365,7 +369,7 @@ def _select_kernel(problem: KernelProblem, resolved: str, tiling: Tiling | None)
     if problem.op not in OPS:
         raise KernelArgumentError(f"unknown kernel operation {problem.op!r}; choose one of {', '.join(OPS)}")
     if problem.rhs_kind not in RHS_KINDS:
-        raise KernelArgumentError(f"unknown rhs kind {problem.rhs_kind!r}; choose one of {', '.join(RHS_KINDS)}")
+        raise KernelArgumentError(f"unknown rhs kind {problem.rhs_kind!r}; choose one of {', '.join(map(str, RHS_KINDS))}")
     if min(problem.m, problem.k, problem.n) <= 0:
         raise KernelArgumentError(f"{problem.op} needs non-empty operands, got m={problem.m} k={problem.k} n={problem.n}")
     if resolved == "reference":

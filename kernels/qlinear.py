@@ -38,7 +38,7 @@ def _check_act(act: str | None, input_scale) -> None:
 
 def _int8_rows(x: QArray) -> tuple[jax.Array, jax.Array]:
     """(codes [M, K], scales [M]) of int8 activations [..., K] with one scale per row or per tensor."""
-    if x.kind != "int8" or x.zero_point is not None:
+    if x.kind.bits != 8 or x.zero_point is not None:
         raise KernelArgumentError(f"qlinear: quantized activations must be symmetric int8, got {x.kind}")
     if x.scale.shape[-1:] != (1,):
         raise KernelArgumentError(f"qlinear: int8 activations need one scale per row or per tensor, "
@@ -75,12 +75,12 @@ def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         out_dtype = x.dtype if out_dtype is None else out_dtype
-    if q.kind == "nf4":
+    if q.kind.flat_blocks:
         if act is not None or isinstance(x, QArray):
             raise KernelArgumentError("qlinear: NF4 weights take float activations; drop act")
         result = nf4_matmul(x2, q.qvalue, q.scale, shape=q.shape, blocksize=q.block_size, bias=bias,
                             out_dtype=out_dtype, backend=backend, return_plan=True)
-    elif q.kind == "int4":
+    elif q.kind.column_groups:
         if act is not None or isinstance(x, QArray):
             raise KernelArgumentError("qlinear: int4 weights take float activations (W4A16); drop act")
         if q.zero_point is not None:
@@ -111,12 +111,12 @@ def stack_experts(qs: Sequence[QArray]) -> QArray:
     """The experts' [N, K] QArrays as one QArray of logical shape (G, N, K) for grouped_matmul."""
     first = qs[0]
     g, (n, k) = len(qs), first.shape
-    if first.kind == "int8":
+    if first.kind.bits == 8:
         return QArray(jnp.stack([jnp.asarray(q.qvalue) for q in qs]),
                       jnp.stack([jnp.asarray(q.scale, jnp.float32).reshape(n, 1) for q in qs]),
                       kind="int8", shape=(g, n, k), dtype=first.dtype)
-    if first.kind == "int4":
-        if any(q.kind != "int4" or q.block_size != first.block_size or q.shape != first.shape for q in qs):
+    if first.kind.column_groups:
+        if any(not q.kind.column_groups or q.block_size != first.block_size or q.shape != first.shape for q in qs):
             raise KernelArgumentError("stack_experts: int4 experts must share one shape and group size")
         return QArray(jnp.stack([jnp.asarray(q.qvalue) for q in qs]),
                       jnp.stack([jnp.asarray(q.scale, jnp.float32).reshape(n, -1) for q in qs]),
@@ -157,7 +157,7 @@ def qgrouped_linear(x, qs: Sequence[QArray], group_sizes, *, act: str | None = N
         raise KernelArgumentError(f"qgrouped_linear: act must be None, 'dynamic' or 'static', got {act!r}")
     if (act == "static") != any(s is not None for s in input_scales):
         raise KernelArgumentError("qgrouped_linear: act='static' needs input_scales, and only it takes them")
-    if act is not None and qs and qs[0].kind == "int4":
+    if act is not None and qs and qs[0].kind.column_groups:
         raise KernelArgumentError("qgrouped_linear: int4 experts take float activations (W4A16); drop act")
     group_sizes = jnp.asarray(group_sizes, jnp.int32)
     if act is not None:

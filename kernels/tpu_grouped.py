@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from qconvert.kernels.tiles import Tiling
+from qconvert.kernels.tiles import Tiling, rhs_kind_of
 from qconvert.kernels.tpu_dense import int4_tile_dot, nf4_tile_dot
 
 NN_DIMS = (((1,), (0,)), ((), ()))
@@ -37,9 +37,9 @@ def _row_mask(shape, axis, tm, m_tile, start, end):
 
 def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *refs, rhs_kind, transpose_rhs,
                 tm):
-    if rhs_kind in ("nf4", "int4"):
+    if rhs_kind.packs_nibbles:
         xe_ref, xo_ref, w_ref, a_ref, o_ref, acc_ref = refs
-    elif rhs_kind == "int8":
+    elif rhs_kind.bits == 8:
         x_ref, w_ref, s_ref, o_ref, acc_ref = refs
     else:
         x_ref, w_ref, o_ref, acc_ref = refs
@@ -52,9 +52,9 @@ def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *
 
     @pl.when(live)
     def _accumulate():
-        if rhs_kind == "nf4":
+        if rhs_kind.flat_blocks:
             acc_ref[...] = nf4_tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, a_ref)
-        elif rhs_kind == "int4":
+        elif rhs_kind.column_groups:
             acc_ref[...] = int4_tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, a_ref)
         else:
             x = x_ref[...]
@@ -67,7 +67,7 @@ def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *
         g = group_ids[step]
         mask = _row_mask(o_ref.shape, 0, tm, m_tile_ids[step], group_offsets[g], group_offsets[g + 1])
         y = acc_ref[...]
-        if rhs_kind == "int8":
+        if rhs_kind.bits == 8:
             y = y * s_ref[...]
         # Rows of other groups in a shared tile keep what their own visit wrote.
         o_ref[...] = jnp.where(mask, y.astype(o_ref.dtype), o_ref[...])
@@ -80,11 +80,12 @@ def grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs_operands, rhs_oper
     rhs_operands: float/int8 (rhs [G, Kp, Np] or [G, Np, Kp] transposed,) plus int8 scale [G, 1, Np];
     NF4 (bytes [G, Np, Kp/2], absmax [G, Np, Kp/64]); int4 (bytes [G, Np, Kp/2] i8, scales
     [G, Kp/tk, Np, groups per K tile], as int4_weight_operands lays them out)."""
+    rhs_kind = rhs_kind_of(rhs_kind)
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
     group_offsets, group_ids, m_tile_ids = metadata
     mp = lhs_operands[0].shape[0]
     num_local = rhs_operands[0].shape[0]
-    if rhs_kind in ("nf4", "int4"):
+    if rhs_kind.packs_nibbles:
         np_, kp = rhs_operands[0].shape[1], 2 * rhs_operands[0].shape[2]
     elif transpose_rhs:
         np_, kp = rhs_operands[0].shape[1:]
@@ -97,7 +98,7 @@ def grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs_operands, rhs_oper
 
     def rhs_map(n, i, k, go, gi, mt, goff, nt):
         g = _local_group(gi, i, goff, num_local)
-        return (g, n, k) if (transpose_rhs or rhs_kind in ("nf4", "int4")) else (g, k, n)
+        return (g, n, k) if (transpose_rhs or rhs_kind.packs_nibbles) else (g, k, n)
 
     def scale_map(n, i, k, go, gi, mt, goff, nt):
         return _local_group(gi, i, goff, num_local), 0, n
@@ -105,17 +106,17 @@ def grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs_operands, rhs_oper
     def int4_scale_map(n, i, k, go, gi, mt, goff, nt):
         return _local_group(gi, i, goff, num_local), k, n, 0
 
-    if rhs_kind == "nf4":
+    if rhs_kind.flat_blocks:
         in_specs = [pl.BlockSpec((tm, tk // 2), lhs_map)] * 2 + [
             pl.BlockSpec((None, tn, tk // 2), rhs_map), pl.BlockSpec((None, tn, tk // 64), rhs_map)]
-    elif rhs_kind == "int4":
+    elif rhs_kind.column_groups:
         in_specs = [pl.BlockSpec((tm, tk // 2), lhs_map)] * 2 + [
             pl.BlockSpec((None, tn, tk // 2), rhs_map),
             pl.BlockSpec((None, None, tn, rhs_operands[1].shape[3]), int4_scale_map)]
     else:
         block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
         in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(block, rhs_map)]
-        if rhs_kind == "int8":
+        if rhs_kind.bits == 8:
             in_specs.append(pl.BlockSpec((None, 1, tn), scale_map))
     return pl.pallas_call(
         functools.partial(_gmm_kernel, rhs_kind=rhs_kind, transpose_rhs=transpose_rhs, tm=tm),

@@ -64,11 +64,13 @@ def quantize_nf4_rows(quantize: Callable[[np.ndarray], QArray], read_rows: Calla
     n = rows * cols
     packed = np.empty(-(-n // 2), np.uint8)
     absmax = np.empty(-(-n // NF4_BLOCK_SIZE), np.float32)
+    kind = None
     for start in range(0, rows, step):
         part = quantize(read_rows(start, min(rows, start + step)))
+        kind = part.kind
         first = start * cols  # a multiple of 128 for every block but the first (0)
         packed[first // 2:first // 2 + part.qvalue.size] = part.qvalue
         absmax[first // NF4_BLOCK_SIZE:first // NF4_BLOCK_SIZE + part.scale.size] = part.scale
         del part
-    return QArray(qvalue=packed, scale=absmax, kind="nf4", block_size=NF4_BLOCK_SIZE, shape=(rows, cols),
+    return QArray(qvalue=packed, scale=absmax, kind=kind, block_size=NF4_BLOCK_SIZE, shape=(rows, cols),
                   dtype=np.dtype(dtype))

@@ -10,6 +10,7 @@ dot for the products):
   w8a8          x in the model's float dtype, int8 per token (scale max|x| / 127,
                 float32) or per tensor (input_scale), round half to even, clamp
                 to +-127; codes @ codes^T (exact), * x_scale * weight_scale + bias
+  int4 (W4A16)  x in the model's float dtype  @  (code * its group's weight_scale)^T  + bias
   nf4           x in the model's float dtype @ (NF4 level * absmax, in the model's
                 float dtype)^T + bias
 """
@@ -24,6 +25,7 @@ import ml_dtypes  # noqa: F401  (numpy learns bfloat16)
 import numpy as np
 
 from qconvert.formats import QArray
+from qconvert.schemes import scheme_named
 
 # (name, x [M, in] float32, QArray, bias or None) -> y [M, out] float64
 FolderLinear = Callable[[str, np.ndarray, QArray, object], np.ndarray]
@@ -61,19 +63,13 @@ def folder_linear_output(x: np.ndarray, q: QArray, bias, scheme: str,
                          input_scale: float | None = None) -> np.ndarray:
     """The layer as the folder's tensors define it (float64 [M, out]); see the module docstring."""
     x = np.asarray(x).astype(_model_dtype(q)).astype(np.float64)
-    if scheme == "w8a8":
+    if scheme_named(scheme).act_modes:
         codes, x_scale = _int8_per_token(x, input_scale)
         w_codes = np.asarray(q.qvalue, np.float64)
         w_scale = np.asarray(q.scale, np.float32).astype(np.float64).reshape(1, -1)
         y = matmul_nt_f64(codes, w_codes) * x_scale * w_scale
-    elif scheme == "int8":
-        w = np.asarray(q.qvalue, np.float64) * np.asarray(q.scale, np.float32).astype(np.float64).reshape(-1, 1)
-        y = matmul_nt_f64(x, w)
-    elif scheme == "nf4":
-        w = np.asarray(q.dequantize(np.float32)).astype(_model_dtype(q)).astype(np.float64)
-        y = matmul_nt_f64(x, w.reshape(q.shape))
     else:
-        raise ValueError(f"no folder arithmetic for scheme {scheme!r}")
+        y = matmul_nt_f64(x, scheme_named(scheme).folder_weight(q))
     if bias is not None:
         y = y + np.asarray(bias, np.float32).astype(np.float64)[None, :]
     return y
@@ -83,7 +79,6 @@ def make_folder_linear(quantized, scheme: str) -> FolderLinear:
     """A FolderLinear over a QuantizedCheckpoint (static input scales read from the folder)."""
 
     def folder_linear(name: str, x: np.ndarray, q: QArray, bias) -> np.ndarray:
-        input_scale = quantized.input_scale(name) if scheme == "w8a8" else None
-        return folder_linear_output(x, q, bias, scheme, input_scale)
+        return folder_linear_output(x, q, bias, scheme, quantized.input_scale(name))
 
     return folder_linear

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from qconvert.formats import QArray
 from qconvert.kernels import qgrouped_linear, qlinear
 from qconvert.kernels.plan import KernelPlan
+from qconvert.schemes import scheme_named
 from qconvert.verify.results import KernelChoice
 
 # (name, x [M, in] float, q, bias or None) -> (y [M, out] float32, KernelChoice)
@@ -43,11 +44,7 @@ def deployment_dtype(q: QArray):
 
 
 def _act(scheme: str, input_scale) -> str | None:
-    if scheme not in ("int8", "w8a8", "nf4"):
-        raise ValueError(f"no deployment kernel for scheme {scheme!r}")
-    if scheme != "w8a8":
-        return None
-    return "dynamic" if input_scale is None else "static"
+    return scheme_named(scheme).kernel_act(input_scale)
 
 
 def run_quantized_linear(x: jax.Array, q: QArray, bias, scheme: str, *, backend: str = "auto",
@@ -87,7 +84,7 @@ def make_quantized_linear(quantized, scheme: str, backend: str = "auto"
 
     def input_scale(name: str) -> float | None:
         if name not in input_scales:
-            input_scales[name] = quantized.input_scale(name) if scheme == "w8a8" else None
+            input_scales[name] = quantized.input_scale(name)
         return input_scales[name]
 
     def quantized_linear(name: str, x, q: QArray, bias):

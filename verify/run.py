@@ -23,6 +23,7 @@ from qconvert.hub import ResolvedModel, resolve_model
 from qconvert.models import build, read_tensors
 from qconvert.models.registry import architecture_for
 from qconvert.models.weight_only import check_architecture, checkpoint_architecture
+from qconvert.schemes import names_where, scheme_named
 from qconvert.verify.integrity import (ConversionRecord, IntegrityResult, check_config, check_files, read_config,
                                        read_record, sha256_of)
 from qconvert.verify.fidelity import make_folder_linear
@@ -100,7 +101,9 @@ def resolve_reference(record: ConversionRecord, options: VerifyOptions) -> tuple
     if not reference_id:
         raise UsageError("qconvert.json records no source model; pass --reference MODEL")
     # A folder converted weight-only with --any-architecture has a reference of no known family.
-    check = (functools.partial(check_architecture, any_architecture=True, scheme=record.scheme)
+    check = (functools.partial(check_architecture, any_architecture=True, scheme=record.scheme,
+                               weight_only=scheme_named(record.scheme).weight_only,
+                               weight_only_schemes=names_where(lambda s: s.weight_only))
              if _weight_only(record) else architecture_for)
     if options.reference:
         return reference_id, resolve_model(reference_id, options.revision, check_architecture=check)

@@ -10,6 +10,9 @@ fails by a wide margin:
   rounding adds noise where outlier channels stretch a token's range; smoothed
   layers sit near 30-40 dB, static per-tensor scales lower. Floor: 20 dB.
 - nf4 (16 levels, absmax per 64): ~20-21 dB on Gaussian-like weights. Floor: 15 dB.
+- int4 (16 uniform levels, absmax / 7.5 per group of 128 input columns): ~20 dB
+  on Gaussian-like weights, ~16 dB per channel (one absmax over a whole row
+  stretches the step). Floor: 12 dB, with whole-model floors a step below nf4's.
 
 Static per-tensor activations (w8a8 --act static) get their own row: one scale
 for every token of a linear's input costs more than per-token scales. Measured
@@ -45,47 +48,14 @@ import dataclasses
 import math
 
 from qconvert.errors import UsageError
+from qconvert.schemes import SCHEMES
+from qconvert.schemes.base import Thresholds
 
 
-@dataclasses.dataclass(frozen=True)
-class Thresholds:
-    """What a converted folder must reach to pass."""
-
-    min_layer_sqnr_db: float
-    min_layer_cosine: float
-    max_mean_kl: float
-    min_top1_agreement: float
-    max_perplexity_ratio: float
-    min_pooled_cosine: float
-    min_fidelity_sqnr_db: float = 60.0
-
-    def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
-
-
-DEFAULT_THRESHOLDS: dict[str, Thresholds] = {
-    "int8": Thresholds(
-        min_layer_sqnr_db=30.0, min_layer_cosine=0.999, max_mean_kl=0.01,
-        min_top1_agreement=0.90, max_perplexity_ratio=1.02, min_pooled_cosine=0.998,
-    ),
-    "w8a8": Thresholds(
-        min_layer_sqnr_db=20.0, min_layer_cosine=0.99, max_mean_kl=0.05,
-        min_top1_agreement=0.80, max_perplexity_ratio=1.10, min_pooled_cosine=0.98,
-    ),
-    "nf4": Thresholds(
-        min_layer_sqnr_db=15.0, min_layer_cosine=0.98, max_mean_kl=0.10,
-        min_top1_agreement=0.70, max_perplexity_ratio=1.25, min_pooled_cosine=0.95,
-        min_fidelity_sqnr_db=40.0,
-    ),
-}
-
-# Per activation mode, where it differs from the scheme's row: w8a8 with static per-tensor scales.
-STATIC_ACT_THRESHOLDS: dict[str, Thresholds] = {
-    "w8a8": Thresholds(
-        min_layer_sqnr_db=15.0, min_layer_cosine=0.98, max_mean_kl=0.15,
-        min_top1_agreement=0.75, max_perplexity_ratio=1.15, min_pooled_cosine=0.95,
-    ),
-}
+# The thresholds live with each scheme (qconvert/schemes); these are their views by name.
+DEFAULT_THRESHOLDS: dict[str, Thresholds] = {name: scheme.thresholds for name, scheme in SCHEMES.items()}
+STATIC_ACT_THRESHOLDS: dict[str, Thresholds] = {name: scheme.static_thresholds for name, scheme in SCHEMES.items()
+                                                if scheme.static_thresholds is not None}
 
 
 def thresholds_for(scheme: str, act: str = "dynamic", **overrides: float | None) -> Thresholds:
@@ -103,8 +73,7 @@ def thresholds_for(scheme: str, act: str = "dynamic", **overrides: float | None)
     for name, value in given.items():
         if math.isnan(value):
             raise UsageError(f"threshold {name} is NaN; give a number")
-    base = STATIC_ACT_THRESHOLDS.get(scheme) if act == "static" else None
-    return dataclasses.replace(base or DEFAULT_THRESHOLDS[scheme], **given)
+    return dataclasses.replace(SCHEMES[scheme].verify_thresholds(act), **given)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,7 +89,7 @@ def _int8_blocker(x, contracting: Sequence[int], side: str) -> str | None:
     """Why `x` cannot enter the integer path, or None when it can."""
     if not isinstance(x, QArray):
         return f"{side} is not quantized"
-    if x.kind != "int8":
+    if x.kind.bits != 8:
         return f"{side} is {x.kind}, not int8"
     if x.zero_point is not None:
         return f"{side} has a zero point"
@@ -147,11 +147,11 @@ def _decide(lhs, rhs, lhs_contracting, rhs_contracting, out_dtype, matmul_form, 
             return INT8_INT32, f"int8 x int8, scales factor out; no kernel: {kernel_blocker}"
         return INT8_INT32, "int8 x int8, scales factor out of the contraction"
     if matmul_form is not None and isinstance(rhs, QArray) and not isinstance(lhs, QArray):
-        if rhs.kind == "nf4":
+        if rhs.kind.flat_blocks:
             kernel_blocker = kernel_calls.nf4_kernel_blocker(lhs, rhs, matmul_form)
             if kernel_blocker is None:
                 return NF4_KERNEL, "float x nf4 weight, plain matmul"
-        elif rhs.kind == "int4":
+        elif rhs.kind.column_groups:
             kernel_blocker = kernel_calls.int4_weight_kernel_blocker(lhs, rhs, matmul_form)
             if kernel_blocker is None:
                 return INT4_WEIGHT_KERNEL, "float x int4 weight, plain matmul"

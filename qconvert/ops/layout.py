@@ -50,14 +50,14 @@ def transpose(operand, permutation: Sequence[int]):
     shape = operand_shape(operand)
     if sorted(perm) != list(range(len(shape))):
         raise PackedLayoutError(f"permutation {perm} is not a permutation of the {len(shape)} axes of {shape}")
-    if operand.kind == "nf4":
+    if operand.kind.flat_blocks:
         if perm == tuple(range(len(shape))):
             return operand
         raise PackedLayoutError(
             f"transposing an NF4 QArray {shape} would re-block its codes; call .dequantize() first "
             f"(a float copy of {math.prod(shape)} elements)"
         )
-    if operand.kind == "int4" and perm[-1] != len(shape) - 1:
+    if operand.kind.column_groups and perm[-1] != len(shape) - 1:
         raise PackedLayoutError(
             f"transposing an int4 QArray {shape} by {perm} would move its grouped last axis; call .dequantize() first"
         )
@@ -112,10 +112,10 @@ def reshape(operand, new_sizes: Sequence[int]):
     new = tuple(int(d) for d in new_sizes)
     if math.prod(new) != math.prod(old):
         raise PackedLayoutError(f"cannot reshape a QArray of shape {old} to {new}: the sizes differ")
-    if operand.kind == "nf4":
+    if operand.kind.flat_blocks:
         return _replace(operand, operand.qvalue, operand.scale, operand.zero_point, new)
     old_blocks, new_blocks = old, new
-    if operand.kind == "int4":
+    if operand.kind.column_groups:
         if not old or not new or new[-1] != old[-1]:
             raise PackedLayoutError(f"reshaping int4 QArray {old} to {new} would change its grouped last axis; "
                                     "keep it, or call .dequantize() first")
@@ -149,9 +149,9 @@ def slice_in_dim(operand, start_index: int, limit_index: int, stride: int = 1, a
     axis = axis % len(shape)
     start, limit, _ = slice(start_index, limit_index).indices(shape[axis])
     new_shape = shape[:axis] + (len(range(start, limit, stride)),) + shape[axis + 1:]
-    if operand.kind == "int4" and axis == len(shape) - 1:
+    if operand.kind.column_groups and axis == len(shape) - 1:
         return _slice_int4_groups(operand, start, limit, stride, new_shape)
-    if operand.kind in ("int8", "int4"):
+    if operand.kind.integer:
         zero_point = operand.zero_point
         if zero_point is not None:
             zero_point = _slice_axis(zero_point, start, limit, stride, axis)
@@ -208,10 +208,10 @@ def stack(operands: Sequence, axis: int = 0):
     shape = operand_shape(first)
     axis = axis % (len(shape) + 1)
     new_shape = shape[:axis] + (len(operands),) + shape[axis:]
-    if first.kind == "int4" and axis == len(shape):
+    if first.kind.column_groups and axis == len(shape):
         raise PackedLayoutError(f"stacking int4 QArrays {shape} on a new last axis would move their grouped axis; "
                                 "stack on an earlier axis, or call .dequantize() first")
-    if first.kind in ("int8", "int4"):
+    if first.kind.integer:
         zero_points = None
         if first.zero_point is not None:
             zero_points = jnp.stack([x.zero_point for x in operands], axis=axis)
