@@ -164,10 +164,12 @@ def _w8a8_options_from(scheme: str, flags: dict):
               help="The statistics file to write (safetensors).")
 @click.option("--revision", default=None, help="Hub branch, tag or commit (Hub ids only).")
 @_calibration_options
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT if it is a statistics file qconvert wrote; anything else is never replaced.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @_verbose_option
 def calibrate(model: str, out: Path, revision: str | None, calib: str | None, calib_samples: int | None,
-              calib_seqlen: int | None, as_json: bool, verbose: bool) -> int:
+              calib_seqlen: int | None, overwrite: bool, as_json: bool, verbose: bool) -> int:
     """Run calibration text through MODEL and save every linear input's max|x| to OUT.
 
     `qconvert quantize MODEL --scheme w8a8 --act-stats OUT` reuses the file.
@@ -179,7 +181,7 @@ def calibrate(model: str, out: Path, revision: str | None, calib: str | None, ca
     from qconvert.calibrate import calibrate_model
 
     summary = calibrate_model(model, out, calib=calib, samples=calib_samples or DEFAULT_SAMPLES,
-                              seqlen=calib_seqlen or DEFAULT_SEQLEN, revision=revision,
+                              seqlen=calib_seqlen or DEFAULT_SEQLEN, revision=revision, overwrite=overwrite,
                               message=None if as_json else (lambda t: click.echo(f"qconvert: {t}", err=True)))
     if as_json:
         click.echo(json.dumps(summary, indent=2))

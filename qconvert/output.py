@@ -181,6 +181,53 @@ def staged_output(out: Path, overwrite: bool) -> Iterator[Path]:
         raise
 
 
+def check_file_output_free(out: Path, overwrite: bool, ours: Callable[[Path], bool], kind: str) -> None:
+    """Refuse (exit 8) an existing file OUT unless --overwrite is given and `ours(out)` says qconvert wrote it.
+
+    A folder, a link or any file qconvert did not write is never replaced.
+    """
+    if not (out.exists() or out.is_symlink()):
+        return
+    if out.is_symlink() or not out.is_file():
+        raise OutputExistsError(f"{out} exists and is not a file; move it away or choose another -o")
+    if not overwrite:
+        raise OutputExistsError(f"{out} already exists; pass --overwrite to replace it, or choose another -o")
+    if not ours(out):
+        raise OutputExistsError(f"{out} is not {kind} qconvert wrote; --overwrite replaces only those: "
+                                "choose another -o")
+
+
+def write_file_atomically(out: Path, write: Callable[[Any], None], recheck: Callable[[], None]) -> None:
+    """Write OUT through `write(binary file)` into a temporary folder beside it, then rename it into place.
+
+    A failed write or a signal leaves OUT as it was (absent, or the old file) and
+    no temporary; `recheck()` runs again just before the rename, in case OUT
+    changed while the file was written.
+    """
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out)
+        staging = _make_temporary(out, ".partial")
+    except OSError as err:
+        raise OutputWriteError(f"cannot create the output beside {out}: {err.strerror or err}") from None
+    try:
+        staged = staging / out.name
+        with open(staged, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(staged, 0o644)
+        with interrupts.commit_zone() as committed:
+            recheck()
+            os.replace(staged, out)
+            committed()
+    except OSError as err:
+        raise OutputWriteError(f"writing {out} failed: {err.strerror or err}; {out} was left as it was, "
+                               "free space or fix permissions and run again") from None
+    finally:
+        _discard(staging)
+
+
 def _inside_model(path: Path, folder: Path) -> bool:
     """A regular file inside the model folder, or a Hub cache snapshot's link to its own blobs/; a link that
     leads anywhere else (a tokenizer_config.json pointing at /etc/passwd) is not copied."""
