@@ -107,9 +107,11 @@ def _w8a8_options(command):
                    "for w8a8; off for int8 and nf4, whose output then stays byte-identical to plain "
                    "round-to-nearest (compressed-tensors) and to bitsandbytes.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Threads reading and quantizing ahead of the writer [default: one per core]; same output bytes.")
+              help="Threads reading and quantizing ahead of the writer [default: one per core; at most 4 per "
+                   "core]; same output bytes.")
 @click.option("--overwrite", is_flag=True,
-              help="Replace OUT if it is a folder qconvert wrote (it has qconvert.json) or an empty folder.")
+              help="Replace OUT if it is an empty folder or one qconvert wrote (its qconvert.json lists every "
+                   "file in it); anything else is never replaced.")
 @click.option("--dry-run", is_flag=True, help="List what would be quantized and the expected size; write nothing.")
 @click.option("--any-architecture", is_flag=True,
               help="int8/nf4: convert a decoder of no known family weight-only, taking every 2-D weight "
