@@ -128,6 +128,7 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
     started = time.perf_counter()
     _hub_messages(verbose)
+    _check_jax_platforms()
     from qconvert.convert import convert
     from qconvert.options import ConvertOptions
     from qconvert.plan import parse_size
@@ -179,6 +180,7 @@ def calibrate(model: str, out: Path, revision: str | None, calib: str | None, ca
     import json
 
     _hub_messages(verbose)
+    _check_jax_platforms()
     from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
     from qconvert.calibrate import calibrate_model
 
@@ -283,6 +285,7 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
     _hub_messages(verbose)
     if json_path not in (None, "-"):
         _check_json_target(Path(json_path))  # before the check runs, not after
+    _check_jax_platforms()
     from rich.console import Console
 
     from qconvert.formats.errors import FormatError
@@ -334,6 +337,12 @@ def _check_json_target(path: Path) -> None:
         raise UsageError(f"--json {path}: the folder {path.parent} does not exist; create it or choose another path")
     if path.is_dir():
         raise UsageError(f"--json {path} is a folder; give a file name")
+
+
+def _check_jax_platforms() -> None:
+    from qconvert.jax_platform import check_jax_platforms
+
+    check_jax_platforms()
 
 
 def _hub_messages(verbose: bool) -> None:
