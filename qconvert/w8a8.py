@@ -31,7 +31,7 @@ from qconvert.options import ConvertOptions, W8A8Options
 from qconvert.scale_search import LinearSearch, search_linear
 from qconvert.smooth import (INT8_QMAX, MIN_SCALE, AlphaSpec, GroupScales, TensorFold, apply_fold,
                              group_scales, read_group_weights, search_alpha, smoothed_input_absmax,
-                             tensor_folds, unmatched_alpha_keys)
+                             stored_gain_scales, tensor_folds, unmatched_alpha_keys)
 from qconvert.source import SourceModel
 
 # The smallest static input_scale written (float32); the weight scales have the same floor.
@@ -214,6 +214,9 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
         alpha = spec.alpha_for(group.source, arch.default_alpha)
         scales.append(group_scales(group, group_act_absmax(stats.act_absmax, group),
                                    read_group_weights(params, group), alpha))
+    # A gain stored as an offset from 1 (Gemma) is rounded near -1: fold what the stored gain carries.
+    scales = [stored_gain_scales(g, np.asarray(params[f"{g.group.source}.weight"])) if g.group.norm_offset else g
+              for g in scales]
     input_scales = None
     if options.act == "static":
         smoothed = {m: g.input_scales for g in scales for m in g.group.linears}
