@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from qconvert.errors import HubUnavailableError, ModelNotFoundError, UsageError
+from qconvert.errors import HubUnavailableError, InvalidCheckpointError, ModelNotFoundError, UsageError
 
 BUILTIN = "builtin"
 RANDOM = "random"
@@ -27,7 +27,8 @@ DEFAULT_SAMPLES = 128
 DEFAULT_SEQLEN = 512
 RANDOM_SEED = 0
 
-_HF_DATASET = re.compile(r"^hf://datasets/(?P<repo>[^/@]+/[^/@]+)(@(?P<rev>[^/]+))?/(?P<path>.+)$")
+_HF_DATASET = re.compile(r"^hf://datasets/(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(@(?P<rev>[^/]+))?"
+                         r"/(?P<path>.+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +80,18 @@ def read_texts(path: Path) -> list[str]:
         raise UsageError(f"calibration file {path} does not exist; pass a .txt or .jsonl file, "
                          f"'{BUILTIN}' or '{RANDOM}' to --calib")
     suffix = path.suffix.lower()
+    if suffix not in (".txt", ".jsonl"):
+        raise UsageError(f"calibration file {path} must end in .txt or .jsonl")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UsageError(f"calibration file {path} is not UTF-8 text (byte {err.start}: "
+                         f"{err.object[err.start:err.start + 1]!r}); convert it to UTF-8") from None
     if suffix == ".txt":
-        return [path.read_text(encoding="utf-8")]
+        return [text]
     if suffix == ".jsonl":
         texts = []
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -95,14 +103,13 @@ def read_texts(path: Path) -> list[str]:
                 raise UsageError(f"{path} line {lineno} has no string \"text\" field; "
                                  "each line must be an object with a \"text\" field")
             texts.append(row["text"])
-        return texts
-    raise UsageError(f"calibration file {path} must end in .txt or .jsonl")
+    return texts
 
 
 def download_dataset_file(address: str) -> Path:
     """Fetch hf://datasets/<owner>/<name>[@revision]/<path> with huggingface_hub; the local path."""
     match = _HF_DATASET.match(address)
-    if match is None:
+    if match is None or ".." in match["path"].split("/") or ".." in (match["rev"] or "").split("/"):
         raise UsageError(f"cannot read calibration address {address!r}; "
                          "write hf://datasets/<owner>/<name>[@revision]/<file.txt|file.jsonl>")
     import huggingface_hub
@@ -121,6 +128,9 @@ def download_dataset_file(address: str) -> Path:
         raise HubUnavailableError(f"cannot download {address}: the Hub is unreachable and the file "
                                   f"is not cached ({type(err).__name__}); pass a local file or "
                                   f"'--calib {BUILTIN}'") from None
+    except hub_errors.HFValidationError as err:
+        raise UsageError(f"cannot read calibration address {address!r} ({err}); write "
+                         "hf://datasets/<owner>/<name>[@revision]/<file.txt|file.jsonl>") from None
     except (hub_errors.RepositoryNotFoundError, hub_errors.EntryNotFoundError,
             hub_errors.RevisionNotFoundError) as err:
         raise ModelNotFoundError(f"calibration file {address} not found on the Hub "
@@ -213,5 +223,13 @@ def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
         description = f"Hub dataset file {calib}" if calib.startswith("hf://") else f"local file {local.name}"
         digest = hashlib.sha256(local.read_bytes()).hexdigest()
     tokenizer = load_tokenizer(model_folder)
-    ids = token_windows(tokenizer, texts, samples, effective_seqlen)
+    try:
+        ids = token_windows(tokenizer, texts, samples, effective_seqlen)
+    except UsageError:
+        raise
+    except Exception as err:  # the tokenizers binding raises plain Exceptions from its Rust core
+        reason = " ".join(f"{type(err).__name__}: {err}".split())
+        raise InvalidCheckpointError(f"{Path(model_folder) / 'tokenizer.json'} loads but cannot encode the "
+                                     f"calibration text ({reason}); fix the tokenizer, or pass "
+                                     f"'--calib {RANDOM}'") from None
     return CalibrationData(ids, calib, description, samples, seqlen, digest)

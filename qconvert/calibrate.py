@@ -185,21 +185,51 @@ def collect_act_stats(model, params: Mapping, input_ids: np.ndarray, attention_m
     return ActStats(act_absmax, tokens, calibration)
 
 
-def save_act_stats(path: Path, stats: ActStats, model: str = "") -> None:
-    """Write the statistics as safetensors: <module>.act_absmax [in] and <module>.act_tensor_absmax [1]."""
+def save_act_stats(path: Path, stats: ActStats, model: str = "", recheck=None) -> None:
+    """Write the statistics as safetensors: <module>.act_absmax [in] and <module>.act_tensor_absmax [1].
+
+    The file is written beside `path` and renamed into place, so a failed write
+    never leaves a truncated file; `recheck()` runs just before the rename.
+    """
+    from qconvert.output import write_file_atomically
+
     tensors = {}
     for module, absmax in sorted(stats.act_absmax.items()):
         tensors[f"{module}.act_absmax"] = np.ascontiguousarray(absmax, np.float32)
         tensors[f"{module}.act_tensor_absmax"] = np.asarray([np.max(absmax)], np.float32)
     metadata = {"format": STATS_FORMAT, "version": STATS_VERSION, "model": model,
                 "tokens": str(stats.tokens), "calibration": json.dumps(stats.calibration, sort_keys=True)}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     # formats' header encoder sorts the metadata keys, so the same statistics give the same bytes.
     specs = [TensorSpec(name, np.float32, tensors[name].shape) for name in sorted(tensors)]
-    with open(path, "wb") as f:
+
+    def write(f) -> None:
         f.write(encode_header(specs, metadata))
         for spec in specs:
             f.write(tensors[spec.name].astype("<f4").tobytes())
+
+    write_file_atomically(Path(path), write, recheck or (lambda: None))
+
+
+def is_stats_file(path: Path) -> bool:
+    """Whether `path` is a statistics file qconvert wrote (its safetensors metadata says so)."""
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return (f.metadata() or {}).get("format") == STATS_FORMAT
+    except Exception:  # the safetensors binding raises its own error types: not a stats file
+        return False
+
+
+def check_stats_target(out: Path, overwrite: bool, source: Path | None = None) -> None:
+    """`calibrate -o`: quantize's OUT rules for a file (exit 2 for the input, the current folder or a path
+    inside the input; exit 8 for an existing OUT unless --overwrite replaces a stats file qconvert wrote)."""
+    from qconvert.output import check_file_output_free, check_output_location
+
+    check_output_location(out, source)
+    check_file_output_free(out, overwrite, is_stats_file, "a statistics file")
+
+
+def _stats_error(path: Path, what: str) -> UsageError:
+    return UsageError(f"activation statistics {path}: {what}; write it again with `qconvert calibrate`")
 
 
 def load_act_stats(path: Path) -> ActStats:
@@ -221,8 +251,20 @@ def load_act_stats(path: Path) -> ActStats:
     except Exception as err:  # the safetensors binding raises its own error types
         raise UsageError(f"cannot read activation statistics {path} ({err}); "
                          "write it again with `qconvert calibrate`") from None
-    calibration = json.loads(metadata.get("calibration", "null"))
-    return ActStats(act_absmax, int(metadata.get("tokens", "0")), calibration)
+    for module, absmax in sorted(act_absmax.items()):
+        # A maximum of |x| is finite and >= 0; anything else would divide smoothing scales by nonsense.
+        if absmax.ndim != 1 or not np.all(np.isfinite(absmax)) or np.any(absmax < 0):
+            raise _stats_error(path, f"{module}.act_absmax is not a vector of finite maxima >= 0")
+    tokens = metadata.get("tokens", "0")
+    if not (tokens.isascii() and tokens.isdigit()):
+        raise _stats_error(path, f"metadata 'tokens' is {tokens!r}, not a count")
+    try:
+        calibration = json.loads(metadata.get("calibration", "null"))
+    except ValueError:
+        calibration = ""
+    if calibration is not None and not isinstance(calibration, dict):
+        raise _stats_error(path, "metadata 'calibration' is not a JSON object")
+    return ActStats(act_absmax, int(tokens), calibration)
 
 
 def check_stats_cover(stats: ActStats, in_features: Mapping[str, int], where: str) -> None:
@@ -239,13 +281,21 @@ def check_stats_cover(stats: ActStats, in_features: Mapping[str, int], where: st
 
 def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples: int = 128,
                     seqlen: int = 512, revision: str | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
-                    message=None) -> dict[str, Any]:
-    """`qconvert calibrate`: statistics of MODEL (folder or Hub id) on `calib`, saved to `out`; a summary."""
+                    overwrite: bool = False, message=None) -> dict[str, Any]:
+    """`qconvert calibrate`: statistics of MODEL (folder or Hub id) on `calib`, saved to `out`; a summary.
+
+    OUT is checked before anything is calibrated, and again just before the file
+    is renamed into place.
+    """
     from qconvert.calib_data import BUILTIN, load_calibration
     from qconvert.models import build
     from qconvert.source import open_source, resolve_source
 
-    source = open_source(resolve_source(model, revision))  # as `quantize` resolves and opens
+    out = Path(out)
+    check_stats_target(out, overwrite, Path(model) if Path(model).is_dir() else None)  # before any download
+    resolved_source = resolve_source(model, revision)
+    check_stats_target(out, overwrite, resolved_source.folder)
+    source = open_source(resolved_source)  # as `quantize` resolves and opens
     source.check_weights()
     resolved, params = source.resolved, source.params
     data = load_calibration(calib or BUILTIN, resolved.folder, resolved.config, samples=samples, seqlen=seqlen)
@@ -253,6 +303,7 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
         message(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
     stats = collect_act_stats(build(resolved.config), params, data.input_ids,
                               batch_size=batch_size, calibration=data.record())
-    save_act_stats(out, stats, model=resolved.model_id)
+    save_act_stats(out, stats, model=resolved.model_id,
+                   recheck=lambda: check_stats_target(out, overwrite, resolved.folder))
     return {"out": str(out), "model": resolved.model_id, "linears": len(stats.act_absmax),
             "calibration": data.record()}

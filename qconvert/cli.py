@@ -127,9 +127,11 @@ def _group_size(ctx, param, value):
                    "for w8a8; off for int8 and nf4, whose output then stays byte-identical to plain "
                    "round-to-nearest (compressed-tensors) and to bitsandbytes.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Threads reading and quantizing ahead of the writer [default: one per core]; same output bytes.")
+              help="Threads reading and quantizing ahead of the writer [default: one per core; at most 4 per "
+                   "core]; same output bytes.")
 @click.option("--overwrite", is_flag=True,
-              help="Replace OUT if it is a folder qconvert wrote (it has qconvert.json) or an empty folder.")
+              help="Replace OUT if it is an empty folder or one qconvert wrote (its qconvert.json lists every "
+                   "file in it); anything else is never replaced.")
 @click.option("--dry-run", is_flag=True, help="List what would be quantized and the expected size; write nothing.")
 @click.option("--any-architecture", is_flag=True,
               help="int8/int4/nf4: convert a decoder of no known family weight-only, taking every 2-D weight "
@@ -146,6 +148,7 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
     started = time.perf_counter()
     _hub_messages(verbose)
+    _check_jax_platforms()
     from qconvert.convert import convert
     from qconvert.options import ConvertOptions
     from qconvert.plan import parse_size
@@ -185,10 +188,12 @@ def _w8a8_options_from(scheme: str, flags: dict):
               help="The statistics file to write (safetensors).")
 @click.option("--revision", default=None, help="Hub branch, tag or commit (Hub ids only).")
 @_calibration_options
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT if it is a statistics file qconvert wrote; anything else is never replaced.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @_verbose_option
 def calibrate(model: str, out: Path, revision: str | None, calib: str | None, calib_samples: int | None,
-              calib_seqlen: int | None, as_json: bool, verbose: bool) -> int:
+              calib_seqlen: int | None, overwrite: bool, as_json: bool, verbose: bool) -> int:
     """Run calibration text through MODEL and save every linear input's max|x| to OUT.
 
     `qconvert quantize MODEL --scheme w8a8 --act-stats OUT` reuses the file.
@@ -196,11 +201,12 @@ def calibrate(model: str, out: Path, revision: str | None, calib: str | None, ca
     import json
 
     _hub_messages(verbose)
+    _check_jax_platforms()
     from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
     from qconvert.calibrate import calibrate_model
 
     summary = calibrate_model(model, out, calib=calib, samples=calib_samples or DEFAULT_SAMPLES,
-                              seqlen=calib_seqlen or DEFAULT_SEQLEN, revision=revision,
+                              seqlen=calib_seqlen or DEFAULT_SEQLEN, revision=revision, overwrite=overwrite,
                               message=None if as_json else (lambda t: click.echo(f"qconvert: {t}", err=True)))
     if as_json:
         click.echo(json.dumps(summary, indent=2))
@@ -300,6 +306,7 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
     _hub_messages(verbose)
     if json_path not in (None, "-"):
         _check_json_target(Path(json_path))  # before the check runs, not after
+    _check_jax_platforms()
     from rich.console import Console
 
     from qconvert.formats.errors import FormatError
@@ -351,6 +358,12 @@ def _check_json_target(path: Path) -> None:
         raise UsageError(f"--json {path}: the folder {path.parent} does not exist; create it or choose another path")
     if path.is_dir():
         raise UsageError(f"--json {path} is a folder; give a file name")
+
+
+def _check_jax_platforms() -> None:
+    from qconvert.jax_platform import check_jax_platforms
+
+    check_jax_platforms()
 
 
 def _hub_messages(verbose: bool) -> None:

@@ -15,6 +15,45 @@ _CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_
                 "vocab_size", "num_local_experts", "max_position_embeddings", "type_vocab_size")
 
 
+# Config integers bounded by the weights: layers by the blocks the weights number (model.layers.N.),
+# experts by the same or, stored fused, a tensor dimension; sizes by the largest tensor dimension.
+_DIMENSION_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                   "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "type_vocab_size",
+                   "num_experts_per_tok")
+_NUMBERED = re.compile(r"(?:^|\.)(\d+)\.")
+
+
+def _bounded(config: dict[str, Any], bounds: dict[str, tuple[int, str]]) -> None:
+    for key, (bound, what) in bounds.items():
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > bound:
+            raise InvalidCheckpointError(f"config.json: {key} is {value}, but the weights hold {what}; "
+                                         "the config does not fit the weights")
+
+
+def check_config_counts(ckpt: SafetensorsCheckpoint, config: dict[str, Any]) -> None:
+    """Bound config.json's layer and expert counts by what the weights hold, before anything is built per
+    layer: a config that claims 10^12 layers is refused here (exit 6, naming the key) instead of sending
+    the family into a loop over layers that do not exist."""
+    numbered = max((int(m.group(1)) + 1 for name in ckpt.tensor_names for m in _NUMBERED.finditer(name)),
+                   default=0)
+    experts = max(numbered, _largest_extent(ckpt))  # experts may be stored fused, along a dimension
+    _bounded(config, {"num_hidden_layers": (numbered, f"{numbered} numbered blocks"),
+                      "num_local_experts": (experts, f"{experts} experts at most"),
+                      "num_experts": (experts, f"{experts} experts at most")})
+
+
+def check_config_sizes(ckpt: SafetensorsCheckpoint, config: dict[str, Any]) -> None:
+    """Every size config.json gives is at most the largest tensor dimension (a backstop for the sizes no
+    expected shape names)."""
+    extent = _largest_extent(ckpt)
+    _bounded(config, {key: (extent, f"no tensor dimension above {extent}") for key in _DIMENSION_KEYS})
+
+
+def _largest_extent(ckpt: SafetensorsCheckpoint) -> int:
+    return max((max(ckpt.shape(name), default=1) for name in ckpt.tensor_names), default=0)
+
+
 def _config_summary(config: dict[str, Any]) -> str:
     return ", ".join(f"{k}={config[k]}" for k in _CONFIG_KEYS if k in config)
 
@@ -24,6 +63,7 @@ def check_weights_match_config(ckpt: SafetensorsCheckpoint, config: dict[str, An
     weights disagree. Returns the family's model (what `qconvert.models.build(config)` gives)."""
     from qconvert.models import build
 
+    check_config_counts(ckpt, config)
     model = build(config)  # config values of the wrong type or inconsistent ones raise here
     expected = model.expected_shapes()
     for name, shape in expected.items():
@@ -43,4 +83,5 @@ def check_weights_match_config(ckpt: SafetensorsCheckpoint, config: dict[str, An
                 raise InvalidCheckpointError(
                     f"{name} is in the weights but not read by the model config.json describes "
                     f"(num_hidden_layers={model.num_layers}); the config does not fit the weights")
+    check_config_sizes(ckpt, config)
     return model

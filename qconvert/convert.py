@@ -128,7 +128,7 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
             if scheme.calibrates and not (options.dry_run and options.act == "dynamic"):
                 calibration_started = time.perf_counter()
                 with stage("calibration"):
-                    w8a8 = prepare_w8a8(source, options, message)
+                    w8a8 = prepare_w8a8(source, options, message, plan.quantized_modules)
                 if w8a8.calibration_record is not None:
                     phases.append(("calibrated", time.perf_counter() - calibration_started))
             if options.act == "static":

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
 from qconvert.errors import UsageError
+from qconvert import prefetch
 from qconvert.schemes import scheme_named
 from qconvert.schemes.base import Scheme
 
@@ -85,6 +86,10 @@ class ConvertOptions:
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
                                          or self.workers < 1):
             raise UsageError(f"--workers must be a whole number of at least 1, not {self.workers!r}")
+        if self.workers is not None and self.workers > prefetch.max_workers():
+            raise UsageError(f"--workers {self.workers} is more than {prefetch.WORKERS_PER_CORE} threads per core "
+                             f"({prefetch.max_workers()} on this machine's {prefetch.available_cores()} cores); "
+                             f"give at most {prefetch.max_workers()}")
         if scheme.calibrates:
             if self.w8a8 is None:
                 object.__setattr__(self, "w8a8", W8A8Options())

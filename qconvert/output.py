@@ -56,17 +56,52 @@ def check_output_location(out: Path, source: Path | None = None) -> None:
 
 
 def check_output_free(out: Path, overwrite: bool) -> None:
-    """Refuse an existing OUT, unless overwriting a folder that qconvert wrote (qconvert.json) or an empty one."""
+    """Refuse an existing OUT, unless overwriting an empty folder or one that qconvert wrote.
+
+    A folder counts as qconvert's only when its qconvert.json is a valid record
+    whose file list accounts for every file present; anything else is refused
+    (exit 8) naming the first file that is not accounted for, so nothing of the
+    user's is ever deleted.
+    """
     if not (out.exists() or out.is_symlink()):
         return
     if out.is_symlink() or not out.is_dir():
         raise OutputExistsError(f"{out} exists and is not a folder; move it away or choose another -o")
     if not overwrite:
         raise OutputExistsError(f"{out} already exists; pass --overwrite to replace it, or choose another -o")
-    if not (out / MANIFEST_NAME).is_file() and any(out.iterdir()):
+    foreign = first_foreign_file(out)
+    if foreign is not None:
+        name, why = foreign
         raise OutputExistsError(
-            f"{out} is not a folder qconvert wrote (no {MANIFEST_NAME}) and is not empty; --overwrite replaces "
-            "only those: choose another -o")
+            f"{out} is not a folder qconvert wrote: {name} {why}; --overwrite replaces only an empty folder or one "
+            f"whose {MANIFEST_NAME} lists every file in it: choose another -o")
+
+
+def first_foreign_file(folder: Path) -> tuple[str, str] | None:
+    """The first file (in path order) under `folder` that its qconvert.json does not account for, and why;
+    None when every file is listed in a valid record (or the folder holds no file at all)."""
+    from qconvert.formats.record import NO_RECORD, RecordError, read_record
+
+    present = []
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = Path(root) / name
+            if path.is_symlink() or not path.is_dir():
+                present.append((path.relative_to(folder).as_posix(), path))
+    if not present:
+        return None
+    try:
+        listed = set(read_record(folder).files)
+    except RecordError as err:
+        if err.kind == NO_RECORD:
+            return min(present)[0], f"is not listed in a {MANIFEST_NAME} (there is none)"
+        return MANIFEST_NAME, f"is not a valid conversion record ({err.kind})"
+    for name, path in sorted(present):
+        if path.is_symlink() or not path.is_file():
+            return name, "is not a regular file"
+        if name != MANIFEST_NAME and name not in listed:
+            return name, f"is not listed in its {MANIFEST_NAME}"
+    return None
 
 
 def _temporary_pattern(out: Path) -> re.Pattern:
@@ -179,6 +214,53 @@ def staged_output(out: Path, overwrite: bool) -> Iterator[Path]:
     except BaseException:
         _discard(staging)
         raise
+
+
+def check_file_output_free(out: Path, overwrite: bool, ours: Callable[[Path], bool], kind: str) -> None:
+    """Refuse (exit 8) an existing file OUT unless --overwrite is given and `ours(out)` says qconvert wrote it.
+
+    A folder, a link or any file qconvert did not write is never replaced.
+    """
+    if not (out.exists() or out.is_symlink()):
+        return
+    if out.is_symlink() or not out.is_file():
+        raise OutputExistsError(f"{out} exists and is not a file; move it away or choose another -o")
+    if not overwrite:
+        raise OutputExistsError(f"{out} already exists; pass --overwrite to replace it, or choose another -o")
+    if not ours(out):
+        raise OutputExistsError(f"{out} is not {kind} qconvert wrote; --overwrite replaces only those: "
+                                "choose another -o")
+
+
+def write_file_atomically(out: Path, write: Callable[[Any], None], recheck: Callable[[], None]) -> None:
+    """Write OUT through `write(binary file)` into a temporary folder beside it, then rename it into place.
+
+    A failed write or a signal leaves OUT as it was (absent, or the old file) and
+    no temporary; `recheck()` runs again just before the rename, in case OUT
+    changed while the file was written.
+    """
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out)
+        staging = _make_temporary(out, ".partial")
+    except OSError as err:
+        raise OutputWriteError(f"cannot create the output beside {out}: {err.strerror or err}") from None
+    try:
+        staged = staging / out.name
+        with open(staged, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(staged, 0o644)
+        with interrupts.commit_zone() as committed:
+            recheck()
+            os.replace(staged, out)
+            committed()
+    except OSError as err:
+        raise OutputWriteError(f"writing {out} failed: {err.strerror or err}; {out} was left as it was, "
+                               "free space or fix permissions and run again") from None
+    finally:
+        _discard(staging)
 
 
 def _inside_model(path: Path, folder: Path) -> bool:

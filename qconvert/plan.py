@@ -50,6 +50,18 @@ def matches(pattern: str, module: str) -> bool:
     return fnmatch.fnmatchcase(module, pattern)
 
 
+def check_patterns(include: tuple[str, ...], exclude: tuple[str, ...]) -> None:
+    """A `re:` pattern must compile (UsageError, exit 2, naming the flag and the pattern)."""
+    for flag, patterns in (("--include", include), ("--exclude", exclude)):
+        for pattern in patterns:
+            if pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as err:
+                    raise UsageError(f"{flag} {pattern} is not a valid regular expression ({err}); "
+                                     "fix the pattern") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class PlannedTensor:
     """One source tensor (or quantized linear) and the output tensors it becomes."""
@@ -101,6 +113,7 @@ def _linear_candidates(ckpt: SafetensorsCheckpoint) -> list[str]:
 def select_modules(ckpt: SafetensorsCheckpoint, arch: Architecture, include: tuple[str, ...],
                    exclude: tuple[str, ...], dropped: set[str]) -> list[str]:
     """The sorted module names to quantize; a pattern that selects nothing is a UsageError."""
+    check_patterns(include, exclude)
     candidates = [m for m in _linear_candidates(ckpt) if f"{m}.weight" not in dropped]
     selected = set(arch.linear_names(ckpt.tensor_names))
     for pattern in include:

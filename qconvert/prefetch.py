@@ -26,6 +26,14 @@ def available_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+WORKERS_PER_CORE = 4  # past this, threads only add memory and contention (bench/workers_sweep.py)
+
+
+def max_workers() -> int:
+    """The most --workers a conversion takes: 4 threads per core the process may use."""
+    return WORKERS_PER_CORE * available_cores()
+
+
 class _Cancelled(Exception):
     """The consumer stopped early (or a task failed); the workers leave their loops."""
 

@@ -77,6 +77,39 @@ def group_scales(group: SmoothingGroup, act_absmax: np.ndarray, weights: Sequenc
     return GroupScales(group, float(alpha), s, s[index])
 
 
+# A folded gain stored as an offset from 1 (Gemma) keeps at least this many steps of its dtype above 0.
+MIN_GAIN_STEPS = 4
+
+
+def stored_gain_scales(scales: GroupScales, norm_weight: np.ndarray) -> GroupScales:
+    """A norm group whose gain is stored as an offset (Gemma: 1 + w), with the s the stored gain carries.
+
+    The folded w' = (1 + w) / s - 1 lies near -1 when s is large, where bf16 has
+    steps of 2^-8: the gain 1 + w' the norm then applies is off by up to 2^-9
+    absolute, about s * 2^-9 of (1 + w) / s. So the fold is done in float32 as
+    `apply_fold` does it, the stored value rounded to the norm's dtype, and the
+    consumers' columns multiply by what the stored gain really divided by,
+    (1 + w) / (1 + w'), instead of s: the smoothed float model then computes the
+    source's function up to float32 rounding. s is first capped where the stored
+    gain would keep fewer than MIN_GAIN_STEPS steps of the dtype (it would round
+    to 0, or to a handful of values).
+    """
+    offset = np.float32(scales.group.norm_offset)
+    if not offset:
+        return scales
+    dtype = np.asarray(norm_weight).dtype
+    gain = np.asarray(norm_weight).astype(np.float32) + offset
+    step = np.float32(jnp.finfo(dtype).eps) * abs(offset) / 2  # the dtype's spacing just inside -offset
+    s = scales.source_scales.astype(np.float32)
+    ceiling = np.where(gain != 0, np.abs(gain) / (MIN_GAIN_STEPS * step), np.inf).astype(np.float32)
+    s = np.maximum(np.minimum(s, ceiling), np.float32(MIN_SCALE))
+    stored = ((gain / s - offset).astype(dtype).astype(np.float32) + offset)
+    carried = np.where((stored != 0) & (np.sign(stored) == np.sign(gain)), gain / np.where(stored != 0, stored, 1),
+                       s).astype(np.float32)
+    index = channel_map(scales.group, len(scales.input_scales))
+    return dataclasses.replace(scales, source_scales=s, input_scales=carried[index])
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorFold:
     """What smoothing does to one checkpoint tensor: w * col_multiplier[None, :] / row_divisor[:, None]."""

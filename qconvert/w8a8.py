@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -31,7 +31,7 @@ from qconvert.options import ConvertOptions, W8A8Options
 from qconvert.scale_search import LinearSearch, search_linear
 from qconvert.smooth import (INT8_QMAX, MIN_SCALE, AlphaSpec, GroupScales, TensorFold, apply_fold,
                              group_scales, read_group_weights, search_alpha, smoothed_input_absmax,
-                             tensor_folds, unmatched_alpha_keys)
+                             stored_gain_scales, tensor_folds, unmatched_alpha_keys)
 from qconvert.source import SourceModel
 
 # The smallest static input_scale written (float32); the weight scales have the same floor.
@@ -155,8 +155,24 @@ def _search_linears(params: Mapping, modules: list[str], chosen: Mapping[str, Gr
     return found
 
 
+def head_linears_for_static(source: SourceModel, quantized_modules: Sequence[str]) -> list[str]:
+    """The quantized modules outside the family's block linears that get a static input scale (the head's
+    lm_head); UsageError, before anything is calibrated, for any other, which would get none."""
+    block = set(source.arch.linear_names(source.params))
+    extra = sorted(set(quantized_modules) - block)
+    head = {name[: -len(".weight")] for name in build(source.config).head_tensor_names()
+            if name.endswith(".weight")}
+    for module in extra:
+        if module not in head:
+            raise UsageError(f"--act static writes input scales only for the block linears and lm_head; "
+                             f"{module} (from --include) is neither: leave it out of --include, or use "
+                             "--act dynamic")
+    return extra
+
+
 def prepare_w8a8(source: SourceModel, options: ConvertOptions,
-                 progress: Callable[[str], None] | None = None) -> W8A8Adjustments:
+                 progress: Callable[[str], None] | None = None,
+                 quantized_modules: Sequence[str] = ()) -> W8A8Adjustments:
     """Calibrate (or load statistics), smooth, and derive static scales for a w8a8 conversion of `source`.
 
     `source` is the pipeline's opened model: calibration reads the very weights
@@ -170,6 +186,8 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
     progress = progress or (lambda message: None)
     arch, params = source.arch, source.params
     linears = arch.linear_names(params)
+    # Static scales for an included head (lm_head) too; any other included linear is refused here.
+    head = head_linears_for_static(source, quantized_modules) if options.act == "static" else []
     groups = smoothing_groups(arch, source.config) if calib.smooth else []
     unknown = unmatched_alpha_keys(spec, [g.source for g in groups])
     if unknown:
@@ -180,7 +198,7 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
     searches: dict[str, LinearSearch] = {}
     if calib.act_stats is not None:
         stats = load_act_stats(calib.act_stats)
-        check_stats_cover(stats, {m: int(params.checkpoint.shape(f"{m}.weight")[1]) for m in linears},
+        check_stats_cover(stats, {m: int(params.checkpoint.shape(f"{m}.weight")[1]) for m in [*linears, *head]},
                           str(calib.act_stats))
         calibration_record = dict(stats.calibration or {})
         calibration_record["stats_file"] = {"name": Path(calib.act_stats).name,
@@ -196,13 +214,16 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
         alpha = spec.alpha_for(group.source, arch.default_alpha)
         scales.append(group_scales(group, group_act_absmax(stats.act_absmax, group),
                                    read_group_weights(params, group), alpha))
+    # A gain stored as an offset from 1 (Gemma) is rounded near -1: fold what the stored gain carries.
+    scales = [stored_gain_scales(g, np.asarray(params[f"{g.group.source}.weight"])) if g.group.norm_offset else g
+              for g in scales]
     input_scales = None
     if options.act == "static":
         smoothed = {m: g.input_scales for g in scales for m in g.group.linears}
         input_scales = {m: max(searches[m].input_scale, MIN_INPUT_SCALE)
                         if m in searches and searches[m].input_scale is not None
                         else static_input_scale(smoothed_input_absmax(stats.act_absmax[m], smoothed.get(m)))
-                        for m in linears}
+                        for m in [*linears, *head]}
     return W8A8Adjustments(tensor_folds(scales), input_scales, calibration_record,
                            _smoothing_record(scales, spec, arch, errors, calib) if calib.smooth else None,
                            weight_clip={m: f.clip for m, f in searches.items() if f.clip is not None},

@@ -61,3 +61,20 @@ def reference_logits(folder, ids, mask=None, weights: dict | None = None):
 
 def read_config(folder) -> dict:
     return json.loads((Path(folder) / "config.json").read_text())
+
+
+def with_outlier_channels(folder, channels=(5, 40), factor: float = 60.0) -> Path:
+    """Store the checkpoint in bfloat16 (as Gemma ships) with the embedding's `channels` scaled by `factor`:
+    the residual stream then carries outlier channels into every norm, where SmoothQuant's s grows large."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(folder) / "model.safetensors"
+    tensors = load_file(str(path))
+    embed = tensors["model.embed_tokens.weight"]
+    embed[:, list(channels)] *= factor
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, str(path),
+              metadata={"format": "pt"})
+    config = read_config(folder)
+    config["torch_dtype"] = "bfloat16"
+    (Path(folder) / "config.json").write_text(json.dumps(config, indent=2))
+    return Path(folder)

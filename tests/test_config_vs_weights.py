@@ -107,8 +107,8 @@ def unread_tensor_in_a_layer(src):
 
 
 CASES = [
-    (config_says_4_layers, "model.layers.2.input_layernorm.weight is missing from the weights, but config.json "
-                           "(4 layers) needs it"),
+    (config_says_4_layers, "config.json: num_hidden_layers is 4, but the weights hold 2 numbered blocks; the "
+                           "config does not fit the weights"),
     (config_says_1_layer, "model.layers.1.input_layernorm.weight is in the weights but not read by the model "
                           "config.json describes (num_hidden_layers=1)"),
     (hidden_size_128_against_64_wide_weights, "model.embed_tokens.weight has shape [256, 64], but config.json "

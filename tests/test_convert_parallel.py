@@ -219,3 +219,26 @@ def test_the_float_tensor_check_agrees_with_isfinite_on_every_kind_of_bit_patter
         assert all_finite(part, chunk_elements=16) == expected
     finite = values[np.isfinite(values.astype(np.float64))]
     assert all_finite(finite, chunk_elements=16) and finite.size > 1000
+
+
+@pytest.mark.parametrize("workers", ["13", "1000000"])
+def test_workers_above_four_per_core_exit_2_with_one_line(sharded_llama, tmp_path, capsys, monkeypatch, workers):
+    from cli_helpers import run, tree
+
+    import qconvert.prefetch
+
+    monkeypatch.setattr(qconvert.prefetch, "available_cores", lambda: 3)
+    before = tree(tmp_path)
+    exit_code, stdout, stderr = run(["quantize", str(sharded_llama), "-o", str(tmp_path / "out"),
+                                     "--workers", workers], capsys)
+    assert (exit_code, stdout) == (2, "")
+    assert stderr == (f"qconvert: error: --workers {workers} is more than 4 threads per core (12 on this "
+                      "machine's 3 cores); give at most 12\n")
+    assert tree(tmp_path) == before
+
+
+def test_workers_of_four_per_core_are_taken(monkeypatch):
+    import qconvert.prefetch
+
+    monkeypatch.setattr(qconvert.prefetch, "available_cores", lambda: 3)
+    assert ConvertOptions(workers=12).workers == 12

@@ -51,10 +51,47 @@ def test_overwrite_refuses_a_folder_qconvert_did_not_write(parent, capsys):
     (out / "data.csv").write_text("1,2,3")
     before = tree(parent.parent)
     exit_code, _, stderr = run(["quantize", str(parent / "model"), "-o", str(out), "--overwrite"], capsys)
-    assert exit_code == 8 and stderr.strip() == (
-        f"qconvert: error: {out} is not a folder qconvert wrote (no qconvert.json) and is not empty; "
-        "--overwrite replaces only those: choose another -o")
+    assert exit_code == 8 and stderr == (
+        f"qconvert: error: {out} is not a folder qconvert wrote: data.csv is not listed in a qconvert.json (there "
+        f"is none); {REPLACES_ONLY}\n")
     assert tree(parent.parent) == before
+
+
+REPLACES_ONLY = ("--overwrite replaces only an empty folder or one whose qconvert.json lists every file in it: "
+                 "choose another -o")
+
+
+@pytest.fixture(scope="module")
+def converted(model_source, tmp_path_factory):
+    from qconvert.convert import convert
+    from qconvert.options import ConvertOptions
+
+    out = tmp_path_factory.mktemp("converted") / "out"
+    convert(str(model_source), out, ConvertOptions())
+    return out
+
+
+@pytest.mark.parametrize("change,foreign,why", [
+    (lambda out: (out / "notes.txt").write_text("mine"), "notes.txt", "is not listed in its qconvert.json"),
+    (lambda out: ((out / "runs").mkdir(), (out / "runs" / "log.txt").write_text("mine")), "runs/log.txt",
+     "is not listed in its qconvert.json"),
+    (lambda out: (out / "qconvert.json").write_text("{not json"), "qconvert.json",
+     "is not a valid conversion record (unreadable)"),
+    (lambda out: (out / "qconvert.json").write_text('{"scheme": "int8"}'), "qconvert.json",
+     "is not a valid conversion record (no files map)"),
+    (lambda out: (out / "zz-link").symlink_to(out / "config.json"), "zz-link", "is not a regular file"),
+], ids=["extra-file", "extra-in-subfolder", "unreadable-record", "record-without-files", "link"])
+def test_overwrite_refuses_a_qconvert_folder_holding_anything_its_record_does_not_list(model_source, converted,
+                                                                                       tmp_path, capsys, change,
+                                                                                       foreign, why):
+    out = tmp_path / "out"
+    shutil.copytree(converted, out)
+    change(out)
+    before = tree(tmp_path)
+    exit_code, _, stderr = run(["quantize", str(model_source), "-o", str(out), "--overwrite", "-q"], capsys)
+    assert (exit_code, stderr) == (
+        8, f"qconvert: error: {out} is not a folder qconvert wrote: {foreign} {why}; {REPLACES_ONLY}\n")
+    assert tree(tmp_path) == before
 
 
 def test_overwrite_replaces_an_empty_folder_and_its_own_output(parent, capsys):

@@ -151,3 +151,18 @@ def test_tensor_metrics_of_extreme_magnitudes_equal_the_scale_free_figures(scale
     plain, extreme = metrics.tensor_metrics(ref, out), metrics.tensor_metrics(ref * scale, out * scale)
     assert extreme.sqnr_db == pytest.approx(plain.sqnr_db, rel=1e-9)
     assert extreme.cosine == pytest.approx(plain.cosine, rel=1e-9)
+
+
+def test_perplexity_ratio_of_huge_logits_is_taken_in_log_space():
+    # Logits of 1e30 put -log p(next) near 1e30: both perplexities are inf, but the models agree, and
+    # the ratio is exp(difference of the mean log-likelihoods), not inf / inf.
+    ids = np.array([[0, 1, 0, 1]])
+    logits = np.zeros((1, 4, 2), np.float32)
+    logits[..., 0] = 1e30  # every position predicts token 0; half the next tokens are 1
+    figures = metrics.causal_lm_figures(logits, logits, ids)
+    assert figures["perplexity_float"] == figures["perplexity_quantized"] == float("inf")
+    assert figures["perplexity_ratio"] == 1.0
+    worse = logits.copy()
+    worse[..., 0] = 2e30
+    assert metrics.causal_lm_figures(logits, worse, ids)["perplexity_ratio"] == float("inf")
+    assert metrics.perplexity(logits, ids) == float("inf")

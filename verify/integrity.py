@@ -128,3 +128,42 @@ def check_config(config: dict[str, Any], record: ConversionRecord) -> list[str]:
             f"but qconvert.json records scheme {record.scheme!r}"
         ]
     return []
+
+
+# What quantize adds to the source's config.json, and bookkeeping no forward reads.
+CONFIG_KEYS_NOT_COMPARED = ("quantization_config", "_name_or_path", "transformers_version")
+_ABSENT = object()
+
+
+def _first_difference(ours: Any, theirs: Any, path: str) -> tuple[str, Any, Any] | None:
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for key in sorted(set(ours) | set(theirs), key=str):
+            found = _first_difference(ours.get(key, _ABSENT), theirs.get(key, _ABSENT), f"{path}.{key}")
+            if found is not None:
+                return found
+        return None
+    # JSON has one number type: 1 and 1.0 are the same value, but true is not 1.
+    same = ours == theirs and type(ours) is type(theirs) or (
+        isinstance(ours, (int, float)) and isinstance(theirs, (int, float))
+        and not isinstance(ours, bool) and not isinstance(theirs, bool) and ours == theirs)
+    return None if same else (path, ours, theirs)
+
+
+def check_config_matches_reference(config: dict[str, Any], reference_config: dict[str, Any]) -> list[str]:
+    """The folder's config.json against the reference's, field by field (nested keys named with dots).
+
+    quantize copies the source's config and adds quantization_config; any other
+    field that differs (rope_theta, hidden_act, rms_norm_eps, sliding_window, ...)
+    would make the folder's forward differ from the one verify checks.
+    """
+    for key in sorted(set(config) | set(reference_config)):
+        if key in CONFIG_KEYS_NOT_COMPARED:
+            continue
+        found = _first_difference(config.get(key, _ABSENT), reference_config.get(key, _ABSENT), key)
+        if found is not None:
+            path, ours, theirs = found
+            ours = "absent" if ours is _ABSENT else repr(ours)
+            theirs = "absent" if theirs is _ABSENT else repr(theirs)
+            return [f"config.json: {path} is {ours}, but the reference's config.json has {theirs}; the folder "
+                    "would not run the model it was converted from"]
+    return []

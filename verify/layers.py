@@ -26,7 +26,7 @@ import numpy as np
 
 from qconvert.errors import InvalidCheckpointError
 from qconvert.formats import QArray
-from qconvert.models import iterate_layers
+from qconvert.models import iterate_layers, read_tensors
 from qconvert.models.hooks import dense_linear
 from qconvert.models.registry import Architecture
 from qconvert.smooth import channel_map
@@ -152,6 +152,20 @@ def compare_linear(name: str, x: np.ndarray, reference: Mapping, converted: Mapp
     return LayerResult(name, choice, metrics, int(x.shape[0]), checks, fidelity, fidelity_checks)
 
 
+def head_observed(model, reference: Mapping, hidden, attention_mask, wanted: set[str]) -> dict[str, list]:
+    """{module: [(input, valid)]} of the head's linears in `wanted`, from the float model's last hidden state."""
+    observed: dict[str, list] = {}
+    mask = jnp.asarray(attention_mask)
+
+    def capture(name, x, weight, bias):
+        if name in wanted:
+            observed.setdefault(name, []).append((x, mask > 0))
+        return jnp.zeros(x.shape[:-1] + (weight.shape[0],), jnp.float32)  # the logits are not needed here
+
+    model.head(read_tensors(reference, model.head_tensor_names()), hidden, mask, capture)
+    return observed
+
+
 def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, attention_mask,
                   modules: Sequence[str], quantized_linear: QuantizedLinear,
                   thresholds: Thresholds, *, smoothing: SmoothingFactors | None = None,
@@ -182,6 +196,14 @@ def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, atte
                                 batch_size=batch_size, jit=jit):
         final_hidden = layer.hidden
         inputs = captured_inputs(layer.observed, wanted)
+        for name in sorted(inputs):
+            results.append(compare_linear(name, inputs[name], reference, converted, quantized_linear,
+                                          thresholds, smoothing, folder_linear))
+    head_wanted = wanted - {r.name for r in results}
+    if head_wanted and final_hidden is not None:
+        # A quantized head (--include lm_head) reads the final norm's output, after the layers.
+        inputs = captured_inputs(head_observed(model, reference, final_hidden, attention_mask, head_wanted),
+                                 head_wanted)
         for name in sorted(inputs):
             results.append(compare_linear(name, inputs[name], reference, converted, quantized_linear,
                                           thresholds, smoothing, folder_linear))

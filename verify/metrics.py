@@ -187,9 +187,17 @@ def causal_lm_figures(reference_logits, test_logits, input_ids, mask=None) -> di
     with jax.enable_x64(True):
         kl, same, nll_ref, nll_test = (np.asarray(a) for a in _causal_lm_positions(
             ref, out, jnp.asarray(ids[:, 1:], jnp.int32)))
+    # The ratio is taken in log space: with very large logits both perplexities overflow to inf, and
+    # inf / inf would be nan where the two models may well agree.
+    log_ppl_ref, log_ppl_test = float(nll_ref[pairs].mean()), float(nll_test[pairs].mean())
     return {"mean_kl": float(kl[keep].mean()), "top1_agreement": float(same[keep].mean()),
-            "perplexity_float": float(np.exp(nll_ref[pairs].mean())),
-            "perplexity_quantized": float(np.exp(nll_test[pairs].mean()))}
+            "perplexity_float": _exp(log_ppl_ref), "perplexity_quantized": _exp(log_ppl_test),
+            "perplexity_ratio": _exp(log_ppl_test - log_ppl_ref)}
+
+
+def _exp(log_value: float) -> float:
+    """exp without overflow warnings: inf past float64's range."""
+    return math.exp(log_value) if log_value < 709.0 else math.inf
 
 
 def perplexity(logits, input_ids, mask=None) -> float:
@@ -211,4 +219,4 @@ def perplexity(logits, input_ids, mask=None) -> float:
     keep = keep[:, :-1] & keep[:, 1:]
     if not keep.any():
         raise ValueError("perplexity needs at least one pair of consecutive real tokens")
-    return float(np.exp(nll[keep].mean()))
+    return _exp(float(nll[keep].mean()))

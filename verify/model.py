@@ -53,7 +53,6 @@ def mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
 def compare_causal_lm(float_logits, quant_logits, input_ids, mask, thresholds: Thresholds) -> ModelResult:
     """KL, top-1 agreement and perplexities of quantized against float logits."""
     figures = metrics.causal_lm_figures(float_logits, quant_logits, input_ids, mask)
-    figures["perplexity_ratio"] = figures["perplexity_quantized"] / figures["perplexity_float"]
     checks = (
         check("mean_kl", "model", figures["mean_kl"], thresholds.max_mean_kl, "max"),
         check("top1_agreement", "model", figures["top1_agreement"], thresholds.min_top1_agreement, "min"),

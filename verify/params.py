@@ -57,8 +57,12 @@ def check_tensors(quantized, reference, config: dict[str, Any], arch: Architectu
     arch = arch or architecture_for(config)
     layout, flags = quantized.layout, quantized.flags  # as the folder's quantization_config states them
     float_names = set(quantized.float_names)
-    ref_linears = arch.linear_names(reference.tensor_names)
     quantized_modules = set(quantized.quantized_modules)
+    # The family's linears, and any other reference linear the folder quantized (--include lm_head).
+    ref_linears = list(arch.linear_names(reference.tensor_names))
+    ref_linears += sorted(m for m in quantized_modules - set(ref_linears) if f"{m}.weight" in reference)
+    for module in sorted(quantized_modules - set(ref_linears)):
+        problems.append(f"{folder}: quantized linear {module} has no {module}.weight in the reference")
     for module in ref_linears:
         shape = tuple(reference.shape(f"{module}.weight"))
         if module not in quantized_modules:
@@ -93,6 +97,9 @@ def check_tensors(quantized, reference, config: dict[str, Any], arch: Architectu
         except FormatError as exc:
             problems.append(str(exc))
     linear_tensors = {f"{m}.weight" for m in ref_linears}
+    # A tied lm_head the reference also stores is the embedding table: the conversion does not write it again.
+    if config.get("tie_word_embeddings") is True and "lm_head" not in quantized_modules:
+        linear_tensors.add("lm_head.weight")
     for name in reference.tensor_names:
         if name in linear_tensors:
             continue

@@ -24,8 +24,9 @@ from qconvert.models import build, read_tensors
 from qconvert.models.registry import architecture_for
 from qconvert.models.weight_only import check_architecture, checkpoint_architecture
 from qconvert.schemes import names_where, scheme_named
-from qconvert.verify.integrity import (ConversionRecord, IntegrityResult, check_config, check_files, read_config,
-                                       read_record, sha256_of)
+from qconvert.verify.integrity import (ConversionRecord, IntegrityResult, check_config,
+                                       check_config_matches_reference, check_files, read_config, read_record,
+                                       sha256_of)
 from qconvert.verify.fidelity import make_folder_linear
 from qconvert.verify.kernel_path import make_quantized_linear
 from qconvert.verify.layers import smoothing_factors, verify_layers
@@ -157,7 +158,8 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
     arch, weight_only = checkpoint_architecture(config, reference_ckpt, any_architecture=_weight_only(record))
     if weight_only is None:
         check_weights_match_config(reference_ckpt, resolved.config)  # a reference whose config misfits: one line
-    problems = check_tensors(quantized, reference_ckpt, config, arch)
+    problems = check_config_matches_reference(config, resolved.config) + check_tensors(
+        quantized, reference_ckpt, config, arch)
     if problems:
         return _integrity_only(folder, record.scheme, options, thresholds, files, problems, started)
     reference_info = {"model": reference_id, "folder": str(resolved.folder), "commit": resolved.commit,
@@ -169,7 +171,7 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
     if architecture_for(resolved.config) is not arch:
         raise UsageError(f"the reference {reference_id} is a {resolved.config.get('architectures')} model, "
                          f"the converted folder a {config.get('architectures')} one; pass the right --reference")
-    model = build(config)
+    model = build(resolved.config)  # the reference's forward; the folder's config was found equal to it above
     reference = CheckpointParams(reference_ckpt)
     converted = QuantizedParams(quantized)
     data = evaluation_tokens(options, resolved.folder, resolved.config)

@@ -71,8 +71,9 @@ def layer_ropes(config: dict[str, Any], types: tuple[str, ...]) -> tuple[RopeCon
     else:
         full = {**base, "rope_theta": config.get("rope_theta", 1_000_000.0),
                 "rope_scaling": config.get("rope_scaling")}
-        local = {**base, "rope_theta": config.get("rope_local_base_freq", 10_000.0)}
-        by_type = {FULL: RopeConfig.from_config(full), SLIDING: RopeConfig.from_config(local)}
+        local = {**base, "rope_local_base_freq": config.get("rope_local_base_freq", 10_000.0)}
+        by_type = {FULL: RopeConfig.from_config(full),
+                   SLIDING: RopeConfig.from_config(local, theta_key="rope_local_base_freq")}
     return tuple(by_type[t] for t in types)
 
 

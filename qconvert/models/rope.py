@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.errors import UnsupportedModelError
+from qconvert.errors import InvalidCheckpointError, UnsupportedModelError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -27,25 +27,60 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "RopeConfig":
-        """Read `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (earlier)."""
-        params = dict(config.get("rope_parameters") or {})
-        params.update(config.get("rope_scaling") or {})
-        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    def from_config(cls, config: dict[str, Any], theta_key: str = "rope_theta") -> "RopeConfig":
+        """Read `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (earlier).
+
+        Every value is checked (InvalidCheckpointError, exit 6, naming the key): a
+        base or factor that is not a positive finite number would give NaN angles.
+        """
+        params: dict[str, Any] = {}
+        where: dict[str, str] = {}
+        for key in ("rope_parameters", "rope_scaling"):
+            block = config.get(key)
+            if block is None:
+                continue
+            if not isinstance(block, dict):
+                raise InvalidCheckpointError(f"config.json: {key} is {block!r}; it must be an object")
+            params.update(block)
+            where.update({name: f"{key}.{name}" for name in block})
+
+        def positive(name: str, default: float, fallback_key: str | None = None) -> float:
+            if name in params and params[name] is not None:
+                return _positive_number(where[name], params[name])
+            if fallback_key is not None and config.get(fallback_key) is not None:
+                return _positive_number(fallback_key, config[fallback_key])
+            return default
+
+        theta = positive("rope_theta", 10000.0, theta_key)
         rope_type = params.get("rope_type", params.get("type", "default"))
+        if not isinstance(rope_type, str):
+            key = where.get("rope_type", where.get("type"))
+            raise InvalidCheckpointError(f"config.json: {key} is {rope_type!r}; it must be a string")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
                 f"RoPE scaling type {rope_type!r} is not supported; supported: "
                 + ", ".join(SUPPORTED_ROPE_TYPES))
-        return cls(
-            theta=float(theta),
-            rope_type=rope_type,
-            factor=float(params.get("factor", 1.0)),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(params.get(
-                "original_max_position_embeddings", config.get("max_position_embeddings", 8192))),
-        )
+        low, high = positive("low_freq_factor", 1.0), positive("high_freq_factor", 4.0)
+        if rope_type == "llama3" and not high > low:
+            raise InvalidCheckpointError(
+                f"config.json: {where.get('high_freq_factor', 'high_freq_factor')} = {high} is not above "
+                f"low_freq_factor = {low}; the llama3 RoPE scaling needs high > low")
+        original = params.get("original_max_position_embeddings")
+        original_key = where.get("original_max_position_embeddings", "original_max_position_embeddings")
+        if original is None:
+            original, original_key = config.get("max_position_embeddings", 8192), "max_position_embeddings"
+        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+            raise InvalidCheckpointError(f"config.json: {original_key} is {original!r}; it must be a whole "
+                                         "number of at least 1")
+        return cls(theta=theta, rope_type=rope_type, factor=positive("factor", 1.0),
+                   low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=original)
+
+
+def _positive_number(key: str, value: Any) -> float:
+    """A RoPE base or factor: a positive finite number (exit 6 naming the key otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise InvalidCheckpointError(f"config.json: {key} is {value!r}; it must be a positive number")
+    return float(value)
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
