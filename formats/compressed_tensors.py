@@ -105,7 +105,7 @@ def int8_qarray(source: TensorSource, module: str, codes: np.ndarray, scale: np.
 
 def check_int8_qarray(module: str, q: QArray, scheme: str) -> None:
     """ValueError unless `q` is a 2-D symmetric int8 QArray (what both int8 layouts store)."""
-    if q.kind.bits != 8 or q.ndim != 2:
+    if not q.kind.int8 or q.ndim != 2:
         raise ValueError(f"{module}: scheme {scheme} needs a 2-D int8 QArray, got kind {q.kind} {q.shape}")
     if q.zero_point is not None:
         raise ValueError(f"{module}: symmetric layouts store no zero point")

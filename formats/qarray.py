@@ -50,14 +50,16 @@ class QKind(str):
     """A quantization kind: its name (the str value) and the properties code branches on."""
 
     bits: int
+    float_codes: bool
     levels: np.ndarray | None
     flat_blocks: bool
     column_groups: bool
 
     def __new__(cls, name: str, *, bits: int, levels: np.ndarray | None = None, flat_blocks: bool = False,
-                column_groups: bool = False):
+                column_groups: bool = False, float_codes: bool = False):
         kind = super().__new__(cls, name)
         kind.bits = bits
+        kind.float_codes = float_codes  # codes are floats (float8_e4m3fn), not integers
         kind.levels = levels  # codes index this float table (NF4) instead of being the integers themselves
         kind.flat_blocks = flat_blocks  # codes packed over the flattened tensor, one scale per block of it
         kind.column_groups = column_groups  # one scale per group of `block_size` last-axis columns
@@ -69,8 +71,14 @@ class QKind(str):
 
     @property
     def integer(self) -> bool:
-        """Whether each code is the integer the scale multiplies (int8, int4), not a table index."""
+        """Whether each code is the value the scale multiplies (int8, int4; fp8's float codes too), not a
+        table index."""
         return self.levels is None
+
+    @property
+    def int8(self) -> bool:
+        """Whether codes are int8 integers with one scale per output channel or tensor (W8A16, W8A8)."""
+        return self.bits == 8 and not self.float_codes
 
     @property
     def packs_nibbles(self) -> bool:

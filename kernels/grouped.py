@@ -172,7 +172,7 @@ def _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, *, plan: KernelPlan, rh
     else:
         lhs_ops = (lhs_p,)
         rhs_ops = (_pad(rhs_data, (g_local, np_, kp) if transpose_rhs else (g_local, kp, np_)),)
-        if rhs_kind.bits == 8:
+        if rhs_kind.int8:
             rhs_ops += (_pad(rhs_aux.reshape(g_local, 1, n), (g_local, 1, np_)),)
     y = tpu_grouped.grouped_matmul_tpu(
         metadata, jnp.full((1,), offset, jnp.int32), num_tiles.reshape(1), lhs_ops, rhs_ops, tiling=t,

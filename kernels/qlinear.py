@@ -38,7 +38,7 @@ def _check_act(act: str | None, input_scale) -> None:
 
 def _int8_rows(x: QArray) -> tuple[jax.Array, jax.Array]:
     """(codes [M, K], scales [M]) of int8 activations [..., K] with one scale per row or per tensor."""
-    if x.kind.bits != 8 or x.zero_point is not None:
+    if not x.kind.int8 or x.zero_point is not None:
         raise KernelArgumentError(f"qlinear: quantized activations must be symmetric int8, got {x.kind}")
     if x.scale.shape[-1:] != (1,):
         raise KernelArgumentError(f"qlinear: int8 activations need one scale per row or per tensor, "
@@ -111,7 +111,7 @@ def stack_experts(qs: Sequence[QArray]) -> QArray:
     """The experts' [N, K] QArrays as one QArray of logical shape (G, N, K) for grouped_matmul."""
     first = qs[0]
     g, (n, k) = len(qs), first.shape
-    if first.kind.bits == 8:
+    if first.kind.int8:
         return QArray(jnp.stack([jnp.asarray(q.qvalue) for q in qs]),
                       jnp.stack([jnp.asarray(q.scale, jnp.float32).reshape(n, 1) for q in qs]),
                       kind="int8", shape=(g, n, k), dtype=first.dtype)

@@ -39,7 +39,7 @@ def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *
                 tm):
     if rhs_kind.packs_nibbles:
         xe_ref, xo_ref, w_ref, a_ref, o_ref, acc_ref = refs
-    elif rhs_kind.bits == 8:
+    elif rhs_kind.int8:
         x_ref, w_ref, s_ref, o_ref, acc_ref = refs
     else:
         x_ref, w_ref, o_ref, acc_ref = refs
@@ -67,7 +67,7 @@ def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *
         g = group_ids[step]
         mask = _row_mask(o_ref.shape, 0, tm, m_tile_ids[step], group_offsets[g], group_offsets[g + 1])
         y = acc_ref[...]
-        if rhs_kind.bits == 8:
+        if rhs_kind.int8:
             y = y * s_ref[...]
         # Rows of other groups in a shared tile keep what their own visit wrote.
         o_ref[...] = jnp.where(mask, y.astype(o_ref.dtype), o_ref[...])
@@ -116,7 +116,7 @@ def grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs_operands, rhs_oper
     else:
         block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
         in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(block, rhs_map)]
-        if rhs_kind.bits == 8:
+        if rhs_kind.int8:
             in_specs.append(pl.BlockSpec((None, 1, tn), scale_map))
     return pl.pallas_call(
         functools.partial(_gmm_kernel, rhs_kind=rhs_kind, transpose_rhs=transpose_rhs, tm=tm),

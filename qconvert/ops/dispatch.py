@@ -89,7 +89,7 @@ def _int8_blocker(x, contracting: Sequence[int], side: str) -> str | None:
     """Why `x` cannot enter the integer path, or None when it can."""
     if not isinstance(x, QArray):
         return f"{side} is not quantized"
-    if x.kind.bits != 8:
+    if not x.kind.int8:
         return f"{side} is {x.kind}, not int8"
     if x.zero_point is not None:
         return f"{side} has a zero point"

@@ -76,7 +76,7 @@ def _weight_only_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None:
         return reason
     if form.rhs_layout != "nk":
         return f"the {rhs.kind} weight is contracted on its first axis; the kernel takes [N, K] contracted on K"
-    if rhs.kind.bits == 8 and (rhs.zero_point is not None or rhs.scale.ndim != 2 or rhs.scale.shape[1] != 1):
+    if rhs.kind.int8 and (rhs.zero_point is not None or rhs.scale.ndim != 2 or rhs.scale.shape[1] != 1):
         return "the weight scale is not one per output channel"
     if rhs.kind.column_groups and (rhs.zero_point is not None or rhs.scale.ndim != 2):
         return "the int4 weight has a zero point or scales that are not [N, groups]"

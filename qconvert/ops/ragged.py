@@ -67,7 +67,7 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
     (lhs_contracting, rhs_contracting), _ = dims.dot_dimension_numbers
     mode = _mode(dims)
     per_group_scale = (
-        mode == "noncontracting" and isinstance(rhs, QArray) and rhs.kind.bits == 8
+        mode == "noncontracting" and isinstance(rhs, QArray) and rhs.kind.int8
         and rhs.scale.ndim == rhs.qvalue.ndim
         and rhs.scale.shape[dims.rhs_group_dimensions[0]] != 1
     )

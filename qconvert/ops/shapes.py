@@ -23,5 +23,5 @@ class MatmulForm:
 def operand_shape(x) -> tuple[int, ...]:
     """Logical shape; for int8 QArrays read from the payload so it stays right under vmap."""
     if isinstance(x, QArray):
-        return tuple(x.qvalue.shape) if x.kind.bits == 8 else tuple(x.shape)
+        return tuple(x.qvalue.shape) if x.kind.int8 else tuple(x.shape)
     return tuple(jnp.shape(x))
