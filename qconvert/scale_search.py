@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.formats.qarray import INT8_QMAX, NF4_LEVELS
-from qconvert.quantizers import NF4_BLOCK_SIZE, NF4_THRESHOLDS, pad_rows, quantize_int8
+from qconvert.formats.qarray import INT8_QMAX
+from qconvert.quantizers import pad_rows, quantize_int8
 
 # Candidate clipping ratios, largest (plain absmax) first.
 # int8: fine steps near 1 (127 levels leave little to clip), coarser below 0.95.

@@ -26,8 +26,10 @@ FAMILIES = ("llama", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe")
 @pytest.fixture(scope="module", params=FAMILIES)
 def converted(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
-    # hidden 128 and intermediate 256 take the default group of 128 (Qwen3's 96-wide o_proj input: 32).
-    source = make_hf_checkpoint(root / "src", request.param, hidden=128, intermediate=256, layers=1,
+    # hidden 128 and intermediate 256 take the default group of 128 (Qwen3's 96-wide o_proj input: 32;
+    # Qwen3-MoE, with no dense MLP and experts 24 wide: one scale per channel).
+    intermediate = 128 if request.param == "qwen3_moe" else 256
+    source = make_hf_checkpoint(root / "src", request.param, hidden=128, intermediate=intermediate, layers=1,
                                 peaked=True)
     return source, root / "int4"
 
