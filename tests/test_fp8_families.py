@@ -107,3 +107,14 @@ def test_loads_in_transformers_and_compressed_tensors_as_qconvert_means_it(conve
     assert np.abs(loaded[valid] - meant[valid]).max() <= 1e-4 * scale
     a, b = loaded[valid].ravel().astype(np.float64), float_logits[valid].ravel().astype(np.float64)
     assert a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) >= 0.95
+
+
+def test_the_servers_table_holds_for_transformers(converted, capsys):
+    # The transformers cells are what the test above checks; the vLLM and vLLM TPU cells are recorded runs
+    # of their own loading code (docs/BENCHMARKS.md, "Server acceptance"), which these tests cannot run.
+    source, out = converted
+    if not out.exists():
+        convert(source, out, capsys)
+    code, report, err = run_cli(["inspect", str(out), "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(report)["servers"]["transformers"] == "yes"
