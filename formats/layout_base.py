@@ -3,7 +3,7 @@
 A layout is one scheme's way of storing a quantized linear: its tensor names,
 dtypes and shapes, how a QArray becomes those tensors and comes back, the
 `quantization_config` loaders read, and how to recognise that config again.
-The four layouts live in layout_int8.py, layout_int4.py, layout_w8a8.py and layout_nf4.py;
+The five layouts live in layout_int8.py, layout_int4.py, layout_w8a8.py, layout_fp8.py and layout_nf4.py;
 layouts.py collects them.
 """
 
@@ -49,7 +49,7 @@ class Layout(abc.ABC):
     """One on-disk scheme. Subclasses set the class attributes and implement the six methods."""
 
     scheme: str  # the --scheme name
-    qarray_kind: str  # the QArray kind it stores ("int8", "int4" or "nf4")
+    qarray_kind: str  # the QArray kind it stores ("int8", "int4", "fp8" or "nf4")
     quant_method: str  # quantization_config["quant_method"]
     marker_suffix: str  # the one tensor (module + suffix) every quantized linear of this layout has
     part_suffixes: tuple[str, ...]  # every tensor a quantized linear may have, module + suffix

@@ -3,6 +3,7 @@
     "int8"  compressed-tensors pack-quantized, 8 bits   (layout_int8.PackQuantizedInt8)
     "int4"  compressed-tensors pack-quantized, 4 bits   (layout_int4.PackQuantizedInt4)
     "w8a8"  compressed-tensors int-quantized            (layout_w8a8.IntQuantizedW8A8)
+    "fp8"   compressed-tensors float-quantized          (layout_fp8.FloatQuantizedFP8)
     "nf4"   bitsandbytes 4-bit                          (layout_nf4.BitsandbytesNF4)
 
 Callers ask the Layout object (layout_base.Layout) rather than branch on the
@@ -19,6 +20,7 @@ import numpy as np
 from qconvert.formats.errors import FormatError
 from qconvert.formats.jsonfile import MISSING, NOT_OBJECT, JsonFileError, read_json_object
 from qconvert.formats.layout_base import FLOAT_DTYPES, Layout, LayoutFlags
+from qconvert.formats.layout_fp8 import FloatQuantizedFP8
 from qconvert.formats.layout_int4 import PackQuantizedInt4
 from qconvert.formats.layout_int8 import PackQuantizedInt8
 from qconvert.formats.layout_nf4 import NF4_BLOCK_SIZE, NF4_STATE_SUFFIX, BitsandbytesNF4, nf4_state_blob
@@ -26,7 +28,8 @@ from qconvert.formats.layout_w8a8 import INPUT_SCALE_DTYPE, IntQuantizedW8A8
 from qconvert.formats.qarray import QArray
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, TensorSpec, open_checkpoint
 
-LAYOUTS: tuple[Layout, ...] = (PackQuantizedInt8(), PackQuantizedInt4(), IntQuantizedW8A8(), BitsandbytesNF4())
+LAYOUTS: tuple[Layout, ...] = (PackQuantizedInt8(), PackQuantizedInt4(), IntQuantizedW8A8(), FloatQuantizedFP8(),
+                               BitsandbytesNF4())
 SCHEMES = tuple(layout.scheme for layout in LAYOUTS)
 _BY_SCHEME = {layout.scheme: layout for layout in LAYOUTS}
 ACTS = ("dynamic", "static")
@@ -62,7 +65,7 @@ def layout_for_config(qconfig: Any) -> tuple[Layout, LayoutFlags]:
 
 
 def detect_scheme(qconfig: Any) -> str:
-    """The scheme ("int8", "w8a8", "nf4") a quantization_config describes; ValueError if none."""
+    """The scheme ("int8", "int4", "w8a8", "fp8", "nf4") a quantization_config describes; ValueError if none."""
     return layout_for_config(qconfig)[0].scheme
 
 

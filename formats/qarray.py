@@ -89,7 +89,8 @@ class QKind(str):
 INT8 = QKind("int8", bits=8)
 NF4 = QKind("nf4", bits=4, levels=NF4_LEVELS, flat_blocks=True)
 INT4 = QKind("int4", bits=4, column_groups=True)
-KINDS = {kind: kind for kind in (INT8, NF4, INT4)}  # name -> QKind (a QKind is its own name)
+FP8 = QKind("fp8", bits=8, float_codes=True)
+KINDS = {kind: kind for kind in (INT8, NF4, INT4, FP8)}  # name -> QKind (a QKind is its own name)
 
 
 def kind_named(name: str) -> QKind:

@@ -95,6 +95,8 @@ def print_inspect_report(report: InspectReport, console: Console) -> None:
     console.print(f"{quantized} quantized linears, {len(report.tensors) - quantized} tensors unchanged; "
                   f"{human_bytes(report.stored_bytes)} stored for {human_bytes(report.float_bytes)} of float "
                   f"weights ({report.compression_ratio:.2f}x)")
+    if report.servers:
+        console.print("loads in: " + "; ".join(f"{server} {answer}" for server, answer in report.servers.items()))
     if report.hashes_ok is None:
         console.print("no qconvert.json: file hashes not checked")
     elif report.hashes_ok:

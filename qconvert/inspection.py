@@ -16,6 +16,7 @@ from qconvert.formats.record import (
     NO_FILES, NO_RECORD, RECORD_NAME, ConversionRecord, FileCheck, RecordError, check_hashes, read_record,
 )
 from qconvert.plan import UNCHANGED
+from qconvert.schemes.servers import family_of, scheme_key, servers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,7 @@ class InspectReport:
     tensors: tuple[TensorRow, ...]
     files: tuple[FileCheck, ...]
     manifest: dict[str, Any] | None
+    servers: dict[str, str] = dataclasses.field(default_factory=dict)  # server -> yes, no or not measured
 
     @property
     def stored_bytes(self) -> int:
@@ -70,6 +72,7 @@ class InspectReport:
             "unchanged_tensors": sum(t.kind == UNCHANGED for t in self.tensors),
             "stored_bytes": self.stored_bytes, "float_bytes": self.float_bytes,
             "compression_ratio": round(self.compression_ratio, 4), "hashes_ok": self.hashes_ok,
+            "servers": dict(self.servers),
             "files": [{"name": f.name, "expected": f.expected, "actual": f.actual, "ok": f.ok} for f in self.files],
             "tensors": [{"name": t.name, "kind": t.kind, "shape": list(t.shape), "dtype": t.dtype,
                          "stored_bytes": t.stored_bytes} for t in self.tensors],
@@ -92,7 +95,8 @@ def inspect_checkpoint(folder) -> InspectReport:
     record = _read_record(folder)
     checks = tuple(check_hashes(folder, record)) if record is not None else ()
     return InspectReport(folder=folder, scheme=qc.scheme, tensors=tuple(rows), files=checks,
-                         manifest=record.raw if record is not None else None)
+                         manifest=record.raw if record is not None else None,
+                         servers=servers(scheme_key(qc.scheme, qc.flags), family_of(qc.config)))
 
 
 def _tensor_rows(qc) -> list[TensorRow]:

@@ -22,6 +22,7 @@ from qconvert.formats.safetensors_io import SafetensorsCheckpoint, TensorSpec
 from qconvert.models.registry import Architecture
 from qconvert.models.weight_only import FAMILY as WEIGHT_ONLY_FAMILY
 from qconvert.schemes.base import Scheme
+from qconvert.schemes.servers import family_of, scheme_key, tpu_note
 
 FLOAT_WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 # The kind of a tensor written as the source holds it (float or not: int64 position_ids too).
@@ -88,7 +89,7 @@ class ConversionPlan:
     dropped: tuple[str, ...]  # source tensors not written (a tied lm_head)
     float_dtype: str  # the dtype of the quantized linears' float weights
     flags: LayoutFlags = LayoutFlags()  # the layout flags every quantized linear is written with
-    notes: tuple[str, ...] = ()  # lines for the user about choices made for this model (int4's group size)
+    notes: tuple[str, ...] = ()  # lines for the user about this model's choices (int4's group size, vLLM TPU)
 
     @property
     def specs(self) -> list[TensorSpec]:
@@ -187,10 +188,10 @@ def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: A
     ignore = sorted(set(_linear_candidates(ckpt)) - set(modules) - {"lm_head"})
     if "lm_head" not in modules:
         ignore.insert(0, "lm_head")
-    note = scheme.group_note(group_size, shapes)
+    notes = (scheme.group_note(group_size, shapes), tpu_note(scheme_key(scheme.name, flags), family_of(config)))
     return ConversionPlan(tensors=tuple(tensors), ignore=tuple(ignore), dropped=tuple(sorted(dropped)),
                           float_dtype=ckpt.dtype(f"{modules[0]}.weight").name if modules else "float32",
-                          flags=flags, notes=(note,) if note else ())
+                          flags=flags, notes=tuple(filter(None, notes)))
 
 
 def is_float_array(array: np.ndarray) -> bool:

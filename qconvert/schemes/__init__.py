@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from qconvert.schemes.base import Scheme
 
 # name -> "module:class" under qconvert.schemes
-_CLASSES = {"int8": "int8:Int8", "int4": "int4:Int4", "w8a8": "w8a8:W8A8", "nf4": "nf4:NF4"}
+_CLASSES = {"int8": "int8:Int8", "int4": "int4:Int4", "w8a8": "w8a8:W8A8", "fp8": "fp8:FP8", "nf4": "nf4:NF4"}
 NAMES = tuple(_CLASSES)
 
 __all__ = ["NAMES", "SCHEMES", "names_where", "scheme_named"]

@@ -1,0 +1,92 @@
+"""Which servers load a folder, by scheme (and flags) and model family: one table, set from recorded runs.
+
+Each cell is what a server's own loading code said of a qconvert folder (docs/BENCHMARKS.md, "Server
+acceptance"): vLLM 0.33 (../shared/vllm/vllm_accept.py), vLLM TPU 0.32 on a plain `vllm serve` and with
+`MODEL_IMPL_TYPE=vllm` (../shared/vllm-tpu/tpu_accept.py), and transformers + compressed-tensors or
+bitsandbytes (the tests' logits comparisons). A family or scheme not in the table was not measured.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qconvert.formats.layout_base import LayoutFlags
+
+SERVERS = ("vLLM GPU", "vLLM TPU", "vLLM TPU MODEL_IMPL_TYPE=vllm", "transformers")
+YES, NO, UNMEASURED = "yes", "no", "not measured"
+_CELL = {"Y": YES, "N": NO, "?": UNMEASURED}
+
+# (scheme key, family) -> one cell per server, in SERVERS order (Y yes, N no, ? not measured).
+TABLE: dict[tuple[str, str], str] = {
+    ("fp8", "llama"): "YNYY",  # TPU default: the JAX Llama loader has no e4m3 dtype
+    ("fp8", "qwen3"): "YYYY",
+    ("fp8", "gemma3"): "YYYY",
+    ("fp8", "mixtral"): "YYYY",
+    ("fp8", "qwen3_moe"): "YYYY",
+    ("int8", "llama"): "YNNY",  # tpu-inference 0.32 has no weight-only int8 scheme
+    ("int8", "qwen3"): "YNNY",
+    ("int8", "gemma3"): "YNNY",
+    ("int8", "mixtral"): "YNNY",
+    ("int8", "qwen3_moe"): "YNNY",
+    ("w8a8", "llama"): "YNYY",
+    ("w8a8", "qwen3"): "YNYY",
+    ("w8a8", "gemma3"): "YYYY",
+    ("w8a8", "mixtral"): "YNN?",  # TPU: no int8 fused-MoE scheme
+    ("w8a8", "qwen3_moe"): "YNN?",
+    ("w8a8-static", "llama"): "YNNY",
+    ("w8a8-static", "mixtral"): "NNN?",
+    ("w8a8-static", "qwen3_moe"): "NNN?",
+    ("int4", "llama"): "YNNY",  # tpu-inference 0.32 has no WNA16 scheme on its torchax path
+    ("int4", "qwen3"): "YNNY",  # group 128: refused on TPUs with a 128-wide MXU (v5e and earlier)
+    ("int4-g64", "qwen3"): "YYNY",
+    ("int4", "gemma3"): "?NNY",
+    ("int4", "mixtral"): "YNNY",
+    ("int4", "qwen3_moe"): "YNNY",
+    ("nf4", "llama"): "N??Y",  # vLLM 0.33 removed bitsandbytes
+    ("nf4", "qwen3"): "N??Y",
+}
+
+
+def scheme_key(scheme: str, flags: LayoutFlags) -> str:
+    """The table's key of a scheme with the flags that change where it loads."""
+    if flags.static_act:
+        return f"{scheme}-static"
+    if flags.group_size not in (None, 128):
+        return f"{scheme}-g{flags.group_size}"
+    return scheme
+
+
+def family_of(config: dict[str, Any]) -> str:
+    """The table's family of a config.json (its model_type; Gemma 3's text model as gemma3)."""
+    model_type = str(config.get("model_type", ""))
+    return model_type.removesuffix("_text")
+
+
+def servers(key: str, family: str) -> dict[str, str]:
+    """Each server's recorded answer for scheme key `key` on `family` (yes, no or not measured)."""
+    cells = TABLE.get((key, family), "?" * len(SERVERS))
+    return {server: _CELL[cell] for server, cell in zip(SERVERS, cells)}
+
+
+def tpu_note(key: str, family: str) -> str:
+    """One line when vLLM TPU is recorded refusing `key` on `family` on both paths: what it takes instead."""
+    cells = servers(key, family)
+    if cells[SERVERS[1]] != NO or cells[SERVERS[2]] != NO:
+        return ""
+    takes = []
+    for (other, other_family), row in TABLE.items():
+        if other_family != family or other == key:
+            continue
+        if row[1] == "Y":
+            takes.append(_as_flags(other))
+        elif row[2] == "Y":
+            takes.append(f"{_as_flags(other)} (MODEL_IMPL_TYPE=vllm)")
+    instead = f"it loads {', '.join(takes)}" if takes else "no scheme was recorded loading there"
+    return f"vLLM TPU 0.32 does not load --scheme {_as_flags(key)} for {family}; {instead}"
+
+
+def _as_flags(key: str) -> str:
+    scheme, _, variant = key.partition("-")
+    if variant == "static":
+        return f"{scheme} --act static"
+    return f"{scheme} --group-size {variant[1:]}" if variant else scheme
