@@ -36,18 +36,6 @@ def _model_dtype(q: QArray) -> np.dtype:
     return dtype if dtype.kind in "fV" else np.dtype(np.float32)
 
 
-def _int8_per_token(x: np.ndarray, input_scale: float | None) -> tuple[np.ndarray, np.ndarray]:
-    """(codes float64 [M, K], scales float64 [M, 1]) as FORMATS.md's activation rule states them."""
-    xf = x.astype(np.float32)
-    if input_scale is None:
-        absmax = np.abs(xf).max(axis=1, keepdims=True)
-        scale = np.where(absmax > 0, absmax / np.float32(127), np.float32(1)).astype(np.float32)
-    else:
-        scale = np.full((xf.shape[0], 1), np.float32(input_scale), np.float32)
-    codes = np.clip(np.rint(xf / scale), -127, 127)
-    return codes.astype(np.float64), scale.astype(np.float64)
-
-
 @jax.jit
 def _matmul_nt_f64(a, b):
     return jnp.matmul(a, b.T, precision=jax.lax.Precision.HIGHEST)
@@ -64,8 +52,8 @@ def folder_linear_output(x: np.ndarray, q: QArray, bias, scheme: str,
     """The layer as the folder's tensors define it (float64 [M, out]); see the module docstring."""
     x = np.asarray(x).astype(_model_dtype(q)).astype(np.float64)
     if scheme_named(scheme).act_modes:
-        codes, x_scale = _int8_per_token(x, input_scale)
-        w_codes = np.asarray(q.qvalue, np.float64)
+        codes, x_scale = scheme_named(scheme).folder_activations(x, input_scale)
+        w_codes = np.asarray(q.qvalue).astype(np.float64)
         w_scale = np.asarray(q.scale, np.float32).astype(np.float64).reshape(1, -1)
         y = matmul_nt_f64(codes, w_codes) * x_scale * w_scale
     else:

@@ -99,6 +99,11 @@ class Scheme(abc.ABC):
         """verify's default thresholds for a folder of this scheme and activation mode."""
         return self.static_thresholds if act == "static" and self.static_thresholds else self.thresholds
 
+    def folder_activations(self, x: np.ndarray, input_scale: float | None) -> tuple[np.ndarray, np.ndarray]:
+        """(codes, per-row scales), float64, of activations x [M, K] as the deployment rounds them
+        (verify's fidelity); only for a scheme with act_modes."""
+        raise NotImplementedError(f"--scheme {self.name} keeps activations in float")
+
     def folder_weight(self, q: QArray) -> np.ndarray:
         """The float64 weight the folder's tensors define: codes times their scale (verify's fidelity)."""
         return np.asarray(q.qvalue, np.float64) * np.asarray(group_scale(q), np.float64)

@@ -145,6 +145,15 @@ class FP8(Scheme):
     def kernel_act(self, input_scale: float | None) -> str | None:
         return "dynamic"
 
+    def folder_activations(self, x: np.ndarray, input_scale: float | None) -> tuple[np.ndarray, np.ndarray]:
+        # Per token: scale = max|x| / 448 (float32; 1 for a zero row), codes = e4m3(x / scale), round to
+        # nearest even, saturated at +-448; each e4m3 value is exact in float64.
+        xf = x.astype(np.float32)
+        absmax = np.abs(xf).max(axis=1, keepdims=True)
+        scale = np.where(absmax > 0, absmax / np.float32(FP8_MAX), np.float32(1)).astype(np.float32)
+        codes = np.clip(xf / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+        return codes.astype(np.float64), scale.astype(np.float64)
+
     def folder_weight(self, q: QArray) -> np.ndarray:
         """The e4m3 values (each exact in float64) times their row's scale."""
         return np.asarray(q.qvalue, np.float64) * np.asarray(q.scale, np.float64).reshape(q.shape[0], 1)

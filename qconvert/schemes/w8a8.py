@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from qconvert.errors import UsageError
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_w8a8 import IntQuantizedW8A8
@@ -40,3 +42,15 @@ class W8A8(Int8):
 
     def kernel_act(self, input_scale: float | None) -> str | None:
         return "dynamic" if input_scale is None else "static"
+
+    def folder_activations(self, x: np.ndarray, input_scale: float | None) -> tuple[np.ndarray, np.ndarray]:
+        # FORMATS.md's rule: scale max|x| / 127 per token (float32; 1 for a zero row) or the static
+        # input_scale, round half to even, clamp to +-127.
+        xf = x.astype(np.float32)
+        if input_scale is None:
+            absmax = np.abs(xf).max(axis=1, keepdims=True)
+            scale = np.where(absmax > 0, absmax / np.float32(127), np.float32(1)).astype(np.float32)
+        else:
+            scale = np.full((xf.shape[0], 1), np.float32(input_scale), np.float32)
+        codes = np.clip(np.rint(xf / scale), -127, 127)
+        return codes.astype(np.float64), scale.astype(np.float64)
