@@ -15,7 +15,6 @@ shape, and the XLA buffers stay small whatever the tensor size.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +105,36 @@ def _check_finite(w: np.ndarray, hints) -> None:
         raise InvalidWeightError("the weight has NaN or Inf values")
 
 
+def quantize_row_chunks(w: np.ndarray, kernel, codes_dtype, scale_cols: int, scale_dtype, clip=None
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """(codes [rows, cols], scales [rows, scale_cols]) of a 2-D weight from a per-row jitted `kernel`.
+
+    `kernel(part, scale_dtype, clip_part)` returns (codes, scales, finite hint) of a
+    block of rows. Rows go through it in chunks of a power-of-two row count (about
+    CHUNK_ELEMENTS values); a tail chunk is padded with zero rows, whose codes are
+    dropped. `clip` ([rows, scale_cols] ratios, optional) is chunked alongside.
+    Raises InvalidWeightError for NaN/Inf values.
+    """
+    rows, cols = w.shape
+    step = 1 << max(0, (CHUNK_ELEMENTS // max(cols, 1)).bit_length() - 1)
+    codes = np.empty((rows, cols), codes_dtype)
+    scale = np.empty((rows, scale_cols), scale_dtype)
+    ratios = None if clip is None else np.asarray(clip, np.float32).reshape(rows, scale_cols)
+    pending = []
+    with x64():
+        # Dispatch every chunk first: XLA runs them while later ones are still being handed over.
+        for start in range(0, rows, step):
+            part = w[start:start + step]
+            length = _bucket(part.shape[0], step)
+            part_clip = None if ratios is None else pad_rows(ratios[start:start + step], length)
+            pending.append((start, part.shape[0], kernel(pad_rows(part, length), scale_dtype, part_clip)))
+        for start, count, (q_part, scale_part, _) in pending:
+            codes[start:start + count] = np.asarray(q_part)[:count]
+            scale[start:start + count] = np.asarray(scale_part)[:count]
+        _check_finite(w, [hint for _, _, (_, _, hint) in pending])
+    return codes, scale
+
+
 def quantize_int8(w, *, scale_dtype=None, clip=None) -> QArray:
     """Symmetric per-output-channel int8 of a [out, in] weight; scale_dtype defaults to w's dtype.
 
@@ -120,24 +149,7 @@ def quantize_int8(w, *, scale_dtype=None, clip=None) -> QArray:
     if w.ndim != 2:
         raise ValueError(f"int8 quantization takes a 2-D [out, in] weight, got shape {tuple(w.shape)}")
     scale_dtype = jnp.dtype(scale_dtype if scale_dtype is not None else w.dtype)
-    rows, cols = w.shape
-    step = 1 << max(0, (CHUNK_ELEMENTS // max(cols, 1)).bit_length() - 1)
-    q = np.empty((rows, cols), np.int8)
-    scale = np.empty((rows, 1), scale_dtype)
-    pending = []
-    ratios = None if clip is None else np.asarray(clip, np.float32).reshape(rows, 1)
-    with x64():
-        # Dispatch every chunk first: XLA runs them while later ones are still being handed over.
-        for start in range(0, rows, step):
-            part = w[start:start + step]
-            length = _bucket(part.shape[0], step)
-            part_clip = None if ratios is None else pad_rows(ratios[start:start + step], length)
-            pending.append((start, part.shape[0], int8_codes_and_scales(
-                pad_rows(part, length), scale_dtype, part_clip)))
-        for start, count, (q_part, scale_part, _) in pending:
-            q[start:start + count] = np.asarray(q_part)[:count]
-            scale[start:start + count] = np.asarray(scale_part)[:count]
-        _check_finite(w, [hint for _, _, (_, _, hint) in pending])
+    q, scale = quantize_row_chunks(w, int8_codes_and_scales, np.int8, 1, scale_dtype, clip)
     return QArray(qvalue=q, scale=scale, kind="int8", shape=w.shape, dtype=w.dtype)
 
 

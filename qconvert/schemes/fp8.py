@@ -24,7 +24,7 @@ from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_fp8 import FloatQuantizedFP8
 from qconvert.formats.qarray import QArray
 from qconvert.formats.quotient import f32_quotient
-from qconvert.quantizers import CHUNK_ELEMENTS, _all_finite_hint, _bucket, _check_finite, _host_weight, pad_rows, x64
+from qconvert.quantizers import _all_finite_hint, _host_weight, quantize_row_chunks
 from qconvert.scale_search import SearchResult
 from qconvert.schemes.base import ClipSearch, Scheme, Thresholds
 from qconvert.schemes.int4 import in_dtype
@@ -56,30 +56,13 @@ def fp8_codes_and_scales(w: jax.Array, scale_dtype, clip: jax.Array | None = Non
 def quantize_fp8(w, *, scale_dtype=None, clip=None) -> QArray:
     """FP8 E4M3 of a [out, in] weight with one scale per output row; scale_dtype defaults to w's dtype.
 
-    Rows go through the kernel in chunks of a power-of-two row count, a tail
-    padded with zero rows whose codes are dropped. InvalidWeightError for NaN/Inf.
+    Rows go through the kernel in chunks (quantize_row_chunks). InvalidWeightError for NaN/Inf.
     """
     w = _host_weight(w)
     if w.ndim != 2:
         raise ValueError(f"fp8 quantization takes a 2-D [out, in] weight, got shape {tuple(w.shape)}")
-    rows, cols = w.shape
     scale_dtype = jnp.dtype(scale_dtype if scale_dtype is not None else w.dtype)
-    step = 1 << max(0, (CHUNK_ELEMENTS // max(cols, 1)).bit_length() - 1)
-    codes = np.empty((rows, cols), ml_dtypes.float8_e4m3fn)
-    scale = np.empty((rows, 1), scale_dtype)
-    ratios = None if clip is None else np.asarray(clip, np.float32).reshape(rows, 1)
-    pending = []
-    with x64():
-        for start in range(0, rows, step):
-            part = w[start:start + step]
-            length = _bucket(part.shape[0], step)
-            part_clip = None if ratios is None else pad_rows(ratios[start:start + step], length)
-            pending.append((start, part.shape[0],
-                            fp8_codes_and_scales(pad_rows(part, length), scale_dtype, part_clip)))
-        for start, count, (q_part, scale_part, _) in pending:
-            codes[start:start + count] = np.asarray(q_part)[:count]
-            scale[start:start + count] = np.asarray(scale_part)[:count]
-        _check_finite(w, [hint for _, _, (_, _, hint) in pending])
+    codes, scale = quantize_row_chunks(w, fp8_codes_and_scales, ml_dtypes.float8_e4m3fn, 1, scale_dtype, clip)
     return QArray(qvalue=codes, scale=scale, kind="fp8", shape=w.shape, dtype=w.dtype)
 
 

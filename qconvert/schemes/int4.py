@@ -23,7 +23,7 @@ from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_int4 import PackQuantizedInt4
 from qconvert.formats.qarray import INT4_QMAX, INT4_QMIN, QArray
 from qconvert.formats.quotient import f32_quotient
-from qconvert.quantizers import CHUNK_ELEMENTS, _all_finite_hint, _bucket, _check_finite, _host_weight, pad_rows, x64
+from qconvert.quantizers import _all_finite_hint, _host_weight, quantize_row_chunks
 from qconvert.scale_search import SearchResult
 from qconvert.schemes.base import ClipSearch, Scheme, Thresholds
 
@@ -69,8 +69,7 @@ def int4_codes_and_scales(w: jax.Array, group: int, scale_dtype, clip: jax.Array
 def quantize_int4(w, group_size: int | None, *, scale_dtype=None, clip=None) -> QArray:
     """Symmetric int4 of a [out, in] weight per output row and group of input columns (None: per channel).
 
-    Rows go through the kernel in chunks of a power-of-two row count, a tail
-    padded with zero rows whose codes are dropped. InvalidWeightError for NaN/Inf.
+    Rows go through the kernel in chunks (quantize_row_chunks). InvalidWeightError for NaN/Inf.
     """
     w = _host_weight(w)
     if w.ndim != 2:
@@ -80,22 +79,8 @@ def quantize_int4(w, group_size: int | None, *, scale_dtype=None, clip=None) -> 
     if cols % group:
         raise ValueError(f"int4 group size {group} does not divide the input width {cols}")
     scale_dtype = jnp.dtype(scale_dtype if scale_dtype is not None else w.dtype)
-    step = 1 << max(0, (CHUNK_ELEMENTS // max(cols, 1)).bit_length() - 1)
-    codes = np.empty((rows, cols), np.int8)
-    scale = np.empty((rows, cols // group), scale_dtype)
-    ratios = None if clip is None else np.asarray(clip, np.float32).reshape(rows, cols // group)
-    pending = []
-    with x64():
-        for start in range(0, rows, step):
-            part = w[start:start + step]
-            length = _bucket(part.shape[0], step)
-            part_clip = None if ratios is None else pad_rows(ratios[start:start + step], length)
-            pending.append((start, part.shape[0],
-                            int4_codes_and_scales(pad_rows(part, length), group, scale_dtype, part_clip)))
-        for start, count, (q_part, scale_part, _) in pending:
-            codes[start:start + count] = np.asarray(q_part)[:count]
-            scale[start:start + count] = np.asarray(scale_part)[:count]
-        _check_finite(w, [hint for _, _, (_, _, hint) in pending])
+    codes, scale = quantize_row_chunks(w, lambda part, dtype, ratios: int4_codes_and_scales(part, group, dtype, ratios),
+                                       np.int8, cols // group, scale_dtype, clip)
     return QArray(qvalue=codes, scale=scale, kind="int4", block_size=group_size, shape=w.shape, dtype=w.dtype)
 
 
