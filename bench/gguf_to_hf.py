@@ -15,6 +15,7 @@ each other, not for absolute 4-bit accuracy figures.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 
@@ -30,7 +31,19 @@ def main() -> None:
     gguf = package.assemble(args.out.parent / package.MODEL_NAME)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.save_pretrained(args.out, safe_serialization=True)
+    # save_pretrained refuses a model loaded from a GGUF; its weights are plain float32 tensors by now.
+    from safetensors.torch import save_file
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    if model.config.get_text_config().tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(args.out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
+    config["torch_dtype"] = "float32"
+    (args.out / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(args.out)
     print(f"{args.out}: {type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters")
 
