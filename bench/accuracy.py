@@ -3,13 +3,16 @@
     python bench/train_llama.py --out bench/out/llama-bytes     # once: ~5 minutes on a CPU
     python bench/accuracy.py                                    # both models, every configuration
     python bench/accuracy.py --only llm --configs w8a8-default,w8a8-family
+    python bench/accuracy.py --configs int8,int4-g128,int4-g64,nf4   # the int4 table
+    python bench/accuracy.py --only gguf --gguf-model /tmp/gemma3-270m \
+        --configs int8,int4-g128,int4-g64,nf4                   # a real LM from a GGUF (bench/gguf_to_hf.py)
 
 Each configuration is converted with `qconvert quantize` (as a function, same
 flags) into bench/out/accuracy/, then evaluated as a deployment computes it,
-simulated here in float64-exact jnp: int8 / nf4 weights dequantized from the
-folder; w8a8 activations int8 per token (or per tensor with the folder's
-input_scale) times the folder's int8 weights. The same evaluation runs on the
-float model.
+simulated here in float64-exact jnp: int8 / int4 / nf4 weights dequantized
+from the folder (int4: the unpacked codes times each group's scale); w8a8
+activations int8 per token (or per tensor with the folder's input_scale) times
+the folder's int8 weights. The same evaluation runs on the float model.
 
 - causal LM: perplexity on held-out text (bench/out/llama-bytes/heldout.txt,
   never seen in training), all its whole 256-token windows (a BOS and 255 bytes); calibration on a slice of the
@@ -54,6 +57,10 @@ HI = jax.lax.Precision.HIGHEST
 CONFIGS = {
     "int8": ("int8", {}, None),
     "int8-scale-search": ("int8", {"scale_search": True}, None),
+    "int4-g128": ("int4", {}, None),
+    "int4-g128-scale-search": ("int4", {"scale_search": True}, None),
+    "int4-g64": ("int4", {"group_size": 64}, None),
+    "int4-g64-scale-search": ("int4", {"group_size": 64, "scale_search": True}, None),
     "nf4": ("nf4", {}, None),
     "nf4-scale-search": ("nf4", {"scale_search": True}, None),
     "w8a8-no-smooth": ("w8a8", {"scale_search": False}, {"smooth": False}),
@@ -76,7 +83,9 @@ def simulated_linear(quantized):
     def linear(name, x, weight, bias):
         if not isinstance(weight, QArray):
             return dense_linear(name, x, weight, bias)
-        w = weight.dequantize(jnp.float32)
+        w = weight.dequantize(jnp.float32)  # int4: codes at the logical shape times the group scales
+        if w.shape != tuple(weight.shape):
+            raise ValueError(f"{name}: dequantized to {w.shape}, expected {tuple(weight.shape)}")
         x = x.astype(jnp.float32)
         if scheme == "w8a8":
             module = name
@@ -99,11 +108,11 @@ def folder_params(folder: Path):
     return q, params
 
 
-def evaluate(model, params, windows: np.ndarray, linear=dense_linear, reference=None):
+def evaluate(model, params, windows: np.ndarray, linear=dense_linear, reference=None, batch: int = 8):
     """(perplexity, log-probs per batch, mean KL(reference || this) in nats or None)."""
     nll, count, kl, logps = 0.0, 0, 0.0, []
-    for b, s in enumerate(range(0, len(windows), 8)):
-        ids = jnp.asarray(windows[s:s + 8])
+    for b, s in enumerate(range(0, len(windows), batch)):
+        ids = jnp.asarray(windows[s:s + batch])
         logits = model.forward(params, ids, linear=linear).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
         logps.append(logp)
@@ -160,11 +169,47 @@ def llm(configs: list[str]) -> None:
                           **{k: float(f"{v:.4g}") for k, v in search_errors(out).items()}}), flush=True)
 
 
-def held_out_sentences(count: int = 64) -> list[str]:
+def held_out_text() -> str:
+    """The last 5% of Python's documentation topics (the held-out tail of bench/train_llama.py's corpus)."""
     from pydoc_data.topics import topics
 
     text = "\n\n".join(topics[k] for k in sorted(topics))
-    text = text[int(len(text) * 0.95):]
+    return text[int(len(text) * 0.95):]
+
+
+def gguf_llm(configs: list[str], src: Path, count: int) -> None:
+    """A real causal LM rebuilt from a GGUF (bench/gguf_to_hf.py): perplexity and KL on `count` held-out windows.
+
+    Its weights keep the GGUF's block quantization, so only the differences between configurations mean
+    anything. Each converted folder is removed once evaluated (the float embedding makes them large).
+    """
+    from tokenizers import Tokenizer
+
+    config = json.loads((src / "config.json").read_text())
+    model = build(config)
+    tokens = Tokenizer.from_file(str(src / "tokenizer.json")).encode(held_out_text(), add_special_tokens=False).ids
+    bos = int(config.get("bos_token_id") or 2)
+    n = min(count, len(tokens) // 255)
+    windows = np.asarray([[bos] + tokens[i * 255:(i + 1) * 255] for i in range(n)], np.int32)
+    base, reference, _ = evaluate(model, {k: np.asarray(v) for k, v in open_params(src).items()}, windows, batch=2)
+    print(f"causal LM {src.name}: float perplexity {base:.4f} on {windows.size} held-out tokens", flush=True)
+    for name in configs:
+        if CONFIGS[name][0] == "w8a8":
+            continue  # weight-only schemes here: the w8a8 evaluation needs calibration text of its own
+        out = OUT / "accuracy" / f"gguf-{name}"
+        seconds = run_convert(src, out, name, "builtin", 64, 256)
+        q, params = folder_params(out)
+        ppl, _, kl = evaluate(model, params, windows, simulated_linear(q), reference, batch=2)
+        q.close()
+        print(json.dumps({"model": src.name, "config": name, "perplexity": round(ppl, 4),
+                          "change_pct": round(100 * (ppl / base - 1), 3), "mean_kl": float(f"{kl:.4g}"),
+                          "convert_s": round(seconds, 2),
+                          **{k: float(f"{v:.4g}") for k, v in search_errors(out).items()}}), flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def held_out_sentences(count: int = 64) -> list[str]:
+    text = held_out_text()
     sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if 40 <= len(s.strip()) <= 300]
     return sentences[:count]
 
@@ -192,7 +237,10 @@ def minilm(configs: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["llm", "minilm"], default=None)
+    parser.add_argument("--only", choices=["llm", "minilm", "gguf"], default=None)
+    parser.add_argument("--gguf-model", type=Path, default=None,
+                        help="a float folder made by bench/gguf_to_hf.py (evaluated with --only gguf)")
+    parser.add_argument("--gguf-windows", type=int, default=16, help="held-out 256-token windows for --gguf-model")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     args = parser.parse_args()
     configs = [c for c in args.configs.split(",") if c]
@@ -204,6 +252,10 @@ def main() -> None:
         llm(configs)
     if args.only in (None, "minilm"):
         minilm(configs)
+    if args.only == "gguf":
+        if args.gguf_model is None:
+            sys.exit("--only gguf needs --gguf-model FOLDER (python bench/gguf_to_hf.py --out FOLDER)")
+        gguf_llm(configs, args.gguf_model, args.gguf_windows)
 
 
 if __name__ == "__main__":
