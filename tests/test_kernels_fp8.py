@@ -155,8 +155,7 @@ def grouped_expected(x, weights, sizes, offset=0):
 # (backend, m, k, n, x dtype, group sizes, group offset): empty groups, uneven groups, rows past the groups,
 # and a shard of the experts (two local experts of four, from expert 1).
 GROUPED_CASES = [
-    ("cpu", 5, 14336, 128, jnp.float32, (2, 0, 3), 0),
-    ("cpu", 19, 4864, 200, BF16, (11, 0, 5), 0),
+    ("cpu", 5, 14336, 128, BF16, (2, 0, 3), 0),
     ("cpu", 261, 768, 128, jnp.float32, (3, 130, 0, 100), 1),
     ("gpu", 5, 14336, 128, BF16, (2, 0, 3), 0),
     ("gpu", 19, 4864, 200, jnp.float32, (11, 0, 5), 0),
@@ -189,7 +188,7 @@ def test_qgrouped_linear_runs_fp8_experts_on_e4m3_rows(backend, request):
     if backend == "gpu":
         request.getfixturevalue("triton_interpreted")
     rng = np.random.default_rng(8)
-    k, n = 2048, 128
+    k, n = 576, 128
     experts = [fp8_weight(rng, n, k) for _ in range(3)]
     qs = [QArray(c, s, kind="fp8", shape=(n, k), dtype="float32") for c, s, _ in experts]
     stacked = stack_experts(qs)
