@@ -6,9 +6,11 @@
 
 Every method runs L stacked layers of the same shape inside one jitted
 lax.scan (bf16 in and out), as a forward pass runs its layers; the time per
-layer is the scan's time over L. Beside each kernel run four XLA baselines on
+layer is the scan's time over L. Beside each kernel run five XLA baselines on
 the same weights: bf16 `dot`, XLA's own int8 dot_general (int32 accumulation;
-activations quantized per token in both it and W8A8), an XLA NF4
+activations quantized per token in both it and W8A8), XLA's own FP8 dot_general
+(E4M3 x E4M3 with float32 accumulation; activations quantized per token to E4M3
+in both it and fp8_matmul), an XLA NF4
 dequantize-then-dot and an XLA int4 dequantize-then-dot (nibble-packed codes,
 groups of 128). The int4 entry point takes the codes at their logical shape
 and packs them inside its jitted launch, so its time includes that pass.
@@ -37,8 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert.formats import NF4_LEVELS
-from qconvert.kernels import (int4_weight_matmul, int8_matmul, int8_weight_matmul, nf4_matmul, quantize_activations,
-                              resolve_backend, select_kernel, KernelProblem)
+from qconvert.kernels import (fp8_matmul, int4_weight_matmul, int8_matmul, int8_weight_matmul, nf4_matmul,
+                              quantize_activations, quantize_fp8_activations, resolve_backend, select_kernel,
+                              KernelProblem)
 from qconvert.kernels import gpu_dense, tpu_dense
 
 BF16 = jnp.bfloat16
@@ -69,6 +72,9 @@ def stacked_operands(layers: int, m: int, k: int, n: int, seed: int = 0) -> dict
         "x": jnp.asarray(rng.normal(size=(m, k)).astype(np.float32)).astype(BF16),
         "w_bf16": jnp.asarray(w_q.astype(np.float32) * w_scale[:, :, None]).astype(BF16),
         "w_q": jnp.asarray(w_q), "w_scale": jnp.asarray(w_scale),
+        # the same weights as E4M3 codes (the int8 codes' values scaled into [-448, 448])
+        "w_f8": jnp.asarray(w_q.astype(np.float32) * (448 / 127)).astype(jnp.float8_e4m3fn),
+        "f8_scale": jnp.asarray(w_scale * (127 / 448)),
         "packed": jnp.asarray(((codes[:, 0::2] << 4) | codes[:, 1::2]).astype(np.uint8)),
         "absmax": jnp.asarray(rng.uniform(0.1, 1.0, (layers, n * k // 64)).astype(np.float32)),
         "int4_q": jnp.asarray(int4_q),
@@ -101,21 +107,34 @@ def xla_int8_dot(x, w_q, w_scale):
     return (acc.astype(jnp.float32) * x_scale[:, None] * w_scale[None, :]).astype(BF16)
 
 
+def xla_fp8_dot(x, w_f8, w_scale):
+    """XLA's own FP8 dot_general on per-token E4M3 activations (float32 accumulation), rescaled as fp8_matmul does."""
+    x_q, x_scale = quantize_fp8_activations(x)
+    acc = jax.lax.dot_general(x_q, w_f8, NT, preferred_element_type=jnp.float32)
+    return (acc * x_scale[:, None] * w_scale[None, :]).astype(BF16)
+
+
 def layer_methods(n: int, k: int, backend: str) -> dict:
     """name -> (per-layer function of (x, layer weights), the stacked operands it scans over)."""
     def w8a8(x, w):
         x_q, x_scale = quantize_activations(x)
         return int8_matmul(x_q, w["w_q"], x_scale, w["w_scale"], out_dtype=BF16, backend=backend)
 
+    def fp8(x, w):
+        x_q, x_scale = quantize_fp8_activations(x)
+        return fp8_matmul(x_q, w["w_f8"], x_scale, w["f8_scale"], out_dtype=BF16, backend=backend)
+
     return {
         "bf16 XLA": (lambda x, w: jax.lax.dot_general(x, w["w_bf16"], NT, preferred_element_type=jnp.float32)
                      .astype(BF16), ("w_bf16",)),
         "int8 XLA dot": (lambda x, w: xla_int8_dot(x, w["w_q"], w["w_scale"]), ("w_q", "w_scale")),
+        "fp8 XLA dot": (lambda x, w: xla_fp8_dot(x, w["w_f8"], w["f8_scale"]), ("w_f8", "f8_scale")),
         "NF4 XLA dequant+dot": (lambda x, w: nf4_dequantize_then_dot(x, w["packed"], w["absmax"], n, k),
                                 ("packed", "absmax")),
         "int4 XLA dequant+dot": (lambda x, w: int4_dequantize_then_dot(x, w["int4_packed"], w["int4_scale"], n, k),
                                  ("int4_packed", "int4_scale")),
         "W8A8 int8_matmul": (w8a8, ("w_q", "w_scale")),
+        "FP8 fp8_matmul": (fp8, ("w_f8", "f8_scale")),
         "W8A16 int8_weight_matmul": (lambda x, w: int8_weight_matmul(x, w["w_q"], w["w_scale"], out_dtype=BF16,
                                                                      backend=backend), ("w_q", "w_scale")),
         "NF4 nf4_matmul": (lambda x, w: nf4_matmul(x, w["packed"], w["absmax"], shape=(n, k), out_dtype=BF16,
@@ -147,7 +166,7 @@ def read_bandwidth(repeats: int) -> float:
 def floors(m: int, k: int, n: int, bandwidth: float) -> dict[str, float]:
     """Memory-bound floor (seconds) per layer: weight bytes in each format plus bf16 activations in and out."""
     act = 2 * m * k + 2 * m * n
-    weights = {"bf16": 2 * n * k, "int8": n * k + 4 * n, "nf4": n * k // 2 + 4 * n * k // 64,
+    weights = {"bf16": 2 * n * k, "int8": n * k + 4 * n, "fp8": n * k + 4 * n, "nf4": n * k // 2 + 4 * n * k // 64,
                "int4": n * k // 2 + 4 * n * k // INT4_GROUP}
     return {name: (b + act) / bandwidth for name, b in weights.items()}
 
@@ -155,8 +174,9 @@ def floors(m: int, k: int, n: int, bandwidth: float) -> dict[str, float]:
 @contextlib.contextmanager
 def no_op_kernels():
     """Swap every dense Pallas kernel for a no-op returning zeros of its output shape."""
-    names = ("int8_matmul_tpu", "int8_weight_matmul_tpu", "nf4_matmul_tpu", "int4_weight_matmul_tpu"), (
-        "int8_matmul_gpu", "int8_weight_matmul_gpu", "nf4_matmul_gpu", "int4_weight_matmul_gpu")
+    names = ("int8_matmul_tpu", "fp8_matmul_tpu", "int8_weight_matmul_tpu", "nf4_matmul_tpu",
+             "int4_weight_matmul_tpu"), (
+        "int8_matmul_gpu", "fp8_matmul_gpu", "int8_weight_matmul_gpu", "nf4_matmul_gpu", "int4_weight_matmul_gpu")
     saved = []
     for module, module_names in zip((tpu_dense, gpu_dense), names):
         for name in module_names:
@@ -181,23 +201,27 @@ def entry_overheads(backend: str, repeats: int) -> list[str]:
     ops = stacked_operands(1, m, k, n)
     x, w_q, w_scale = ops["x"], ops["w_q"][0], ops["w_scale"][0]
     x_q, x_scale = quantize_activations(x)
+    x_f8, x_f8_scale = quantize_fp8_activations(x)
+    w_f8, f8_scale = ops["w_f8"][0], ops["f8_scale"][0]
     packed, absmax = ops["packed"][0], ops["absmax"][0]
     int4_q, int4_scale = ops["int4_q"][0], ops["int4_scale"][0]
     calls = {
         "int8_matmul": lambda a, b, c, d: int8_matmul(a, b, c, d, out_dtype=BF16, backend=backend),
+        "fp8_matmul": lambda a, b, c, d: fp8_matmul(a, b, c, d, out_dtype=BF16, backend=backend),
         "int8_weight_matmul": lambda a, b, c, d: int8_weight_matmul(a, b, c, out_dtype=BF16, backend=backend),
         "nf4_matmul": lambda a, b, c, d: nf4_matmul(a, b, c, shape=(n, k), out_dtype=BF16, backend=backend),
         "int4_weight_matmul": lambda a, b, c, d: int4_weight_matmul(a, b, c, group_size=INT4_GROUP, out_dtype=BF16,
                                                                     backend=backend),
     }
-    operands = {"int8_matmul": (x_q, w_q, x_scale, w_scale), "int8_weight_matmul": (x, w_q, w_scale, None),
+    operands = {"int8_matmul": (x_q, w_q, x_scale, w_scale), "fp8_matmul": (x_f8, w_f8, x_f8_scale, f8_scale), "int8_weight_matmul": (x, w_q, w_scale, None),
                 "nf4_matmul": (x, packed, absmax, None), "int4_weight_matmul": (x, int4_q, int4_scale, None)}
     lines = []
     with no_op_kernels():
         for name, call in calls.items():
             args = operands[name]
             group = INT4_GROUP if name == "int4_weight_matmul" else None
-            plan = select_kernel(KernelProblem(name, m, k, n, group_size=group), backend)
+            x_dtype = "float8_e4m3fn" if name == "fp8_matmul" else "float32"
+            plan = select_kernel(KernelProblem(name, m, k, n, x_dtype, group_size=group), backend)
             eager = timed(lambda: call(*args), repeats * 20)
             jitted_fn = jax.jit(call)
             jitted = timed(lambda: jitted_fn(*args), repeats * 20)
@@ -213,12 +237,12 @@ def bench_shape(m: int, k: int, n: int, layers: int, backend: str, repeats: int,
         times[name] = scan_time_per_layer(fn, ops["x"], {key: ops[key] for key in keys}, layers, repeats)
     floor = floors(m, k, n, bandwidth)
     bf16, int8_xla, nf4_xla = times["bf16 XLA"], times["int8 XLA dot"], times["NF4 XLA dequant+dot"]
-    int4_xla = times["int4 XLA dequant+dot"]
+    int4_xla, fp8_xla = times["int4 XLA dequant+dot"], times["fp8 XLA dot"]
     lines = []
     for name, seconds in times.items():
         fmt = ("int4" if ("int4" in name or "W4" in name) else "nf4" if "NF4" in name
-               else "int8" if ("int8" in name or "W8" in name) else "bf16")
-        own = {"int8": int8_xla, "nf4": nf4_xla, "int4": int4_xla, "bf16": bf16}[fmt]
+               else "fp8" if "fp8" in name.lower() else "int8" if ("int8" in name or "W8" in name) else "bf16")
+        own = {"int8": int8_xla, "fp8": fp8_xla, "nf4": nf4_xla, "int4": int4_xla, "bf16": bf16}[fmt]
         lines.append(f"| {name} | {m} | {k}x{n} | {seconds * 1e6:.1f} | {bf16 / seconds:.2f} | {own / seconds:.2f} | "
                      f"{floor[fmt] * 1e6:.1f} ({fmt}) |")
     return lines

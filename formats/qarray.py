@@ -21,6 +21,8 @@ Kinds:
           `block_size` consecutive input columns ([out, in / block_size]; [out, 1] per channel, when
           block_size is None). value = qvalue * scale[..., col // block_size]. Nibble packing
           belongs to the layouts and to the kernels' operand preparation.
+  "fp8"   qvalue float8_e4m3fn codes at the logical shape ([out, in]; [G, out, in] for stacked experts);
+          scale float [out, 1] per output channel ([G, out, 1]). value = float(qvalue) * scale.
 """
 
 from __future__ import annotations
@@ -81,6 +83,12 @@ class QKind(str):
         return self.bits == 8 and not self.float_codes
 
     @property
+    def channel_scaled(self) -> bool:
+        """Whether codes are 8-bit values (int8 integers or fp8 floats), each exact in every float dtype, with
+        one scale per output channel that factors out of a matmul's sum (int8, fp8)."""
+        return self.bits == 8
+
+    @property
     def packs_nibbles(self) -> bool:
         """Whether two codes share a byte in the kernels' operands (4-bit kinds)."""
         return self.bits == 4
@@ -103,6 +111,10 @@ def kind_named(name: str) -> QKind:
 INT8_QMAX = 127
 # The int4 code range of a symmetric quantizer (compressed-tensors' uint4b8 less its offset of 8).
 INT4_QMIN, INT4_QMAX = -8, 7
+# E4M3's largest finite value: fp8 scales are absmax / 448 and codes saturate at +-448.
+FP8_E4M3_MAX = 448.0
+# The fp8 code dtype (OCP E4M3 with no infinities, as compressed-tensors and vLLM store it).
+FP8_DTYPE = jnp.float8_e4m3fn
 # Elements per NF4 block (QLoRA, bitsandbytes): each block of the flattened weight has one absmax.
 NF4_BLOCK_SIZE = 64
 

@@ -1,14 +1,35 @@
-"""The int8 row quantizer: W8A8 activations per token (dynamic) or per tensor (static), and fake-quantized rows."""
+"""The row quantizers of W8A8: int8 and fp8 (E4M3) activations per token (dynamic) or per tensor (static),
+and fake-quantized rows."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from qconvert.formats.qarray import INT8_QMAX
+from qconvert.formats.qarray import FP8_DTYPE, FP8_E4M3_MAX, INT8_QMAX
 from qconvert.formats.quotient import f32_quotient
 from qconvert.kernels.errors import KernelArgumentError
 
+
+
+def _row_scales(op: str, x, scale, qmax) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(x in float32, the returned scales, the divisor broadcast against x) of a per-token or static quantizer."""
+    x = jnp.asarray(x)
+    if x.ndim != 2:
+        raise KernelArgumentError(f"{op} expects x of rank 2 [M, K], got shape {x.shape}; "
+                                  "reshape leading dimensions into M first")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise KernelArgumentError(f"{op} expects float activations, got {x.dtype}")
+    xf = x.astype(jnp.float32)
+    if scale is None:
+        act_absmax = jnp.max(jnp.abs(xf), axis=1)
+        x_scale = jnp.where(act_absmax > 0, f32_quotient(act_absmax, qmax), 1.0).astype(jnp.float32)
+        return xf, x_scale, x_scale[:, None]
+    x_scale = jnp.asarray(scale, jnp.float32).reshape(-1)
+    if x_scale.shape != (1,):
+        raise KernelArgumentError(f"a static activation scale must be a scalar or shape [1], got {x_scale.shape}; "
+                                  "pass scale=None for per-token scales")
+    return xf, x_scale, x_scale[0]
 
 
 def quantize_activations(x, scale=None) -> tuple[jax.Array, jax.Array]:
@@ -20,23 +41,7 @@ def quantize_activations(x, scale=None) -> tuple[jax.Array, jax.Array]:
     Codes: round-half-to-even(x / scale), clamped to [-127, 127], computed in
     float32 (a division, not a multiplication by the reciprocal).
     """
-    x = jnp.asarray(x)
-    if x.ndim != 2:
-        raise KernelArgumentError(f"quantize_activations expects x of rank 2 [M, K], got shape {x.shape}; "
-                                  "reshape leading dimensions into M first")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise KernelArgumentError(f"quantize_activations expects float activations, got {x.dtype}")
-    xf = x.astype(jnp.float32)
-    if scale is None:
-        act_absmax = jnp.max(jnp.abs(xf), axis=1)
-        x_scale = jnp.where(act_absmax > 0, f32_quotient(act_absmax, INT8_QMAX), 1.0).astype(jnp.float32)
-        divisor = x_scale[:, None]
-    else:
-        x_scale = jnp.asarray(scale, jnp.float32).reshape(-1)
-        if x_scale.shape != (1,):
-            raise KernelArgumentError(f"a static activation scale must be a scalar or shape [1], got {x_scale.shape}; "
-                                      "pass scale=None for per-token scales")
-        divisor = x_scale[0]
+    xf, x_scale, divisor = _row_scales("quantize_activations", x, scale, INT8_QMAX)
     x_q = jnp.clip(jnp.round(f32_quotient(xf, divisor)), -INT8_QMAX, INT8_QMAX).astype(jnp.int8)
     return x_q, x_scale
 
@@ -49,4 +54,25 @@ def fake_quantize_rows(x, scale=None) -> jax.Array:
     a static scale.
     """
     x_q, x_scale = quantize_activations(x, scale)
+    return x_q.astype(jnp.float32) * (x_scale[:, None] if scale is None else x_scale[0])
+
+
+def quantize_fp8_activations(x, scale=None) -> tuple[jax.Array, jax.Array]:
+    """Quantize float activations x [M, K] to float8_e4m3fn codes and float32 scales (FP8_DYNAMIC's inputs).
+
+    scale=None: per token (dynamic), scale[m] = max_k |x[m, k]| / 448, returned
+    as [M]; a row of zeros gets scale 1 (its codes are 0 whatever the scale).
+    scale given (a scalar or [1]): static per tensor, returned as [1].
+    Codes: x / scale in float32 (a division, not a multiplication by the
+    reciprocal), clamped to [-448, 448] (E4M3 has no infinity: an unclamped
+    overflow would become NaN), then cast to E4M3 with round-to-nearest-even.
+    """
+    xf, x_scale, divisor = _row_scales("quantize_fp8_activations", x, scale, FP8_E4M3_MAX)
+    x_q = jnp.clip(f32_quotient(xf, divisor), -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(FP8_DTYPE)
+    return x_q, x_scale
+
+
+def fake_quantize_fp8_rows(x, scale=None) -> jax.Array:
+    """x [M, K] through quantize_fp8_activations and back: the E4M3 codes times their scale, in float32."""
+    x_q, x_scale = quantize_fp8_activations(x, scale)
     return x_q.astype(jnp.float32) * (x_scale[:, None] if scale is None else x_scale[0])

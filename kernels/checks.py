@@ -68,6 +68,21 @@ def check_int8_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype) -> tuple[int,
     return m, k, n
 
 
+def check_fp8_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype) -> tuple[int, int, int]:
+    """Check FP8 W8A8 arguments (float8_e4m3fn codes, per-token and per-channel scales); returns (M, K, N)."""
+    op = "fp8_matmul"
+    m, k = require_matrix(op, "x_q", x_q, (jnp.float8_e4m3fn,), "[M, K] (quantize_fp8_activations gives it)")
+    n, k_w = require_matrix(op, "w_q", w_q, (jnp.float8_e4m3fn,), "[N, K] (the nn.Linear layout)")
+    if k != k_w:
+        raise KernelArgumentError(f"{op}: x_q has K={k} but w_q has K={k_w}; w_q must be [N, K] (nn.Linear layout)")
+    require_vector(op, "x_scale", x_scale, (m, 1), f"[{m}] (per token) or [1] (per tensor)")
+    require_vector(op, "w_scale", w_scale, (n,), f"[{n}] or [{n}, 1] (per output channel)")
+    if bias is not None:
+        require_vector(op, "bias", bias, (n,), f"[{n}]")
+    require_floatdtype_of(op, out_dtype)
+    return m, k, n
+
+
 def check_int8_weight_matmul(x, w_q, w_scale, bias, out_dtype) -> tuple[int, int, int]:
     """Check W8A16 arguments; returns (M, K, N)."""
     op = "int8_weight_matmul"

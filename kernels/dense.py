@@ -1,4 +1,4 @@
-"""The dense quantized matmuls (W8A8, W8A16, NF4, W4A16): check, plan, pad, launch, slice.
+"""The dense quantized matmuls (W8A8 int8 and fp8, W8A16, NF4, W4A16): check, plan, pad, launch, slice.
 
 Each entry point takes plain arrays, checks them, asks plan.select_kernel for a
 kernel, and runs it (or the reference, when the plan says so). With
@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 from qconvert.formats.qarray import NF4_BLOCK_SIZE
 from qconvert.kernels import gpu_dense, reference, tpu_dense
-from qconvert.kernels.checks import (check_int4_weight_matmul, check_int8_matmul, check_int8_weight_matmul,
-                                     check_nf4_matmul)
+from qconvert.kernels.checks import (check_fp8_matmul, check_int4_weight_matmul, check_int8_matmul,
+                                     check_int8_weight_matmul, check_nf4_matmul)
 from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
 from qconvert.kernels.tiles import int4_weight_operands, pad2d, round_up, split_even_odd_columns
 
@@ -41,6 +41,18 @@ def _int8_matmul_launch(x_q, w_q, x_scale, w_scale, bias, *, plan: KernelPlan, o
     mp, kp, np_ = _padded(plan, m, k, n)
     x_scale = jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,)).reshape(m, 1)
     kernel = gpu_dense.int8_matmul_gpu if plan.backend == "gpu" else tpu_dense.int8_matmul_tpu
+    y = kernel(pad2d(x_q, mp, kp), pad2d(w_q, np_, kp), pad2d(x_scale, mp, 1), _col_vector(w_scale, n, np_),
+               _col_vector(bias, n, np_), tiling=plan.tiling, out_dtype=out_dtype, has_bias=bias is not None,
+               interpret=plan.interpret)
+    return y[:m, :n]
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "out_dtype"))
+def _fp8_matmul_launch(x_q, w_q, x_scale, w_scale, bias, *, plan: KernelPlan, out_dtype):
+    (m, k), n = x_q.shape, w_q.shape[0]
+    mp, kp, np_ = _padded(plan, m, k, n)
+    x_scale = jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,)).reshape(m, 1)
+    kernel = gpu_dense.fp8_matmul_gpu if plan.backend == "gpu" else tpu_dense.fp8_matmul_tpu
     y = kernel(pad2d(x_q, mp, kp), pad2d(w_q, np_, kp), pad2d(x_scale, mp, 1), _col_vector(w_scale, n, np_),
                _col_vector(bias, n, np_), tiling=plan.tiling, out_dtype=out_dtype, has_bias=bias is not None,
                interpret=plan.interpret)
@@ -96,6 +108,27 @@ def int8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32,
         return plan_result(reference.int8_matmul_reference(x_q, w_q, x_scale, w_scale, bias=bias, out_dtype=out_dtype),
                        plan, return_plan)
     y = _int8_matmul_launch(x_q, w_q, x_scale, w_scale, bias, plan=plan, out_dtype=jnp.dtype(out_dtype))
+    return plan_result(y, plan, return_plan)
+
+
+def fp8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32, backend: str = "auto",
+               tiling: Tiling | None = None, return_plan: bool = False):
+    """FP8 W8A8 matmul: y[m, n] = f32(sum_k x_q[m, k] w_q[n, k]) * x_scale[m] * w_scale[n] + bias[n].
+
+    x_q float8_e4m3fn [M, K] (quantize_fp8_activations: per token); w_q
+    float8_e4m3fn [N, K] (nn.Linear layout); x_scale float [M] (per token) or [1]
+    (per tensor); w_scale float [N] (or [N, 1]); bias float [N]. Products are exact
+    and accumulate in float32; the rescale runs in float32 in the order written
+    above, then one cast to out_dtype (compressed-tensors' FP8_DYNAMIC, as vLLM
+    runs it). Matches fp8_matmul_reference within float32 summation-order error.
+    """
+    m, k, n = check_fp8_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype)
+    problem = KernelProblem("fp8_matmul", m, k, n, "float8_e4m3fn", dtype_name(out_dtype))
+    plan = select_kernel(problem, backend, tiling)
+    if plan.is_reference:
+        return plan_result(reference.fp8_matmul_reference(x_q, w_q, x_scale, w_scale, bias=bias, out_dtype=out_dtype),
+                           plan, return_plan)
+    y = _fp8_matmul_launch(x_q, w_q, x_scale, w_scale, bias, plan=plan, out_dtype=jnp.dtype(out_dtype))
     return plan_result(y, plan, return_plan)
 
 

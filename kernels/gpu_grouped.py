@@ -73,7 +73,7 @@ def live_count(count, live) -> jax.Array:
 def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rhs, tiling):
     if rhs_kind.packs_nibbles:
         xe_ref, xo_ref, w_ref, a_ref, o_ref = refs
-    elif rhs_kind.int8:
+    elif rhs_kind.channel_scaled:
         x_ref, w_ref, s_ref, o_ref = refs
     else:
         x_ref, w_ref, o_ref = refs
@@ -122,7 +122,7 @@ def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rh
         # The bound is built in int32 arithmetic: a select of Python ints lowers to an
         # i1 loop bound, which Triton's verifier refuses ('scf.for' bounds differ in type).
         acc = jax.lax.fori_loop(0, live_count(num_k, end > start), step, jnp.zeros((tm, tn), jnp.float32))
-        if rhs_kind.int8:
+        if rhs_kind.channel_scaled:
             acc = acc * s_ref[pl.ds(g, 1), :]
         return jnp.where((rows >= start) & (rows < end), acc, y)
 
@@ -136,7 +136,7 @@ def grouped_matmul_gpu(local_offsets, tile_first, tile_count, lhs_operands, rhs_
     """Padded operands. local_offsets [G+1], tile_first/tile_count [Mp/tm] (tile_group_map).
 
     lhs_operands: (lhs [Mp, Kp],) or, for NF4 and int4, (lhs_even, lhs_odd) [Mp, Kp/2].
-    rhs_operands: float/int8 (rhs [G, Kp, Np] or [G, Np, Kp] transposed,) plus the
+    rhs_operands: float/int8/fp8 (rhs [G, Kp, Np] or [G, Np, Kp] transposed,) plus the
     int8 scale [G, Np]; NF4 (bytes [G, Np, Kp/2], absmax [G, Np, Kp/64]); int4
     (bytes [G, Np, Kp/2] i8, scales [G, Np, Kp/group], as int4_weight_operands lays them out).
     """
@@ -155,7 +155,7 @@ def grouped_matmul_gpu(local_offsets, tile_first, tile_count, lhs_operands, rhs_
     in_specs += [pl.BlockSpec((tm, kp_x), lambda i, j: (i, 0))] * len(lhs_operands) + [w_spec]
     if rhs_kind.packs_nibbles:
         in_specs.append(pl.BlockSpec((num_local, tn, rhs_operands[1].shape[2]), lambda i, j: (0, j, 0)))
-    elif rhs_kind.int8:
+    elif rhs_kind.channel_scaled:
         in_specs.append(pl.BlockSpec((num_local, tn), lambda i, j: (0, j)))
     return pl.pallas_call(
         functools.partial(_gmm_kernel, rhs_kind=rhs_kind, transpose_rhs=transpose_rhs, tiling=tiling),
@@ -238,7 +238,7 @@ def run_grouped_matmul(lhs, rhs_kind: str, rhs_data, rhs_aux, group_sizes, *, of
     else:
         lhs_ops = (lhs_p,)
         rhs_ops = (_pad(rhs_data, (num_local, np_, kp) if transpose_rhs else (num_local, kp, np_)),)
-        if rhs_kind.int8:
+        if rhs_kind.channel_scaled:
             rhs_ops += (_pad(rhs_aux.reshape(num_local, n), (num_local, np_)),)
     y = grouped_matmul_gpu(local_offsets, tile_first, tile_count, lhs_ops, rhs_ops, tiling=tiling,
                            out_dtype=jnp.dtype(out_dtype), rhs_kind=rhs_kind, transpose_rhs=transpose_rhs)

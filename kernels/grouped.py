@@ -1,8 +1,8 @@
 """The grouped (MoE) matmuls: check, plan, build group metadata, pad, launch, slice.
 
 grouped_matmul(lhs, rhs, group_sizes) computes lhs[rows of group i] @ rhs[i] with
-rhs in float, int8 per output channel (rhs_scale), or NF4 or int4 (a QArray of
-logical shape (G, N, K), one nn.Linear weight per expert).
+rhs in float, int8 per output channel (rhs_scale), or int8, fp8 (E4M3), NF4 or
+int4 (a QArray of logical shape (G, N, K), one nn.Linear weight per expert).
 transposed_grouped_matmul is the weight-gradient form. Rows are sorted by
 group, as an MoE router's sort gives.
 """
@@ -70,6 +70,18 @@ def _int4_parts(rhs: QArray):
     return jnp.asarray(rhs.qvalue), jnp.asarray(rhs.scale, jnp.float32)
 
 
+def _fp8_parts(rhs: QArray):
+    """The checked E4M3 codes [G, N, K] and float32 per-channel scales [G, N] of an fp8 QArray."""
+    g, n, k = rhs.shape
+    if tuple(jnp.shape(rhs.qvalue)) != (g, n, k) or _dtype(rhs.qvalue) != jnp.float8_e4m3fn:
+        raise KernelArgumentError(f"{OP}: fp8 rhs codes must be float8_e4m3fn [G, N, K] = {(g, n, k)}, got "
+                                  f"{jnp.shape(rhs.qvalue)} {_dtype(rhs.qvalue)}")
+    if jnp.size(rhs.scale) != g * n:
+        raise KernelArgumentError(f"{OP}: fp8 rhs scale has shape {jnp.shape(rhs.scale)}; expected {(g, n, 1)} "
+                                  "(one scale per expert and output channel)")
+    return jnp.asarray(rhs.qvalue), jnp.asarray(rhs.scale, jnp.float32).reshape(g, n)
+
+
 def _rhs_parts(lhs, rhs, rhs_scale, transpose_rhs):
     """(rhs_kind, codes/float rhs, scale or absmax, G, K, N, NF4 block or int4 group size) from the accepted
     rhs forms."""
@@ -85,7 +97,9 @@ def _rhs_parts(lhs, rhs, rhs_scale, transpose_rhs):
         if rhs.kind.column_groups:
             return (rhs.kind, *_int4_parts(rhs), g, k_w, n, rhs.block_size)
         if rhs.zero_point is not None:
-            raise KernelArgumentError(f"{OP}: int8 rhs must be symmetric (no zero point)")
+            raise KernelArgumentError(f"{OP}: {rhs.kind} rhs must be symmetric (no zero point)")
+        if rhs.kind.float_codes:
+            return (rhs.kind, *_fp8_parts(rhs), g, k_w, n, None)
         return INT8, jnp.asarray(rhs.qvalue), jnp.asarray(rhs.scale, jnp.float32).reshape(g, n), g, k_w, n, None
     rhs = jnp.asarray(rhs)
     if rhs.ndim != 3:
@@ -110,8 +124,10 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
 
     lhs float [M, K], rows sorted by group; group_sizes int32 [num_groups]
     (sum <= M); rhs one of: float [G, K, N] ([G, N, K] with transpose_rhs); int8
-    codes of the same layouts with rhs_scale [G, N]; or a QArray ("int8", "nf4"
-    or "int4") of logical shape (G, N, K) with transpose_rhs=True. G may be a
+    codes of the same layouts with rhs_scale [G, N]; or a QArray ("int8", "fp8",
+    "nf4" or "int4") of logical shape (G, N, K) with transpose_rhs=True. int8
+    and fp8 codes are cast exactly to lhs' dtype in the kernel and their
+    per-channel scale multiplies each group's float32 sum. G may be a
     shard of the experts starting at group_offset. Rows of groups outside the shard, and
     rows past sum(group_sizes), are 0. tiling: (tm, tk, tn), a function of
     (m, k, n) returning one (or None to decline), or None to let the plan choose.
@@ -172,7 +188,7 @@ def _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, *, plan: KernelPlan, rh
     else:
         lhs_ops = (lhs_p,)
         rhs_ops = (_pad(rhs_data, (g_local, np_, kp) if transpose_rhs else (g_local, kp, np_)),)
-        if rhs_kind.int8:
+        if rhs_kind.channel_scaled:
             rhs_ops += (_pad(rhs_aux.reshape(g_local, 1, n), (g_local, 1, np_)),)
     y = tpu_grouped.grouped_matmul_tpu(
         metadata, jnp.full((1,), offset, jnp.int32), num_tiles.reshape(1), lhs_ops, rhs_ops, tiling=t,

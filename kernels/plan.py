@@ -9,8 +9,9 @@ Backends: "tpu" (Mosaic) and "gpu" (Triton) compile the Pallas kernels; "cpu"
 runs the TPU kernels in TPU interpret mode (exact but slow: for kernel work);
 "xla" runs each kernel's contract as XLA computes it: the functions of
 reference.py themselves, compiled once per shape, so bit-identical to the
-reference (int8 x int8 -> int32 dot for W8A8, the same NF4 decode, int8 codes
-cast to the activation dtype for W8A16, the same int4 dequantize for W4A16).
+reference (int8 x int8 -> int32 dot for W8A8, E4M3 codes cast exactly to float32
+for FP8 W8A8, the same NF4 decode, int8 codes cast to the activation dtype for
+W8A16, the same int4 dequantize for W4A16).
 "auto" picks tpu or gpu where JAX runs on one, and xla on a CPU host.
 "reference" names the same code as an explicit fallback.
 """
@@ -27,7 +28,7 @@ from qconvert.formats.qarray import NF4_BLOCK_SIZE, QKind
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.tiles import FLOAT, RHS_KINDS, Tiling, round_up
 
-OPS = ("int8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "grouped_matmul",
+OPS = ("int8_matmul", "fp8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "grouped_matmul",
        "transposed_grouped_matmul")
 BACKENDS = ("auto", "tpu", "gpu", "cpu", "xla", "reference")
 
@@ -40,6 +41,10 @@ CPU_INTERPRET_MAX_STEPS = 256
 GUARANTEES = {
     "int8_matmul": ("exact int32 accumulation, then float32 rescale acc * x_scale[m] * w_scale[n] + bias[n] "
                     "and one cast; bit-identical to the reference and deterministic (no atomics, fixed order)"),
+    "fp8_matmul": ("E4M3 x E4M3 products (exact in float32; the TPU kernel upcasts the fp8 tiles to bf16, "
+                   "exactly, the GPU kernel runs Triton's native fp8 dot), float32 accumulation, then "
+                   "acc * x_scale[m] * w_scale[n] + bias[n] and one cast; matches the reference within float32 "
+                   "summation-order error"),
     "int8_weight_matmul": ("int8 codes cast exactly to the activation dtype, float32 accumulation, "
                            "then * w_scale[n] + bias[n]; matches the reference within float32 summation-order error"),
     "nf4_matmul": ("codes decoded with the exact 16-level NF4 table times the block absmax (float32, then the "
@@ -47,7 +52,7 @@ GUARANTEES = {
     "int4_weight_matmul": ("int4 codes sign-extended from their nibbles, times their group's scale in float32, "
                            "cast to the activation dtype, float32 accumulation, then + bias[n]; matches the "
                            "reference within float32 summation-order error"),
-    "grouped_matmul": ("per-group float32 accumulation (int8 rhs: exact codes, per-channel scale after the sum; "
+    "grouped_matmul": ("per-group float32 accumulation (int8 or fp8 rhs: exact codes, per-channel scale after the sum; "
                        "NF4 rhs: exact table decode; int4 rhs: code times group scale, cast to the activation "
                        "dtype); matches the reference within float32 summation-order error"),
     "transposed_grouped_matmul": ("per-group float32 accumulation over the group's rows; empty groups give zeros; "
@@ -140,6 +145,11 @@ def _decodes_int4(problem: KernelProblem) -> bool:
     return problem.op == "int4_weight_matmul" or (problem.op == "grouped_matmul" and problem.rhs_kind.column_groups)
 
 
+def _gpu_k_align(problem: KernelProblem) -> int:
+    """The smallest K tile of a Triton dot: 32 for fp8 operands (an fp8 MMA step), 16 otherwise."""
+    return 32 if problem.op == "fp8_matmul" else 16
+
+
 def _int4_k_align(problem: KernelProblem, backend: str) -> int:
     """The int4 K tile's alignment: whole groups, and (Mosaic) whole 128-byte lane widths of packed codes;
     Triton's dot needs a contraction of at least 16 bytes."""
@@ -166,7 +176,11 @@ def _int4_k_tile(problem: KernelProblem, backend: str) -> int:
 # two codes per byte, so a tk of 256 reads 128 bytes of each weight row); on Mosaic
 # each K tile's scales are one block as wide as their array, so tk is not tied to
 # the whole K as NF4's is. Grouped int4 experts step K as the dense int4 kernel.
+# FP8 tiles as int8 (one byte per code): Triton's fp8 dot takes a K of 32 or more,
+# and on Mosaic fp8 rows pack four to a sublane as int8 rows do.
 DECODE_MAX_M = 16
+# Operations whose lhs rows are one-byte codes (int8, fp8): Mosaic packs 32 such rows per (sublane) tile.
+BYTE_ROW_OPS = ("int8_matmul", "fp8_matmul")
 NF4_TPU_MAX_TK = 8192
 REGIMES = ("decode", "prefill")
 TILE_TABLES: dict[tuple[str, str], dict[str, Tiling]] = {
@@ -174,6 +188,7 @@ TILE_TABLES: dict[tuple[str, str], dict[str, Tiling]] = {
     # a time (tk 256 = four blocks = 128 bytes of each weight row per step).
     ("gpu", "decode"): {
         "int8_matmul": Tiling(16, 256, 32),
+        "fp8_matmul": Tiling(16, 256, 32),
         "int8_weight_matmul": Tiling(16, 128, 32),
         "nf4_matmul": Tiling(16, 256, 32),
         "int4_weight_matmul": Tiling(16, 256, 32),
@@ -182,17 +197,19 @@ TILE_TABLES: dict[tuple[str, str], dict[str, Tiling]] = {
     },
     ("gpu", "prefill"): {
         "int8_matmul": Tiling(128, 128, 128),
+        "fp8_matmul": Tiling(128, 128, 128),
         "int8_weight_matmul": Tiling(128, 64, 128),
         "nf4_matmul": Tiling(128, 128, 128),
         "int4_weight_matmul": Tiling(128, 128, 128),
         "grouped_matmul": Tiling(64, 64, 128),
         "transposed_grouped_matmul": Tiling(64, 64, 128),
     },
-    # Mosaic: (8, 128) vreg tiling ((32, 128) for int8 rows); double-buffered tiles
+    # Mosaic: (8, 128) vreg tiling ((32, 128) for int8 and fp8 rows); double-buffered tiles
     # stay far below VMEM. NF4's K tile is the whole padded K (up to 8192) so its
     # per-64-block absmax tile [tn, tk/64] is a full-width block.
     ("tpu", "decode"): {
         "int8_matmul": Tiling(32, 1024, 512),
+        "fp8_matmul": Tiling(32, 1024, 512),
         "int8_weight_matmul": Tiling(16, 1024, 512),
         "nf4_matmul": Tiling(16, NF4_TPU_MAX_TK, 256),
         "int4_weight_matmul": Tiling(16, 4096, 256),
@@ -201,6 +218,7 @@ TILE_TABLES: dict[tuple[str, str], dict[str, Tiling]] = {
     },
     ("tpu", "prefill"): {
         "int8_matmul": Tiling(256, 512, 256),
+        "fp8_matmul": Tiling(256, 512, 256),
         "int8_weight_matmul": Tiling(256, 512, 256),
         "nf4_matmul": Tiling(256, NF4_TPU_MAX_TK, 256),
         "int4_weight_matmul": Tiling(256, 2048, 256),
@@ -261,13 +279,13 @@ def default_tiling(problem: KernelProblem, backend: str) -> Tiling:
         if int4:
             tk = _int4_k_tile(problem, backend)
         else:
-            tk = _k_tile(k, tk_max, NF4_BLOCK_SIZE if nf4 else 16, powers_of_two=True)
+            tk = _k_tile(k, tk_max, NF4_BLOCK_SIZE if nf4 else _gpu_k_align(problem), powers_of_two=True)
         return Tiling(min(entry.tm, _power_of_two_at_least(m)), tk, min(entry.tn, _power_of_two_at_least(n)))
     if op == "transposed_grouped_matmul":
         # There K is the output rows and M the contraction; both are lane/sublane dims.
         return Tiling(min(entry.tm, round_up(m, 128)), min(entry.tk, round_up(k, 16)),
                       min(entry.tn, round_up(n, 128)))
-    row_align = 32 if op == "int8_matmul" else 16
+    row_align = 32 if op in BYTE_ROW_OPS else 16
     tm = min(entry.tm, round_up(m, row_align))
     tn = min(entry.tn, round_up(n, 128))
     if nf4:
@@ -293,6 +311,8 @@ def check_tiling(problem: KernelProblem, backend: str, tiling: Tiling) -> None:
     if backend == "gpu":
         if any(t < 16 or t & (t - 1) for t in (tm, tk, tn)):
             raise KernelArgumentError(f"GPU tiles must be powers of two >= 16, got {tiling}")
+        if tk < _gpu_k_align(problem):
+            raise KernelArgumentError(f"the GPU fp8 dot needs tk >= {_gpu_k_align(problem)}, got {tk}")
         if nf4 and tk % NF4_BLOCK_SIZE:
             raise KernelArgumentError(f"the GPU NF4 kernel steps K by whole 64-blocks; tk must be a multiple of "
                                       f"{NF4_BLOCK_SIZE}, got {tk}")
@@ -303,7 +323,7 @@ def check_tiling(problem: KernelProblem, backend: str, tiling: Tiling) -> None:
             raise KernelArgumentError(f"TPU transposed_grouped_matmul tiles need tm % 128, tk % 8 and tn % 128 "
                                       f"to be 0, got {tiling}")
         return
-    row_align = 32 if problem.op == "int8_matmul" else 8
+    row_align = 32 if problem.op in BYTE_ROW_OPS else 8
     if tm % row_align or tn % 128:
         raise KernelArgumentError(f"TPU tiles need tm % {row_align} == 0 and tn % 128 == 0, got {tiling}")
     if nf4:

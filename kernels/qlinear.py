@@ -6,8 +6,11 @@
   int8 weight, int8 QArray x int8_matmul on x's codes and scales as they are
   nf4 weight                 nf4_matmul: codes decoded with the NF4 table x block absmax
   int4 weight                int4_weight_matmul (W4A16): codes x group (or per-channel) scale
-  experts (qgrouped_linear)  grouped_matmul over the experts' stacked QArrays (int8, NF4 or int4); with
-                             act the rows enter as their exact int8 values x_q * x_scale
+  fp8 weight, act=...        quantize_fp8_activations (E4M3 per token, or the static input_scale), then
+                             fp8_matmul: E4M3 products, float32 accumulation, x_scale * w_scale rescale
+  experts (qgrouped_linear)  grouped_matmul over the experts' stacked QArrays (int8, fp8, NF4 or int4);
+                             with act the rows enter as their quantized values x_q * x_scale in float32
+                             (int8 codes for int8 experts, E4M3 codes for fp8 ones)
 
 verify, ops and calibration all reach the kernels through these two functions;
 each returns the KernelPlan that ran when asked (return_plan=True).
@@ -21,8 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from qconvert.formats.qarray import QArray
-from qconvert.kernels.activations import fake_quantize_rows, quantize_activations
-from qconvert.kernels.dense import int4_weight_matmul, int8_matmul, int8_weight_matmul, nf4_matmul
+from qconvert.kernels.activations import (fake_quantize_fp8_rows, fake_quantize_rows, quantize_activations,
+                                          quantize_fp8_activations)
+from qconvert.kernels.dense import fp8_matmul, int4_weight_matmul, int8_matmul, int8_weight_matmul, nf4_matmul
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.grouped import grouped_matmul
 
@@ -51,6 +55,15 @@ def _int8_rows(x: QArray) -> tuple[jax.Array, jax.Array]:
     return jnp.asarray(x.qvalue).reshape(m, k), x_scale
 
 
+def _channel_scale(q: QArray) -> jax.Array:
+    """The [N] per-output-channel scale of an int8 or fp8 weight [N, K]."""
+    w_scale = jnp.asarray(q.scale).reshape(-1)
+    if w_scale.shape[0] != q.shape[0]:
+        raise KernelArgumentError(f"qlinear: {q.kind} weights need one scale per output channel ({q.shape[0]}), "
+                                  f"got scale shape {jnp.shape(q.scale)}")
+    return w_scale
+
+
 def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None, out_dtype=None,
             backend: str = "auto", return_plan: bool = False):
     """y = x @ W^T (+ bias) for a quantized weight W [out, in] held in a QArray.
@@ -60,8 +73,10 @@ def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None
     int4_weight_matmul (float x only, act=None); int8 QArrays go
     to int8_weight_matmul (act=None, W8A16) or, for W8A8, through
     quantize_activations (act="dynamic": per token; act="static": the
-    calibrated per-tensor input_scale) into int8_matmul. out_dtype defaults to
-    x's dtype (float32 for int8 activations).
+    calibrated per-tensor input_scale) into int8_matmul. fp8 QArrays (E4M3,
+    per-channel scale) take act="dynamic" (FP8_DYNAMIC: E4M3 per token) or
+    act="static", through quantize_fp8_activations into fp8_matmul. out_dtype
+    defaults to x's dtype (float32 for int8 activations).
     """
     _check_act(act, input_scale)
     if len(q.shape) != 2:
@@ -80,6 +95,16 @@ def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None
             raise KernelArgumentError("qlinear: NF4 weights take float activations; drop act")
         result = nf4_matmul(x2, q.qvalue, q.scale, shape=q.shape, blocksize=q.block_size, bias=bias,
                             out_dtype=out_dtype, backend=backend, return_plan=True)
+    elif q.kind.float_codes:
+        if act is None or isinstance(x, QArray):
+            raise KernelArgumentError("qlinear: fp8 weights quantize float activations to E4M3 first: pass "
+                                      "act='dynamic' (per token) or act='static' with input_scale")
+        if q.zero_point is not None:
+            raise KernelArgumentError("qlinear: fp8 weights must be symmetric (no zero point)")
+        w_scale = _channel_scale(q)
+        x_q, x_scale = quantize_fp8_activations(x2, input_scale)
+        result = fp8_matmul(x_q, q.qvalue, x_scale, w_scale, bias=bias, out_dtype=out_dtype, backend=backend,
+                            return_plan=True)
     elif q.kind.column_groups:
         if act is not None or isinstance(x, QArray):
             raise KernelArgumentError("qlinear: int4 weights take float activations (W4A16); drop act")
@@ -90,10 +115,7 @@ def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None
     else:
         if q.zero_point is not None:
             raise KernelArgumentError("qlinear: int8 weights must be symmetric (no zero point)")
-        w_scale = jnp.asarray(q.scale).reshape(-1)
-        if w_scale.shape[0] != q.shape[0]:
-            raise KernelArgumentError(f"qlinear: int8 weights need one scale per output channel ({q.shape[0]}), "
-                                      f"got scale shape {jnp.shape(q.scale)}")
+        w_scale = _channel_scale(q)
         if act is None and not isinstance(x, QArray):
             result = int8_weight_matmul(x2, q.qvalue, w_scale, bias=bias, out_dtype=out_dtype, backend=backend,
                                         return_plan=True)
@@ -111,10 +133,12 @@ def stack_experts(qs: Sequence[QArray]) -> QArray:
     """The experts' [N, K] QArrays as one QArray of logical shape (G, N, K) for grouped_matmul."""
     first = qs[0]
     g, (n, k) = len(qs), first.shape
-    if first.kind.int8:
+    if first.kind.channel_scaled:
+        if any(q.kind != first.kind or q.shape != first.shape for q in qs):
+            raise KernelArgumentError(f"stack_experts: {first.kind} experts must share one kind and shape")
         return QArray(jnp.stack([jnp.asarray(q.qvalue) for q in qs]),
                       jnp.stack([jnp.asarray(q.scale, jnp.float32).reshape(n, 1) for q in qs]),
-                      kind="int8", shape=(g, n, k), dtype=first.dtype)
+                      kind=first.kind, shape=(g, n, k), dtype=first.dtype)
     if first.kind.column_groups:
         if any(not q.kind.column_groups or q.block_size != first.block_size or q.shape != first.shape for q in qs):
             raise KernelArgumentError("stack_experts: int4 experts must share one shape and group size")
@@ -128,19 +152,23 @@ def stack_experts(qs: Sequence[QArray]) -> QArray:
                   kind="nf4", block_size=first.block_size, shape=(g, n, k), dtype=first.dtype)
 
 
-def int8_rows_by_expert(x, group_sizes, input_scales: Sequence[float | None]) -> jax.Array:
-    """W8A8 activations of rows sorted by expert, as the exact values x_q * x_scale (float32).
+def int8_rows_by_expert(x, group_sizes, input_scales: Sequence[float | None],
+                        fake_quantize=fake_quantize_rows) -> jax.Array:
+    """W8A8 activations of rows sorted by expert, as the values x_q * x_scale (float32).
+
+    fake_quantize is the row quantizer: int8 codes (fake_quantize_rows) or E4M3
+    codes (fake_quantize_fp8_rows).
 
     All scales None: per token. Otherwise each expert's rows take that expert's
     static input_scale (rows past the last group take the last expert's).
     """
     if all(s is None for s in input_scales):
-        return fake_quantize_rows(x)
+        return fake_quantize(x)
     rows = jnp.arange(x.shape[0])
     expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), rows, side="right"), len(input_scales) - 1)
     out = jnp.zeros(x.shape, jnp.float32)
     for e, scale in enumerate(input_scales):
-        out = jnp.where((expert == e)[:, None], fake_quantize_rows(x, scale), out)
+        out = jnp.where((expert == e)[:, None], fake_quantize(x, scale), out)
     return out
 
 
@@ -148,10 +176,12 @@ def qgrouped_linear(x, qs: Sequence[QArray], group_sizes, *, act: str | None = N
                     input_scales: Sequence[float | None] = (), backend: str = "auto", return_plan: bool = False):
     """Rows of x [M, in] sorted by expert (group_sizes[e] rows for expert e) times expert e's W^T.
 
-    qs holds each expert's [out, in] QArray (int8, NF4 or int4; int4 takes
-    act=None). act="dynamic" quantizes every row per token, act="static" each
-    expert's rows with its input_scales[e]; the int8 rows enter the grouped
-    kernel as their exact float values.
+    qs holds each expert's [out, in] QArray (int8, fp8, NF4 or int4; int4 and
+    NF4 take act=None, fp8 needs act). act="dynamic" quantizes every row per
+    token, act="static" each expert's rows with its input_scales[e] (to int8
+    for int8 experts, to E4M3 for fp8 ones); the quantized rows enter the
+    grouped kernel as their float32 values x_q * x_scale, and the experts' codes
+    are cast exactly to float32 there.
     """
     if act not in ACT_MODES:
         raise KernelArgumentError(f"qgrouped_linear: act must be None, 'dynamic' or 'static', got {act!r}")
@@ -159,8 +189,12 @@ def qgrouped_linear(x, qs: Sequence[QArray], group_sizes, *, act: str | None = N
         raise KernelArgumentError("qgrouped_linear: act='static' needs input_scales, and only it takes them")
     if act is not None and qs and qs[0].kind.column_groups:
         raise KernelArgumentError("qgrouped_linear: int4 experts take float activations (W4A16); drop act")
+    if act is None and qs and qs[0].kind.float_codes:
+        raise KernelArgumentError("qgrouped_linear: fp8 experts quantize float activations to E4M3 first: pass "
+                                  "act='dynamic' (per token) or act='static' with input_scales")
     group_sizes = jnp.asarray(group_sizes, jnp.int32)
     if act is not None:
-        x = int8_rows_by_expert(jnp.asarray(x), group_sizes, list(input_scales) or [None] * len(qs))
+        fake_quantize = fake_quantize_fp8_rows if qs[0].kind.float_codes else fake_quantize_rows
+        x = int8_rows_by_expert(jnp.asarray(x), group_sizes, list(input_scales) or [None] * len(qs), fake_quantize)
     return grouped_matmul(x, stack_experts(qs), group_sizes, transpose_rhs=True, backend=backend,
                           return_plan=return_plan)

@@ -40,6 +40,26 @@ def int8_matmul_reference(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jn
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))
+def fp8_matmul_reference(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32) -> jax.Array:
+    """FP8 W8A8: y[m, n] = f32(sum_k x_q[m,k] * w_q[n,k]) * x_scale[m] * w_scale[n] + bias[n].
+
+    x_q and w_q are float8_e4m3fn codes. Each is exact in float32 and so is each
+    product (4 significant bits times 4), so the sum differs from the exact one
+    only by float32 accumulation; the rescale runs in float32 in this order
+    (accumulator, times x_scale, times w_scale, plus bias), then one cast.
+    """
+    acc = jax.lax.dot_general(jnp.asarray(x_q).astype(jnp.float32), jnp.asarray(w_q).astype(jnp.float32),
+                              (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=HIGHEST)
+    m = acc.shape[0]
+    x_scale = jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,))
+    y = acc * x_scale[:, None]
+    y = y * jnp.asarray(w_scale, jnp.float32).reshape(1, -1)
+    if bias is not None:
+        y = y + jnp.asarray(bias, jnp.float32).reshape(1, -1)
+    return y.astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
 def int8_weight_matmul_reference(x, w_q, w_scale, *, bias=None, out_dtype=jnp.float32) -> jax.Array:
     """W8A16: y = (x @ w_q^T in float32, w_q cast to x's dtype) * w_scale[n] + bias[n].
 
@@ -116,9 +136,9 @@ def grouped_matmul_reference(lhs, rhs, group_sizes, *, preferred_element_type=jn
                              group_offset: int = 0, transpose_rhs: bool = False, rhs_scale=None) -> jax.Array:
     """out[rows of group g] = lhs[rows of g] @ rhs[g - group_offset]; other rows are 0.
 
-    rhs is [G, K, N] ([G, N, K] with transpose_rhs), float or int8 codes; it is
-    cast to lhs' dtype (exact for int8 codes). With rhs_scale [G, N] (int8 per
-    output channel) each group's float32 product is multiplied by its scale.
+    rhs is [G, K, N] ([G, N, K] with transpose_rhs), float, int8 or fp8 codes; it
+    is cast to lhs' dtype (exact for int8 and fp8 codes). With rhs_scale [G, N]
+    (per output channel) each group's float32 product is multiplied by its scale.
     Groups outside [group_offset, group_offset + G) and rows past
     sum(group_sizes) give zeros.
     """

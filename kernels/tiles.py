@@ -8,16 +8,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.formats.qarray import INT4, INT8, NF4, NF4_LEVELS, QKind
+from qconvert.formats.qarray import FP8, INT4, INT8, NF4, NF4_LEVELS, QKind
 
 
 # A grouped rhs of plain float weights: quantized by nothing, so no QKind property holds for it.
 FLOAT = QKind("float", bits=32)
-RHS_KINDS = {kind: kind for kind in (FLOAT, INT8, NF4, INT4)}  # name -> the grouped rhs' kind
+RHS_KINDS = {kind: kind for kind in (FLOAT, INT8, NF4, INT4, FP8)}  # name -> the grouped rhs' kind
 
 
 def rhs_kind_of(kind: str) -> QKind:
-    """The grouped rhs kind a name (or kind) stands for: "float", "int8", "nf4" or "int4"."""
+    """The grouped rhs kind a name (or kind) stands for: "float", "int8", "nf4", "int4" or "fp8"."""
     return RHS_KINDS[kind]
 
 

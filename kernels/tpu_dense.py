@@ -1,4 +1,4 @@
-"""TPU (Mosaic) Pallas kernels for the dense quantized matmuls: W8A8, W8A16, NF4 and int4 (W4A16).
+"""TPU (Mosaic) Pallas kernels for the dense quantized matmuls: W8A8 (int8, fp8), W8A16, NF4 and int4 (W4A16).
 
 Grid (M tiles, N tiles, K tiles), K innermost and "arbitrary" so the float32 or
 int32 accumulator stays in VMEM scratch across it; the rescale runs once, on the
@@ -73,6 +73,47 @@ def int8_matmul_tpu(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dty
                       row_vec, col_vec, col_vec],
             out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM((tiling.tm, tiling.tn), jnp.int32)]),
+        compiler_params=_compiler_params(),
+        interpret=_interpret(interpret),
+    )(x_q, w_q, x_scale, w_scale, bias)
+
+
+def _fp8_kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, acc_ref, *, has_bias):
+    @pl.when(pl.program_id(2) == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    # The MXU (before v7) has no fp8 inputs; bf16 holds every E4M3 value exactly (its 8 exponent bits cover
+    # E4M3's range, its 8 significant bits E4M3's 4), and bf16 x bf16 products are exact in the f32 accumulator.
+    acc_ref[...] += jax.lax.dot_general(x_ref[...].astype(jnp.bfloat16), w_ref[...].astype(jnp.bfloat16), NT_DIMS,
+                                        preferred_element_type=jnp.float32)
+
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+    def _rescale():
+        y = acc_ref[...] * xs_ref[...]
+        y = y * ws_ref[...]
+        if has_bias:
+            y = y + b_ref[...]
+        o_ref[...] = y.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
+def fp8_matmul_tpu(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
+                   interpret: bool):
+    """Padded operands: x_q [Mp, Kp] and w_q [Np, Kp] float8_e4m3fn, x_scale [Mp, 1], w_scale/bias [1, Np] f32."""
+    mp, kp = x_q.shape
+    np_ = w_q.shape[0]
+    grid, out_spec, row_vec, col_vec = _grid_specs(tiling, mp, np_, kp)
+    return pl.pallas_call(
+        functools.partial(_fp8_kernel, has_bias=has_bias),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0, grid=grid,
+            in_specs=[pl.BlockSpec((tiling.tm, tiling.tk), lambda i, j, k: (i, k)),
+                      pl.BlockSpec((tiling.tn, tiling.tk), lambda i, j, k: (j, k)),
+                      row_vec, col_vec, col_vec],
+            out_specs=out_spec,
+            scratch_shapes=[pltpu.VMEM((tiling.tm, tiling.tn), jnp.float32)]),
         compiler_params=_compiler_params(),
         interpret=_interpret(interpret),
     )(x_q, w_q, x_scale, w_scale, bias)

@@ -39,7 +39,7 @@ def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *
                 tm):
     if rhs_kind.packs_nibbles:
         xe_ref, xo_ref, w_ref, a_ref, o_ref, acc_ref = refs
-    elif rhs_kind.int8:
+    elif rhs_kind.channel_scaled:
         x_ref, w_ref, s_ref, o_ref, acc_ref = refs
     else:
         x_ref, w_ref, o_ref, acc_ref = refs
@@ -67,7 +67,7 @@ def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *
         g = group_ids[step]
         mask = _row_mask(o_ref.shape, 0, tm, m_tile_ids[step], group_offsets[g], group_offsets[g + 1])
         y = acc_ref[...]
-        if rhs_kind.int8:
+        if rhs_kind.channel_scaled:
             y = y * s_ref[...]
         # Rows of other groups in a shared tile keep what their own visit wrote.
         o_ref[...] = jnp.where(mask, y.astype(o_ref.dtype), o_ref[...])
@@ -77,7 +77,7 @@ def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *
 def grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs_operands, rhs_operands, *, tiling: Tiling, out_dtype,
                        rhs_kind: str, transpose_rhs: bool, interpret: bool):
     """Padded operands. lhs_operands: (lhs [Mp, Kp],) or, for NF4 and int4, (lhs_even, lhs_odd) [Mp, Kp/2].
-    rhs_operands: float/int8 (rhs [G, Kp, Np] or [G, Np, Kp] transposed,) plus int8 scale [G, 1, Np];
+    rhs_operands: float/int8/fp8 (rhs [G, Kp, Np] or [G, Np, Kp] transposed,) plus int8/fp8 scale [G, 1, Np];
     NF4 (bytes [G, Np, Kp/2], absmax [G, Np, Kp/64]); int4 (bytes [G, Np, Kp/2] i8, scales
     [G, Kp/tk, Np, groups per K tile], as int4_weight_operands lays them out)."""
     rhs_kind = rhs_kind_of(rhs_kind)
@@ -116,7 +116,7 @@ def grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs_operands, rhs_oper
     else:
         block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
         in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(block, rhs_map)]
-        if rhs_kind.int8:
+        if rhs_kind.channel_scaled:
             in_specs.append(pl.BlockSpec((None, 1, tn), scale_map))
     return pl.pallas_call(
         functools.partial(_gmm_kernel, rhs_kind=rhs_kind, transpose_rhs=transpose_rhs, tm=tm),

@@ -47,7 +47,7 @@ def triton_interpreted(monkeypatch):
     from qconvert.kernels import gpu_dense, gpu_grouped
 
     jax.clear_caches()
-    for module, names in ((gpu_dense, ("int8_matmul_gpu", "int8_weight_matmul_gpu", "nf4_matmul_gpu",
+    for module, names in ((gpu_dense, ("int8_matmul_gpu", "fp8_matmul_gpu", "int8_weight_matmul_gpu", "nf4_matmul_gpu",
                                        "int4_weight_matmul_gpu")),
                           (gpu_grouped, ("grouped_matmul_gpu", "transposed_grouped_matmul_gpu"))):
         for name in names:

@@ -16,14 +16,17 @@ from jax._src.pallas.mosaic import lowering as mosaic_lowering
 from jax._src.pallas.triton import lowering as triton_lowering
 
 verified: collections.Counter = collections.Counter()
+last_module: dict[str, object] = {}  # dialect -> the last module verified (its text shows what a kernel became)
 _installed = False
 
 
 def _verifying(lower, dialect: str, module_of):
     def lower_and_verify(*args, **kwargs):
         result = lower(*args, **kwargs)
-        module_of(result).operation.verify()  # raises MLIRError, as the device compiler would refuse it
+        module = module_of(result)
+        module.operation.verify()  # raises MLIRError, as the device compiler would refuse it
         verified[dialect] += 1
+        last_module[dialect] = module
         return result
 
     lower_and_verify.__wrapped__ = lower

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import mlir_verify
+
 from qconvert.kernels import gpu_dense, tpu_dense, tpu_grouped
 from qconvert.kernels.tiles import Tiling
 
@@ -29,6 +31,23 @@ def test_int8_matmul_lowers_for_tpu_and_gpu(out_dtype):
     assert "tpu_custom_call" in lowered_text(tpu_dense.int8_matmul_tpu, args, "tpu", tiling=Tiling(64, 512, 256),
                                              **static)
     assert "triton" in lowered_text(gpu_dense.int8_matmul_gpu, args, "cuda", tiling=Tiling(64, 128, 64), **static)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_fp8_matmul_lowers_for_tpu_and_gpu(out_dtype):
+    f8 = jnp.float8_e4m3fn
+    args = (S((64, 1024), f8), S((512, 1024), f8), S((64, 1), jnp.float32), S((1, 512), jnp.float32),
+            S((1, 512), jnp.float32))
+    static = dict(out_dtype=out_dtype, has_bias=True, interpret=False)
+    assert "tpu_custom_call" in lowered_text(tpu_dense.fp8_matmul_tpu, args, "tpu", tiling=Tiling(64, 512, 256),
+                                             **static)
+    # Mosaic: the E4M3 tiles are widened to bf16 (exact) and the MXU multiplies bf16
+    mosaic = str(mlir_verify.last_module["mosaic"])
+    assert "xf8E4M3FN> to vector<64x512xbf16>" in mosaic and "tpu.matmul" in mosaic
+    assert "triton" in lowered_text(gpu_dense.fp8_matmul_gpu, args, "cuda", tiling=Tiling(64, 128, 64), **static)
+    # Triton: the dot takes the E4M3 operands as they are (the native fp8 MMA) and accumulates in float32
+    (dot,) = [line for line in str(mlir_verify.last_module["triton"]).splitlines() if "tt.dot" in line]
+    assert "tensor<64x128xf8E4M3FN> * tensor<128x64xf8E4M3FN> -> tensor<64x64xf32>" in dot
 
 
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
@@ -60,7 +79,7 @@ def test_int4_lowers_for_tpu_and_gpu(x_dtype, groups_per_tile):
 
 
 @pytest.mark.parametrize("rhs_kind,transpose_rhs", [("float", False), ("float", True), ("int8", True),
-                                                    ("nf4", True), ("int4", True)])
+                                                    ("fp8", True), ("nf4", True), ("int4", True)])
 def test_grouped_matmul_lowers_for_tpu(rhs_kind, transpose_rhs):
     metadata = (S((5,), I32), S((12,), I32), S((12,), I32))
     if rhs_kind == "nf4":
@@ -71,9 +90,9 @@ def test_grouped_matmul_lowers_for_tpu(rhs_kind, transpose_rhs):
         rhs = (S((4, 256, 256), jnp.int8), S((4, 1, 256, 8), jnp.float32))
     else:
         lhs = (S((256, 512), jnp.bfloat16),)
-        dtype = jnp.int8 if rhs_kind == "int8" else jnp.bfloat16
+        dtype = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(rhs_kind, jnp.bfloat16)
         rhs = (S((4, 256, 512) if transpose_rhs else (4, 512, 256), dtype),)
-        if rhs_kind == "int8":
+        if rhs_kind in ("int8", "fp8"):
             rhs += (S((4, 1, 256), jnp.float32),)
     text = lowered_text(tpu_grouped.grouped_matmul_tpu, (metadata, S((1,), I32), S((1,), I32), lhs, rhs), "tpu",
                         tiling=Tiling(128, 512, 256), out_dtype=jnp.bfloat16, rhs_kind=rhs_kind,

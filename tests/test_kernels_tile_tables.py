@@ -12,8 +12,8 @@ import pytest
 
 import mlir_verify
 from qconvert.formats import QArray
-from qconvert.kernels import (grouped_matmul, int4_weight_matmul, int8_matmul, int8_weight_matmul, nf4_matmul,
-                              transposed_grouped_matmul)
+from qconvert.kernels import (fp8_matmul, grouped_matmul, int4_weight_matmul, int8_matmul, int8_weight_matmul,
+                              nf4_matmul, transposed_grouped_matmul)
 from qconvert.kernels.plan import REGIMES, TILE_TABLES
 
 S = jax.ShapeDtypeStruct
@@ -22,8 +22,9 @@ PLATFORM = {"tpu": ("tpu", "mosaic"), "gpu": ("cuda", "triton")}
 # Per regime: M rows, and a K whose tiles are odd multiples of 256 (576 -> 768) or long (4864).
 SIZES = {"decode": (3, 576, 200), "prefill": (300, 4864, 384)}
 EXPERTS = 4
-CASES = ["int8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "int4_weight_matmul_per_channel",
-         "grouped_float", "grouped_float_transposed", "grouped_int8", "grouped_nf4", "grouped_int4",
+F8 = jnp.float8_e4m3fn
+CASES = ["int8_matmul", "fp8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "int4_weight_matmul_per_channel",
+         "grouped_float", "grouped_float_transposed", "grouped_int8", "grouped_fp8", "grouped_nf4", "grouped_int4",
          "grouped_int4_per_channel", "transposed_grouped_matmul"]
 INT4_GROUP = 32  # divides every K of SIZES; the per-channel cases take one scale per row
 
@@ -35,6 +36,10 @@ def case_call(case: str, m: int, k: int, n: int, backend: str):
     if case == "int8_matmul":
         return (lambda x, w, xs, ws: int8_matmul(x, w, xs, ws, out_dtype=BF16, backend=backend, return_plan=True),
                 (S((m, k), jnp.int8), S((n, k), jnp.int8), S((m,), jnp.float32), S((n,), jnp.float32)))
+    if case == "fp8_matmul":
+        return (lambda x, w, xs, ws, b: fp8_matmul(x, w, xs, ws, bias=b, out_dtype=BF16, backend=backend,
+                                                   return_plan=True),
+                (S((m, k), F8), S((n, k), F8), S((m,), jnp.float32), S((n,), BF16), S((n,), BF16)))
     if case == "int8_weight_matmul":
         return (lambda x, w, ws: int8_weight_matmul(x, w, ws, out_dtype=BF16, backend=backend, return_plan=True),
                 (S((m, k), BF16), S((n, k), jnp.int8), S((n,), jnp.float32)))
@@ -65,6 +70,12 @@ def case_call(case: str, m: int, k: int, n: int, backend: str):
                                                    gs, transpose_rhs=True, preferred_element_type=BF16,
                                                    group_offset=0, backend=backend, return_plan=True),
                 (S((m, k), BF16), S((g, n, k), jnp.int8), S((g, n, 1), jnp.float32), sizes))
+    if case == "grouped_fp8":
+        # E4M3 experts, two local of four; rows as float32 values (qgrouped_linear's fake-quantized E4M3 rows)
+        return (lambda x, w, s, gs: grouped_matmul(x, QArray(w, s, kind="fp8", shape=(2, n, k), dtype="bfloat16"),
+                                                   gs, transpose_rhs=True, preferred_element_type=BF16,
+                                                   group_offset=1, backend=backend, return_plan=True),
+                (S((m, k), jnp.float32), S((2, n, k), F8), S((2, n, 1), BF16), sizes))
     if case == "grouped_nf4":
         # two local experts of four (a shard), as expert parallelism runs them
         return (lambda x, w, a, gs: grouped_matmul(
@@ -102,7 +113,7 @@ def test_kernel_lowers_to_a_verified_module_at_its_tile_table_entry(backend, reg
 
 
 def test_every_operation_has_an_entry_in_every_table():
-    ops = {"int8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "grouped_matmul",
+    ops = {"int8_matmul", "fp8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "grouped_matmul",
            "transposed_grouped_matmul"}
     assert set(TILE_TABLES) == {(b, r) for b in ("tpu", "gpu") for r in REGIMES}
     assert all(set(table) == ops for table in TILE_TABLES.values())

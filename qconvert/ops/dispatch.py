@@ -20,6 +20,10 @@ jit) and then follows the answer:
                W4A16 kernel, which unpacks nibbles tile by tile.
   dequantize   everything else: dequantize the QArray operand(s) to their float
                dtype and run the jax.lax op; XLA fuses the dequantization.
+               An fp8 weight always takes it here: an op multiplies the
+               weight's values by the activation as it is, while the fp8
+               kernel quantizes the activation to E4M3 first (that is
+               kernels.qlinear with act="dynamic", what verify runs).
 
 `record_paths()` collects the decisions made inside it, so a caller (or a test)
 can see which path each op took.
@@ -155,6 +159,9 @@ def _decide(lhs, rhs, lhs_contracting, rhs_contracting, out_dtype, matmul_form, 
             kernel_blocker = kernel_calls.int4_weight_kernel_blocker(lhs, rhs, matmul_form)
             if kernel_blocker is None:
                 return INT4_WEIGHT_KERNEL, "float x int4 weight, plain matmul"
+        elif rhs.kind.float_codes:
+            kernel_blocker = ("the fp8 kernel quantizes the activation to E4M3 first (qlinear act='dynamic'); "
+                              "this op multiplies it as it is")
         else:
             kernel_blocker = kernel_calls.int8_weight_kernel_blocker(lhs, rhs, matmul_form)
             if kernel_blocker is None:
