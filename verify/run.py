@@ -139,8 +139,8 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
     check_backend(options.backend)
     folder = Path(folder)
     record = read_record(folder)
-    act = (record.raw.get("flags") or {}).get("act", "dynamic")
-    thresholds = thresholds_for(record.scheme, act, **dict(options.thresholds))
+    # Until config.json's quantization_config is read, the strictest (dynamic) thresholds stand.
+    thresholds = thresholds_for(record.scheme, "dynamic", **dict(options.thresholds))
     files = sorted(record.files)
     problems = check_files(folder, record)
     config = read_config(folder) if (folder / "config.json").is_file() else {}
@@ -152,6 +152,15 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
         quantized = open_quantized(folder)
     except FormatError as exc:
         return _integrity_only(folder, record.scheme, options, thresholds, files, [str(exc)], started)
+    # The activation mode, and with it the thresholds, follow from config.json's quantization_config, which
+    # qconvert.json's hashes cover; the record's own flags are not hashed, so they must agree with it.
+    act = "static" if quantized.flags.static_act else "dynamic"
+    recorded_act = (record.raw.get("flags") or {}).get("act", "dynamic")
+    if recorded_act != act:
+        return _integrity_only(folder, record.scheme, options, thresholds, files, [
+            f"qconvert.json: flags.act is {recorded_act!r}, but config.json's quantization_config describes "
+            f"{act} activations"], started)
+    thresholds = thresholds_for(record.scheme, act, **dict(options.thresholds))
 
     reference_id, resolved = resolve_reference(record, options)
     reference_ckpt = open_checkpoint(resolved.folder)
