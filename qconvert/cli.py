@@ -241,6 +241,8 @@ def _print_result(result, quiet: bool, as_json: bool) -> None:
         click.echo(json.dumps(result.summary(), indent=2))
     elif not quiet:
         print_convert_result(result, stdout_console())
+        for note in result.notes:  # with the summary on stdout: they describe the folder written
+            click.echo(f"note: {note}")
 
 
 @cli.command(name="inspect", epilog=EXIT_CODES_EPILOG)

@@ -68,6 +68,8 @@ class ConvertResult:
     # Named phases and their seconds, in order (e.g. calibrated, wrote); `seconds` is the whole run.
     phases: tuple[tuple[str, float], ...] = ()
     weight_only: WeightOnlySelection | None = None  # set when --any-architecture chose the linears
+    # Lines for the user once the folder is written (where a server will not load it), never before an error.
+    notes: tuple[str, ...] = ()
 
     @property
     def compression_ratio(self) -> float:
@@ -88,6 +90,7 @@ class ConvertResult:
             "phases": {name: round(seconds, 3) for name, seconds in self.phases},
             "files": self.files,
             "weight_only": self.weight_only.record() if self.weight_only else None,
+            "notes": list(self.notes),
             "tensors": [{"name": t.module or t.source, "kind": t.kind, "shape": list(t.shape),
                          "source_bytes": t.source_bytes, "output_bytes": t.output_bytes} for t in self.tensors],
         }
@@ -151,7 +154,7 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
         input_bytes=sum(ckpt.nbytes(name) for name in ckpt.tensor_names),
         output_bytes=sum(spec.nbytes for spec in plan.specs),
         seconds=time.perf_counter() - started, files=files, phases=tuple(phases),
-        weight_only=source.weight_only,
+        weight_only=source.weight_only, notes=(plan.server_note,) if plan.server_note else (),
     )
 
 

@@ -89,7 +89,8 @@ class ConversionPlan:
     dropped: tuple[str, ...]  # source tensors not written (a tied lm_head)
     float_dtype: str  # the dtype of the quantized linears' float weights
     flags: LayoutFlags = LayoutFlags()  # the layout flags every quantized linear is written with
-    notes: tuple[str, ...] = ()  # lines for the user about this model's choices (int4's group size, vLLM TPU)
+    notes: tuple[str, ...] = ()  # lines for the user about this model's choices (int4's group size)
+    server_note: str = ""  # one line when vLLM TPU will not load the folder: what it takes instead
 
     @property
     def specs(self) -> list[TensorSpec]:
@@ -188,10 +189,11 @@ def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: A
     ignore = sorted(set(_linear_candidates(ckpt)) - set(modules) - {"lm_head"})
     if "lm_head" not in modules:
         ignore.insert(0, "lm_head")
-    notes = (scheme.group_note(group_size, shapes), tpu_note(scheme_key(scheme.name, flags), family_of(config)))
+    notes = (scheme.group_note(group_size, shapes),)
     return ConversionPlan(tensors=tuple(tensors), ignore=tuple(ignore), dropped=tuple(sorted(dropped)),
                           float_dtype=ckpt.dtype(f"{modules[0]}.weight").name if modules else "float32",
-                          flags=flags, notes=tuple(filter(None, notes)))
+                          flags=flags, notes=tuple(filter(None, notes)),
+                          server_note=tpu_note(scheme_key(scheme.name, flags), family_of(config)))
 
 
 def is_float_array(array: np.ndarray) -> bool:
