@@ -6,13 +6,19 @@
     python bench/accuracy.py --configs int8,int4-g128,int4-g64,nf4   # the int4 table
     python bench/accuracy.py --only gguf --gguf-model /tmp/gemma3-270m \
         --configs int8,int4-g128,int4-g64,nf4                   # a real LM from a GGUF (bench/gguf_to_hf.py)
+    python bench/accuracy.py --only llm --configs fp8,int8,w8a8-default,fp8-weights-only   # the fp8 table
+    python bench/accuracy.py --only llm --configs fp8 --llm-folder /tmp/llama-bytes-FP8-Dynamic
+    python bench/accuracy.py --only gguf --gguf-model /tmp/gemma3-270m --configs fp8,int8,w8a8-default,fp8-weights-only
 
 Each configuration is converted with `qconvert quantize` (as a function, same
 flags) into bench/out/accuracy/, then evaluated as a deployment computes it,
 simulated here in float64-exact jnp: int8 / int4 / nf4 weights dequantized
 from the folder (int4: the unpacked codes times each group's scale); w8a8
 activations int8 per token (or per tensor with the folder's input_scale) times
-the folder's int8 weights. The same evaluation runs on the float model.
+the folder's int8 weights; fp8 weights dequantized from the folder (the e4m3
+codes times each row's scale) and activations rounded per token to E4M3 as
+the server does at run time (scale = max|x| / 448, round to nearest even,
+saturated). The same evaluation runs on the float model.
 
 - causal LM: perplexity on held-out text (bench/out/llama-bytes/heldout.txt,
   never seen in training), all its whole 256-token windows (a BOS and 255 bytes); calibration on a slice of the
@@ -48,6 +54,7 @@ from qconvert.formats.qarray import QArray  # noqa: E402
 from qconvert.models import build, dense_linear  # noqa: E402
 from qconvert.tokenizer import load_tokenizer  # noqa: E402
 from qconvert.options import W8A8Options  # noqa: E402
+from qconvert.schemes.fp8 import FP8_MAX  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 HI = jax.lax.Precision.HIGHEST
@@ -63,6 +70,8 @@ CONFIGS = {
     "int4-g64-scale-search": ("int4", {"group_size": 64, "scale_search": True}, None),
     "nf4": ("nf4", {}, None),
     "nf4-scale-search": ("nf4", {"scale_search": True}, None),
+    "fp8": ("fp8", {}, None),
+    "fp8-weights-only": ("fp8", {}, None),  # diagnostic: the fp8 folder's weights, activations left float
     "w8a8-no-smooth": ("w8a8", {"scale_search": False}, {"smooth": False}),
     "w8a8-family": ("w8a8", {"scale_search": False}, {"alpha": "family"}),
     "w8a8-alpha-0.5": ("w8a8", {"scale_search": False}, {"alpha": "0.5"}),
@@ -75,9 +84,26 @@ CONFIGS = {
 }
 
 
-def simulated_linear(quantized):
-    """The deployment's arithmetic per quantized linear, in float32 at the highest precision."""
-    scheme = quantized.scheme
+def fp8_activations(x):
+    """Each token rounded to E4M3 as the fp8 deployment does it at run time (FP8_DYNAMIC).
+
+    scale = max|x| / 448 per token in float32 (1 for a zero row), codes = float8_e4m3fn(x / scale), round to
+    nearest even, saturated at +-448 (the arithmetic of qconvert.schemes.fp8's folder_activations); returned
+    as codes times scale.
+    """
+    absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / jnp.float32(FP8_MAX), jnp.float32(1)).astype(jnp.float32)
+    codes = jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return codes.astype(jnp.float32) * scale
+
+
+def simulated_linear(quantized, float_activations: bool = False):
+    """The deployment's arithmetic per quantized linear, in float32 at the highest precision.
+
+    float_activations: leave the activations unquantized (to separate an fp8 folder's weight error from
+    its activation rounding; no deployment computes this).
+    """
+    scheme = None if float_activations else quantized.scheme
     static = {}
 
     def linear(name, x, weight, bias):
@@ -95,6 +121,8 @@ def simulated_linear(quantized):
             if scale is None:
                 scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0, 1e-12)
             x = jnp.clip(jnp.round(x / scale), -127, 127) * scale
+        elif scheme == "fp8":
+            x = fp8_activations(x)
         y = jnp.matmul(x, w.T, precision=HI)
         return y if bias is None else y + jnp.asarray(bias, jnp.float32)
 
@@ -146,7 +174,7 @@ def run_convert(src: Path, out: Path, name: str, calib: str, samples: int, seqle
     return time.perf_counter() - started
 
 
-def llm(configs: list[str]) -> None:
+def llm(configs: list[str], folders: list[Path] = ()) -> None:
     src = OUT / "llama-bytes"
     if not (src / "model.safetensors").is_file():
         sys.exit(f"{src} is missing: run python bench/train_llama.py --out {src} first")
@@ -162,11 +190,16 @@ def llm(configs: list[str]) -> None:
         out = OUT / "accuracy" / f"llm-{name}"
         seconds = run_convert(src, out, name, str(src / "train_sample.txt"), 64, 256)
         q, params = folder_params(out)
-        ppl, _, kl = evaluate(model, params, windows, simulated_linear(q), reference)
+        ppl, _, kl = evaluate(model, params, windows, simulated_linear(q, name.endswith("weights-only")), reference)
         print(json.dumps({"model": "llm", "config": name, "perplexity": round(ppl, 4),
                           "change_pct": round(100 * (ppl / base - 1), 3), "mean_kl": float(f"{kl:.4g}"),
                           "convert_s": round(seconds, 2),
                           **{k: float(f"{v:.4g}") for k, v in search_errors(out).items()}}), flush=True)
+    for folder in folders:  # quantized elsewhere (e.g. llm-compressor's FP8_DYNAMIC), evaluated the same way
+        q, params = folder_params(folder)
+        ppl, _, kl = evaluate(model, params, windows, simulated_linear(q), reference)
+        print(json.dumps({"model": "llm", "folder": str(folder), "scheme": q.scheme, "perplexity": round(ppl, 4),
+                          "change_pct": round(100 * (ppl / base - 1), 3), "mean_kl": float(f"{kl:.4g}")}), flush=True)
 
 
 def held_out_text() -> str:
@@ -181,7 +214,8 @@ def gguf_llm(configs: list[str], src: Path, count: int) -> None:
     """A real causal LM rebuilt from a GGUF (bench/gguf_to_hf.py): perplexity and KL on `count` held-out windows.
 
     Its weights keep the GGUF's block quantization, so only the differences between configurations mean
-    anything. Each converted folder is removed once evaluated (the float embedding makes them large).
+    anything. w8a8 calibrates on the built-in corpus (64 x 256 tokens). Each converted folder is removed once
+    evaluated (the float embedding makes them large).
     """
     from tokenizers import Tokenizer
 
@@ -194,12 +228,11 @@ def gguf_llm(configs: list[str], src: Path, count: int) -> None:
     base, reference, _ = evaluate(model, {k: np.asarray(v) for k, v in open_params(src).items()}, windows, batch=2)
     print(f"causal LM {src.name}: float perplexity {base:.4f} on {windows.size} held-out tokens", flush=True)
     for name in configs:
-        if CONFIGS[name][0] == "w8a8":
-            continue  # weight-only schemes here: the w8a8 evaluation needs calibration text of its own
         out = OUT / "accuracy" / f"gguf-{name}"
         seconds = run_convert(src, out, name, "builtin", 64, 256)
         q, params = folder_params(out)
-        ppl, _, kl = evaluate(model, params, windows, simulated_linear(q), reference, batch=2)
+        ppl, _, kl = evaluate(model, params, windows, simulated_linear(q, name.endswith("weights-only")), reference,
+                              batch=2)
         q.close()
         print(json.dumps({"model": src.name, "config": name, "perplexity": round(ppl, 4),
                           "change_pct": round(100 * (ppl / base - 1), 3), "mean_kl": float(f"{kl:.4g}"),
@@ -228,7 +261,8 @@ def minilm(configs: list[str]) -> None:
         out = OUT / "accuracy" / f"minilm-{name}"
         seconds = run_convert(src, out, name, "builtin", 128, 128)
         q, params = folder_params(out)
-        got = np.asarray(model.sentence_embeddings(params, ids, mask, linear=simulated_linear(q)), np.float64)
+        linear = simulated_linear(q, name.endswith("weights-only"))
+        got = np.asarray(model.sentence_embeddings(params, ids, mask, linear=linear), np.float64)
         cos = np.sum(got * reference, -1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(reference, axis=-1))
         print(json.dumps({"model": "minilm", "config": name, "cosine_mean": round(float(cos.mean()), 6),
                           "cosine_min": round(float(cos.min()), 6), "convert_s": round(seconds, 2),
@@ -241,6 +275,8 @@ def main() -> None:
     parser.add_argument("--gguf-model", type=Path, default=None,
                         help="a float folder made by bench/gguf_to_hf.py (evaluated with --only gguf)")
     parser.add_argument("--gguf-windows", type=int, default=16, help="held-out 256-token windows for --gguf-model")
+    parser.add_argument("--llm-folder", type=Path, action="append", default=[],
+                        help="also evaluate this quantized folder of the byte Llama (made by another tool)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     args = parser.parse_args()
     configs = [c for c in args.configs.split(",") if c]
@@ -249,7 +285,7 @@ def main() -> None:
         sys.exit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
     if args.only in (None, "llm"):
-        llm(configs)
+        llm(configs, args.llm_folder)
     if args.only in (None, "minilm"):
         minilm(configs)
     if args.only == "gguf":
