@@ -24,8 +24,8 @@ TINY = {
 
 def make_hf_checkpoint(folder, family: str, *, hidden: int = 64, layers: int = 2, heads: int = 4,
                        kv_heads: int = 2, intermediate: int = 96, vocab: int = 128, seed: int = 0,
-                       peaked: bool = False, **overrides) -> Path:
-    """Build a tiny random `family` model with transformers and save it (float32 safetensors).
+                       peaked: bool = False, dtype: str = "float32", **overrides) -> Path:
+    """Build a tiny random `family` model with transformers and save it (safetensors in `dtype`, float32 by default).
 
     The weights are redrawn from a seeded numpy generator at scales that keep
     every layer busy: norms 1 +- 0.1, embeddings 0.5, projections 1/sqrt(in),
@@ -60,7 +60,7 @@ def make_hf_checkpoint(folder, family: str, *, hidden: int = 64, layers: int = 2
             head = model.lm_head.weight
             head.copy_(model.model.embed_tokens.weight * 0.5 + head)
     folder = Path(folder)
-    model.save_pretrained(str(folder))
+    model.to(getattr(torch, dtype)).save_pretrained(str(folder))
     return folder
 
 

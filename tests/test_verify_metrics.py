@@ -110,7 +110,7 @@ def test_thresholds_defaults_and_overrides():
     assert t.min_layer_sqnr_db == 12.5
     assert t.max_mean_kl == DEFAULT_THRESHOLDS["nf4"].max_mean_kl
     with pytest.raises(UsageError, match="scheme"):
-        thresholds_for("fp8")
+        thresholds_for("fp6")
     # Stricter schemes have higher floors.
     s = {k: v.min_layer_sqnr_db for k, v in DEFAULT_THRESHOLDS.items()}
     assert s["int8"] > s["w8a8"] > s["nf4"]
