@@ -36,13 +36,17 @@ def _specs(tiling: Tiling, kp_x: int, kp_w: int):
             pl.BlockSpec((tm, tn), lambda i, j: (i, j)))
 
 
-def _int8_kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, *, tk, has_bias):
+def _w8a8_kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, *, tk, has_bias):
+    # int8 x int8 accumulates exactly in int32. E4M3 x E4M3 operands go straight into Triton's dot: the native
+    # fp8 MMA (Hopper, Ada), which accumulates in float32 at full precision (no imprecise-accumulation limit).
+    acc_dtype = jnp.int32 if jnp.issubdtype(x_ref.dtype, jnp.integer) else jnp.float32
+
     def step(k, acc):
         cols = pl.ds(pl.multiple_of(k * tk, tk), tk)
         return acc + jax.lax.dot_general(x_ref[:, cols], w_ref[:, cols], NT_DIMS,
-                                         preferred_element_type=jnp.int32)
+                                         preferred_element_type=acc_dtype)
 
-    acc = jax.lax.fori_loop(0, x_ref.shape[1] // tk, step, jnp.zeros(o_ref.shape, jnp.int32))
+    acc = jax.lax.fori_loop(0, x_ref.shape[1] // tk, step, jnp.zeros(o_ref.shape, acc_dtype))
     y = acc.astype(jnp.float32) * xs_ref[...]
     y = y * ws_ref[...]
     if has_bias:
@@ -50,15 +54,12 @@ def _int8_kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, *, tk, has_bias):
     o_ref[...] = y.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
-def int8_matmul_gpu(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
-                    interpret: bool = False):
-    """Padded operands as for the TPU kernel: x_q [Mp, Kp], w_q [Np, Kp], x_scale [Mp, 1], w_scale/bias [1, Np]."""
+def _w8a8_call(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool, interpret: bool):
     mp, kp = x_q.shape
     np_ = w_q.shape[0]
     x_spec, w_spec, row_vec, col_vec, out_spec = _specs(tiling, kp, kp)
     return pl.pallas_call(
-        functools.partial(_int8_kernel, tk=tiling.tk, has_bias=has_bias),
+        functools.partial(_w8a8_kernel, tk=tiling.tk, has_bias=has_bias),
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         grid=(mp // tiling.tm, np_ // tiling.tn),
         in_specs=[x_spec, w_spec, row_vec, col_vec, col_vec],
@@ -68,38 +69,20 @@ def int8_matmul_gpu(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dty
     )(x_q, w_q, x_scale, w_scale, bias)
 
 
-def _fp8_kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, *, tk, has_bias):
-    def step(k, acc):
-        cols = pl.ds(pl.multiple_of(k * tk, tk), tk)
-        # E4M3 x E4M3 operands straight into Triton's dot: the native fp8 MMA (Hopper, Ada), which
-        # accumulates in float32 at full precision (no imprecise-accumulation limit is set).
-        return acc + jax.lax.dot_general(x_ref[:, cols], w_ref[:, cols], NT_DIMS,
-                                         preferred_element_type=jnp.float32)
-
-    acc = jax.lax.fori_loop(0, x_ref.shape[1] // tk, step, jnp.zeros(o_ref.shape, jnp.float32))
-    y = acc * xs_ref[...]
-    y = y * ws_ref[...]
-    if has_bias:
-        y = y + b_ref[...]
-    o_ref[...] = y.astype(o_ref.dtype)
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
+def int8_matmul_gpu(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
+                    interpret: bool = False):
+    """Padded operands as for the TPU kernel: x_q [Mp, Kp], w_q [Np, Kp], x_scale [Mp, 1], w_scale/bias [1, Np]."""
+    return _w8a8_call(x_q, w_q, x_scale, w_scale, bias, tiling=tiling, out_dtype=out_dtype, has_bias=has_bias,
+                      interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
 def fp8_matmul_gpu(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
                    interpret: bool = False):
     """Padded operands: x_q [Mp, Kp] and w_q [Np, Kp] float8_e4m3fn, x_scale [Mp, 1], w_scale/bias [1, Np] f32."""
-    mp, kp = x_q.shape
-    np_ = w_q.shape[0]
-    x_spec, w_spec, row_vec, col_vec, out_spec = _specs(tiling, kp, kp)
-    return pl.pallas_call(
-        functools.partial(_fp8_kernel, tk=tiling.tk, has_bias=has_bias),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid=(mp // tiling.tm, np_ // tiling.tn),
-        in_specs=[x_spec, w_spec, row_vec, col_vec, col_vec],
-        out_specs=out_spec,
-        compiler_params=_compiler_params(tiling),
-        interpret=interpret,
-    )(x_q, w_q, x_scale, w_scale, bias)
+    return _w8a8_call(x_q, w_q, x_scale, w_scale, bias, tiling=tiling, out_dtype=out_dtype, has_bias=has_bias,
+                      interpret=interpret)
 
 
 def _w8a16_kernel(x_ref, w_ref, ws_ref, b_ref, o_ref, *, tk, has_bias):

@@ -40,12 +40,17 @@ def _grid_specs(tiling: Tiling, mp: int, np_: int, kp: int):
     return grid, out_spec, row_vec, col_vec
 
 
-def _int8_kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, acc_ref, *, has_bias):
+def _w8a8_kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, acc_ref, *, has_bias):
     @pl.when(pl.program_id(2) == 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    acc_ref[...] += jax.lax.dot_general(x_ref[...], w_ref[...], NT_DIMS, preferred_element_type=jnp.int32)
+    x, w = x_ref[...], w_ref[...]
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        # The MXU (before v7) has no fp8 inputs; bf16 holds every E4M3 value exactly (its 8 exponent bits cover
+        # E4M3's range, its 8 significant bits E4M3's 4), and bf16 x bf16 products are exact in the f32 accumulator.
+        x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    acc_ref[...] += jax.lax.dot_general(x, w, NT_DIMS, preferred_element_type=acc_ref.dtype)
 
     @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
     def _rescale():
@@ -56,15 +61,14 @@ def _int8_kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, acc_ref, *, has_bia
         o_ref[...] = y.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
-def int8_matmul_tpu(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
-                    interpret: bool):
-    """Padded operands: x_q [Mp, Kp] i8, w_q [Np, Kp] i8, x_scale [Mp, 1], w_scale/bias [1, Np] f32."""
+def _w8a8_call(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool, interpret: bool):
+    # int8 operands accumulate exactly in an int32 scratch, E4M3 ones (widened to bf16) in a float32 one.
+    acc_dtype = jnp.int32 if jnp.issubdtype(x_q.dtype, jnp.integer) else jnp.float32
     mp, kp = x_q.shape
     np_ = w_q.shape[0]
     grid, out_spec, row_vec, col_vec = _grid_specs(tiling, mp, np_, kp)
     return pl.pallas_call(
-        functools.partial(_int8_kernel, has_bias=has_bias),
+        functools.partial(_w8a8_kernel, has_bias=has_bias),
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=0, grid=grid,
@@ -72,51 +76,26 @@ def int8_matmul_tpu(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dty
                       pl.BlockSpec((tiling.tn, tiling.tk), lambda i, j, k: (j, k)),
                       row_vec, col_vec, col_vec],
             out_specs=out_spec,
-            scratch_shapes=[pltpu.VMEM((tiling.tm, tiling.tn), jnp.int32)]),
+            scratch_shapes=[pltpu.VMEM((tiling.tm, tiling.tn), acc_dtype)]),
         compiler_params=_compiler_params(),
         interpret=_interpret(interpret),
     )(x_q, w_q, x_scale, w_scale, bias)
 
 
-def _fp8_kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, acc_ref, *, has_bias):
-    @pl.when(pl.program_id(2) == 0)
-    def _init():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    # The MXU (before v7) has no fp8 inputs; bf16 holds every E4M3 value exactly (its 8 exponent bits cover
-    # E4M3's range, its 8 significant bits E4M3's 4), and bf16 x bf16 products are exact in the f32 accumulator.
-    acc_ref[...] += jax.lax.dot_general(x_ref[...].astype(jnp.bfloat16), w_ref[...].astype(jnp.bfloat16), NT_DIMS,
-                                        preferred_element_type=jnp.float32)
-
-    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
-    def _rescale():
-        y = acc_ref[...] * xs_ref[...]
-        y = y * ws_ref[...]
-        if has_bias:
-            y = y + b_ref[...]
-        o_ref[...] = y.astype(o_ref.dtype)
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
+def int8_matmul_tpu(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
+                    interpret: bool):
+    """Padded operands: x_q [Mp, Kp] i8, w_q [Np, Kp] i8, x_scale [Mp, 1], w_scale/bias [1, Np] f32."""
+    return _w8a8_call(x_q, w_q, x_scale, w_scale, bias, tiling=tiling, out_dtype=out_dtype, has_bias=has_bias,
+                      interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
 def fp8_matmul_tpu(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
                    interpret: bool):
     """Padded operands: x_q [Mp, Kp] and w_q [Np, Kp] float8_e4m3fn, x_scale [Mp, 1], w_scale/bias [1, Np] f32."""
-    mp, kp = x_q.shape
-    np_ = w_q.shape[0]
-    grid, out_spec, row_vec, col_vec = _grid_specs(tiling, mp, np_, kp)
-    return pl.pallas_call(
-        functools.partial(_fp8_kernel, has_bias=has_bias),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=0, grid=grid,
-            in_specs=[pl.BlockSpec((tiling.tm, tiling.tk), lambda i, j, k: (i, k)),
-                      pl.BlockSpec((tiling.tn, tiling.tk), lambda i, j, k: (j, k)),
-                      row_vec, col_vec, col_vec],
-            out_specs=out_spec,
-            scratch_shapes=[pltpu.VMEM((tiling.tm, tiling.tn), jnp.float32)]),
-        compiler_params=_compiler_params(),
-        interpret=_interpret(interpret),
-    )(x_q, w_q, x_scale, w_scale, bias)
+    return _w8a8_call(x_q, w_q, x_scale, w_scale, bias, tiling=tiling, out_dtype=out_dtype, has_bias=has_bias,
+                      interpret=interpret)
 
 
 def _w8a16_kernel(x_ref, w_ref, ws_ref, b_ref, o_ref, acc_ref, *, has_bias):
