@@ -86,3 +86,33 @@ def token_batch(vocab: int, batch: int = 2, seq: int = 10, seed: int = 1):
     mask = np.ones((batch, seq), np.int32)
     mask[-1, -3:] = 0
     return ids, mask
+
+
+def family_source(root: Path, family: str) -> Path:
+    """A one-layer `family` model at hidden 128 for the scheme-by-family tests (peaked next-token outputs).
+
+    intermediate 256, except Qwen3-MoE: it has no dense MLP, so its intermediate_size may not exceed what
+    its tensors hold.
+    """
+    return make_hf_checkpoint(Path(root) / "src", family, hidden=128, layers=1, peaked=True,
+                              intermediate=128 if family == "qwen3_moe" else 256)
+
+
+def dequantized_float_folder(source, out, folder) -> Path:
+    """The float model with each quantized linear replaced by qconvert's own dequantization of folder `out`."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from qconvert.formats.layouts import open_quantized
+
+    weights = load_file(str(Path(source) / "model.safetensors"))
+    quantized = open_quantized(out)
+    for module in quantized.quantized_modules:
+        weights[f"{module}.weight"] = np.asarray(quantized.qarray(module).dequantize(np.float32))
+    quantized.close()
+    folder = Path(folder)
+    folder.mkdir()
+    shutil.copy(Path(source) / "config.json", folder / "config.json")
+    save_file(weights, str(folder / "model.safetensors"))
+    return folder

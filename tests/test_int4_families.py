@@ -6,15 +6,12 @@ float model's."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 
 from cli_helpers import run as run_cli
-from hf_checkpoints import load_config, make_hf_checkpoint, reference_logits, token_batch
-from qconvert.formats.layouts import open_quantized
+from hf_checkpoints import dequantized_float_folder, family_source, load_config, reference_logits, token_batch
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -26,30 +23,12 @@ FAMILIES = ("llama", "qwen3", "phi3", "gemma3", "mixtral", "qwen3_moe")
 @pytest.fixture(scope="module", params=FAMILIES)
 def converted(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
-    # hidden 128 and intermediate 256 take the default group of 128 (Qwen3's 96-wide o_proj input: 32;
-    # Qwen3-MoE, with no dense MLP and experts 24 wide: one scale per channel).
-    intermediate = 128 if request.param == "qwen3_moe" else 256
-    source = make_hf_checkpoint(root / "src", request.param, hidden=128, intermediate=intermediate, layers=1,
-                                peaked=True)
-    return source, root / "int4"
+    return family_source(root, request.param), root / "int4"
 
 
 def convert(source, out, capsys):
     code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", "int4", "-q"], capsys)
     assert code == 0, err
-
-
-def dequantized_float_folder(source, out, folder):
-    """The float model with each quantized linear replaced by qconvert's own dequantization of the folder."""
-    weights = load_file(str(source / "model.safetensors"))
-    quantized = open_quantized(out)
-    for module in quantized.quantized_modules:
-        weights[f"{module}.weight"] = np.asarray(quantized.qarray(module).dequantize(np.float32))
-    quantized.close()
-    folder.mkdir()
-    shutil.copy(source / "config.json", folder / "config.json")
-    save_file(weights, str(folder / "model.safetensors"))
-    return folder
 
 
 def test_converts_and_passes_verify_through_the_pallas_kernels(converted, capsys):
