@@ -1,7 +1,9 @@
-"""vLLM 0.33's own loading code judges int8, int4 and w8a8 folders of a dense and a MoE family.
+"""vLLM 0.33's and vLLM TPU 0.32's own loading code judge int8, int4, w8a8 and fp8 folders of a dense and a
+MoE family, and the servers table (qconvert/schemes/servers.py, what `qconvert inspect` prints) says what they say.
 
-It runs only where its virtual environment was built (bash ../shared/vllm/setup_venv.sh .vllm-venv,
-about 4 minutes, 2.4 GB); CI does not build it. bench/vllm_check.py runs the same check over any models.
+They run only where their virtual environments were built (bash ../shared/vllm/setup_venv.sh .vllm-venv, about
+4 minutes, 2.4 GB; bash ../shared/vllm-tpu/setup_venv.sh .vllm-tpu-venv, about 5 minutes, 9 GB); CI does not
+build them. bench/vllm_check.py runs the same checks over any models.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ CHECK = ROOT.parent / "shared" / "vllm" / "vllm_accept.py"
 
 pytestmark = pytest.mark.skipif(not (VENV_PYTHON.exists() and CHECK.exists()),
                                 reason="vLLM's check needs .vllm-venv (../shared/vllm/setup_venv.sh)")
-SCHEMES = {"int8": [], "int4": [], "w8a8": ["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "16"]}
+TPU_PYTHON = ROOT / ".vllm-tpu-venv" / "bin" / "python"
+TPU_CHECK = ROOT.parent / "shared" / "vllm-tpu" / "tpu_accept.py"
+SCHEMES = {"int8": [], "int4": [], "fp8": [],
+           "w8a8": ["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "16"]}
 
 
 @pytest.mark.slow
@@ -38,5 +43,32 @@ def test_vllm_loads_the_folder_and_reads_it_as_compressed_tensors_does(family, s
     assert code == 0, err
     done = subprocess.run([str(VENV_PYTHON), CHECK.name, str(out), "--ref", str(source)], cwd=CHECK.parent,
                           capture_output=True, text=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
-    verdict = [line for line in done.stdout.splitlines() if line.startswith("VERDICT")]
-    assert verdict and verdict[-1].split()[1] == "OK", done.stdout[-3000:]
+    assert verdict_of(done.stdout) == "OK", done.stdout[-3000:]
+
+
+def verdict_of(report: str) -> str:
+    """OK, REFUSE or WRONG: the check's last VERDICT line."""
+    verdicts = [line.split()[1] for line in report.splitlines() if line.startswith("VERDICT")]
+    return verdicts[-1] if verdicts else "no verdict"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (TPU_PYTHON.exists() and TPU_CHECK.exists()),
+                    reason="vLLM TPU's check needs .vllm-tpu-venv (../shared/vllm-tpu/setup_venv.sh)")
+@pytest.mark.parametrize("family, scheme", [("llama", "fp8"), ("qwen3_moe", "fp8"), ("llama", "int8"),
+                                            ("llama", "w8a8"), ("qwen3_moe", "int4")])
+def test_vllm_tpu_says_what_the_servers_table_records(family, scheme, tmp_path, capsys):
+    from qconvert.schemes.servers import NO, YES, servers
+
+    source = make_hf_checkpoint(tmp_path / "src", family, hidden=128, intermediate=128 if "moe" in family else 256,
+                                layers=1, dtype="bfloat16")
+    out = tmp_path / scheme
+    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", scheme, "-q", *SCHEMES[scheme]],
+                           capsys)
+    assert code == 0, err
+    recorded = servers(scheme, family)
+    for impl, server in (("auto", "vLLM TPU"), ("vllm", "vLLM TPU MODEL_IMPL_TYPE=vllm")):
+        done = subprocess.run([str(TPU_PYTHON), TPU_CHECK.name, str(out), "--impl", impl], cwd=TPU_CHECK.parent,
+                              capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert recorded[server] in (YES, NO)
+        assert verdict_of(done.stdout) == ("OK" if recorded[server] == YES else "REFUSE"), done.stdout[-3000:]

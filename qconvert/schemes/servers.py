@@ -39,7 +39,8 @@ TABLE: dict[tuple[str, str], str] = {
     ("int4", "llama"): "YNNY",  # tpu-inference 0.32 has no WNA16 scheme on its torchax path
     ("int4", "qwen3"): "YNNY",  # group 128: refused on TPUs with a 128-wide MXU (v5e and earlier)
     ("int4-g64", "qwen3"): "YYNY",
-    ("int4", "gemma3"): "?NNY",
+    ("int4", "gemma3"): "YNNY",
+    ("int4", "phi3"): "Y??Y",
     ("int4", "mixtral"): "YNNY",
     ("int4", "qwen3_moe"): "YNNY",
     ("nf4", "llama"): "N??Y",  # vLLM 0.33 removed bitsandbytes
