@@ -75,7 +75,10 @@ def test_layers_of_one_signature_share_one_program(tmp_path):
         hidden = model.embed(params, jnp.asarray(ids))
         for i in range(model.num_layers):
             hidden = model.model.layer(i, params, hidden)
-    np.testing.assert_allclose(np.asarray(shared[-1].hidden), np.asarray(hidden), rtol=1e-5, atol=1e-5)
+    # Compiled against eager float32 over five layers: summation order differs (XLA's CPU dot fusions), so the
+    # absolute tolerance follows the activations' scale; a wrong window or program is off by O(1).
+    scale = float(np.abs(np.asarray(hidden)).max())
+    np.testing.assert_allclose(np.asarray(shared[-1].hidden), np.asarray(hidden), rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_a_family_without_signatures_compiles_each_layer(tmp_path):
