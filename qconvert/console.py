@@ -86,10 +86,11 @@ def stdout_console() -> Console:
 def print_inspect_report(report: InspectReport, console: Console) -> None:
     """The per-tensor table, totals, and the file hash check."""
     table = Table(title=f"{report.folder} ({report.scheme})")
-    for column in ("tensor", "kind", "shape", "dtype", "bytes"):
+    for column in ("tensor", "kind", "shape", "stored as", "float dtype", "bytes"):
         table.add_column(column, justify="right" if column == "bytes" else "left")
     for t in report.tensors:
-        table.add_row(t.name, t.kind, "x".join(map(str, t.shape)), t.dtype, human_bytes(t.stored_bytes))
+        table.add_row(t.name, t.kind, "x".join(map(str, t.shape)), t.dtype, t.float_dtype,
+                      human_bytes(t.stored_bytes))
     console.print(table)
     quantized = sum(t.kind != UNCHANGED for t in report.tensors)
     console.print(f"{quantized} quantized linears, {len(report.tensors) - quantized} tensors unchanged; "
