@@ -174,9 +174,9 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
                              group_size=group_size, scale_search=scale_search, overwrite=overwrite, dry_run=dry_run,
                              act=w8a8_flags["act"], any_architecture=any_architecture, workers=workers,
                              w8a8=_w8a8_options_from(scheme, w8a8_flags))
-    message = None if quiet or as_json else (lambda text: click.echo(f"qconvert: {text}", err=True))
-    result = _run_with_progress(lambda progress: convert(model, out, options, progress=progress, message=message),
-                                show=not (quiet or as_json or dry_run))
+    result = _run_with_progress(
+        lambda stages, progress: convert(model, out, options, progress=progress, message=stages),
+        silent=quiet or as_json, write_bar=not dry_run)
     # The whole command, imports and model resolution included, not only the conversion.
     result = dataclasses.replace(result, seconds=time.perf_counter() - started)
     _print_result(result, quiet, as_json)
@@ -207,10 +207,11 @@ def _w8a8_options_from(scheme: str, flags: dict):
 @_calibration_options
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT if it is a statistics file qconvert wrote; anything else is never replaced.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress and no summary.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @_verbose_option
 def calibrate(model: str, out: Path, revision: str | None, calib: str | None, calib_samples: int | None,
-              calib_seqlen: int | None, overwrite: bool, as_json: bool, verbose: bool) -> int:
+              calib_seqlen: int | None, overwrite: bool, quiet: bool, as_json: bool, verbose: bool) -> int:
     """Run calibration text through MODEL and save every linear input's max|x| to OUT.
 
     `qconvert quantize MODEL --scheme w8a8 --act-stats OUT` reuses the file.
@@ -222,31 +223,40 @@ def calibrate(model: str, out: Path, revision: str | None, calib: str | None, ca
     from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
     from qconvert.calibrate import calibrate_model
 
-    summary = calibrate_model(model, out, calib=calib, samples=calib_samples or DEFAULT_SAMPLES,
-                              seqlen=calib_seqlen or DEFAULT_SEQLEN, revision=revision, overwrite=overwrite,
-                              message=None if as_json else (lambda t: click.echo(f"qconvert: {t}", err=True)))
+    summary = _run_with_progress(
+        lambda stages, _: calibrate_model(model, out, calib=calib, samples=calib_samples or DEFAULT_SAMPLES,
+                                          seqlen=calib_seqlen or DEFAULT_SEQLEN, revision=revision,
+                                          overwrite=overwrite, message=stages),
+        silent=quiet or as_json)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
-    else:
+    elif not quiet:
         click.echo(f"wrote {out}: {summary['linears']} linears, {summary['calibration']['tokens']} tokens "
                    f"({summary['calibration']['description']})")
     return 0
 
 
-def _run_with_progress(run, show: bool):
-    """Run `run(progress)` with a rich bar on a terminal (stderr), none otherwise."""
+def _run_with_progress(run, silent: bool, write_bar: bool = False):
+    """Run `run(stages, write_progress)`: on a terminal, rich bars on stderr (a bar per stage, and the write
+    bar); in a pipe or log, plain lines on stderr and no bar; nothing at all when `silent`."""
     from rich.console import Console
 
-    from qconvert.console import RichProgress
+    from qconvert.console import RichProgress, RichStages
+    from qconvert.progress import SILENT, Lines
 
     console = Console(stderr=True)
-    if not (show and console.is_terminal):
-        return run(None)
-    progress = RichProgress(console)
+    if silent:
+        return run(SILENT, None)
+    if not console.is_terminal:
+        return run(Lines(lambda text: click.echo(f"qconvert: {text}", err=True)), None)
+    stages = RichStages(console)
+    progress = RichProgress(console, stages) if write_bar else None
     try:
-        return run(progress)
+        return run(stages, progress)
     finally:
-        progress.stop()
+        stages.stop()
+        if progress is not None:
+            progress.stop()
 
 
 def _print_result(result, quiet: bool, as_json: bool) -> None:
@@ -299,8 +309,12 @@ def inspect_command(out: Path, as_json: bool) -> int:
 @click.option("--backend", type=click.Choice(["auto", "tpu", "gpu", "cpu", "xla"]), default="auto", show_default=True,
               help="Kernel backend; auto: tpu or gpu kernels, xla on a CPU host; cpu runs the TPU kernels in "
                    "interpret mode.")
-@click.option("--json", "json_path", default=None, metavar="FILE",
-              help="Write the full record as JSON to FILE ('-' for stdout; the table then goes to stderr).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the full record as JSON on stdout (also when a check fails or the input is bad); the "
+                   "table then goes to stderr.")
+@click.option("--json-file", "json_file", type=click.Path(path_type=Path), default=None, metavar="FILE",
+              help="Also write the full record as JSON to FILE.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress and no table: the verdict line only.")
 @click.option("--strict", is_flag=True, help="Also fail when a layer fell back from the Pallas kernel to the reference.")
 @click.option("--min-sqnr", type=float, default=None, metavar="DB", help="Per-layer SQNR floor (dB).")
 @click.option("--min-cosine", type=float, default=None, help="Per-layer cosine similarity floor.")
@@ -312,8 +326,8 @@ def inspect_command(out: Path, as_json: bool) -> int:
 @click.option("--min-pooled-cosine", type=float, default=None, help="Encoders: pooled-output cosine floor.")
 @_verbose_option
 def verify_command(out: Path, reference: str | None, revision: str | None, calib: str, samples: int | None,
-                   seqlen: int | None, quick: bool, backend: str, json_path: str | None, strict: bool,
-                   min_sqnr: float | None, min_cosine: float | None, min_fidelity_sqnr: float | None,
+                   seqlen: int | None, quick: bool, backend: str, as_json: bool, json_file: Path | None, quiet: bool,
+                   strict: bool, min_sqnr: float | None, min_cosine: float | None, min_fidelity_sqnr: float | None,
                    max_kl: float | None,
                    min_top1: float | None, max_ppl_ratio: float | None,
                    min_pooled_cosine: float | None, verbose: bool) -> int:
@@ -325,14 +339,10 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
     fails (integrity, fidelity or quality), 2 on usage or input errors.
     """
     _hub_messages(verbose)
-    if json_path not in (None, "-"):
-        _check_json_target(Path(json_path))  # before the check runs, not after
+    if json_file is not None:
+        _check_json_target(json_file)  # before the check runs, not after
     _check_jax_platforms()
-    from rich.console import Console
-
-    from qconvert.formats.errors import FormatError
-    from qconvert.verify.report import render, to_json
-    from qconvert.verify.run import VerifyOptions, verify_folder
+    from qconvert.verify.run import VerifyOptions
 
     thresholds = {"min_layer_sqnr_db": min_sqnr, "min_layer_cosine": min_cosine,
                   "min_fidelity_sqnr_db": min_fidelity_sqnr, "max_mean_kl": max_kl,
@@ -340,21 +350,48 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
                   "min_pooled_cosine": min_pooled_cosine}
     options = VerifyOptions(reference=reference, revision=revision, calib=calib, samples=samples, seqlen=seqlen,
                             quick=quick, backend=backend, strict=strict, thresholds=thresholds)
+    report = _run_verify(out, options, as_json, json_file, quiet)
+    _show_verify_report(report, as_json, json_file, quiet)
+    return 0 if report.passed else 1
+
+
+def _run_verify(out: Path, options, as_json: bool, json_file: Path | None, quiet: bool):
+    """verify_folder with progress on stderr; on bad input the JSON record of the error, then one line, exit 2."""
+    from qconvert.formats.errors import FormatError
+    from qconvert.verify.report import error_json
+    from qconvert.verify.run import verify_folder
+
     try:
-        report = verify_folder(out, options)
+        return _run_with_progress(lambda stages, _: verify_folder(out, options, progress=stages),
+                                  silent=quiet or as_json)
     except (QConvertError, FormatError) as err:
         # Bad input, not a failed check: exit 2 whatever the error's own code.
+        if as_json or json_file is not None:
+            _emit_json(error_json(out, str(err), 2), as_json, json_file)
         fail(str(err), 2)
-    to_stderr = json_path == "-"
-    # CI logs are not terminals: give the table room so layer names are not cut.
-    tty = (sys.stderr if to_stderr else sys.stdout).isatty()
-    console = Console(stderr=to_stderr, width=None if tty else 200)
-    render(report, console)
-    if json_path == "-":
-        click.echo(to_json(report))
-    elif json_path:
-        Path(json_path).write_text(to_json(report) + "\n", encoding="utf-8")
-    return 0 if report.passed else 1
+
+
+def _show_verify_report(report, as_json: bool, json_file: Path | None, quiet: bool) -> None:
+    """The table and verdict (stderr under --json), then the JSON on stdout and/or in the file."""
+    from rich.console import Console
+
+    from qconvert.verify.report import render, render_verdict, to_json
+
+    stream = sys.stderr if as_json else sys.stdout
+    # Not a terminal (a pipe, a CI log): no width limit, so names are whole and the verdict stays one line.
+    console = Console(stderr=as_json, width=None if stream.isatty() else 100_000)
+    if quiet:
+        render_verdict(report, console)
+    else:
+        render(report, console)
+    _emit_json(to_json(report), as_json, json_file)
+
+
+def _emit_json(text: str, as_json: bool, json_file: Path | None) -> None:
+    if as_json:
+        click.echo(text)
+    if json_file is not None:
+        json_file.write_text(text + "\n", encoding="utf-8")
 
 
 @cli.command(name="example-model", epilog=EXIT_CODES_EPILOG)
@@ -377,9 +414,10 @@ def example_model() -> int:
 
 def _check_json_target(path: Path) -> None:
     if not path.parent.is_dir():
-        raise UsageError(f"--json {path}: the folder {path.parent} does not exist; create it or choose another path")
+        raise UsageError(f"--json-file {path}: the folder {path.parent} does not exist; create it or choose "
+                         "another path")
     if path.is_dir():
-        raise UsageError(f"--json {path} is a folder; give a file name")
+        raise UsageError(f"--json-file {path} is a folder; give a file name")
 
 
 def _check_jax_platforms() -> None:
@@ -434,8 +472,14 @@ def _command_name(argv: list[str] | None) -> str | None:
     return next((a for a in args if a in cli.commands), None)
 
 
+def legacy_json_dash(args: list[str]) -> list[str]:
+    """`verify --json -`, the earlier spelling of a plain `--json`, still works: the `-` is dropped."""
+    return [a for i, a in enumerate(args) if not (a == "-" and i > 0 and args[i - 1] == "--json")]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: every known failure becomes one line and an exit code."""
+    argv = legacy_json_dash(sys.argv[1:] if argv is None else list(argv))
     command = _command_name(argv)
     try:
         with stage(command or "qconvert"):

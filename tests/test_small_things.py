@@ -101,10 +101,11 @@ def test_verify_checks_the_json_path_before_running(converted, tmp_path, capsys,
     import qconvert.verify.run
 
     def never(*args, **kwargs):
-        raise AssertionError("the check ran before the --json path was checked")
+        raise AssertionError("the check ran before the --json-file path was checked")
 
     monkeypatch.setattr(qconvert.verify.run, "verify_folder", never)
-    exit_code, _, stderr = run(["verify", str(converted), "--json", str(tmp_path / "missing" / "v.json")], capsys)
+    exit_code, _, stderr = run(["verify", str(converted), "--json-file", str(tmp_path / "missing" / "v.json")],
+                               capsys)
     assert exit_code == 2 and "does not exist" in stderr and len(stderr.strip().splitlines()) == 1
 
 

@@ -1,4 +1,4 @@
-"""verify's outputs: a rich table (worst layers first), a one-line verdict, and the JSON record for CI."""
+"""verify's outputs: a rich table (worst linears first), a one-line verdict, and the JSON record for CI."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def verdict(report: VerifyReport) -> str:
         more = f" (+{len(failed) - 1} more)" if len(failed) > 1 else ""
         return f"FAIL {where}: {failed[0].describe()}{more}; {_side(report)}"
     worst = worst_first(report.layers)
-    floor = f"; worst layer {worst[0].name} at {worst[0].metrics.sqnr_db:.1f} dB" if worst else ""
+    floor = f"; worst linear {worst[0].name} at {worst[0].metrics.sqnr_db:.1f} dB" if worst else ""
     fidelity = _worst_fidelity(report)
     if fidelity is not None:
         floor += f"; kernels match the folder (fidelity {_db_floor(fidelity.fidelity.sqnr_db)})"
@@ -62,7 +62,7 @@ def verdict(report: VerifyReport) -> str:
         else:
             model = f"; pooled cosine {m['pooled_cosine_min']:.5f}"
     skipped = "; whole-model stage skipped" if report.model is None and report.skipped else ""
-    return f"PASS {where}: {len(report.layers)} layers{floor}{model}{skipped}"
+    return f"PASS {where}: {len(report.layers)} linears{floor}{model}{skipped}"
 
 
 def _worst_fidelity(report: VerifyReport) -> LayerResult | None:
@@ -80,7 +80,7 @@ def _side(report: VerifyReport) -> str:
         bad = [r for r in report.layers if not r.fidelity_passed]
         kernels = sorted({f"{r.kernel.name} on {r.kernel.backend}" for r in bad})
         return (f"fidelity: kernel {', '.join(kernels)} disagrees with the folder's own dequantized "
-                f"weights on {len(bad)} layer(s), a kernel fault, not the quantization")
+                f"weights on {len(bad)} linear(s), a kernel fault, not the quantization")
     if report.failed_quality_checks:
         worst = _worst_fidelity(report)
         agree = (f" (fidelity {_db_floor(worst.fidelity.sqnr_db)} on every layer)" if worst is not None else "")
@@ -98,10 +98,11 @@ def _fmt(value: float, digits: int = 2) -> str:
 def render(report: VerifyReport, console: Console, *, max_rows: int | None = 20) -> None:
     """Print the per-layer table (worst first), the whole-model figures and the verdict."""
     if report.layers:
-        table = Table(title=f"per-layer ({report.scheme}, backend {report.backend})")
+        table = Table(title=f"per linear ({report.scheme}, backend {report.backend})")
         numeric = ("SQNR dB", "rel err", "cosine", "max abs err", "fidelity dB")
-        for col in ("layer",) + numeric + ("kernel", "backend", ""):
-            table.add_column(col, justify="right" if col in numeric else "left")
+        for col in ("linear",) + numeric + ("kernel", "backend", ""):
+            table.add_column(col, justify="right" if col in numeric else "left",
+                             overflow="fold" if col == "linear" else "ellipsis")
         rows = worst_first(report.layers)
         shown = rows if max_rows is None else rows[:max_rows]
         for r in shown:
@@ -114,8 +115,8 @@ def render(report: VerifyReport, console: Console, *, max_rows: int | None = 20)
                           r.kernel.backend, status)
         console.print(table)
         if len(rows) > len(shown):
-            console.print(f"... {len(rows) - len(shown)} more layers (all passed)" if all(
-                r.passed for r in rows[len(shown):]) else f"... {len(rows) - len(shown)} more layers")
+            console.print(f"... {len(rows) - len(shown)} more linears (all passed)" if all(
+                r.passed for r in rows[len(shown):]) else f"... {len(rows) - len(shown)} more linears")
         reasons = sorted({r.kernel.fallback_reason for r in report.layers if r.kernel.fallback_reason})
         for reason in reasons:
             console.print(f"fallback: {reason}")
@@ -125,8 +126,13 @@ def render(report: VerifyReport, console: Console, *, max_rows: int | None = 20)
         console.print(f"whole model ({m.kind}, {m.sequences} sequences, {m.tokens} tokens): {figures}")
     for line in report.skipped:
         console.print(f"skipped: {line}", highlight=False, markup=False)
+    render_verdict(report, console)
+
+
+def render_verdict(report: VerifyReport, console: Console) -> None:
+    """The verdict, one line whatever the width: a terminal wraps it softly, and `| tail -1` gets it whole."""
     style = "green" if report.passed else "red"
-    console.print(f"[{style}]{verdict(report)}[/{style}]", highlight=False, markup=True)
+    console.print(verdict(report), style=style, highlight=False, markup=False, soft_wrap=True)
 
 
 def _finite(value: Any) -> Any:
@@ -165,6 +171,13 @@ def to_record(report: VerifyReport) -> dict[str, Any]:
         "seconds": report.seconds,
     }
     return _finite(record)
+
+
+def error_json(folder, message: str, exit_code: int) -> str:
+    """The JSON record of a verify that could not run (bad input, exit 2): its verdict is ERROR."""
+    record = {"format_version": JSON_FORMAT_VERSION, "passed": False, "folder": str(folder),
+              "verdict": f"ERROR {folder}: {message}", "error": message, "exit_code": exit_code}
+    return json.dumps(record, indent=2, sort_keys=True)
 
 
 def to_json(report: VerifyReport) -> str:
