@@ -315,6 +315,9 @@ def inspect_command(out: Path, as_json: bool) -> int:
 @click.option("--json-file", "json_file", type=click.Path(path_type=Path), default=None, metavar="FILE",
               help="Also write the full record as JSON to FILE.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress and no table: the verdict line only.")
+@click.option("--update-card", is_flag=True,
+              help="Write the verdict and figures into OUT/README.md (the model card) and its sha256 into "
+                   "qconvert.json; not when integrity fails.")
 @click.option("--strict", is_flag=True, help="Also fail when a layer fell back from the Pallas kernel to the reference.")
 @click.option("--min-sqnr", type=float, default=None, metavar="DB", help="Per-layer SQNR floor (dB).")
 @click.option("--min-cosine", type=float, default=None, help="Per-layer cosine similarity floor.")
@@ -327,7 +330,7 @@ def inspect_command(out: Path, as_json: bool) -> int:
 @_verbose_option
 def verify_command(out: Path, reference: str | None, revision: str | None, calib: str, samples: int | None,
                    seqlen: int | None, quick: bool, backend: str, as_json: bool, json_file: Path | None, quiet: bool,
-                   strict: bool, min_sqnr: float | None, min_cosine: float | None, min_fidelity_sqnr: float | None,
+                   update_card: bool, strict: bool, min_sqnr: float | None, min_cosine: float | None, min_fidelity_sqnr: float | None,
                    max_kl: float | None,
                    min_top1: float | None, max_ppl_ratio: float | None,
                    min_pooled_cosine: float | None, verbose: bool) -> int:
@@ -352,7 +355,22 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
                             quick=quick, backend=backend, strict=strict, thresholds=thresholds)
     report = _run_verify(out, options, as_json, json_file, quiet)
     _show_verify_report(report, as_json, json_file, quiet)
+    if update_card:
+        _update_card(out, report, quiet)
     return 0 if report.passed else 1
+
+
+def _update_card(out: Path, report, quiet: bool) -> None:
+    """verify --update-card: the verdict into the card, unless the folder's own files failed their check."""
+    from qconvert.card import CARD_NAME, update_card
+    from qconvert.verify.report import to_record
+
+    if not report.integrity.passed:
+        click.echo(f"qconvert: {out / CARD_NAME} not updated: the folder failed its integrity check", err=True)
+        return
+    update_card(out, to_record(report))
+    if not quiet:
+        click.echo(f"qconvert: wrote the verification section of {out / CARD_NAME}", err=True)
 
 
 def _run_verify(out: Path, options, as_json: bool, json_file: Path | None, quiet: bool):
