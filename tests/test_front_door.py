@@ -194,3 +194,21 @@ def test_gitignore_covers_what_the_readme_commands_write():
         path = name if name.endswith((".json", ".safetensors")) else name.rstrip("/") + "/model.safetensors"
         ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO, check=False)
         assert ignored.returncode == 0, f"{name} is not in .gitignore"
+
+
+def test_verify_table_on_a_narrow_terminal_folds_names_and_keeps_every_column(converted):
+    from qconvert.verify.report import render
+    from qconvert.verify.run import VerifyOptions, verify_folder
+
+    report = verify_folder(converted, VerifyOptions(quick=True))
+    buffer = io.StringIO()
+    render(report, Console(file=buffer, width=72, color_system=None))
+    lines = buffer.getvalue().splitlines()
+    table = [line for line in lines if re.search(r"\d+\.\d\d\s+\d\.\d\de-\d\d", line)]
+    assert len(table) == 14 and all(line.rstrip().endswith(" ok") for line in table)  # no column cropped
+    assert max(len(line) for line in lines[:-1]) <= 72 and "…" not in buffer.getvalue()
+    # Each name is folded over lines, never cut: its pieces are the first field of its row's lines.
+    pieces = [line.split()[0] for line in lines if line.startswith(" ") and line.split()
+              and re.fullmatch(r"[\w.]+", line.split()[0]) and not line.split()[0][0].isdigit()]
+    joined = "".join(pieces)
+    assert all(r.name in joined for r in report.layers)

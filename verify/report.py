@@ -7,6 +7,7 @@ import math
 import platform
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -95,25 +96,41 @@ def _fmt(value: float, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+def _kernel(r: LayerResult) -> str:
+    return r.kernel.name + ("" if r.kernel.fallback_reason is None else " (fallback)")
+
+
+def linear_table(report: VerifyReport, rows: list[LayerResult], name_width: int) -> Table:
+    """The per-linear table of `rows`; the kernel and backend go in the title when every linear ran the same one,
+    so that names keep their room (at least `name_width` columns, folded beyond: never cut)."""
+    kernels = sorted({(_kernel(r), r.kernel.backend) for r in report.layers})
+    per_row = len(kernels) > 1
+    where = f"backend {report.backend}" if per_row else f"kernel {kernels[0][0]} on {kernels[0][1]}"
+    table = Table(title=f"per linear ({report.scheme}, {where}; SQNR and fidelity in dB)", box=box.SIMPLE_HEAD,
+                  show_edge=False, collapse_padding=True)
+    table.add_column("linear", min_width=name_width, overflow="fold")
+    for col in ("SQNR", "rel err", "cosine", "max err", "fidelity"):
+        table.add_column(col, justify="right")
+    for col in ("kernel", "backend") if per_row else ():
+        table.add_column(col, overflow="fold")
+    table.add_column("")
+    for r in rows:
+        status = "ok" if r.passed else ("[red]FAIL kernel[/red]" if not r.fidelity_passed else "[red]FAIL[/red]")
+        kernel = (_kernel(r), r.kernel.backend) if per_row else ()
+        table.add_row(r.name, _fmt(r.metrics.sqnr_db), f"{r.metrics.rel_error:.2e}", _fmt(r.metrics.cosine, 6),
+                      f"{r.metrics.max_abs_error:.2e}", "-" if r.fidelity is None else _fmt(r.fidelity.sqnr_db, 1),
+                      *kernel, status)
+    return table
+
+
 def render(report: VerifyReport, console: Console, *, max_rows: int | None = 20) -> None:
-    """Print the per-layer table (worst first), the whole-model figures and the verdict."""
+    """Print the per-linear table (worst first), the whole-model figures and the verdict."""
     if report.layers:
-        table = Table(title=f"per linear ({report.scheme}, backend {report.backend})")
-        numeric = ("SQNR dB", "rel err", "cosine", "max abs err", "fidelity dB")
-        for col in ("linear",) + numeric + ("kernel", "backend", ""):
-            table.add_column(col, justify="right" if col in numeric else "left",
-                             overflow="fold" if col == "linear" else "ellipsis")
         rows = worst_first(report.layers)
         shown = rows if max_rows is None else rows[:max_rows]
-        for r in shown:
-            kernel = r.kernel.name + ("" if r.kernel.fallback_reason is None else " (fallback)")
-            status = "ok" if r.passed else ("[red]FAIL kernel[/red]" if not r.fidelity_passed
-                                            else "[red]FAIL[/red]")
-            table.add_row(r.name, _fmt(r.metrics.sqnr_db), f"{r.metrics.rel_error:.2e}",
-                          _fmt(r.metrics.cosine, 6), f"{r.metrics.max_abs_error:.2e}",
-                          "-" if r.fidelity is None else _fmt(r.fidelity.sqnr_db, 1), kernel,
-                          r.kernel.backend, status)
-        console.print(table)
+        # The figures need about 52 columns; a name takes the rest (folded, never cut, when narrower).
+        name_width = max(16, min(max(len(r.name) for r in shown), console.width - 53))
+        console.print(linear_table(report, shown, name_width))
         if len(rows) > len(shown):
             console.print(f"... {len(rows) - len(shown)} more linears (all passed)" if all(
                 r.passed for r in rows[len(shown):]) else f"... {len(rows) - len(shown)} more linears")
