@@ -7,11 +7,10 @@ import math
 import platform
 from typing import Any
 
+from qconvert.verify.results import LayerResult, VerifyReport
 from rich import box
 from rich.console import Console
 from rich.table import Table
-
-from qconvert.verify.results import LayerResult, VerifyReport
 
 JSON_FORMAT_VERSION = 1
 
