@@ -34,18 +34,25 @@ class Screen:
         self.row = self.col = 0
 
     def write(self, text: str) -> None:
-        line = self.lines[self.row].ljust(self.col)
-        self.lines[self.row] = line[:self.col] + text + line[self.col + len(text):]
-        self.col += len(text)
+        while text:
+            if self.col == COLUMNS:  # the terminal wraps a long line (the verdict is one line, wrapped here)
+                self.newline()
+            piece, text = text[:COLUMNS - self.col], text[COLUMNS - self.col:]
+            line = self.lines[self.row].ljust(self.col)
+            self.lines[self.row] = line[:self.col] + piece + line[self.col + len(piece):]
+            self.col += len(piece)
+
+    def newline(self) -> None:
+        self.row, self.col = self.row + 1, 0
+        if self.row == len(self.lines):
+            self.lines.append("")
 
     def control(self, match: re.Match) -> None:
         token, args, command = match.group(0), match.group(1), match.group(2)
         if token == "\r":
             self.col = 0
         elif token == "\n":
-            self.row, self.col = self.row + 1, 0
-            if self.row == len(self.lines):
-                self.lines.append("")
+            self.newline()
         elif command == "K":  # erase the line (rich erases whole lines only)
             self.lines[self.row] = ""
         elif command == "A":
