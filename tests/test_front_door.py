@@ -212,3 +212,12 @@ def test_verify_table_on_a_narrow_terminal_folds_names_and_keeps_every_column(co
               and re.fullmatch(r"[\w.]+", line.split()[0]) and not line.split()[0][0].isdigit()]
     joined = "".join(pieces)
     assert all(r.name in joined for r in report.layers)
+
+
+def test_calibrate_reports_its_layers_on_stderr_and_q_silences_it(source, tmp_path, capsys):
+    argv = ["calibrate", str(source), "--calib", "random", "--calib-samples", "2", "--calib-seqlen", "8"]
+    code, stdout, stderr = run([*argv, "-o", str(tmp_path / "a.safetensors")], capsys)
+    assert code == 0 and stdout.startswith(f"wrote {tmp_path / 'a.safetensors'}: 15 linears")
+    assert re.search(r"^qconvert: calibrating: 2/2 layers in \d+\.\d s$", stderr, flags=re.MULTILINE), stderr
+    code, stdout, stderr = run([*argv, "-o", str(tmp_path / "b.safetensors"), "-q"], capsys)
+    assert code == 0 and stdout == "" and stderr == ""

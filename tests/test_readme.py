@@ -43,7 +43,7 @@ def test_the_first_run_commands_work_offline_as_written(tmp_path):
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     for command in first_run_commands()[1:]:
         done = subprocess.run(["bash", "-c", f"set -euo pipefail; {command}"], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)
+                              capture_output=True, text=True, timeout=600, check=False)
         assert done.returncode == 0, f"{command}: {done.stderr}"
     outputs = [p for p in tmp_path.iterdir() if (p / "qconvert.json").is_file()]
     assert [p.name for p in outputs] == ["minilm-int8"]
