@@ -34,6 +34,7 @@ STATS_VERSION = "1"
 DEFAULT_BATCH_SIZE = 8
 SAMPLE_ROWS = 512  # tokens kept per linear input for the alpha and scale searches
 HOST_BUDGET_BYTES = 4 * 2**30  # what calibration may use when the device (a CPU) states no limit
+CALIBRATING = "calibrating"  # the progress stage of the layers run through the float model
 
 
 def open_params(folder: Path, config: dict[str, Any] | None = None) -> CheckpointParams:
@@ -176,11 +177,16 @@ def _head_observed(model, params: Mapping, hidden: jax.Array, attention_mask, ob
 
 def collect_act_stats(model, params: Mapping, input_ids: np.ndarray, attention_mask=None, *,
                       batch_size: int = DEFAULT_BATCH_SIZE,
-                      calibration: dict[str, Any] | None = None) -> ActStats:
-    """Per-channel max|x| of every linear's input over all samples, layer by layer."""
+                      calibration: dict[str, Any] | None = None, progress=None) -> ActStats:
+    """Per-channel max|x| of every linear's input over all samples, layer by layer (`progress` hears each)."""
+    from qconvert.progress import as_reporter
+
+    progress = as_reporter(progress)
     act_absmax: dict[str, np.ndarray] = {}
+    progress.step(CALIBRATING, 0, model.num_layers)
     for layer in iter_layer_stats(model, params, input_ids, attention_mask, batch_size=batch_size):
         act_absmax.update(layer.act_absmax)
+        progress.step(CALIBRATING, min(layer.index + 1, model.num_layers), model.num_layers)
     tokens = int(np.sum(attention_mask)) if attention_mask is not None else int(np.asarray(input_ids).size)
     return ActStats(act_absmax, tokens, calibration)
 
@@ -302,7 +308,7 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
     if message is not None:
         message(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
     stats = collect_act_stats(build(resolved.config), params, data.input_ids,
-                              batch_size=batch_size, calibration=data.record())
+                              batch_size=batch_size, calibration=data.record(), progress=message)
     save_act_stats(out, stats, model=resolved.model_id,
                    recheck=lambda: check_stats_target(out, overwrite, resolved.folder))
     return {"out": str(out), "model": resolved.model_id, "linears": len(stats.act_absmax),

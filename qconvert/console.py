@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.progress import (
-    BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn,
+    BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+    TransferSpeedColumn,
 )
 from rich.table import Table
 
@@ -22,10 +23,35 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+class RichStages:
+    """A bar per stage (calibrating, searching scales, verify's stages) with its count, elapsed time and ETA;
+    implements qconvert.progress.Reporter. A finished stage's bar stays, so the run reads as a log."""
+
+    def __init__(self, console: Console):
+        self._bars = Progress(
+            TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[unit]}"),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
+        )
+        self._tasks: dict[str, object] = {}
+
+    def __call__(self, line: str) -> None:
+        self._bars.console.print(f"qconvert: {line}", highlight=False, markup=False)
+
+    def step(self, stage: str, done: int, total: int, unit: str = "layers") -> None:
+        if stage not in self._tasks:
+            self._bars.start()
+            self._tasks[stage] = self._bars.add_task(stage, total=total, unit=unit)
+        self._bars.update(self._tasks[stage], completed=done, total=total)
+
+    def stop(self) -> None:
+        self._bars.stop()
+
+
 class RichProgress:
     """A bar of input bytes and tensors done, with MB/s; implements qconvert.convert.Progress."""
 
-    def __init__(self, console: Console):
+    def __init__(self, console: Console, stages: RichStages | None = None):
+        self._stages = stages  # the earlier stages' bars, closed when writing starts (one live display at a time)
         self._bar = Progress(
             TextColumn("[bold]quantizing"), BarColumn(), DownloadColumn(binary_units=True),
             TransferSpeedColumn(), TextColumn("{task.fields[tensors]} tensors"), TimeRemainingColumn(),
@@ -36,6 +62,8 @@ class RichProgress:
 
     def start(self, total_bytes: int, total_tensors: int) -> None:
         self._total = total_tensors
+        if self._stages is not None:
+            self._stages.stop()
         self._bar.start()
         self._task = self._bar.add_task("quantize", total=total_bytes, tensors=f"0/{total_tensors}")
 
@@ -86,10 +114,11 @@ def stdout_console() -> Console:
 def print_inspect_report(report: InspectReport, console: Console) -> None:
     """The per-tensor table, totals, and the file hash check."""
     table = Table(title=f"{report.folder} ({report.scheme})")
-    for column in ("tensor", "kind", "shape", "dtype", "bytes"):
+    for column in ("tensor", "kind", "shape", "stored as", "float dtype", "bytes"):
         table.add_column(column, justify="right" if column == "bytes" else "left")
     for t in report.tensors:
-        table.add_row(t.name, t.kind, "x".join(map(str, t.shape)), t.dtype, human_bytes(t.stored_bytes))
+        table.add_row(t.name, t.kind, "x".join(map(str, t.shape)), t.dtype, t.float_dtype,
+                      human_bytes(t.stored_bytes))
     console.print(table)
     quantized = sum(t.kind != UNCHANGED for t in report.tensors)
     console.print(f"{quantized} quantized linears, {len(report.tensors) - quantized} tensors unchanged; "

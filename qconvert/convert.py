@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from qconvert import __version__
+from qconvert.card import CARD_NAME, CardFacts, write_card
 from qconvert.errors import InvalidCheckpointError, InvalidWeightError, UsageError
 from qconvert.formats.errors import FormatError
 from qconvert.formats.layout_base import LayoutFlags
@@ -177,8 +178,25 @@ def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: 
                           w8a8.smoothing_record, searches.record(options.scheme_object), plan.flags)
         if source.weight_only is not None:
             record["weight_only"] = source.weight_only.record()
+        files[CARD_NAME] = write_card(staging, card_facts(source, plan, options, record))
+        record["files"] = dict(sorted(files.items()))
         write_record(staging, record)
     return dict(sorted(files.items()))
+
+
+def card_facts(source: SourceModel, plan: ConversionPlan, options: ConvertOptions,
+               record: Mapping[str, Any]) -> CardFacts:
+    """What the model card says: the record (less its file hashes), the scheme, the family and the sizes."""
+    scheme, ckpt = options.scheme_object, source.checkpoint
+    return CardFacts(
+        record={k: v for k, v in record.items() if k != "files"}, quant_method=scheme.layout.quant_method,
+        scheme_summary=scheme.summary, loads_in=scheme.loads_in, vllm_loads=scheme.vllm_loads,
+        causal_lm=source.arch.causal_lm or source.weight_only is not None,
+        architecture=", ".join(source.config.get("architectures") or ["a model"]),
+        quantized_linears=len(plan.quantized_modules),
+        unchanged_tensors=sum(t.module is None for t in plan.tensors),
+        input_bytes=sum(ckpt.nbytes(name) for name in ckpt.tensor_names),
+        output_bytes=sum(spec.nbytes for spec in plan.specs))
 
 
 def check_output_target(model: str, out: Path, overwrite: bool) -> None:

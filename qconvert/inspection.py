@@ -26,12 +26,13 @@ class TensorRow:
     name: str
     kind: str
     shape: tuple[int, ...]
-    dtype: str  # the dtype it stands for (a quantized linear's float dtype)
+    dtype: str  # as stored: a quantized linear's codes and the word they are packed in ("int4 in int32")
     stored_bytes: int
+    float_dtype: str  # the dtype it stands for: a quantized linear's float dtype, else `dtype`
 
     @property
     def float_bytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * np.dtype(self.float_dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +76,7 @@ class InspectReport:
             "servers": dict(self.servers),
             "files": [{"name": f.name, "expected": f.expected, "actual": f.actual, "ok": f.ok} for f in self.files],
             "tensors": [{"name": t.name, "kind": t.kind, "shape": list(t.shape), "dtype": t.dtype,
-                         "stored_bytes": t.stored_bytes} for t in self.tensors],
+                         "float_dtype": t.float_dtype, "stored_bytes": t.stored_bytes} for t in self.tensors],
         }
 
 
@@ -104,11 +105,26 @@ def _tensor_rows(qc) -> list[TensorRow]:
     rows = []
     for module in qc.quantized_modules:
         q = qc.qarray(module)
-        stored = sum(ckpt.nbytes(n) for n in qc.layout.part_names(module, ckpt))
-        rows.append(TensorRow(module, qc.scheme, q.shape, q.dtype, stored))
+        parts = qc.layout.part_names(module, ckpt)
+        # The codes are the largest part (the scales and absmax are a small fraction of it).
+        container = ckpt.dtype(max(parts, key=ckpt.nbytes)).name
+        codes = code_dtype(q)
+        stored = codes if codes == container else f"{codes} in {container}"
+        rows.append(TensorRow(module, qc.scheme, q.shape, stored, sum(ckpt.nbytes(n) for n in parts),
+                              float_dtype=q.dtype))
     for name in qc.float_names:
-        rows.append(TensorRow(name, UNCHANGED, ckpt.shape(name), ckpt.dtype(name).name, ckpt.nbytes(name)))
+        dtype = ckpt.dtype(name).name
+        rows.append(TensorRow(name, UNCHANGED, ckpt.shape(name), dtype, ckpt.nbytes(name), float_dtype=dtype))
     return sorted(rows, key=lambda r: r.name)
+
+
+def code_dtype(q) -> str:
+    """The type of a QArray's codes in words: int8, int4, nf4 (4-bit indices into its table), float8_e4m3fn."""
+    if q.kind.float_codes:
+        return np.dtype(q.qvalue.dtype).name
+    if q.kind.levels is not None:
+        return str(q.kind)
+    return f"int{q.kind.bits}"
 
 
 def _read_record(folder: Path) -> ConversionRecord | None:

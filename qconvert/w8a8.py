@@ -22,12 +22,13 @@ import ml_dtypes
 import numpy as np
 
 from qconvert.calib_data import BUILTIN, load_calibration
-from qconvert.calibrate import ActStats, check_stats_cover, iter_layer_stats, load_act_stats
+from qconvert.calibrate import CALIBRATING, ActStats, check_stats_cover, iter_layer_stats, load_act_stats
 from qconvert.errors import UsageError
 from qconvert.formats.safetensors_io import sha256_file
 from qconvert.models import build
 from qconvert.models.registry import Architecture, SmoothingGroup
 from qconvert.options import ConvertOptions, W8A8Options
+from qconvert.progress import Reporter, as_reporter
 from qconvert.scale_search import LinearSearch, search_linear
 from qconvert.smooth import (INT8_QMAX, MIN_SCALE, AlphaSpec, GroupScales, TensorFold, apply_fold,
                              group_scales, read_group_weights, search_alpha, smoothed_input_absmax,
@@ -36,6 +37,8 @@ from qconvert.source import SourceModel
 
 # The smallest static input_scale written (float32); the weight scales have the same floor.
 MIN_INPUT_SCALE = 1e-8
+# The searches' progress stages (calibration's own is CALIBRATING).
+ALPHA_SEARCH, SCALE_SEARCH = "alpha search", "scale search"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +92,14 @@ def to_bfloat16(values: np.ndarray) -> np.ndarray:
 
 
 def _calibrate(source: SourceModel, groups: list[SmoothingGroup], linears: list[str], spec: AlphaSpec,
-               options: ConvertOptions, progress: Callable[[str], None]
+               options: ConvertOptions, progress: Reporter
                ) -> tuple[ActStats, dict[str, GroupScales], dict, dict]:
     """Run calibration; as each layer completes, choose its groups' smoothing and search its linears.
 
     Returns the statistics, every group's scales, the alpha search errors and
-    the per-linear searches (clip ratios, static input scales).
+    the per-linear searches (clip ratios, static input scales). `progress` hears
+    the layers calibrated, the groups whose alpha was searched and the linears
+    whose scales were searched.
     """
     calib, params, arch = options.w8a8, source.params, source.arch
     data = load_calibration(calib.calib or BUILTIN, source.folder, source.config,
@@ -110,6 +115,8 @@ def _calibrate(source: SourceModel, groups: list[SmoothingGroup], linears: list[
     searches: dict[str, LinearSearch] = {}
     pending, unsearched = list(groups), list(linears)
     batching = {} if calib.batch_size is None else {"batch_size": calib.batch_size}
+    steps = _CalibrationSteps(progress, model.num_layers, len(groups) if spec.auto else 0,
+                              len(linears) if options.searches_scales else 0)
     for layer in iter_layer_stats(model, params, data.input_ids, keep_inputs=keep, **batching):
         act_absmax.update(layer.act_absmax)
         for group in [g for g in pending if all(m in act_absmax for m in g.linears)]:
@@ -119,6 +126,7 @@ def _calibrate(source: SourceModel, groups: list[SmoothingGroup], linears: list[
             if spec.auto:
                 chosen[group.source], errors[group.source] = search_alpha(
                     group, absmax, weights, layer.input_samples[group.linears[0]], static=static)
+                steps.alpha_searched(len(chosen))
             else:
                 chosen[group.source] = group_scales(group, absmax, weights,
                                                   spec.alpha_for(group.source, arch.default_alpha))
@@ -126,10 +134,33 @@ def _calibrate(source: SourceModel, groups: list[SmoothingGroup], linears: list[
                  and not any(m in g.linears or m == g.source for g in pending)]
         if options.searches_scales and ready:
             searches.update(_search_linears(params, ready, chosen, act_absmax, layer.input_samples, options))
+            steps.scales_searched(len(searches))
         unsearched = [m for m in unsearched if m not in ready]
         if layer.index < model.num_layers:  # the last LayerStats holds the head's inputs
-            progress(f"layer {layer.index + 1}/{model.num_layers} calibrated")
+            steps.calibrated(layer.index + 1)
     return ActStats(act_absmax, data.tokens, data.record()), chosen, errors, searches
+
+
+class _CalibrationSteps:
+    """The calibration stages' progress: layers calibrated; groups whose alpha and linears whose scales were
+    searched (a stage with no work is not shown)."""
+
+    def __init__(self, progress: Reporter, layers: int, groups: int, linears: int):
+        self._progress, self._layers, self._groups, self._linears = progress, layers, groups, linears
+        progress.step(CALIBRATING, 0, layers)
+        if groups:
+            progress.step(ALPHA_SEARCH, 0, groups, "groups")
+        if linears:
+            progress.step(SCALE_SEARCH, 0, linears, "linears")
+
+    def calibrated(self, layers: int) -> None:
+        self._progress.step(CALIBRATING, layers, self._layers)
+
+    def alpha_searched(self, groups: int) -> None:
+        self._progress.step(ALPHA_SEARCH, groups, self._groups, "groups")
+
+    def scales_searched(self, linears: int) -> None:
+        self._progress.step(SCALE_SEARCH, min(linears, self._linears), self._linears, "linears")
 
 
 def _search_linears(params: Mapping, modules: list[str], chosen: Mapping[str, GroupScales],
@@ -171,7 +202,7 @@ def head_linears_for_static(source: SourceModel, quantized_modules: Sequence[str
 
 
 def prepare_w8a8(source: SourceModel, options: ConvertOptions,
-                 progress: Callable[[str], None] | None = None,
+                 progress: Reporter | Callable[[str], None] | None = None,
                  quantized_modules: Sequence[str] = ()) -> W8A8Adjustments:
     """Calibrate (or load statistics), smooth, and derive static scales for a w8a8 conversion of `source`.
 
@@ -183,7 +214,7 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
     if not options.scheme_object.calibrates or not (calib.smooth or options.act == "static"):
         return W8A8Adjustments()
     spec = calib.alpha_spec()
-    progress = progress or (lambda message: None)
+    progress = as_reporter(progress)
     arch, params = source.arch, source.params
     linears = arch.linear_names(params)
     # Static scales for an included head (lm_head) too; any other included linear is refused here.

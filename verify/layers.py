@@ -170,7 +170,7 @@ def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, atte
                   modules: Sequence[str], quantized_linear: QuantizedLinear,
                   thresholds: Thresholds, *, smoothing: SmoothingFactors | None = None,
                   batch_size: int | None = None, jit: bool = False,
-                  folder_linear: FolderLinear | None = None,
+                  folder_linear: FolderLinear | None = None, on_layer=None,
                   ) -> tuple[list[LayerResult], jnp.ndarray]:
     """Compare every module in `modules` (quantized linears) on real activations; one LayerResult each.
 
@@ -179,7 +179,8 @@ def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, atte
     kernel of the scheme; `folder_linear`, when given, computes the same layer
     from the folder's own dequantized weights, and the kernel's output is also
     compared with it (fidelity). Returns the results and the float model's last hidden
-    state (the whole-model check reuses it instead of running the float model again).
+    state (the whole-model check reuses it instead of running the float model again). `on_layer(i)` is
+    called after layer i (progress).
     """
     wanted = set(modules)
     smoothing = smoothing or SmoothingFactors({}, {})
@@ -199,6 +200,8 @@ def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, atte
         for name in sorted(inputs):
             results.append(compare_linear(name, inputs[name], reference, converted, quantized_linear,
                                           thresholds, smoothing, folder_linear))
+        if on_layer is not None:
+            on_layer(layer.index)
     head_wanted = wanted - {r.name for r in results}
     if head_wanted and final_hidden is not None:
         # A quantized head (--include lm_head) reads the final norm's output, after the layers.

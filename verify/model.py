@@ -80,7 +80,7 @@ def compare_encoder(float_hidden, quant_hidden, mask, thresholds: Thresholds) ->
 def verify_model(model, reference: Mapping, converted: Mapping, input_ids, attention_mask,
                  quantized_linear: QuantizedLinear, thresholds: Thresholds, *,
                  causal_lm: bool, batch_size: int | None = None,
-                 float_output=None, jit: bool = False) -> ModelResult:
+                 float_output=None, jit: bool = False, on_layer=None) -> ModelResult:
     """Run the float and the kernel-backed model on the same tokens and compare their outputs.
 
     `float_output` may hand in the float model's output when the caller already
@@ -92,7 +92,8 @@ def verify_model(model, reference: Mapping, converted: Mapping, input_ids, atten
         float_output = forward_layerwise(model, reference, input_ids, mask, batch_size=batch_size, jit=jit)
     quant_output = forward_layerwise(model, converted, input_ids, mask, batch_size=batch_size,
                                      linear=kernel_linear_hook(quantized_linear),
-                                     grouped_linear=kernel_grouped_hook(quantized_linear), jit=jit)
+                                     grouped_linear=kernel_grouped_hook(quantized_linear), jit=jit,
+                                     on_layer=on_layer)
     float_output, quant_output = np.asarray(float_output), np.asarray(quant_output)
     if causal_lm:
         return compare_causal_lm(float_output, quant_output, np.asarray(input_ids), mask, thresholds)

@@ -1,4 +1,4 @@
-"""verify's outputs: a rich table (worst layers first), a one-line verdict, and the JSON record for CI."""
+"""verify's outputs: a rich table (worst linears first), a one-line verdict, and the JSON record for CI."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import math
 import platform
 from typing import Any
 
+from qconvert.verify.results import LayerResult, VerifyReport
+from rich import box
 from rich.console import Console
 from rich.table import Table
-
-from qconvert.verify.results import LayerResult, VerifyReport
 
 JSON_FORMAT_VERSION = 1
 
@@ -50,7 +50,7 @@ def verdict(report: VerifyReport) -> str:
         more = f" (+{len(failed) - 1} more)" if len(failed) > 1 else ""
         return f"FAIL {where}: {failed[0].describe()}{more}; {_side(report)}"
     worst = worst_first(report.layers)
-    floor = f"; worst layer {worst[0].name} at {worst[0].metrics.sqnr_db:.1f} dB" if worst else ""
+    floor = f"; worst linear {worst[0].name} at {worst[0].metrics.sqnr_db:.1f} dB" if worst else ""
     fidelity = _worst_fidelity(report)
     if fidelity is not None:
         floor += f"; kernels match the folder (fidelity {_db_floor(fidelity.fidelity.sqnr_db)})"
@@ -62,7 +62,7 @@ def verdict(report: VerifyReport) -> str:
         else:
             model = f"; pooled cosine {m['pooled_cosine_min']:.5f}"
     skipped = "; whole-model stage skipped" if report.model is None and report.skipped else ""
-    return f"PASS {where}: {len(report.layers)} layers{floor}{model}{skipped}"
+    return f"PASS {where}: {len(report.layers)} linears{floor}{model}{skipped}"
 
 
 def _worst_fidelity(report: VerifyReport) -> LayerResult | None:
@@ -80,7 +80,7 @@ def _side(report: VerifyReport) -> str:
         bad = [r for r in report.layers if not r.fidelity_passed]
         kernels = sorted({f"{r.kernel.name} on {r.kernel.backend}" for r in bad})
         return (f"fidelity: kernel {', '.join(kernels)} disagrees with the folder's own dequantized "
-                f"weights on {len(bad)} layer(s), a kernel fault, not the quantization")
+                f"weights on {len(bad)} linear(s), a kernel fault, not the quantization")
     if report.failed_quality_checks:
         worst = _worst_fidelity(report)
         agree = (f" (fidelity {_db_floor(worst.fidelity.sqnr_db)} on every layer)" if worst is not None else "")
@@ -95,27 +95,44 @@ def _fmt(value: float, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+def _kernel(r: LayerResult) -> str:
+    return r.kernel.name + ("" if r.kernel.fallback_reason is None else " (fallback)")
+
+
+def linear_table(report: VerifyReport, rows: list[LayerResult], name_width: int) -> Table:
+    """The per-linear table of `rows`; the kernel and backend go in the title when every linear ran the same one,
+    so that names keep their room (at least `name_width` columns, folded beyond: never cut)."""
+    kernels = sorted({(_kernel(r), r.kernel.backend) for r in report.layers})
+    per_row = len(kernels) > 1
+    where = f"backend {report.backend}" if per_row else f"kernel {kernels[0][0]} on {kernels[0][1]}"
+    table = Table(title=f"per linear ({report.scheme}, {where}; SQNR and fidelity in dB)", box=box.SIMPLE_HEAD,
+                  show_edge=False, collapse_padding=True)
+    table.add_column("linear", min_width=name_width, overflow="fold")
+    for col in ("SQNR", "rel err", "cosine", "max err", "fidelity"):
+        table.add_column(col, justify="right")
+    for col in ("kernel", "backend") if per_row else ():
+        table.add_column(col, overflow="fold")
+    table.add_column("")
+    for r in rows:
+        status = "ok" if r.passed else ("[red]FAIL kernel[/red]" if not r.fidelity_passed else "[red]FAIL[/red]")
+        kernel = (_kernel(r), r.kernel.backend) if per_row else ()
+        table.add_row(r.name, _fmt(r.metrics.sqnr_db), f"{r.metrics.rel_error:.2e}", _fmt(r.metrics.cosine, 6),
+                      f"{r.metrics.max_abs_error:.2e}", "-" if r.fidelity is None else _fmt(r.fidelity.sqnr_db, 1),
+                      *kernel, status)
+    return table
+
+
 def render(report: VerifyReport, console: Console, *, max_rows: int | None = 20) -> None:
-    """Print the per-layer table (worst first), the whole-model figures and the verdict."""
+    """Print the per-linear table (worst first), the whole-model figures and the verdict."""
     if report.layers:
-        table = Table(title=f"per-layer ({report.scheme}, backend {report.backend})")
-        numeric = ("SQNR dB", "rel err", "cosine", "max abs err", "fidelity dB")
-        for col in ("layer",) + numeric + ("kernel", "backend", ""):
-            table.add_column(col, justify="right" if col in numeric else "left")
         rows = worst_first(report.layers)
         shown = rows if max_rows is None else rows[:max_rows]
-        for r in shown:
-            kernel = r.kernel.name + ("" if r.kernel.fallback_reason is None else " (fallback)")
-            status = "ok" if r.passed else ("[red]FAIL kernel[/red]" if not r.fidelity_passed
-                                            else "[red]FAIL[/red]")
-            table.add_row(r.name, _fmt(r.metrics.sqnr_db), f"{r.metrics.rel_error:.2e}",
-                          _fmt(r.metrics.cosine, 6), f"{r.metrics.max_abs_error:.2e}",
-                          "-" if r.fidelity is None else _fmt(r.fidelity.sqnr_db, 1), kernel,
-                          r.kernel.backend, status)
-        console.print(table)
+        # The figures need about 52 columns; a name takes the rest (folded, never cut, when narrower).
+        name_width = max(16, min(max(len(r.name) for r in shown), console.width - 53))
+        console.print(linear_table(report, shown, name_width))
         if len(rows) > len(shown):
-            console.print(f"... {len(rows) - len(shown)} more layers (all passed)" if all(
-                r.passed for r in rows[len(shown):]) else f"... {len(rows) - len(shown)} more layers")
+            console.print(f"... {len(rows) - len(shown)} more linears (all passed)" if all(
+                r.passed for r in rows[len(shown):]) else f"... {len(rows) - len(shown)} more linears")
         reasons = sorted({r.kernel.fallback_reason for r in report.layers if r.kernel.fallback_reason})
         for reason in reasons:
             console.print(f"fallback: {reason}")
@@ -125,8 +142,13 @@ def render(report: VerifyReport, console: Console, *, max_rows: int | None = 20)
         console.print(f"whole model ({m.kind}, {m.sequences} sequences, {m.tokens} tokens): {figures}")
     for line in report.skipped:
         console.print(f"skipped: {line}", highlight=False, markup=False)
+    render_verdict(report, console)
+
+
+def render_verdict(report: VerifyReport, console: Console) -> None:
+    """The verdict, one line whatever the width: a terminal wraps it softly, and `| tail -1` gets it whole."""
     style = "green" if report.passed else "red"
-    console.print(f"[{style}]{verdict(report)}[/{style}]", highlight=False, markup=True)
+    console.print(verdict(report), style=style, highlight=False, markup=False, soft_wrap=True)
 
 
 def _finite(value: Any) -> Any:
@@ -165,6 +187,13 @@ def to_record(report: VerifyReport) -> dict[str, Any]:
         "seconds": report.seconds,
     }
     return _finite(record)
+
+
+def error_json(folder, message: str, exit_code: int) -> str:
+    """The JSON record of a verify that could not run (bad input, exit 2): its verdict is ERROR."""
+    record = {"format_version": JSON_FORMAT_VERSION, "passed": False, "folder": str(folder),
+              "verdict": f"ERROR {folder}: {message}", "error": message, "exit_code": exit_code}
+    return json.dumps(record, indent=2, sort_keys=True)
 
 
 def to_json(report: VerifyReport) -> str:

@@ -23,6 +23,7 @@ from qconvert.hub import ResolvedModel, resolve_model
 from qconvert.models import build, read_tensors
 from qconvert.models.registry import architecture_for
 from qconvert.models.weight_only import check_architecture, checkpoint_architecture
+from qconvert.progress import Reporter, as_reporter
 from qconvert.schemes import names_where, scheme_named
 from qconvert.verify.integrity import (ConversionRecord, IntegrityResult, check_config,
                                        check_config_matches_reference, check_files, read_config, read_record,
@@ -40,6 +41,8 @@ from qconvert.verify.weight_only import (SYNTHETIC_ROWS, SYNTHETIC_SEED, skipped
                                          verify_linears_on_synthetic_inputs)
 
 AUTO = "auto"
+# verify's stages, as the progress bars name them.
+INTEGRITY, PER_LINEAR, WHOLE_MODEL = "integrity", "per linear", "whole model"
 # Evaluation sizes: the full run and --quick. Small on purpose: on CPU the Pallas
 # kernels run in interpret mode, and a few thousand tokens already resolve
 # SQNR to a fraction of a dB.
@@ -116,6 +119,12 @@ def resolve_reference(record: ConversionRecord, options: VerifyOptions) -> tuple
     return reference_id, resolved
 
 
+def _layer_steps(progress: Reporter, stage: str, num_layers: int):
+    """An on_layer callback that reports `stage` layer by layer (starting the stage's bar now)."""
+    progress.step(stage, 0, num_layers)
+    return lambda index: progress.step(stage, index + 1, num_layers)
+
+
 def _weight_only(record: ConversionRecord) -> bool:
     return isinstance(record.raw.get("weight_only"), dict)
 
@@ -128,21 +137,26 @@ def _integrity_only(folder, scheme, options, thresholds, files, problems, starte
         extra_checks=(), evaluation={}, versions=versions(), seconds=time.perf_counter() - started)
 
 
-def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyReport:
+def verify_folder(folder, options: VerifyOptions = VerifyOptions(), progress: Reporter | None = None
+                  ) -> VerifyReport:
     """Verify a folder written by `qconvert quantize`; the report says what passed and what did not.
 
     Raises QConvertError subclasses for bad input (no qconvert.json, an
     unreachable reference, bad flags); a folder that is wrong in itself (hashes,
-    tensors, numbers) yields a failing report instead.
+    tensors, numbers) yields a failing report instead. `progress` hears each
+    stage's steps: integrity, then the layers of the per-linear and whole-model passes.
     """
     started = time.perf_counter()
+    progress = as_reporter(progress)
     check_backend(options.backend)
     folder = Path(folder)
     record = read_record(folder)
     # Until config.json's quantization_config is read, the strictest (dynamic) thresholds stand.
     thresholds = thresholds_for(record.scheme, "dynamic", **dict(options.thresholds))
     files = sorted(record.files)
+    progress.step(INTEGRITY, 0, 2, "checks")
     problems = check_files(folder, record)
+    progress.step(INTEGRITY, 1, 2, "checks")
     config = read_config(folder) if (folder / "config.json").is_file() else {}
     if config:
         problems += check_config(config, record)
@@ -171,6 +185,7 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
         quantized, reference_ckpt, config, arch)
     if problems:
         return _integrity_only(folder, record.scheme, options, thresholds, files, problems, started)
+    progress.step(INTEGRITY, 2, 2, "checks")
     reference_info = {"model": reference_id, "folder": str(resolved.folder), "commit": resolved.commit,
                       "is_hub": resolved.is_hub, "from": "--reference" if options.reference else "qconvert.json"}
     if weight_only is not None:
@@ -193,13 +208,15 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
     layer_results, float_hidden = verify_layers(model, reference, converted, ids, mask, quantized.quantized_modules,
                                   quantized_linear, thresholds, smoothing=smoothing,
                                   batch_size=options.batch_size,
-                                  folder_linear=make_folder_linear(quantized, record.scheme))
+                                  folder_linear=make_folder_linear(quantized, record.scheme),
+                                  on_layer=_layer_steps(progress, PER_LINEAR, model.num_layers))
     causal_lm = arch.causal_lm
     float_output = model.head(read_tensors(reference, model.head_tensor_names()), float_hidden,
                               jnp.asarray(mask))
     model_result = verify_model(model, reference, converted, ids, mask, quantized_linear, thresholds,
                                 causal_lm=causal_lm, batch_size=options.batch_size,
-                                float_output=float_output)
+                                float_output=float_output,
+                                on_layer=_layer_steps(progress, WHOLE_MODEL, model.num_layers))
     extra: list[Check] = []
     if options.strict:
         # --strict: a layer that ran through the reference instead of a Pallas kernel fails.

@@ -226,12 +226,16 @@ def _sharded_step(run_layer, mesh: Mesh):
 def forward_layerwise(model, params: Mapping, input_ids, attention_mask=None, *,
                       linear: LinearHook = dense_linear,
                       grouped_linear: GroupedLinearHook = dense_grouped_linear,
-                      batch_size: int | None = None, jit: bool = True) -> jax.Array:
-    """model.forward computed layer by layer from lazily read weights (same result)."""
+                      batch_size: int | None = None, jit: bool = True,
+                      on_layer: Callable[[int], None] | None = None) -> jax.Array:
+    """model.forward computed layer by layer from lazily read weights (same result); `on_layer(i)` after
+    layer i (progress)."""
     hidden = None
     for result in iterate_layers(model, params, input_ids, attention_mask, linear=linear,
                                  grouped_linear=grouped_linear, batch_size=batch_size, jit=jit):
         hidden = result.hidden
+        if on_layer is not None:
+            on_layer(result.index)
     if hidden is None:
         hidden = model.embed(read_tensors(params, model.embed_tensor_names()), input_ids, attention_mask)
     head_params = read_tensors(params, model.head_tensor_names())

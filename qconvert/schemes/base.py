@@ -52,6 +52,7 @@ class Scheme(abc.ABC):
     layout: Layout
     summary: str                     # one line: what it stores
     loads_in: str                    # the loaders that read its layout, as measured
+    vllm_loads: bool = True          # vLLM has a loader for its layout (the model card's load snippet)
     act_modes: tuple[str, ...] = ()  # activation modes it quantizes with; () keeps activations float
     calibrates: bool = False         # takes calibration and smoothing (--calib, --alpha, ...)
     default_scale_search: bool = False
