@@ -11,7 +11,7 @@ from cli_helpers import run
 from qconvert.cli import main
 
 VOCAB = 256
-TINY = dict(hidden=64, layers=1, heads=4, kv_heads=2, intermediate=64, vocab=VOCAB)
+TINY = {"hidden": 64, "layers": 1, "heads": 4, "kv_heads": 2, "intermediate": 64, "vocab": VOCAB}
 CALIB_SAMPLES, CALIB_SEQLEN = 4, 32
 
 

@@ -18,8 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from qconvert.calib_data import (DEFAULT_SAMPLES, DEFAULT_SEQLEN, HELD_OUT, RANDOM, RANDOM_SEED, CalibrationData,
-                                 load_calibration)
+from qconvert.calib_data import (
+    DEFAULT_SAMPLES,
+    DEFAULT_SEQLEN,
+    HELD_OUT,
+    RANDOM,
+    RANDOM_SEED,
+    CalibrationData,
+    load_calibration,
+)
 from qconvert.errors import QConvertError, UsageError
 
 AUTO = "auto"
