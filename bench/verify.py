@@ -43,7 +43,7 @@ def float_forward_seconds(source: Path, options: VerifyOptions) -> tuple[float, 
     resolved = resolve_model(str(source))
     model = build(resolved.config)
     params = CheckpointParams(open_checkpoint(resolved.folder))
-    ids = np.asarray(evaluation_tokens(options, resolved.folder, resolved.config).input_ids)
+    ids = np.asarray(evaluation_tokens(options, resolved.folder, resolved.config).data.input_ids)
     mask = np.ones_like(ids)
     times = []
     for _ in range(2):

@@ -10,6 +10,11 @@ import numpy as np
 
 # bitsandbytes quantizes the NF4 absmax in blocks of this many values.
 NESTED_BLOCK_SIZE = 256
+# bitsandbytes' CPU blockwise quantizer finds the map entry through a table of
+# this many evenly spaced points over [-1, 1], not by an exact nearest search.
+LUT_POINTS = 65536
+# torch's float32 vector width on an AVX2 host: the lanes its CPU sum kernel adds side by side.
+TORCH_VECTOR_LANES = 8
 
 
 def pack_int8_to_int32(q: np.ndarray) -> np.ndarray:
@@ -79,12 +84,13 @@ def unpack_int32_to_int4(packed: np.ndarray, cols: int) -> np.ndarray:
 def pack_nf4_codes(codes: np.ndarray) -> np.ndarray:
     """NF4 codes (0..15, any shape, flattened row-major) -> uint8 [ceil(n/2)].
 
-    byte k = (code[2k] << 4) | code[2k+1]; an odd count pads a 0 low nibble.
+    byte k = (code[2k] << 4) | code[2k+1]; an odd count pads the low nibble with
+    the code of 0.0 (7), as bitsandbytes does.
     """
     codes = np.asarray(codes).reshape(-1)
     if codes.size and (codes.min() < 0 or codes.max() > 15):
         raise ValueError("NF4 codes must lie in 0..15")
-    padded = np.zeros(codes.size + codes.size % 2, dtype=np.uint8)
+    padded = np.full(codes.size + codes.size % 2, 7, dtype=np.uint8)
     padded[: codes.size] = codes
     return (padded[0::2] << 4) | padded[1::2]
 
@@ -126,13 +132,23 @@ def signed_dynamic_map() -> np.ndarray:
     return np.sort(np.array(values, dtype=np.float32))
 
 
-def quantize_blockwise(values: np.ndarray, code: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Blockwise absmax quantization to the nearest entry of a sorted `code`.
+def _lookup_table(code: np.ndarray) -> np.ndarray:
+    """uint8 [LUT_POINTS]: for point i = -1 + 2i/(LUT_POINTS-1) (float32), the number of midpoints of
+    neighbouring `code` entries below it, i.e. its nearest entry, a tie going to the lower one."""
+    code = np.asarray(code, dtype=np.float32)
+    midpoints = np.float32(0.5) * (code[:-1] + code[1:])
+    points = np.float32(-1.0) + (np.float32(2.0) * np.arange(LUT_POINTS, dtype=np.float32)) / np.float32(LUT_POINTS - 1)
+    return np.searchsorted(midpoints, points, side="left").astype(np.uint8)
 
-    Returns (uint8 indices, float32 absmax per block). Each value is scaled by
-    1/absmax of its block, clipped to [-1, 1], and mapped to the nearest code
-    entry; a value on a midpoint takes the lower entry. An all-zero block maps
-    to the code entry nearest 0.
+
+def quantize_blockwise(values: np.ndarray, code: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Blockwise absmax quantization to a sorted 256-entry `code`, as bitsandbytes' CPU kernel does it.
+
+    Returns (uint8 indices, float32 absmax per block). Each value is multiplied by
+    float32 1/absmax of its block, clipped to [-1, 1], rounded to the nearest of
+    LUT_POINTS evenly spaced points, and the point's entry taken from
+    _lookup_table: near a midpoint of two entries this may be the farther one,
+    and it is what bitsandbytes stores. An all-zero block gets index 0.
     """
     values = np.asarray(values, dtype=np.float32).reshape(-1)
     n = values.size
@@ -141,11 +157,13 @@ def quantize_blockwise(values: np.ndarray, code: np.ndarray, block_size: int) ->
     padded[:n] = values
     padded = padded.reshape(blocks, block_size)
     absmax = np.abs(padded).max(axis=1).astype(np.float32)
-    inverse = np.divide(np.float32(1.0), absmax, out=np.zeros_like(absmax), where=absmax > 0)
-    scaled = np.clip(padded * inverse[:, None], -1.0, 1.0).reshape(-1)[:n]
-    bounds = (code[:-1] + code[1:]) / np.float32(2.0)
-    indices = np.searchsorted(bounds, scaled, side="left").astype(np.uint8)
-    return indices, absmax
+    inverse = np.float32(1.0) / np.where(absmax > 0, absmax, np.float32(1.0))
+    scaled = np.clip(padded * inverse[:, None], np.float32(-1.0), np.float32(1.0))
+    # float32 throughout: (x + 1) * 0.5 * (LUT_POINTS - 1) + 0.5, truncated.
+    position = (scaled + np.float32(1.0)) * np.float32(0.5) * np.float32(LUT_POINTS - 1) + np.float32(0.5)
+    indices = _lookup_table(code)[position.astype(np.uint16)]
+    indices[absmax == 0] = 0
+    return indices.reshape(-1)[:n], absmax
 
 
 def dequantize_blockwise(indices: np.ndarray, absmax: np.ndarray, code: np.ndarray, block_size: int) -> np.ndarray:
@@ -156,17 +174,74 @@ def dequantize_blockwise(indices: np.ndarray, absmax: np.ndarray, code: np.ndarr
 
 
 def double_quantize_absmax(absmax: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.float32]:
-    """NF4 double quantization of the per-block absmax (bitsandbytes compress_statistics).
+    """NF4 double quantization of the per-block absmax, as bitsandbytes' compress_statistics does it on a CPU.
 
-    offset = mean(absmax); (absmax - offset) is quantized in blocks of 256 with
-    the signed dynamic map. Returns (uint8 codes [nblocks], float32
-    nested_absmax [ceil(nblocks/256)], float32 offset).
+    offset = mean(absmax), summed in torch's float32 order (torch_float32_sum) and
+    divided by the count in float32; (absmax - offset) is quantized in blocks of
+    256 with the signed dynamic map by quantize_blockwise. Returns (uint8 codes
+    [nblocks], float32 nested_absmax [ceil(nblocks/256)], float32 offset).
     """
     absmax = np.asarray(absmax, dtype=np.float32).reshape(-1)
-    # The mean is accumulated in float64 so it does not depend on summation order.
-    offset = np.float32(absmax.astype(np.float64).mean()) if absmax.size else np.float32(0.0)
+    if not absmax.size:
+        return np.zeros(0, np.uint8), np.zeros(0, np.float32), np.float32(0.0)
+    offset = np.float32(torch_float32_sum(absmax) / np.float32(absmax.size))
     codes, nested_absmax = quantize_blockwise(absmax - offset, signed_dynamic_map(), NESTED_BLOCK_SIZE)
     return codes, nested_absmax, offset
+
+
+def _ceil_log2(x: int) -> int:
+    return 1 if x <= 2 else (x - 1).bit_length()
+
+
+def _cascade_rows(rows: np.ndarray) -> np.ndarray:
+    """Sum of `rows` [size, ...] along axis 0 in torch's cascade order (multi_row_sum): runs of
+    2**p values add into level 0, and each full run moves up one of four levels."""
+    size = rows.shape[0]
+    power = max(4, _ceil_log2(size) // 4)
+    step, mask = 1 << power, (1 << power) - 1
+    levels = [np.zeros(rows.shape[1:], np.float32) for _ in range(4)]
+    i = 0
+    while i + step <= size:
+        for row in rows[i:i + step]:
+            levels[0] = levels[0] + row
+        i += step
+        for j in range(1, 4):
+            levels[j], levels[j - 1] = levels[j] + levels[j - 1], np.zeros_like(levels[0])
+            if i & (mask << (j * power)):
+                break
+    for row in rows[i:]:
+        levels[0] = levels[0] + row
+    return levels[0] + levels[1] + levels[2] + levels[3]
+
+
+def _row_sum(values: np.ndarray) -> np.ndarray:
+    """torch's row_sum: four interleaved cascades, the leftovers onto the first, then the four in order."""
+    size = values.shape[0]
+    whole = size // 4
+    partial = _cascade_rows(values[:whole * 4].reshape((whole, 4) + values.shape[1:]))
+    first = partial[0]
+    for row in values[whole * 4:]:
+        first = first + row
+    return first + partial[1] + partial[2] + partial[3]
+
+
+def torch_float32_sum(values: np.ndarray, lanes: int = TORCH_VECTOR_LANES) -> np.float32:
+    """The float32 sum of a 1-D array, each addition rounded in the order torch's CPU kernel adds.
+
+    Every float32 addition rounds, so the order decides the last bits. torch sums
+    `lanes`-wide vectors (8 with AVX2) by _row_sum, then adds the leftover values
+    and the vector's lanes one by one. This is torch's order on one thread; from
+    32768 values on, torch splits the sum between its threads.
+    """
+    values = np.asarray(values, dtype=np.float32).reshape(-1)
+    if values.size < lanes:
+        return np.float32(_row_sum(values))
+    whole = values.size // lanes
+    vector = _row_sum(values[:whole * lanes].reshape(whole, lanes))
+    total = np.float32(0.0)
+    for value in np.concatenate([values[whole * lanes:], vector]):
+        total = np.float32(total + value)
+    return total
 
 
 def dequantize_double_quant(codes: np.ndarray, nested_absmax: np.ndarray, offset: float,

@@ -117,6 +117,8 @@ FP8_E4M3_MAX = 448.0
 FP8_DTYPE = jnp.float8_e4m3fn
 # Elements per NF4 block (QLoRA, bitsandbytes): each block of the flattened weight has one absmax.
 NF4_BLOCK_SIZE = 64
+# The code of the level 0.0: the low nibble after an odd count of codes (bitsandbytes pads with a zero value).
+NF4_ZERO_CODE = 7
 
 
 @dataclasses.dataclass(frozen=True)

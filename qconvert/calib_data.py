@@ -23,6 +23,8 @@ from qconvert.errors import HubUnavailableError, InvalidCheckpointError, ModelNo
 
 BUILTIN = "builtin"
 RANDOM = "random"
+# verify's held-out prose: shipped beside the calibration corpus, never used to calibrate.
+HELD_OUT = "held-out"
 DEFAULT_SAMPLES = 128
 DEFAULT_SEQLEN = 512
 RANDOM_SEED = 0
@@ -41,6 +43,8 @@ class CalibrationData:
     requested_samples: int
     requested_seqlen: int
     sha256: str | None = None  # of the calibration file, for file sources
+    seed: int | None = None  # of random ids
+    stream_tokens: int | None = None  # text: the windows hold the text's first stream_tokens tokens
 
     @property
     def samples(self) -> int:
@@ -66,12 +70,19 @@ class CalibrationData:
             "requested_samples": self.requested_samples,
             "requested_seqlen": self.requested_seqlen,
             **({"sha256": self.sha256} if self.sha256 else {}),
+            **({"seed": self.seed} if self.seed is not None else {}),
+            **({"stream_tokens": [0, self.stream_tokens]} if self.stream_tokens is not None else {}),
         }
 
 
 def builtin_corpus_text() -> str:
     """The English prose shipped inside the package: the offline default calibration text."""
     return resources.files("qconvert").joinpath("data/calibration.txt").read_text(encoding="utf-8")
+
+
+def held_out_text() -> str:
+    """English prose shipped for evaluation only: text no calibration reads unless given it as a file."""
+    return resources.files("qconvert").joinpath("data/evaluation.txt").read_text(encoding="utf-8")
 
 
 def read_texts(path: Path) -> list[str]:
@@ -197,9 +208,11 @@ def random_windows(vocab_size: int, samples: int, seqlen: int, seed: int = RANDO
 
 
 def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
-                     samples: int = DEFAULT_SAMPLES, seqlen: int = DEFAULT_SEQLEN) -> CalibrationData:
-    """Token windows for `--calib` (builtin | random | FILE.txt | FILE.jsonl | hf://datasets/...).
+                     samples: int = DEFAULT_SAMPLES, seqlen: int = DEFAULT_SEQLEN,
+                     seed: int = RANDOM_SEED) -> CalibrationData:
+    """Token windows for `--calib` (builtin | random | FILE.txt | FILE.jsonl | hf://datasets/... | held-out).
 
+    `seed` seeds random ids.
     seqlen is capped at the model's max_position_embeddings; when the text runs
     out before `samples` full windows, fewer samples are taken and the record says so.
     """
@@ -210,13 +223,15 @@ def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
     effective_seqlen = min(seqlen, int(max_positions)) if max_positions else seqlen
     if calib == RANDOM:
         vocab = int(config["vocab_size"])
-        ids = random_windows(vocab, samples, effective_seqlen)
-        description = (f"random token ids, uniform over the vocabulary of {vocab}, seed {RANDOM_SEED}: "
+        ids = random_windows(vocab, samples, effective_seqlen, seed)
+        description = (f"random token ids, uniform over the vocabulary of {vocab}, seed {seed}: "
                        "not real text")
-        return CalibrationData(ids, RANDOM, description, samples, seqlen)
+        return CalibrationData(ids, RANDOM, description, samples, seqlen, seed=seed)
     digest = None
     if calib == BUILTIN:
         texts, description = [builtin_corpus_text()], "qconvert's built-in English prose corpus"
+    elif calib == HELD_OUT:
+        texts, description = [held_out_text()], "qconvert's built-in held-out English prose (never calibrated on)"
     else:
         local = download_dataset_file(calib) if calib.startswith("hf://") else Path(calib)
         texts = read_texts(local)
@@ -225,6 +240,7 @@ def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
     tokenizer = load_tokenizer(model_folder)
     try:
         ids = token_windows(tokenizer, texts, samples, effective_seqlen)
+        stream = ids.shape[0] * (ids.shape[1] - sum(len(end) for end in _special_ends(tokenizer)))
     except UsageError:
         raise
     except Exception as err:  # the tokenizers binding raises plain Exceptions from its Rust core
@@ -232,4 +248,4 @@ def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
         raise InvalidCheckpointError(f"{Path(model_folder) / 'tokenizer.json'} loads but cannot encode the "
                                      f"calibration text ({reason}); fix the tokenizer, or pass "
                                      f"'--calib {RANDOM}'") from None
-    return CalibrationData(ids, calib, description, samples, seqlen, digest)
+    return CalibrationData(ids, calib, description, samples, seqlen, digest, stream_tokens=stream)

@@ -301,8 +301,10 @@ def inspect_command(out: Path, as_json: bool) -> int:
               help="Float model to compare against (folder or Hub id); default: the source in qconvert.json.")
 @click.option("--revision", default=None, help="Hub branch, tag or commit of --reference.")
 @click.option("--calib", default="auto", show_default=True, metavar="SOURCE",
-              help="Evaluation text: builtin | random | FILE.txt | FILE.jsonl | hf://datasets/...; "
-                   "auto = builtin, or random ids when the reference has no tokenizer.")
+              help="Evaluation text: held-out | builtin | random | FILE.txt | FILE.jsonl | hf://datasets/...; "
+                   "auto = text calibration did not read: qconvert's held-out prose, or random ids from "
+                   "another seed after random calibration or when the reference has no tokenizer. Text "
+                   "that shares a run of 16 tokens with the calibration text is refused.")
 @click.option("--samples", type=click.IntRange(min=1), default=None, help="Evaluation sequences (default 8; 2 with --quick).")
 @click.option("--seqlen", type=click.IntRange(min=2), default=None, help="Tokens per sequence (default 64; 32 with --quick).")
 @click.option("--quick", is_flag=True, help="A small evaluation sample: a fast smoke check.")

@@ -21,7 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert.errors import InvalidWeightError
-from qconvert.formats.qarray import INT8_QMAX, NF4_BLOCK_SIZE, NF4_LEVELS, QArray
+from qconvert.formats.packing import pack_nf4_codes
+from qconvert.formats.qarray import (
+    INT8_QMAX,
+    NF4_BLOCK_SIZE,
+    NF4_LEVELS,
+    NF4_ZERO_CODE,
+    QArray,
+)
 from qconvert.formats.quotient import f32_quotient
 
 # Elements per jitted call: large enough that dispatch costs nothing, small enough to stay in cache-sized buffers.
@@ -29,6 +36,8 @@ CHUNK_ELEMENTS = 1 << 20
 
 # Decision thresholds between neighbouring NF4 levels: a value goes to the
 # number of thresholds it lies strictly above, so a tie lands on the lower code.
+# bitsandbytes' floor for the absmax of a weight's partial last block (torch's clamp(min=1e-38)).
+TAIL_ABSMAX_FLOOR = np.float32(1e-38)
 NF4_THRESHOLDS = ((NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / np.float32(2)).astype(np.float32)
 
 
@@ -171,6 +180,10 @@ def nf4_codes_and_absmax(flat: jax.Array, block_size: int = NF4_BLOCK_SIZE, clip
     `flat` holds a whole number of blocks. `clip` (float32 [blocks], optional)
     scales each block's stored absmax (a searched ratio); values beyond it take
     the code of +-1. Call inside `x64()`.
+
+    A block is scaled as bitsandbytes scales a whole block, by a multiply with
+    float32 1/absmax, so the codes are its codes (a weight's partial last block
+    is scaled apart, by nf4_tail_block).
     """
     blocks = flat.reshape(-1, block_size)
     if block_size & (block_size - 1) == 0:
@@ -180,8 +193,23 @@ def nf4_codes_and_absmax(flat: jax.Array, block_size: int = NF4_BLOCK_SIZE, clip
     if clip is not None:
         absmax = absmax * clip
     # An all-zero block normalizes to 0 (code 7, the level 0.0) instead of NaN.
-    normalized = f32_quotient(blocks, jnp.where(absmax == 0, 1.0, absmax)[:, None])
+    inverse = f32_quotient(jnp.float32(1.0), jnp.where(absmax == 0, 1.0, absmax).astype(jnp.float32))
+    normalized = blocks.astype(jnp.float32) * inverse[:, None]
     return nf4_codes(normalized).reshape(-1), absmax, _all_finite_hint(flat)
+
+
+def nf4_tail_block(values: np.ndarray, clip: float | None = None) -> tuple[np.ndarray, np.float32]:
+    """Codes and absmax of a weight's partial last block, as bitsandbytes computes them.
+
+    There the values are divided (not multiplied by a reciprocal) by an absmax
+    raised to at least 1e-38. In numpy: 1e-38 is subnormal, which XLA's CPU
+    arithmetic flushes to zero.
+    """
+    values = np.asarray(values, dtype=np.float32)
+    absmax = np.abs(values).max() if clip is None else np.abs(values).max() * np.float32(clip)
+    absmax = np.maximum(np.float32(absmax), TAIL_ABSMAX_FLOOR)
+    codes = np.searchsorted(NF4_THRESHOLDS, values / absmax, side="left").astype(np.uint8)
+    return codes, absmax
 
 
 def _pick(bits: list[jax.Array], table: list[float]) -> jax.Array:
@@ -212,12 +240,13 @@ def nf4_codes(normalized: jax.Array) -> jax.Array:
 def pack_nf4_pairs(codes: jax.Array, valid: jax.Array) -> jax.Array:
     """uint8 codes [2k] -> bytes [k], byte = (code[2i] << 4) | code[2i+1].
 
-    With an odd count `valid` of real codes, the low nibble after the last one is 0.
+    With an odd count `valid` of real codes, the low nibble after the last one is
+    the code of 0.0, as bitsandbytes writes it (it pads the values with a zero).
     """
     pairs = codes.reshape(-1, 2)
     packed = (pairs[:, 0] << 4) | pairs[:, 1]
     last = jnp.minimum(valid // 2, packed.shape[0] - 1)
-    return packed.at[last].set(jnp.where(valid % 2 == 1, packed[last] & 0xF0, packed[last]))
+    return packed.at[last].set(jnp.where(valid % 2 == 1, (packed[last] & 0xF0) | NF4_ZERO_CODE, packed[last]))
 
 
 def quantize_nf4(w, block_size: int = NF4_BLOCK_SIZE, *, clip=None) -> QArray:
@@ -255,4 +284,8 @@ def quantize_nf4(w, block_size: int = NF4_BLOCK_SIZE, *, clip=None) -> QArray:
             absmax[start // block_size:-(-(start + count) // block_size)] = (
                 np.asarray(part_absmax)[:-(-count // block_size)])
         _check_finite(w, [item[-1] for item in pending])
+    if n % block_size:
+        first = n - n % block_size
+        codes, absmax[-1] = nf4_tail_block(flat[first:], None if ratios is None else ratios[-1])
+        packed[first // 2:] = pack_nf4_codes(codes)
     return QArray(qvalue=packed, scale=absmax, kind="nf4", block_size=block_size, shape=w.shape, dtype=w.dtype)

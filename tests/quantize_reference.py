@@ -31,7 +31,11 @@ def unpack_int32_words(packed: np.ndarray, cols: int) -> np.ndarray:
 
 
 def numpy_nf4(w: np.ndarray, block: int = 64):
-    """Packed NF4 bytes (earlier element high) and float32 absmax per block, thresholds at level midpoints."""
+    """Packed NF4 bytes (earlier element high) and float32 absmax per block, thresholds at level midpoints.
+
+    Scaled as bitsandbytes scales: a whole block times float32 1/absmax, a partial
+    last block divided by its absmax raised to at least 1e-38; an odd count pads the code of 0.0.
+    """
     flat = w.astype(np.float32).ravel()
     n = flat.size
     nblocks = -(-n // block)
@@ -39,11 +43,16 @@ def numpy_nf4(w: np.ndarray, block: int = 64):
     padded[:n] = flat
     blocks = padded.reshape(nblocks, block)
     absmax = np.abs(blocks).max(axis=1)
+    if n % block:
+        absmax[-1] = max(absmax[-1], np.float32(1e-38))
     safe = np.where(absmax > 0, absmax, np.float32(1))
-    norm = (blocks / safe[:, None]).ravel()[:n]
+    norm = blocks * (np.float32(1) / safe)[:, None]
+    if n % block:
+        norm[-1] = blocks[-1] / safe[-1]
+    norm = norm.ravel()[:n]
     midpoints = (LEVELS[:-1] + LEVELS[1:]) / np.float32(2)
     # A value strictly above k midpoints gets code k: a tie stays on the lower code.
     codes = (norm[:, None] > midpoints[None, :]).sum(axis=1).astype(np.uint8)
     if n % 2:
-        codes = np.append(codes, np.uint8(0))
+        codes = np.append(codes, np.uint8(7))
     return ((codes[0::2] << 4) | codes[1::2]).astype(np.uint8), absmax.astype(np.float32)

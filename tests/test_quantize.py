@@ -13,7 +13,7 @@ from quantize_reference import LEVELS, numpy_int8, numpy_nf4
 
 
 def looped_nf4(w: np.ndarray, block=64):
-    """The NF4 rules element by element, walking up the levels."""
+    """The NF4 rules element by element, walking up the levels (scaled as numpy_nf4 says bitsandbytes does)."""
     flat = w.astype(np.float32).ravel()
     n = flat.size
     codes = np.empty(n, np.uint8)
@@ -21,7 +21,11 @@ def looped_nf4(w: np.ndarray, block=64):
     for b in range(absmax.size):
         x = flat[b * block:(b + 1) * block]
         absmax[b] = np.abs(x).max()
-        norm = x / absmax[b] if absmax[b] > 0 else np.zeros_like(x)
+        if x.size < block:
+            absmax[b] = max(absmax[b], np.float32(1e-38))
+            norm = x / absmax[b]
+        else:
+            norm = x * (np.float32(1) / absmax[b]) if absmax[b] > 0 else np.zeros_like(x)
         for i, v in enumerate(norm):
             # Walk up the levels: move to the next one only if v is strictly past the midpoint.
             c = 0
@@ -29,7 +33,7 @@ def looped_nf4(w: np.ndarray, block=64):
                 c += 1
             codes[b * block + i] = c
     if n % 2:
-        codes = np.append(codes, 0)
+        codes = np.append(codes, 7)
     packed = (codes[0::2] << 4) | codes[1::2]
     return packed.astype(np.uint8), absmax
 
@@ -134,3 +138,22 @@ def test_nan_or_inf_anywhere_is_refused(bad, quantize):
         w.reshape(-1)[index] = bad
         with pytest.raises(InvalidWeightError, match="NaN or Inf"):
             quantize(w)
+
+
+@pytest.mark.parametrize("shape", [(160, 129), (5, 77), (96, 200)])
+def test_nf4_packed_bytes_and_absmax_equal_bitsandbytes(shape):
+    import bitsandbytes.functional as bnb_functional
+    import torch
+
+    rng = np.random.default_rng(shape[1])
+    w = (rng.standard_normal(shape) * 0.02).astype(np.float32)
+    w[1] = 0.0
+    w[2, 3] = 1e4
+    w.reshape(-1)[-(w.size % 64 or 64):] = 0.0  # an all-zero last block (partial where the size is not whole blocks)
+    mids = (LEVELS[:-1] + LEVELS[1:]) / np.float32(2)
+    w.reshape(-1)[64:64 + mids.size] = mids * np.float32(0.03)  # values on the thresholds of a block
+    w.reshape(-1)[64 + mids.size] = np.float32(0.03)
+    packed, state = bnb_functional.quantize_4bit(torch.from_numpy(w), blocksize=64, quant_type="nf4")
+    q = quantize_nf4(w)
+    assert np.asarray(q.qvalue).tobytes() == packed.numpy().tobytes()
+    assert np.asarray(q.scale).tobytes() == state.absmax.numpy().tobytes()

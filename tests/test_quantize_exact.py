@@ -40,7 +40,7 @@ def test_int8_matches_numpy_division_at_every_half_step(seed):
     np.testing.assert_array_equal(np.asarray(q.qvalue), q_ref)
 
 
-def test_nf4_matches_numpy_division_at_every_midpoint():
+def test_nf4_matches_numpy_reciprocal_scaling_at_every_midpoint():
     rng = np.random.default_rng(3)
     mids = (LEVELS[:-1] + LEVELS[1:]) / np.float32(2)
     blocks = []

@@ -11,6 +11,9 @@ from cli_helpers import run, tree
 from checkpoints import make_llama_checkpoint, make_mixtral_checkpoint
 
 CALIB = ["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "16"]
+# Static scales must cover ids they were not fitted on (verify evaluates on another seed): on 4 x 16 calibration
+# ids the worst layer's SQNR is 14.7 dB on verify's ids (29.7 dB on its own), on 16 x 32 it is 23.8 dB.
+STATIC_CALIB = ["--calib", "random", "--calib-samples", "16", "--calib-seqlen", "32"]
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +27,7 @@ def _verify(out, capsys):
 
 
 @pytest.mark.parametrize("scheme", [["--scheme", "int8"], ["--scheme", "nf4"], ["--scheme", "w8a8", *CALIB],
-                                    ["--scheme", "w8a8", "--act", "static", *CALIB]],
+                                    ["--scheme", "w8a8", "--act", "static", *STATIC_CALIB]],
                          ids=["int8", "nf4", "w8a8", "w8a8-static"])
 def test_verify_passes_a_folder_with_a_quantized_lm_head(llama, tmp_path, capsys, scheme):
     out = tmp_path / "out"

@@ -136,6 +136,9 @@ def render(report: VerifyReport, console: Console, *, max_rows: int | None = 20)
         reasons = sorted({r.kernel.fallback_reason for r in report.layers if r.kernel.fallback_reason})
         for reason in reasons:
             console.print(f"fallback: {reason}")
+    held_out = report.evaluation.get("held_out")
+    if held_out:
+        console.print(f"evaluation text: {held_out['evaluation']}; {held_out['note']}", highlight=False, markup=False)
     if report.model is not None:
         m = report.model
         figures = ", ".join(f"{k} {v:.6g}" for k, v in m.metrics.items())

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.calib_data import BUILTIN, RANDOM, load_calibration
 from qconvert.consistency import check_weights_match_config
 from qconvert.errors import UsageError
 from qconvert.formats.errors import FormatError
@@ -29,6 +28,7 @@ from qconvert.verify.integrity import (ConversionRecord, IntegrityResult, check_
                                        check_config_matches_reference, check_files, read_config, read_record,
                                        sha256_of)
 from qconvert.verify.fidelity import make_folder_linear
+from qconvert.verify.held_out import AUTO, HeldOut, held_out_evaluation
 from qconvert.verify.kernel_path import make_quantized_linear
 from qconvert.verify.layers import smoothing_factors, verify_layers
 from qconvert.verify.model import verify_model
@@ -40,7 +40,6 @@ from qconvert.verify.thresholds import Check, thresholds_for
 from qconvert.verify.weight_only import (SYNTHETIC_ROWS, SYNTHETIC_SEED, skipped_stages,
                                          verify_linears_on_synthetic_inputs)
 
-AUTO = "auto"
 # verify's stages, as the progress bars name them.
 INTEGRITY, PER_LINEAR, WHOLE_MODEL = "integrity", "per linear", "whole model"
 # Evaluation sizes: the full run and --quick. Small on purpose: on CPU the Pallas
@@ -66,14 +65,12 @@ class VerifyOptions:
     thresholds: Mapping[str, float | None] = dataclasses.field(default_factory=dict)
 
 
-def evaluation_tokens(options: VerifyOptions, reference_folder: Path, config: dict[str, Any]):
-    """The evaluation windows: `--calib` text (default: built-in prose, or random ids without a tokenizer)."""
-    calib = options.calib
-    if calib == AUTO:
-        calib = BUILTIN if (Path(reference_folder) / "tokenizer.json").is_file() else RANDOM
+def evaluation_tokens(options: VerifyOptions, reference_folder: Path, config: dict[str, Any],
+                      calibration: dict[str, Any] | None = None) -> HeldOut:
+    """The evaluation windows, held out from the calibration text qconvert.json records (verify/held_out.py)."""
     samples = options.samples or (QUICK_SAMPLES if options.quick else DEFAULT_SAMPLES)
     seqlen = options.seqlen or (QUICK_SEQLEN if options.quick else DEFAULT_SEQLEN)
-    return load_calibration(calib, reference_folder, config, samples=samples, seqlen=seqlen)
+    return held_out_evaluation(options.calib, calibration, reference_folder, config, samples, seqlen)
 
 
 def check_backend(backend: str) -> None:
@@ -198,7 +195,8 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions(), progress: Re
     model = build(resolved.config)  # the reference's forward; the folder's config was found equal to it above
     reference = CheckpointParams(reference_ckpt)
     converted = QuantizedParams(quantized)
-    data = evaluation_tokens(options, resolved.folder, resolved.config)
+    held_out = evaluation_tokens(options, resolved.folder, resolved.config, record.raw.get("calibration"))
+    data = held_out.data
     ids = np.asarray(data.input_ids)
     mask = np.ones_like(ids)
     quantized_linear, choices = make_quantized_linear(quantized, record.scheme, options.backend)
@@ -230,7 +228,8 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions(), progress: Re
         devices=tuple(str(d) for d in jax.devices()), thresholds=thresholds,
         integrity=IntegrityResult(tuple(files), ()), layers=tuple(layer_results), model=model_result,
         extra_checks=tuple(extra),
-        evaluation={**data.record(), "quick": options.quick, "kernel_calls": len(choices)},
+        evaluation={**data.record(), "quick": options.quick, "kernel_calls": len(choices),
+                    "held_out": held_out.record()},
         versions=versions(), seconds=time.perf_counter() - started)
 
 

@@ -1,0 +1,119 @@
+"""Evaluation text held out from calibration: verify never grades a folder on the text it was calibrated on.
+
+A w8a8 folder's activation scales (and its smoothing) were fitted on its
+calibration windows, so figures measured on those same windows flatter it.
+verify therefore evaluates on text calibration did not read: random ids from
+another seed after random calibration, otherwise qconvert's held-out prose
+(data/evaluation.txt). Disjointness is checked, not assumed: the calibration
+windows are rebuilt from qconvert.json's record and no run of NGRAM tokens of
+the evaluation windows may occur in them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qconvert.calib_data import (
+    DEFAULT_SAMPLES,
+    DEFAULT_SEQLEN,
+    HELD_OUT,
+    RANDOM,
+    RANDOM_SEED,
+    CalibrationData,
+    load_calibration,
+)
+from qconvert.errors import QConvertError, UsageError
+
+AUTO = "auto"
+# Tokens in a row that evaluation and calibration text may not share.
+NGRAM = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldOut:
+    """The evaluation windows and what they are held out from."""
+
+    data: CalibrationData
+    calibration: Mapping[str, Any] | None  # qconvert.json's calibration record; None when it has none
+    disjoint: bool | None  # None: not checked (the note says why)
+    note: str
+
+    def record(self) -> dict[str, Any]:
+        """verify's JSON `held_out` entry."""
+        return {"calibration": dict(self.calibration) if self.calibration else None,
+                "evaluation": self.data.description, "disjoint": self.disjoint, "ngram": NGRAM,
+                "note": self.note}
+
+    def line(self) -> str:
+        """The one line verify prints about it."""
+        return f"evaluation text: {self.data.description}; {self.note}"
+
+
+def evaluation_source(calib: str, calibration: Mapping[str, Any] | None, has_tokenizer: bool) -> tuple[str, int]:
+    """(source, seed) of the evaluation windows: `--calib` when given, else text calibration did not read."""
+    seed = int(calibration.get("seed", RANDOM_SEED)) + 1 if calibration and calibration.get("random") \
+        else RANDOM_SEED + 1
+    if calib != AUTO:
+        return calib, seed
+    if (calibration and calibration.get("random")) or not has_tokenizer:
+        return RANDOM, seed
+    return HELD_OUT, seed
+
+
+def ngrams(ids: np.ndarray, n: int = NGRAM) -> set[bytes]:
+    """Every run of n tokens in each window (a shorter window counts whole), as bytes."""
+    grams: set[bytes] = set()
+    for row in np.asarray(ids, dtype=np.int64):
+        if row.size < n:
+            grams.add(row.tobytes())
+            continue
+        runs = np.lib.stride_tricks.sliding_window_view(row, n)
+        grams.update(run.tobytes() for run in runs)
+    return grams
+
+
+def shared_ngrams(evaluation: np.ndarray, calibration: np.ndarray, n: int = NGRAM) -> int:
+    """How many distinct n-token runs of the evaluation windows also occur in the calibration windows."""
+    return len(ngrams(evaluation, n) & ngrams(calibration, n))
+
+
+def calibration_windows(calibration: Mapping[str, Any], folder: Path, config: dict[str, Any]) -> np.ndarray:
+    """The calibration windows again, from qconvert.json's record (QConvertError when they cannot be rebuilt)."""
+    data = load_calibration(str(calibration["source"]), folder, config,
+                            samples=int(calibration.get("requested_samples", DEFAULT_SAMPLES)),
+                            seqlen=int(calibration.get("requested_seqlen", DEFAULT_SEQLEN)),
+                            seed=int(calibration.get("seed", RANDOM_SEED)))
+    if calibration.get("sha256") and data.sha256 != calibration["sha256"]:
+        raise UsageError(f"the calibration file {calibration['source']} changed since the conversion")
+    if data.input_ids.shape != (int(calibration["samples"]), int(calibration["seqlen"])):
+        raise UsageError(f"rebuilding the calibration text gives {list(data.input_ids.shape)} windows, "
+                         f"qconvert.json records [{calibration['samples']}, {calibration['seqlen']}]")
+    return data.input_ids
+
+
+def held_out_evaluation(calib: str, calibration: Mapping[str, Any] | None, folder: Path, config: dict[str, Any],
+                        samples: int, seqlen: int) -> HeldOut:
+    """The evaluation windows, checked disjoint from calibration's; UsageError when they share text."""
+    has_tokenizer = (Path(folder) / "tokenizer.json").is_file()
+    source, seed = evaluation_source(calib, calibration, has_tokenizer)
+    data = load_calibration(source, folder, config, samples=samples, seqlen=seqlen, seed=seed)
+    if not calibration:
+        return HeldOut(data, None, None, "qconvert.json records no calibration text (the folder was not "
+                                         "calibrated, or was written by an older qconvert): nothing to hold out")
+    try:
+        calibrated = calibration_windows(calibration, folder, config)
+    except QConvertError as exc:
+        return HeldOut(data, calibration, None, f"calibration text {calibration.get('source')!r} cannot be "
+                                                f"rebuilt ({exc}): disjointness not checked")
+    shared = shared_ngrams(data.input_ids, calibrated)
+    if shared:
+        raise UsageError(f"the evaluation text ({data.description}) shares {shared} runs of {NGRAM} tokens with "
+                         f"the calibration text ({calibration.get('description')}); verify on held-out text: "
+                         "pass --calib with text calibration did not read")
+    return HeldOut(data, calibration, True, f"held out from calibration ({calibration.get('description')}): "
+                                            f"no run of {NGRAM} tokens in common")
