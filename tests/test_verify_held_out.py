@@ -93,7 +93,8 @@ def test_random_calibration_is_held_out_by_another_seed(source, tmp_path, capsys
 def test_evaluating_on_the_calibration_text_is_refused(source, tmp_path, capsys):
     quantize(source, tmp_path / "w8a8", "builtin")
     code, record, err = verify(tmp_path / "w8a8", capsys, "--calib", "builtin")
-    assert code == 2 and record is None
+    assert code == 2 and record["exit_code"] == 2  # the refusal comes as a JSON error record too
+    assert record["error"].startswith("the evaluation text (qconvert's built-in English prose corpus) shares ")
     assert err.strip().splitlines()[-1].startswith("qconvert: error: the evaluation text (qconvert's built-in English prose "
                                                    "corpus) shares ")
     assert "runs of 16 tokens with the calibration text" in err
