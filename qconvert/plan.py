@@ -111,7 +111,7 @@ class ConversionPlan:
         return [t.module for t in self.tensors if t.module is not None]
 
 
-def _linear_candidates(ckpt: SafetensorsCheckpoint) -> list[str]:
+def linear_candidates(ckpt: SafetensorsCheckpoint) -> list[str]:
     """Modules whose `.weight` is a 2-D float matrix and that are not embedding tables."""
     modules = []
     for name in ckpt.tensor_names:
@@ -162,7 +162,7 @@ def select_modules(ckpt: SafetensorsCheckpoint, arch: Architecture, include: tup
     Routers and Conv1Ds stay float whatever the architecture or --include chose (loader_float).
     """
     check_patterns(include, exclude)
-    candidates = [m for m in _linear_candidates(ckpt) if f"{m}.weight" not in dropped]
+    candidates = [m for m in linear_candidates(ckpt) if f"{m}.weight" not in dropped]
     routers, conv1d = loader_float(ckpt, config or {}, candidates)
     never = set(routers) | set(conv1d)
     selected = set(arch.linear_names(ckpt.tensor_names))
@@ -323,7 +323,7 @@ def loader_ignore(ckpt: SafetensorsCheckpoint, config: dict[str, Any], modules) 
     (`lm_head`, BioGPT's `output_projection`), so it is named first.
     """
     head = head_name(config)
-    ignore = sorted(set(_linear_candidates(ckpt)) - set(modules) - {head})
+    ignore = sorted(set(linear_candidates(ckpt)) - set(modules) - {head})
     if head not in modules:
         ignore.insert(0, head)
     return tuple(ignore)
