@@ -32,6 +32,13 @@ def quantize(source, out, scheme, capsys, *flags):
     return run(["quantize", str(source), "-o", str(out), "--scheme", scheme, "-q", *flags], capsys)
 
 
+def servers_cell(out, capsys) -> str:
+    """What `qconvert inspect` (the servers table) says of transformers for the folder."""
+    code, report, err = run(["inspect", str(out), "--json"], capsys)
+    assert code == 0, err
+    return json.loads(report)["servers"]["transformers"]
+
+
 def batch(source):
     return token_batch(load_config(source)["vocab_size"])
 
@@ -58,6 +65,7 @@ def test_weight_only_experts_load_in_transformers_as_the_folder_holds_them(sourc
     assert max_rel(loaded, meant, mask) <= 1e-4
     # Against the float model: close, though a token whose top-k experts nearly tie may switch expert.
     assert cosine(loaded, reference_logits(source, ids, mask), mask) >= (0.995 if scheme == "int8" else 0.95)
+    assert servers_cell(out, capsys) == "yes"
 
 
 def test_fp8_experts_load_in_transformers(source, tmp_path, capsys):
@@ -75,6 +83,7 @@ def test_fp8_experts_load_in_transformers(source, tmp_path, capsys):
     # activations are rounded by transformers in a way these hooks do not reproduce exactly (not pinned down).
     limit = 0.02 if load_config(source)["model_type"] == "qwen2_moe" else 1e-4
     assert max_rel(reference_logits(out, ids, mask), meant, mask) <= limit
+    assert servers_cell(out, capsys) == "yes"
 
 
 def test_w8a8_experts_do_not_load_in_transformers(source, tmp_path, capsys):
@@ -85,6 +94,7 @@ def test_w8a8_experts_do_not_load_in_transformers(source, tmp_path, capsys):
     # Its compressed-tensors path has no int8 expert to fuse; vLLM loads the folder (test_vllm_accept.py).
     with pytest.raises(RuntimeError, match="conversion of the weights"):
         reference_logits(out, ids, mask)
+    assert servers_cell(out, capsys) == "no"
 
 
 def test_nf4_refuses_experts_in_one_line_and_loads_with_them_excluded(source, tmp_path, capsys):
