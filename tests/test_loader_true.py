@@ -1,7 +1,7 @@
 """Folders mean to the loaders what they mean to qconvert: routers and GPT-2-style Conv1Ds stay float, every
 float linear (a tied head under its family's own name included) is in the loader's ignore list, and verify's
 integrity stage fails a folder that breaks this, naming the module. Tiny random models built by transformers
-(OLMoE, GraniteMoE, GPT-2, BioGPT under --any-architecture) load in transformers to the model the folder
+(OLMoE, GraniteMoE, DeepSeek-V3, GPT-2, BioGPT under --any-architecture) load in transformers to the model the folder
 holds."""
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ MODELS = {
                                               num_experts=4, num_experts_per_tok=2),
     "granitemoe": lambda: transformers.GraniteMoeConfig(**SMALL, intermediate_size=32, num_key_value_heads=2,
                                                         num_local_experts=4, num_experts_per_tok=2),
+    # n_routed_experts; the first layer dense, the second MoE.
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{**SMALL, "num_hidden_layers": 2}, intermediate_size=64, moe_intermediate_size=32, first_k_dense_replace=1,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=32,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=1, n_head=4, n_positions=64),
     # A tied head named output_projection, not lm_head.
     "biogpt": lambda: transformers.BioGptConfig(**SMALL, intermediate_size=96, max_position_embeddings=64),
@@ -80,7 +85,8 @@ IDS = np.random.default_rng(0).integers(3, 128, size=(2, 10))
 
 
 @pytest.mark.parametrize("name, router", [("olmoe", "model.layers.0.mlp.gate"),
-                                          ("granitemoe", "model.layers.0.block_sparse_moe.router.layer")])
+                                          ("granitemoe", "model.layers.0.block_sparse_moe.router.layer"),
+                                          ("deepseek_v3", "model.layers.1.mlp.gate")])
 def test_routers_stay_float_and_the_folder_loads_as_the_model_it_holds(sources, name, router, tmp_path, capsys):
     source, out = sources(name), tmp_path / "int8"
     code, listing, _ = run(["quantize", str(source), "-o", str(out), "--any-architecture", "--dry-run", "--json"],

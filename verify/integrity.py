@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from qconvert.errors import InvalidCheckpointError
+from qconvert.formats.errors import FormatError
 from qconvert.formats.jsonfile import MISSING, NOT_OBJECT, JsonFileError, read_json_object
 from qconvert.formats.layouts import QuantizedCheckpoint, layout_for_config
 from qconvert.formats.record import (
@@ -214,9 +215,13 @@ def _quantized_module_problem(quantized: QuantizedCheckpoint, module: str, exper
     return None
 
 
-def _out_features(quantized: QuantizedCheckpoint, module: str) -> int:
-    """A quantized linear's output width: its weight_scale's rows (header only), else its QArray's shape."""
+def _out_features(quantized: QuantizedCheckpoint, module: str) -> int | None:
+    """A quantized linear's output width: its weight_scale's rows (header only), else its QArray's shape;
+    None when its tensors cannot be read (the tensor checks that follow name what is wrong)."""
     scale = f"{module}.weight_scale"
     if scale in quantized:
         return quantized.checkpoint.shape(scale)[0]
-    return quantized.qarray(module).shape[0]
+    try:
+        return quantized.qarray(module).shape[0]
+    except FormatError:
+        return None
