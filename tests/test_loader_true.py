@@ -204,3 +204,15 @@ def test_the_loaders_matching_rules_are_the_libraries_own():
             assert ct.matches_name(name, entry) == match_name(name, entry), (name, entry)
             expected = should_convert_module(name, [entry])
             assert nf4.loader_quantizes({"llm_int8_skip_modules": [entry]}, name) == expected, (name, entry)
+
+
+@pytest.mark.parametrize("config", [{"num_experts": 8}, {"num_local_experts": 8}, {"n_routed_experts": 8},
+                                    {"text_config": {"num_experts": 8}}])
+def test_a_linear_as_wide_as_the_expert_count_is_a_router_whatever_its_name(config):
+    from qconvert.models.module_roles import expert_count, is_router
+
+    experts = expert_count(config)
+    assert experts == 8
+    assert is_router("model.layers.0.mlp.switch", 8, experts)
+    assert not is_router("model.layers.0.mlp.gate_proj", 16, experts)
+    assert not is_router("model.layers.0.mlp.switch", 8, expert_count({"num_experts": 1}))  # a dense model
