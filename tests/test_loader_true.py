@@ -12,16 +12,15 @@ import shutil
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
-
 from cli_helpers import run
 from hf_checkpoints import dequantized_float_folder
+from safetensors.numpy import load_file
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4)
+SMALL = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4}
 MODELS = {
     # Routers: OLMoE's `mlp.gate` (an OlmoeTopKRouter in transformers), GraniteMoE's `router.layer`.
     "olmoe": lambda: transformers.OlmoeConfig(**SMALL, intermediate_size=32, num_key_value_heads=2,
@@ -112,8 +111,8 @@ def test_a_quantized_router_fails_verify_integrity_naming_it(sources, tmp_path, 
     quantize(sources("olmoe"), tmp_path / "bad", "int8", capsys)
     code, problems = integrity_problems(tmp_path / "bad", capsys)
     assert code == 1
-    assert problems == ["model.layers.0.mlp.gate: a router, quantized; loaders build routers unquantized and "
-                        "would not read it (the model would route with random weights)"]
+    assert problems == [("model.layers.0.mlp.gate: a router, quantized; loaders build routers unquantized and "
+                         "would not read it (the model would route with random weights)")]
 
 
 def test_an_include_of_a_router_alone_is_refused(sources, tmp_path, capsys):
@@ -159,8 +158,8 @@ def test_a_conv1d_written_as_a_linear_fails_verify_integrity_naming_it(sources, 
     quantize(sources("gpt2"), tmp_path / "bad", "nf4", capsys, "--exclude", "*.c_attn", "--exclude", "*.mlp.*")
     code, problems = integrity_problems(tmp_path / "bad", capsys)
     assert code == 1
-    assert problems == ["transformer.h.0.attn.c_proj: a GPT-2-style Conv1D weight ([in, out]) written as a linear "
-                        "[out, in]; the loader would read it transposed, or not at all"]
+    assert problems == [("transformer.h.0.attn.c_proj: a GPT-2-style Conv1D weight ([in, out]) written as a "
+                         "linear [out, in]; the loader would read it transposed, or not at all")]
 
 
 @pytest.mark.parametrize("scheme, key", [("int8", "ignore"), ("nf4", "llm_int8_skip_modules")])
@@ -184,16 +183,15 @@ def test_biogpt_tied_head_is_in_the_loaders_ignore_list_and_the_folder_loads(sou
     (bad / "qconvert.json").write_text(json.dumps(record))
     code, problems = integrity_problems(bad, capsys)
     assert code == 1
-    assert problems == ["output_projection: kept float, but the loader would quantize it: the "
-                        "quantization_config's ignore list does not name it"]
+    assert problems == [("output_projection: kept float, but the loader would quantize it: the "
+                         "quantization_config's ignore list does not name it")]
 
 
 def test_the_loaders_matching_rules_are_the_libraries_own():
     from compressed_tensors.utils.match import match_name
-    from transformers.quantizers.quantizers_utils import should_convert_module
-
     from qconvert.formats import compressed_tensors as ct
     from qconvert.formats.layout_nf4 import BitsandbytesNF4
+    from transformers.quantizers.quantizers_utils import should_convert_module
 
     names = ["lm_head", "model.layers.1.mlp.gate", "model.layers.1.mlp.gate_proj", "model.layers.11.mlp.gate",
              "model.layers.1.mlp.experts.0.up_proj", "biogpt.layers.0.fc1", "output_projection"]

@@ -9,9 +9,14 @@ import json
 
 import numpy as np
 import pytest
-
 from cli_helpers import run
-from hf_checkpoints import dequantized_float_folder, load_config, make_hf_checkpoint, reference_logits, token_batch
+from hf_checkpoints import (
+    dequantized_float_folder,
+    load_config,
+    make_hf_checkpoint,
+    reference_logits,
+    token_batch,
+)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -69,9 +74,8 @@ def test_weight_only_experts_load_in_transformers_as_the_folder_holds_them(sourc
 
 
 def test_fp8_experts_load_in_transformers(source, tmp_path, capsys):
-    from test_fp8_families import meant_logits
-
     from qconvert.formats.layouts import open_quantized
+    from test_fp8_families import meant_logits
 
     out = tmp_path / "fp8"
     code, _, err = quantize(source, out, "fp8", capsys)

@@ -66,8 +66,8 @@ def test_static_activations_refuse_an_included_linear_outside_the_blocks_before_
     exit_code, stdout, stderr = run(["quantize", str(src), "-o", str(tmp_path / "out"), "--scheme", "w8a8",
                                      "--act", "static", "--include", "pooler.dense", "-q", *CALIB], capsys)
     assert (exit_code, stdout, stderr) == (
-        2, "", "qconvert: error: --act static writes input scales only for the block linears and lm_head; "
-               "pooler.dense (from --include) is neither: leave it out of --include, or use --act dynamic\n")
+        2, "", ("qconvert: error: --act static writes input scales only for the block linears and lm_head; "
+                "pooler.dense (from --include) is neither: leave it out of --include, or use --act dynamic\n"))
     assert tree(tmp_path) == before
 
 
@@ -87,7 +87,7 @@ def test_static_activations_refuse_an_included_router_before_calibrating(tmp_pat
                                      *CALIB], capsys)
     # Routers stay float whatever the activation mode: the selection refuses it first.
     assert (exit_code, stdout, stderr) == (
-        2, "", "qconvert: error: --include model.layers.0.block_sparse_moe.gate matches only routers or Conv1D "
-               "linears (model.layers.0.block_sparse_moe.gate), which stay float: no loader reads them back "
-               "quantized; leave it out of --include\n")
+        2, "", ("qconvert: error: --include model.layers.0.block_sparse_moe.gate matches only routers or Conv1D "
+                "linears (model.layers.0.block_sparse_moe.gate), which stay float: no loader reads them back "
+                "quantized; leave it out of --include\n"))
     assert tree(tmp_path) == before
