@@ -137,8 +137,8 @@ class Selection:
             lines.append(f"kept float: {_some(self.routers)} (routers: loaders build them unquantized, "
                          "so a quantized router would be read back as random weights)")
         if self.conv1d:
-            lines.append(f"kept float: {_some(self.conv1d)} (Conv1D: the weight is stored [in, out], not a "
-                         "linear's [out, in], and compressed-tensors replaces only Linear modules)")
+            lines.append(f"kept float: {_some(self.conv1d)} (Conv1D, its weight stored [in, out]: "
+                         "compressed-tensors leaves Conv1D float, and no transposed copy is written for bitsandbytes)")
         return tuple(lines)
 
 

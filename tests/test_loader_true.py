@@ -141,9 +141,12 @@ def test_gpt2_conv1ds_stay_float_so_nothing_is_left_and_the_dry_run_lists_before
     assert summary["kept_float"]["conv1d"] == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj",
                                                "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"]
     assert {t["kind"] for t in summary["tensors"]} == {"unchanged"}
-    code, table, _ = run(["quantize", str(source), "-o", str(out), "--scheme", scheme, "--any-architecture",
-                          "--dry-run"], capsys)
+    code, table, err = run(["quantize", str(source), "-o", str(out), "--scheme", scheme, "--any-architecture",
+                            "--dry-run"], capsys)
     assert code == 5 and "transformer.h.0.attn.c_attn" in table and "would refuse" in table
+    assert err == ("qconvert: kept float: transformer.h.0.attn.c_attn and 3 more (Conv1D, its weight stored [in, "
+                   "out]: compressed-tensors leaves Conv1D float, and no transposed copy is written for "
+                   "bitsandbytes)\n" + GPT2_REFUSAL)
     assert run(["quantize", str(source), "-o", str(out), "--scheme", scheme, "--any-architecture", "-q"],
                capsys) == (5, "", GPT2_REFUSAL)
     assert not out.exists()
