@@ -3,6 +3,7 @@ the config, int8 read-back."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,25 @@ def config(fmt: str, input_activations: dict | None, ignore: tuple[str, ...], we
             }
         },
     }
+
+
+def matches_name(name: str, target: str) -> bool:
+    """compressed-tensors' name rule for `targets` and `ignore`: `re:REGEX` matched from the start, else the
+    exact module name."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
+
+
+def loader_quantizes(qconfig: dict[str, Any], module: str) -> bool:
+    """Whether compressed-tensors quantizes linear `module`: a config group targets it (the class name
+    `Linear`, or its name) and no `ignore` entry matches it."""
+    groups = qconfig.get("config_groups")
+    targets = [t for g in (groups.values() if isinstance(groups, dict) else ()) if isinstance(g, dict)
+               for t in g.get("targets") or () if isinstance(t, str)]
+    ignore = [t for t in qconfig.get("ignore") or () if isinstance(t, str)]
+    targeted = any(t == "Linear" or matches_name(module, t) for t in targets)
+    return targeted and not any(matches_name(module, t) for t in ignore)
 
 
 def claims(qconfig: dict[str, Any], fmt: str) -> bool:
@@ -121,3 +141,6 @@ class CompressedTensorsInt8(Layout):
 
     def claims(self, qconfig: dict[str, Any]) -> bool:
         return claims(qconfig, self.format)
+
+    def loader_quantizes(self, qconfig: dict[str, Any], module: str) -> bool:
+        return loader_quantizes(qconfig, module)

@@ -57,6 +57,16 @@ class Layout(abc.ABC):
     # Tensors whose length follows their content (a JSON blob), so a planned shape is only an estimate.
     content_sized_suffixes: tuple[str, ...] = ()
     takes_double_quant: bool = False
+    # What the loader (transformers' integration of the layout's library) does beyond its config's
+    # targets: it also swaps GPT-2-style Conv1D modules for quantized linears (bitsandbytes), and it leaves
+    # the experts float, which transformers 5.x holds fused in one 3-D parameter (bitsandbytes 4-bit).
+    loader_replaces_conv1d: bool = False
+    loader_keeps_experts_float: bool = False
+
+    @abc.abstractmethod
+    def loader_quantizes(self, qconfig: dict[str, Any], module: str) -> bool:
+        """Whether the loader reading `qconfig` replaces linear `module` by a quantized one: the config
+        targets it and its ignore (or skip) list does not name it, by the loader's own matching rule."""
 
     @abc.abstractmethod
     def tensor_specs(self, module: str, shape: tuple[int, int], float_dtype,

@@ -76,6 +76,9 @@ class FloatQuantizedFP8(Layout):
     def claims(self, qconfig: dict[str, Any]) -> bool:
         return ct.claims(qconfig, FORMAT)
 
+    def loader_quantizes(self, qconfig: dict[str, Any], module: str) -> bool:
+        return ct.loader_quantizes(qconfig, module)
+
     def flags_of(self, qconfig: dict[str, Any]) -> LayoutFlags:
         groups = qconfig.get("config_groups")
         if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):

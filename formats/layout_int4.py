@@ -73,6 +73,9 @@ class PackQuantizedInt4(Layout):
     def claims(self, qconfig: dict[str, Any]) -> bool:
         return ct.claims(qconfig, FORMAT) and ct.weight_bits(qconfig) == {4}
 
+    def loader_quantizes(self, qconfig: dict[str, Any], module: str) -> bool:
+        return ct.loader_quantizes(qconfig, module)
+
     def flags_of(self, qconfig: dict[str, Any]) -> LayoutFlags:
         sizes = set()
         for name, group in qconfig["config_groups"].items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,14 @@ def _blob_array(blob: bytes) -> np.ndarray:
     return np.frombuffer(blob, dtype=np.uint8).copy()
 
 
+def _skips(key: str, module: str) -> bool:
+    try:
+        at_start = re.match(rf"(?:{key})(?:(?<=\.)|(?=\.|$))", module) is not None
+    except re.error:
+        at_start = False
+    return at_start or module.endswith(key)
+
+
 class BitsandbytesNF4(Layout):
     """`--scheme nf4`: 4-bit NormalFloat codes in blocks of 64, optionally double-quantized absmax."""
 
@@ -67,6 +76,15 @@ class BitsandbytesNF4(Layout):
                      ".weight.nested_quant_map", NF4_STATE_SUFFIX)
     takes_double_quant = True
     content_sized_suffixes = (NF4_STATE_SUFFIX,)
+    loader_replaces_conv1d = True
+    loader_keeps_experts_float = True
+
+    def loader_quantizes(self, qconfig: dict[str, Any], module: str) -> bool:
+        # transformers' rule for llm_int8_skip_modules: an entry skips a module when, read as a regular
+        # expression, it matches from the start of the name up to a name boundary ("layers.1" skips
+        # "layers.1.mlp", not "layers.11"; "mlp.gate" not "mlp.gate_proj"), or when the name ends with it.
+        skip = [key for key in qconfig.get("llm_int8_skip_modules") or () if isinstance(key, str)]
+        return not any(_skips(key, module) for key in skip)
 
     def tensor_specs(self, module: str, shape: tuple[int, int], float_dtype, flags: LayoutFlags) -> list[TensorSpec]:
         out_features, in_features = (int(d) for d in shape)

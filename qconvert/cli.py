@@ -180,6 +180,8 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
     # The whole command, imports and model resolution included, not only the conversion.
     result = dataclasses.replace(result, seconds=time.perf_counter() - started)
     _print_result(result, quiet, as_json)
+    if result.refusal is not None:  # a dry run lists first, then refuses as the real run would
+        raise result.refusal
     return 0
 
 

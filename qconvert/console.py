@@ -88,6 +88,8 @@ def print_convert_result(result: ConvertResult, console: Console) -> None:
     if result.weight_only is not None:
         console.print(result.weight_only.describe(), highlight=False)
     verb = "would write" if result.dry_run else f"wrote {result.out}:"
+    if result.refusal is not None:
+        verb = "would refuse (below); the list is what it would write otherwise:"
     console.print(
         f"{verb} {len(result.quantized_modules)} {result.scheme} linears, "
         f"{sum(t.module is None for t in result.tensors)} tensors unchanged; "

@@ -13,7 +13,7 @@ import numpy as np
 
 from qconvert import __version__
 from qconvert.card import CARD_NAME, CardFacts, write_card
-from qconvert.errors import InvalidCheckpointError, InvalidWeightError, UsageError
+from qconvert.errors import InvalidCheckpointError, InvalidWeightError, QConvertError, UsageError
 from qconvert.formats.errors import FormatError
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.record import write_record
@@ -71,6 +71,10 @@ class ConvertResult:
     weight_only: WeightOnlySelection | None = None  # set when --any-architecture chose the linears
     # Lines for the user once the folder is written (where a server will not load it), never before an error.
     notes: tuple[str, ...] = ()
+    # A dry run's: what a real run would refuse (raised by the CLI once the list is printed).
+    refusal: QConvertError | None = None
+    # Linears chosen by the architecture or --include that stay float for the loaders: routers, conv1d.
+    kept_float: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def compression_ratio(self) -> float:
@@ -92,6 +96,8 @@ class ConvertResult:
             "files": self.files,
             "weight_only": self.weight_only.record() if self.weight_only else None,
             "notes": list(self.notes),
+            "refusal": str(self.refusal) if self.refusal else None,
+            "kept_float": {kind: list(modules) for kind, modules in self.kept_float.items()},
             "tensors": [{"name": t.module or t.source, "kind": t.kind, "shape": list(t.shape),
                          "source_bytes": t.source_bytes, "output_bytes": t.output_bytes} for t in self.tensors],
         }
@@ -124,18 +130,18 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
                 plan = plan_conversion(source.checkpoint, resolved.config, source.arch, scheme=scheme,
                                        include=options.include, exclude=options.exclude,
                                        double_quant=options.double_quant, static_act=options.act == "static",
-                                       group_size=options.group_size)
+                                       group_size=options.group_size, dry_run=options.dry_run)
             for note in plan.notes:
                 if message is not None:
                     message(note)
             w8a8 = W8A8Adjustments()
-            if scheme.calibrates and not (options.dry_run and options.act == "dynamic"):
+            if scheme.calibrates and not (options.dry_run and (options.act == "dynamic" or plan.refusal)):
                 calibration_started = time.perf_counter()
                 with stage("calibration"):
                     w8a8 = prepare_w8a8(source, options, message, plan.quantized_modules)
                 if w8a8.calibration_record is not None:
                     phases.append(("calibrated", time.perf_counter() - calibration_started))
-            if options.act == "static":
+            if options.act == "static" and not plan.refusal:
                 _check_input_scales(plan, w8a8.input_scales or {})
             files: dict[str, str] = {}
             if not options.dry_run:
@@ -156,6 +162,7 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
         output_bytes=sum(spec.nbytes for spec in plan.specs),
         seconds=time.perf_counter() - started, files=files, phases=tuple(phases),
         weight_only=source.weight_only, notes=(plan.server_note,) if plan.server_note else (),
+        refusal=plan.refusal, kept_float=plan.kept_float,
     )
 
 

@@ -8,6 +8,7 @@ start of the name (as compressed-tensors reads its `ignore` entries).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import re
@@ -16,11 +17,18 @@ from typing import Any
 import numpy as np
 
 from qconvert.consistency import check_weights_match_config
-from qconvert.errors import InvalidWeightError, UnsupportedModelError, UsageError
+from qconvert.errors import (
+    InvalidWeightError,
+    QConvertError,
+    UnsupportedModelError,
+    UsageError,
+)
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, TensorSpec
+from qconvert.models.module_roles import expert_count, head_name, is_conv1d, is_router
 from qconvert.models.registry import Architecture
 from qconvert.models.weight_only import FAMILY as WEIGHT_ONLY_FAMILY
+from qconvert.models.weight_only import architecture_name
 from qconvert.schemes.base import Scheme
 from qconvert.schemes.servers import family_of, scheme_key, tpu_note
 
@@ -91,6 +99,8 @@ class ConversionPlan:
     flags: LayoutFlags = LayoutFlags()  # the layout flags every quantized linear is written with
     notes: tuple[str, ...] = ()  # lines for the user about this model's choices (int4's group size)
     server_note: str = ""  # one line when vLLM TPU will not load the folder: what it takes instead
+    refusal: QConvertError | None = None  # a dry run's: what a real run would refuse, once listed
+    kept_float: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # routers, conv1d
 
     @property
     def specs(self) -> list[TensorSpec]:
@@ -101,7 +111,7 @@ class ConversionPlan:
         return [t.module for t in self.tensors if t.module is not None]
 
 
-def _linear_candidates(ckpt: SafetensorsCheckpoint) -> list[str]:
+def linear_candidates(ckpt: SafetensorsCheckpoint) -> list[str]:
     """Modules whose `.weight` is a 2-D float matrix and that are not embedding tables."""
     modules = []
     for name in ckpt.tensor_names:
@@ -112,11 +122,49 @@ def _linear_candidates(ckpt: SafetensorsCheckpoint) -> list[str]:
     return modules
 
 
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The linears to quantize, and those a pattern or the architecture named that stay float for the loaders."""
+
+    modules: tuple[str, ...]
+    routers: tuple[str, ...] = ()  # routers and expert gates (module_roles.is_router)
+    conv1d: tuple[str, ...] = ()  # GPT-2-style Conv1D, stored [in, out]
+
+    def notes(self) -> tuple[str, ...]:
+        """One line per kind of linear kept float, with the reason."""
+        lines = []
+        if self.routers:
+            lines.append(f"kept float: {_some(self.routers)} (routers: loaders build them unquantized, "
+                         "so a quantized router would be read back as random weights)")
+        if self.conv1d:
+            lines.append(f"kept float: {_some(self.conv1d)} (Conv1D, its weight stored [in, out]: "
+                         "compressed-tensors leaves Conv1D float, and no transposed copy is written for bitsandbytes)")
+        return tuple(lines)
+
+
+def _some(modules: tuple[str, ...]) -> str:
+    more = f" and {len(modules) - 1} more" if len(modules) > 1 else ""
+    return f"{modules[0]}{more}"
+
+
+def loader_float(ckpt: SafetensorsCheckpoint, config: dict[str, Any], modules) -> tuple[list[str], list[str]]:
+    """(routers, Conv1Ds) among `modules`: linears no loader reads back quantized, so they stay float."""
+    experts = expert_count(config)
+    routers = [m for m in modules if is_router(m, ckpt.shape(f"{m}.weight")[0], experts)]
+    conv1d = [m for m in modules if is_conv1d(m) and m not in routers]
+    return routers, conv1d
+
+
 def select_modules(ckpt: SafetensorsCheckpoint, arch: Architecture, include: tuple[str, ...],
-                   exclude: tuple[str, ...], dropped: set[str]) -> list[str]:
-    """The sorted module names to quantize; a pattern that selects nothing is a UsageError."""
+                   exclude: tuple[str, ...], dropped: set[str], config: dict[str, Any] | None = None) -> Selection:
+    """The sorted module names to quantize; a pattern that selects nothing is a UsageError.
+
+    Routers and Conv1Ds stay float whatever the architecture or --include chose (loader_float).
+    """
     check_patterns(include, exclude)
-    candidates = [m for m in _linear_candidates(ckpt) if f"{m}.weight" not in dropped]
+    candidates = [m for m in linear_candidates(ckpt) if f"{m}.weight" not in dropped]
+    routers, conv1d = loader_float(ckpt, config or {}, candidates)
+    never = set(routers) | set(conv1d)
     selected = set(arch.linear_names(ckpt.tensor_names))
     for pattern in include:
         hit = {m for m in candidates if matches(pattern, m)}
@@ -124,16 +172,32 @@ def select_modules(ckpt: SafetensorsCheckpoint, arch: Architecture, include: tup
             tied = any(matches(pattern, name[: -len(".weight")]) for name in dropped)
             why = " (lm_head is tied to the input embeddings and stays with them)" if tied else ""
             raise UsageError(f"--include {pattern} matches no linear module{why}; check the pattern")
+        if hit <= never:
+            raise UsageError(f"--include {pattern} matches only routers or Conv1D linears ({min(hit)}), "
+                             "which stay float: no loader reads them back quantized; leave it out of --include")
         selected |= hit
+    kept = selected & never
+    selected -= never
     for pattern in exclude:
-        hit = {m for m in selected if matches(pattern, m)}
+        hit = {m for m in selected | kept if matches(pattern, m)}
         if not hit:
             raise UsageError(f"--exclude {pattern} matches no quantized module; check the pattern")
         selected -= hit
-    if not selected:
+        kept -= hit
+    if not selected and not kept:
         raise UsageError("no linear module is left to quantize (--exclude "
                          f"{' '.join(exclude)} removes them all); narrow the pattern")
-    return sorted(selected)
+    return Selection(tuple(sorted(selected)), tuple(sorted(kept & set(routers))), tuple(sorted(kept & set(conv1d))))
+
+
+def _check_something_left(selection: Selection, config: dict[str, Any]) -> None:
+    """UnsupportedModelError when every linear chosen is one that stays float (a GPT-2 of Conv1Ds only)."""
+    if not selection.modules:
+        kept = selection.routers + selection.conv1d
+        raise UnsupportedModelError(
+            f"{architecture_name(config)}: nothing left to quantize: every linear is a router or a GPT-2-style "
+            f"Conv1D with an [in, out] weight ({_some(kept)}), and those stay float: the loaders do not read "
+            "them back quantized")
 
 
 def _check_linear(ckpt: SafetensorsCheckpoint, module: str) -> tuple[int, int]:
@@ -151,23 +215,91 @@ def _check_linear(ckpt: SafetensorsCheckpoint, module: str) -> tuple[int, int]:
     return shape
 
 
+class _Refusals:
+    """The first refusal met while planning. A dry run plans on past it, so that it can list what it would do."""
+
+    def __init__(self, keep_going: bool):
+        self.keep_going = keep_going
+        self.first: QConvertError | None = None
+
+    @contextlib.contextmanager
+    def check(self):
+        try:
+            yield
+        except QConvertError as err:
+            if not self.keep_going:
+                raise
+            self.first = self.first or err
+
+
 def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: Architecture, *,
                     scheme: Scheme, include: tuple[str, ...] = (), exclude: tuple[str, ...] = (),
                     double_quant: bool = False, static_act: bool = False,
-                    group_size: int | str | None = None) -> ConversionPlan:
-    """Decide every output tensor, its layout and order (sorted by source name), before any byte is read."""
+                    group_size: int | str | None = None, dry_run: bool = False) -> ConversionPlan:
+    """Decide every output tensor, its layout and order (sorted by source name), before any byte is read.
+
+    With `dry_run`, a refusal after the selection (a weight's shape, the group size, the scheme's own
+    checks, the config against the weights) is kept in the plan's `refusal` instead of raised.
+    """
     if "quantization_config" in config:
         raise UnsupportedModelError("the model is already quantized (config.json has quantization_config); "
                                     "give the float checkpoint")
     # A tied lm_head is the embedding table: loaders re-tie it, so it is not written twice.
     dropped = {"lm_head.weight"} if config.get("tie_word_embeddings") is True and "lm_head.weight" in ckpt else set()
-    modules = select_modules(ckpt, arch, tuple(include), tuple(exclude), dropped)
-    chosen = set(modules)
-    shapes = {name[: -len(".weight")]: _check_linear(ckpt, name[: -len(".weight")]) for name in ckpt.tensor_names
-              if name.endswith(".weight") and name[: -len(".weight")] in chosen}
-    flags = scheme.layout_flags(act="static" if static_act else "dynamic", double_quant=double_quant,
-                                group_size=group_size, shapes=shapes)
-    scheme.check_modules(modules, flags)
+    selection = select_modules(ckpt, arch, tuple(include), tuple(exclude), dropped, config)
+    refusals = _Refusals(dry_run)
+    with refusals.check():
+        _check_something_left(selection, config)
+    shapes = _linear_shapes(ckpt, selection.modules, refusals)
+    modules = [m for m in selection.modules if m in shapes]
+    flags = _layout_flags(scheme, refusals, shapes, act="static" if static_act else "dynamic",
+                          double_quant=double_quant, group_size=group_size)
+    with refusals.check():
+        scheme.check_modules(modules, flags)
+    tensors = _planned_tensors(ckpt, scheme, dropped, set(modules), shapes, flags)
+    # After the per-linear checks (a weight of the wrong rank or dtype is exit 7), before any byte is read.
+    # A weight-only architecture (--any-architecture) has no family to hold the config against.
+    if arch.family != WEIGHT_ONLY_FAMILY:
+        with refusals.check():
+            check_weights_match_config(ckpt, config)
+    notes: tuple[str, ...] = selection.notes()
+    with refusals.check():
+        notes += (scheme.group_note(group_size, shapes),)
+    return ConversionPlan(tensors=tuple(tensors), ignore=loader_ignore(ckpt, config, modules),
+                          dropped=tuple(sorted(dropped)),
+                          float_dtype=ckpt.dtype(f"{modules[0]}.weight").name if modules else "float32",
+                          flags=flags, notes=tuple(filter(None, notes)),
+                          server_note=tpu_note(scheme_key(scheme.name, flags), family_of(config)),
+                          refusal=refusals.first,
+                          kept_float={"routers": selection.routers, "conv1d": selection.conv1d})
+
+
+def _linear_shapes(ckpt: SafetensorsCheckpoint, modules, refusals: _Refusals) -> dict[str, tuple[int, int]]:
+    """Each quantized linear's [out, in]; a dry run keeps a refused 2-D weight in the list (its shape as stored)."""
+    shapes = {}
+    for module in modules:
+        with refusals.check():
+            shapes[module] = _check_linear(ckpt, module)
+        stored = tuple(ckpt.shape(f"{module}.weight"))
+        if module not in shapes and len(stored) == 2 and 0 not in stored:
+            shapes[module] = stored
+    return shapes
+
+
+def _layout_flags(scheme: Scheme, refusals: _Refusals, shapes, *, act: str, double_quant: bool,
+                  group_size: int | str | None) -> LayoutFlags:
+    """The run's layout flags; a dry run whose group size is refused lists with the default one."""
+    flags = None
+    with refusals.check():
+        flags = scheme.layout_flags(act=act, double_quant=double_quant, group_size=group_size, shapes=shapes)
+    if flags is None:
+        flags = scheme.layout_flags(act=act, double_quant=double_quant, group_size="channel"
+                                    if scheme.takes_group_size else None, shapes=shapes)
+    return flags
+
+
+def _planned_tensors(ckpt: SafetensorsCheckpoint, scheme: Scheme, dropped: set[str], modules: set[str],
+                     shapes: dict[str, tuple[int, int]], flags: LayoutFlags) -> list[PlannedTensor]:
     tensors = []
     for name in ckpt.tensor_names:
         if name in dropped:
@@ -181,19 +313,20 @@ def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: A
         else:
             spec = TensorSpec(name, dtype, shape)
             tensors.append(PlannedTensor(name, None, UNCHANGED, shape, dtype.name, ckpt.nbytes(name), (spec,)))
-    # After the per-linear checks (a weight of the wrong rank or dtype is exit 7), before any byte is read.
-    # A weight-only architecture (--any-architecture) has no family to hold the config against.
-    if arch.family != WEIGHT_ONLY_FAMILY:
-        check_weights_match_config(ckpt, config)
-    # Loaders build an lm_head whether or not it is stored (tied), so it is named unless quantized.
-    ignore = sorted(set(_linear_candidates(ckpt)) - set(modules) - {"lm_head"})
-    if "lm_head" not in modules:
-        ignore.insert(0, "lm_head")
-    notes = (scheme.group_note(group_size, shapes),)
-    return ConversionPlan(tensors=tuple(tensors), ignore=tuple(ignore), dropped=tuple(sorted(dropped)),
-                          float_dtype=ckpt.dtype(f"{modules[0]}.weight").name if modules else "float32",
-                          flags=flags, notes=tuple(filter(None, notes)),
-                          server_note=tpu_note(scheme_key(scheme.name, flags), family_of(config)))
+    return tensors
+
+
+def loader_ignore(ckpt: SafetensorsCheckpoint, config: dict[str, Any], modules) -> tuple[str, ...]:
+    """The loaders' ignore list: every linear-shaped module left float, and the output head unless quantized.
+
+    Loaders build the head whether or not it is stored (tied), under the family's own name
+    (`lm_head`, BioGPT's `output_projection`), so it is named first.
+    """
+    head = head_name(config)
+    ignore = sorted(set(linear_candidates(ckpt)) - set(modules) - {head})
+    if head not in modules:
+        ignore.insert(0, head)
+    return tuple(ignore)
 
 
 def is_float_array(array: np.ndarray) -> bool:

@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from cli_helpers import run, tree
-from checkpoints import make_llama_checkpoint, make_mixtral_checkpoint
+from checkpoints import make_bert_checkpoint, make_llama_checkpoint, make_mixtral_checkpoint
 
 CALIB = ["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "16"]
 # Static scales must cover ids they were not fitted on (verify evaluates on another seed): on 4 x 16 calibration
@@ -51,6 +51,29 @@ def test_verify_passes_qconverts_own_output_of_a_tied_checkpoint_that_stores_lm_
     assert exit_code == 0 and report["integrity"]["problems"] == [], report
 
 
+def test_static_activations_refuse_an_included_linear_outside_the_blocks_before_calibrating(tmp_path, capsys,
+                                                                                          monkeypatch):
+    import qconvert.w8a8
+
+    def refused(*args, **kwargs):
+        raise AssertionError("calibrated before the combination was checked")
+
+    monkeypatch.setattr(qconvert.w8a8, "iter_layer_stats", refused)
+    src = make_bert_checkpoint(tmp_path / "bert")
+    tensors = load_file(str(src / "model.safetensors"))
+    hidden = tensors["embeddings.LayerNorm.weight"].shape[0]
+    tensors["pooler.dense.weight"] = np.eye(hidden, dtype=np.float32)  # as all-MiniLM-L6-v2 has it
+    tensors["pooler.dense.bias"] = np.zeros(hidden, np.float32)
+    save_file(tensors, str(src / "model.safetensors"))
+    before = tree(tmp_path)
+    exit_code, stdout, stderr = run(["quantize", str(src), "-o", str(tmp_path / "out"), "--scheme", "w8a8",
+                                     "--act", "static", "--include", "pooler.dense", "-q", *CALIB], capsys)
+    assert (exit_code, stdout, stderr) == (
+        2, "", ("qconvert: error: --act static writes input scales only for the block linears and lm_head; "
+                "pooler.dense (from --include) is neither: leave it out of --include, or use --act dynamic\n"))
+    assert tree(tmp_path) == before
+
+
 def test_static_activations_refuse_an_included_router_before_calibrating(tmp_path, capsys, monkeypatch):
     import qconvert.w8a8
 
@@ -65,8 +88,9 @@ def test_static_activations_refuse_an_included_router_before_calibrating(tmp_pat
                                      # experts are refused with static activations on their own (test_schemes.py)
                                      "--exclude", "*.experts.*", "-q",
                                      *CALIB], capsys)
+    # Routers stay float whatever the activation mode: the selection refuses it first.
     assert (exit_code, stdout, stderr) == (
-        2, "", "qconvert: error: --act static writes input scales only for the block linears and lm_head; "
-               "model.layers.0.block_sparse_moe.gate (from --include) is neither: leave it out of --include, or "
-               "use --act dynamic\n")
+        2, "", ("qconvert: error: --include model.layers.0.block_sparse_moe.gate matches only routers or Conv1D "
+                "linears (model.layers.0.block_sparse_moe.gate), which stay float: no loader reads them back "
+                "quantized; leave it out of --include\n"))
     assert tree(tmp_path) == before

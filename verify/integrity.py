@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from qconvert.errors import InvalidCheckpointError
+from qconvert.formats.errors import FormatError
 from qconvert.formats.jsonfile import MISSING, NOT_OBJECT, JsonFileError, read_json_object
-from qconvert.formats.layouts import layout_for_config
+from qconvert.formats.layouts import QuantizedCheckpoint, layout_for_config
 from qconvert.formats.record import (
     NO_FILES,
     NO_RECORD,
@@ -25,9 +26,11 @@ from qconvert.formats.record import (
 )
 from qconvert.formats.record import read_record as _read_record
 from qconvert.formats.safetensors_io import sha256_file
+from qconvert.models.module_roles import expert_count, head_name, is_conv1d, is_expert, is_router
+from qconvert.plan import linear_candidates
 
-__all__ = ["RECORD_NAME", "ConversionRecord", "IntegrityResult", "check_config", "check_files", "read_config",
-           "read_record", "scheme_of_quantization_config", "sha256_of"]
+__all__ = ["RECORD_NAME", "ConversionRecord", "IntegrityResult", "check_config", "check_files", "check_loader_view",
+           "read_config", "read_record", "scheme_of_quantization_config", "sha256_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,3 +170,58 @@ def check_config_matches_reference(config: dict[str, Any], reference_config: dic
             return [f"config.json: {path} is {ours}, but the reference's config.json has {theirs}; the folder "
                     "would not run the model it was converted from"]
     return []
+
+
+def check_loader_view(quantized: QuantizedCheckpoint) -> list[str]:
+    """The folder as its loader reads it agrees with what qconvert wrote, from the names and headers alone.
+
+    The loader quantizes every linear its quantization_config targets and does not ignore (the layout's
+    `loader_quantizes`, by the loader's own matching rule); so every quantized module must be one it
+    replaces, and no linear kept float (nor the output head, stored or tied) one it would quantize.
+    Routers, GPT-2-style Conv1Ds and, where the loader keeps experts float, experts may not be quantized.
+    """
+    layout, config = quantized.layout, quantized.config
+    qconfig = config["quantization_config"]
+    experts = expert_count(config)
+    problems = list(filter(None, (_quantized_module_problem(quantized, module, experts)
+                                  for module in quantized.quantized_modules)))
+    floats = linear_candidates(quantized.checkpoint)
+    head = head_name(config)
+    if head not in quantized.quantized_modules and head not in floats:
+        floats.append(head)  # tied or absent: the loader builds it all the same
+    for module in floats:
+        if is_conv1d(module) and not layout.loader_replaces_conv1d:
+            continue
+        if layout.loader_quantizes(qconfig, module):
+            problems.append(f"{module}: kept float, but the loader would quantize it: the quantization_config's "
+                            "ignore list does not name it")
+    return problems
+
+
+def _quantized_module_problem(quantized: QuantizedCheckpoint, module: str, experts: int | None) -> str | None:
+    layout = quantized.layout
+    if is_router(module, _out_features(quantized, module), experts):
+        return (f"{module}: a router, quantized; loaders build routers unquantized and would not read it "
+                "(the model would route with random weights)")
+    if is_conv1d(module):
+        return (f"{module}: a GPT-2-style Conv1D weight ([in, out]) written as a linear [out, in]; the loader "
+                "would read it transposed, or not at all")
+    if is_expert(module) and layout.loader_keeps_experts_float:
+        return (f"{module}: an expert, quantized; transformers fuses the experts and its {layout.quant_method} "
+                "path keeps them float, so it would not read it")
+    if not layout.loader_quantizes(quantized.config["quantization_config"], module):
+        return (f"{module}: quantized, but the quantization_config's ignore list names it, so the loader would "
+                "not replace it and would find no float weight")
+    return None
+
+
+def _out_features(quantized: QuantizedCheckpoint, module: str) -> int | None:
+    """A quantized linear's output width: its weight_scale's rows (header only), else its QArray's shape;
+    None when its tensors cannot be read (the tensor checks that follow name what is wrong)."""
+    scale = f"{module}.weight_scale"
+    if scale in quantized:
+        return quantized.checkpoint.shape(scale)[0]
+    try:
+        return quantized.qarray(module).shape[0]
+    except FormatError:
+        return None

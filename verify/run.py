@@ -24,7 +24,7 @@ from qconvert.models.registry import architecture_for
 from qconvert.models.weight_only import check_architecture, checkpoint_architecture
 from qconvert.progress import Reporter, as_reporter
 from qconvert.schemes import names_where, scheme_named
-from qconvert.verify.integrity import (ConversionRecord, IntegrityResult, check_config,
+from qconvert.verify.integrity import (ConversionRecord, IntegrityResult, check_config, check_loader_view,
                                        check_config_matches_reference, check_files, read_config, read_record,
                                        sha256_of)
 from qconvert.verify.fidelity import make_folder_linear
@@ -163,6 +163,9 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions(), progress: Re
         quantized = open_quantized(folder)
     except FormatError as exc:
         return _integrity_only(folder, record.scheme, options, thresholds, files, [str(exc)], started)
+    problems = check_loader_view(quantized)
+    if problems:
+        return _integrity_only(folder, record.scheme, options, thresholds, files, problems, started)
     # The activation mode, and with it the thresholds, follow from config.json's quantization_config, which
     # qconvert.json's hashes cover; the record's own flags are not hashed, so they must agree with it.
     act = "static" if quantized.flags.static_act else "dynamic"

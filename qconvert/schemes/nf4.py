@@ -6,9 +6,11 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from qconvert.errors import UsageError
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_nf4 import BitsandbytesNF4
 from qconvert.formats.qarray import NF4_BLOCK_SIZE, NF4_LEVELS, QArray
+from qconvert.models.module_roles import is_expert
 from qconvert.quantizers import NF4_THRESHOLDS, quantize_nf4
 from qconvert.rowwise import quantize_nf4_rows
 from qconvert.scale_search import NF4_CLIP_GRID, nf4_clip_search
@@ -34,6 +36,16 @@ class NF4(Scheme):
     def layout_flags(self, *, act: str = "dynamic", double_quant: bool = False, group_size: int | str | None = None,
                      shapes: Mapping[str, tuple[int, int]] | None = None) -> LayoutFlags:
         return LayoutFlags(double_quant=double_quant)
+
+    def check_modules(self, modules: list[str], flags: LayoutFlags) -> None:
+        # Refused rather than kept float: the experts are most of a MoE model's weights, so an nf4 folder
+        # with float experts would barely shrink, and int4 loads quantized experts in both loaders.
+        experts = [m for m in modules if is_expert(m)]
+        if experts and self.layout.loader_keeps_experts_float:
+            raise UsageError(
+                f"--scheme nf4 cannot quantize experts ({experts[0]} and {len(experts) - 1} more): transformers "
+                "fuses them and its bitsandbytes 4-bit path keeps them float; use --scheme int4 (transformers "
+                "and vLLM load its experts), or --exclude '*.experts.*' to keep them float")
 
     def quantize(self, weight: np.ndarray, flags: LayoutFlags, *, scale_dtype, clip=None) -> QArray:
         return quantize_nf4(weight, clip=clip)

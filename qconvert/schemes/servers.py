@@ -31,8 +31,14 @@ TABLE: dict[tuple[str, str], str] = {
     ("w8a8", "llama"): "YNYY",
     ("w8a8", "qwen3"): "YNYY",
     ("w8a8", "gemma3"): "YYYY",
-    ("w8a8", "mixtral"): "YNN?",  # TPU: no int8 fused-MoE scheme
-    ("w8a8", "qwen3_moe"): "YNN?",
+    ("w8a8", "mixtral"): "YNNN",  # TPU: no int8 fused-MoE scheme; transformers: cannot fuse int8 experts
+    ("w8a8", "qwen3_moe"): "YNNN",
+    ("int8", "qwen2_moe"): "???Y",
+    ("int4-g64", "mixtral"): "???Y",
+    ("int4", "qwen2_moe"): "???Y",  # measured per channel
+    ("int4-g64", "qwen3_moe"): "???Y",
+    ("fp8", "qwen2_moe"): "???Y",
+    ("w8a8", "qwen2_moe"): "???N",
     ("w8a8-static", "llama"): "YNNY",
     ("w8a8-static", "mixtral"): "NNN?",
     ("w8a8-static", "qwen3_moe"): "NNN?",
