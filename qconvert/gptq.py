@@ -81,25 +81,15 @@ class GPTQConfig:
         return {"method": "gptq", "damp": self.damp, "block_size": self.block_size, "act_order": self.act_order}
 
 
-def _prepare_hessian(w: jax.Array, h: jax.Array, damp: jax.Array, act_order: bool):
-    """Dead columns (H_ii == 0: an input never seen) get H_ii = 1 and weight 0, as the paper does; then the
-    act-order permutation (before dampening, as the paper orders by the undamped diagonal) and dampening."""
-    n = h.shape[0]
-    diag = jnp.diagonal(h)
-    dead = diag == 0
-    h = h.at[jnp.arange(n), jnp.arange(n)].set(jnp.where(dead, 1, diag))
-    w = jnp.where(dead[None, :], 0, w)
-    perm = jnp.argsort(-jnp.diagonal(h), stable=True) if act_order else jnp.arange(n)
-    h = h[perm][:, perm]
-    h = h + damp * jnp.mean(jnp.diagonal(h)) * jnp.eye(n, dtype=h.dtype)
-    return w[:, perm], h, perm
-
-
 def inverse_cholesky(h: jax.Array) -> jax.Array:
-    """U, upper triangular, with U^T U = H^-1 (the paper's Cholesky of the inverse)."""
-    lower = jnp.linalg.cholesky(h)
-    inverse = jax.scipy.linalg.cho_solve((lower, True), jnp.eye(h.shape[0], dtype=h.dtype))
-    return jnp.linalg.cholesky(inverse).T
+    """U, upper triangular with a positive diagonal, with U^T U = H^-1 (the paper's Cholesky of the inverse).
+
+    One factorization instead of the paper's three: with J the reversal, J H J = L L^T
+    gives H = R R^T for the upper triangular R = J L J, so H^-1 = R^-T R^-1 and U = R^-1.
+    """
+    lower = jnp.linalg.cholesky(h[::-1, ::-1])
+    upper = lower[::-1, ::-1]
+    return jax.scipy.linalg.solve_triangular(upper, jnp.eye(h.shape[0], dtype=h.dtype), lower=False)
 
 
 def _round_block(w1, s1, u1, grid: RoundingGrid):
@@ -118,25 +108,36 @@ def _round_block(w1, s1, u1, grid: RoundingGrid):
     return codes, errors
 
 
-@functools.partial(jax.jit, static_argnames=("grid", "block_size", "act_order"))
-def gptq_codes(w: jax.Array, h: jax.Array, steps: jax.Array, damp, *, grid: RoundingGrid,
-               block_size: int = DEFAULT_BLOCK_SIZE, act_order: bool = False) -> jax.Array:
-    """GPTQ's codes [out, in] (in the grid's terms, in w's dtype) of a weight w [out, in].
+@functools.partial(jax.jit, static_argnames=("act_order",))
+def hessian_factor(h: jax.Array, damp, *, act_order: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(U, perm, dead) of an input Hessian h [in, in], in h's dtype: the upper Cholesky factor of the damped
+    inverse (in act order when asked), the column order, and the dead columns (H_ii == 0: never seen,
+    given H_ii = 1 and weight 0, as the paper does). Linears that read one input share it."""
+    n = h.shape[0]
+    diag = jnp.diagonal(h)
+    dead = diag == 0
+    h = h.at[jnp.arange(n), jnp.arange(n)].set(jnp.where(dead, 1, diag))
+    # The paper orders by the undamped diagonal, then dampens.
+    perm = jnp.argsort(-jnp.diagonal(h), stable=True) if act_order else jnp.arange(n)
+    h = h[perm][:, perm]
+    h = h + jnp.asarray(damp, h.dtype) * jnp.mean(jnp.diagonal(h)) * jnp.eye(n, dtype=h.dtype)
+    return inverse_cholesky(h), perm, dead
 
-    h [in, in] is the input Hessian (any positive multiple of X^T X); steps [out, in]
-    each weight's scale (the value of a code is grid value * step), fixed before
-    any column is rounded; damp the fraction of the mean diagonal added to it.
-    """
+
+@functools.partial(jax.jit, static_argnames=("grid", "block_size"))
+def round_columns(w: jax.Array, steps: jax.Array, u: jax.Array, perm: jax.Array, dead: jax.Array, *,
+                  grid: RoundingGrid, block_size: int = DEFAULT_BLOCK_SIZE) -> jax.Array:
+    """GPTQ's codes [out, in] (in the grid's terms, in w's dtype) of w [out, in] with hessian_factor's (U, perm,
+    dead); steps [out, in] holds each weight's scale (a code's value is grid value * step), fixed beforehand."""
     rows, n = w.shape
     dtype = w.dtype
-    w, h, perm = _prepare_hessian(w, h.astype(dtype), jnp.asarray(damp, dtype), act_order)
+    w = jnp.where(dead[None, :], 0, w)[:, perm]
     steps = steps.astype(dtype)[:, perm]
     padded = -(-n // block_size) * block_size
-    # Padding columns: weight 0, identity Hessian, unit step; their error is 0 and touches nothing.
+    # Padding columns: weight 0, unit step, identity in U; their error is 0 and touches nothing.
     w = jnp.pad(w, ((0, 0), (0, padded - n)))
     steps = jnp.pad(steps, ((0, 0), (0, padded - n)), constant_values=1)
-    h = jnp.pad(h, ((0, padded - n), (0, padded - n))) + jnp.diag(jnp.arange(padded) >= n).astype(dtype)
-    u = inverse_cholesky(h)
+    u = jnp.pad(u.astype(dtype), ((0, padded - n), (0, padded - n))) + jnp.diag(jnp.arange(padded) >= n).astype(dtype)
     columns = jnp.arange(padded)
 
     def block(b, carry):
@@ -152,8 +153,16 @@ def gptq_codes(w: jax.Array, h: jax.Array, steps: jax.Array, damp, *, grid: Roun
         return w, jax.lax.dynamic_update_slice(codes, block_codes, (0, start))
 
     _, codes = jax.lax.fori_loop(0, padded // block_size, block, (w, jnp.zeros_like(w)))
-    codes = codes[:, :n]
-    return codes[:, jnp.argsort(perm)] if act_order else codes
+    return codes[:, :n][:, jnp.argsort(perm)]
+
+
+def gptq_codes(w: jax.Array, h: jax.Array, steps: jax.Array, damp, *, grid: RoundingGrid,
+               block_size: int = DEFAULT_BLOCK_SIZE, act_order: bool = False) -> jax.Array:
+    """GPTQ's codes [out, in] of a weight w [out, in] on its input Hessian h [in, in] (any positive multiple
+    of X^T X), computed in w's dtype; `damp`: the fraction of the mean diagonal added to it."""
+    w = jnp.asarray(w)
+    u, perm, dead = hessian_factor(jnp.asarray(h, w.dtype), damp, act_order=act_order)
+    return round_columns(w, jnp.asarray(steps), u, perm, dead, grid=grid, block_size=block_size)
 
 
 @jax.jit
