@@ -84,7 +84,8 @@ class SequentialGPTQ:
             weights = {m: self._weight(m, folds.get(f"{m}.weight")) for m in group}
             rtn = {m: self.scheme.quantize(w, self.flags, scale_dtype=raw_dtype, clip=self._clip(m, w))
                    for m, (w, raw_dtype) in weights.items()}
-            if tokens == 0:  # an expert no calibration token reached: no Hessian to round on
+            if tokens == 0 or not float(jnp.max(jnp.diagonal(stats.hessians[group[0]]))) > 0:
+                # An expert no calibration token reached, or an input that was all zeros: nothing to round on.
                 chosen = rtn
                 self.errors.update({m: {"tokens": 0} for m in group})
             else:

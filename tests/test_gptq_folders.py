@@ -81,3 +81,56 @@ def test_gptq_flags_that_do_not_fit_are_usage_errors(tmp_path, capsys, flags, me
     code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "out"), *flags], capsys)
     assert code == 2 and message in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_hessians_are_two_xtx_over_n_shared_by_the_linears_of_one_input(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from qconvert.calibrate import iter_layer_stats, open_params
+    from qconvert.models import build, dense_linear
+
+    src = make_llama_checkpoint(tmp_path / "src", layers=1)
+    config, params = load_config(src), open_params(src)
+    model = build(config)
+    ids = np.random.default_rng(0).integers(0, config["vocab_size"], (3, 16))
+    wanted = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.mlp.down_proj"]
+    stats = next(iter_layer_stats(model, params, ids, batch_size=2, hessians=frozenset(wanted)))
+    inputs = {}
+
+    def capture(name, x, weight, bias):
+        inputs[name] = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+        return dense_linear(name, x, weight, bias)
+
+    with jax.disable_jit():
+        model.forward({k: jnp.asarray(np.asarray(params[k])) for k in params}, jnp.asarray(ids), linear=capture)
+    for module in wanted:
+        x = inputs[module]
+        expected = 2 * x.T @ x / x.shape[0]
+        np.testing.assert_allclose(np.asarray(stats.hessians[module]), expected, rtol=1e-4,
+                                   atol=1e-5 * np.abs(expected).max())
+        assert stats.hessian_tokens[module] == ids.size
+    assert stats.hessians[wanted[0]] is stats.hessians[wanted[1]]  # q and k read one input: one H
+    assert "model.layers.0.self_attn.v_proj" not in stats.hessians
+
+
+def test_sequential_mode_runs_each_layer_again_on_the_weights_handed_in(tmp_path):
+    import jax.numpy as jnp
+
+    from qconvert.calibrate import open_params
+    from qconvert.models import build, iterate_layers
+
+    src = make_llama_checkpoint(tmp_path / "src", layers=2)
+    config, params = load_config(src), open_params(src)
+    model = build(config)
+    ids = np.random.default_rng(0).integers(0, config["vocab_size"], (2, 16))
+    name = "model.layers.0.mlp.down_proj.weight"
+    rounded = np.round(np.asarray(params[name]) * 8) / 8  # any other weight: the layer must run on it
+    results = list(iterate_layers(model, params, ids, batch_size=1,
+                                  replace=lambda i: {name: rounded} if i == 0 else None))
+    replaced = {k: jnp.asarray(np.asarray(params[k])) for k in params}
+    replaced[name] = jnp.asarray(rounded)
+    hidden = model.embed(replaced, jnp.asarray(ids))
+    for i in range(model.num_layers):
+        hidden = model.layer(i, replaced, hidden)
+        np.testing.assert_allclose(np.asarray(results[i].hidden), np.asarray(hidden), rtol=1e-4, atol=1e-5)

@@ -41,6 +41,7 @@ def test_converts_and_passes_verify_through_the_pallas_kernels(converted, capsys
     assert code == 0, err
     record = json.loads(report)
     assert record["scheme"] == "int4" and record["passed"]
+    assert record["rounding"]["method"] == "gptq"  # named from qconvert.json; the thresholds are int4's
     assert all(layer["kernel"]["pallas"] for layer in record["layers"])
     assert min(layer["fidelity_sqnr_db"] for layer in record["layers"]) >= 40
 
