@@ -225,7 +225,7 @@ def iterate_layers(model, params: Mapping, input_ids, attention_mask=None, *,
             _bound_in_flight(outs)
             for name, value in sink.items():
                 _add_observed(observed, programs.rename(name, rep, i), value)
-        layer_input = hidden
+        layer_input = hidden if replace is not None else None  # kept only to run the layer again
         hidden = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
         del outs
         result = LayerResult(i, hidden, observed)
