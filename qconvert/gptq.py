@@ -93,19 +93,22 @@ def inverse_cholesky(h: jax.Array) -> jax.Array:
 
 
 def _round_block(w1, s1, u1, grid: RoundingGrid):
-    """One block of columns rounded in order, each error fed into the block's later columns at once."""
+    """One block of columns rounded in order, each error fed into the block's later columns at once.
+
+    Returns the block's codes, its dequantized values (grid value * step) and the scaled errors."""
 
     def column(j, carry):
-        w1, codes, errors = carry
+        w1, codes, values, errors = carry
         x, step = w1[:, j], s1[:, j]
         code, value = grid.round(x / jnp.where(step == 0, 1, step))
-        error = (x - value * step) / u1[j, j]
+        q = value * step
+        error = (x - q) / u1[j, j]
         w1 = w1 - error[:, None] * u1[j][None, :]  # U is upper triangular: only columns >= j move
-        return w1, codes.at[:, j].set(code), errors.at[:, j].set(error)
+        return w1, codes.at[:, j].set(code), values.at[:, j].set(q), errors.at[:, j].set(error)
 
     zeros = jnp.zeros_like(w1)
-    _, codes, errors = jax.lax.fori_loop(0, w1.shape[1], column, (w1, zeros, zeros))
-    return codes, errors
+    _, codes, values, errors = jax.lax.fori_loop(0, w1.shape[1], column, (w1, zeros, zeros, zeros))
+    return codes, values, errors
 
 
 @functools.partial(jax.jit, static_argnames=("act_order",))
@@ -126,9 +129,10 @@ def hessian_factor(h: jax.Array, damp, *, act_order: bool = False) -> tuple[jax.
 
 @functools.partial(jax.jit, static_argnames=("grid", "block_size"))
 def round_columns(w: jax.Array, steps: jax.Array, u: jax.Array, perm: jax.Array, dead: jax.Array, *,
-                  grid: RoundingGrid, block_size: int = DEFAULT_BLOCK_SIZE) -> jax.Array:
+                  grid: RoundingGrid, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[jax.Array, jax.Array]:
     """GPTQ's codes [out, in] (in the grid's terms, in w's dtype) of w [out, in] with hessian_factor's (U, perm,
-    dead); steps [out, in] holds each weight's scale (a code's value is grid value * step), fixed beforehand."""
+    dead), and the weight they stand for (code value * step); steps [out, in] holds each weight's scale,
+    fixed beforehand."""
     rows, n = w.shape
     dtype = w.dtype
     w = jnp.where(dead[None, :], 0, w)[:, perm]
@@ -141,19 +145,22 @@ def round_columns(w: jax.Array, steps: jax.Array, u: jax.Array, perm: jax.Array,
     columns = jnp.arange(padded)
 
     def block(b, carry):
-        w, codes = carry
+        w, codes, values = carry
         start = b * block_size
         w1 = jax.lax.dynamic_slice(w, (0, start), (rows, block_size))
         s1 = jax.lax.dynamic_slice(steps, (0, start), (rows, block_size))
         u_rows = jax.lax.dynamic_slice(u, (start, 0), (block_size, padded))
         u1 = jax.lax.dynamic_slice(u_rows, (0, start), (block_size, block_size))
-        block_codes, errors = _round_block(w1, s1, u1, grid)
+        block_codes, block_values, errors = _round_block(w1, s1, u1, grid)
         later = jnp.where(columns[None, :] >= start + block_size, u_rows, 0)
         w = w - errors @ later
-        return w, jax.lax.dynamic_update_slice(codes, block_codes, (0, start))
+        return (w, jax.lax.dynamic_update_slice(codes, block_codes, (0, start)),
+                jax.lax.dynamic_update_slice(values, block_values, (0, start)))
 
-    _, codes = jax.lax.fori_loop(0, padded // block_size, block, (w, jnp.zeros_like(w)))
-    return codes[:, :n][:, jnp.argsort(perm)]
+    zeros = jnp.zeros_like(w)
+    _, codes, values = jax.lax.fori_loop(0, padded // block_size, block, (w, zeros, zeros))
+    order = jnp.argsort(perm)
+    return codes[:, :n][:, order], values[:, :n][:, order]
 
 
 def gptq_codes(w: jax.Array, h: jax.Array, steps: jax.Array, damp, *, grid: RoundingGrid,
@@ -162,7 +169,17 @@ def gptq_codes(w: jax.Array, h: jax.Array, steps: jax.Array, damp, *, grid: Roun
     of X^T X), computed in w's dtype; `damp`: the fraction of the mean diagonal added to it."""
     w = jnp.asarray(w)
     u, perm, dead = hessian_factor(jnp.asarray(h, w.dtype), damp, act_order=act_order)
-    return round_columns(w, jnp.asarray(steps), u, perm, dead, grid=grid, block_size=block_size)
+    return round_columns(w, jnp.asarray(steps), u, perm, dead, grid=grid, block_size=block_size)[0]
+
+
+@jax.jit
+def row_output_errors(w: jax.Array, candidates: jax.Array, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row, d H d^T of each candidate [k, out, in] (d = w - candidate) and w H w^T: summed over a linear's
+    rows, the numerator and denominator of output_error, for several linears stacked in one call."""
+    w = w.astype(jnp.float32)
+    h = h.astype(jnp.float32)
+    d = w[None] - candidates.astype(jnp.float32)
+    return jnp.sum((d @ h) * d, axis=-1), jnp.sum((w @ h) * w, axis=-1)
 
 
 @jax.jit

@@ -24,7 +24,7 @@ import numpy as np
 from qconvert.calibrate import LayerStats
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.qarray import QArray
-from qconvert.gptq import GPTQConfig, hessian_factor, output_error, round_columns
+from qconvert.gptq import GPTQConfig, hessian_factor, round_columns, row_output_errors
 from qconvert.scale_search import ScaleSearches
 from qconvert.smooth import TensorFold, apply_fold
 
@@ -87,17 +87,17 @@ class SequentialGPTQ:
             if tokens == 0 or not float(jnp.max(jnp.diagonal(stats.hessians[group[0]]))) > 0:
                 # An expert no calibration token reached, or an input that was all zeros: nothing to round on.
                 chosen = rtn
-                self.errors.update({m: {"tokens": 0} for m in group})
+                values = {m: np.asarray(q.dequantize(np.float32)) for m, q in rtn.items()}
+                self.errors.update({m: {"tokens": tokens, "method": "rtn"} for m in group})
             else:
                 fold = folds.get(f"{group[0]}.weight")
                 h = stats.hessians[group[0]]
                 if fold is not None and fold.col_multiplier is not None:
                     h = _smoothed_hessian(h, fold.col_multiplier)
-                chosen = self._round_group(group, {m: w for m, (w, _) in weights.items()}, rtn, h, tokens)
+                chosen, values = self._round_group(group, {m: w for m, (w, _) in weights.items()}, rtn, h, tokens)
             for m in group:
                 self.store.put(m, chosen[m])
-                dequantized = np.asarray(chosen[m].dequantize(np.float32))
-                effective[f"{m}.weight"] = _unfolded(dequantized, folds.get(f"{m}.weight")).astype(weights[m][1])
+                effective[f"{m}.weight"] = _unfolded(values[m], folds.get(f"{m}.weight")).astype(weights[m][1])
         self._pending[stats.index] = effective
 
     def replacement(self, index: int) -> dict[str, np.ndarray] | None:
@@ -112,22 +112,27 @@ class SequentialGPTQ:
         return self.searches.clip_for(module, weight, self.scheme, self.flags) if self.searches.enabled else None
 
     def _round_group(self, group: list[str], weights: dict[str, np.ndarray], rtn: dict[str, QArray], h,
-                     tokens: int) -> dict[str, QArray]:
+                     tokens: int) -> tuple[dict[str, QArray], dict[str, np.ndarray]]:
+        """GPTQ's QArrays of a group of linears sharing Hessian h, and the float32 weights they stand for."""
         u, perm, dead = hessian_factor(h, self.config.damp, act_order=self.config.act_order)
         stacked = jnp.asarray(np.concatenate([np.asarray(weights[m], np.float32) for m in group]))
         steps = jnp.asarray(np.concatenate([self.scheme.gptq_steps(rtn[m], self.flags) for m in group]))
-        codes = np.asarray(round_columns(stacked, steps, u, perm, dead, grid=self.scheme.gptq_grid(),
-                                         block_size=self.config.block_size))
-        chosen, start = {}, 0
+        codes, values = round_columns(stacked, steps, u, perm, dead, grid=self.scheme.gptq_grid(),
+                                      block_size=self.config.block_size)
+        rtn_values = np.concatenate([np.asarray(rtn[m].dequantize(np.float32)) for m in group])
+        errors, reference = (np.asarray(a, np.float64) for a in
+                             row_output_errors(stacked, jnp.stack([values, rtn_values]), h))
+        codes, values = np.asarray(codes), np.asarray(values)
+        chosen, dequantized, start = {}, {}, 0
         for m in group:
-            rows = weights[m].shape[0]
-            chosen[m] = self.scheme.gptq_qarray(rtn[m], codes[start:start + rows])
-            start += rows
-            w = jnp.asarray(weights[m], jnp.float32)
-            self.errors[m] = {"tokens": tokens,
-                              "error_gptq": _rounded(float(output_error(w, chosen[m].dequantize(np.float32), h))),
-                              "error_rtn": _rounded(float(output_error(w, rtn[m].dequantize(np.float32), h)))}
-        return chosen
+            rows = slice(start, start + weights[m].shape[0])
+            start = rows.stop
+            chosen[m] = self.scheme.gptq_qarray(rtn[m], codes[rows])
+            dequantized[m] = values[rows]
+            denominator = max(float(reference[rows].sum()), float(np.finfo(np.float32).tiny))
+            self.errors[m] = {"tokens": tokens, "error_gptq": _rounded(float(errors[0, rows].sum()) / denominator),
+                              "error_rtn": _rounded(float(errors[1, rows].sum()) / denominator)}
+        return chosen, dequantized
 
     def record(self) -> dict[str, Any]:
         """qconvert.json's `rounding`: GPTQ's settings and, per linear, its relative output error on the
