@@ -158,8 +158,8 @@ def test_a_group_size_that_does_not_divide_is_a_usage_error(tmp_path, capsys):
 def test_per_channel_int4_writes_one_scale_per_row(tmp_path, capsys):
     src = make_llama_checkpoint(tmp_path / "src", hidden=64, intermediate=96)
     out = tmp_path / "int4"
-    code, _, err = run_cli(["quantize", str(src), "-o", str(out), "--scheme", "int4", "--no-gptq", "--group-size", "channel",
-                            "-q"], capsys)
+    code, _, err = run_cli(["quantize", str(src), "-o", str(out), "--scheme", "int4", "--no-gptq",
+                            "--group-size", "channel", "-q"], capsys)
     assert code == 0, err
     qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
     weights = qconfig["config_groups"]["group_0"]["weights"]
