@@ -311,8 +311,10 @@ def test_weight_transform_and_static_input_scales_reach_the_w8a8_folder(tmp_path
     # The w8a8 stage's result, given: the norm's rows divided by 1/2 (doubled), nothing else touched.
     halves = np.full(src[norm].shape[0], 0.5, np.float32)
     given = W8A8Adjustments(folds={norm: TensorFold(halves, None)}, input_scales=scales, smoothing_record=record)
-    monkeypatch.setattr(convert_module, "prepare_w8a8", lambda source, options, message=None, modules=(): given)
-    convert(str(src_folder), tmp_path / "out", ConvertOptions(scheme="w8a8", act="static", scale_search=False))
+    monkeypatch.setattr(convert_module, "prepare_w8a8",
+                        lambda source, options, message=None, modules=(), gptq=None: given)
+    convert(str(src_folder), tmp_path / "out", ConvertOptions(scheme="w8a8", act="static", scale_search=False,
+                                                              gptq=False))
     dst = read_folder(tmp_path / "out")
     np.testing.assert_array_equal(dst[norm], src[norm] * 2)
     for m in modules:

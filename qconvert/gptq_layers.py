@@ -1,0 +1,177 @@
+"""Sequential GPTQ inside calibration: each layer's linears rounded on their Hessians, spilled to disk, run again.
+
+As soon as a layer's statistics are complete, each of its quantized linears is
+rounded: round-to-nearest first (the scheme's own quantizer, with the searched
+clip where there is one) fixes the scales, then GPTQ chooses the codes on the
+Hessian of the linear's input as the folder will see it (for w8a8, smoothed:
+X / s, so H / (s s^T), and the smoothed weight W * s). The QArray goes to a
+scratch folder at once, so a large model's codes never pile up in memory; the
+writer reads it back instead of quantizing. The layer then runs again on the
+dequantized weights (unsmoothed back, so the layer's other tensors stay as
+they were), and the next layer is calibrated on those outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from qconvert.calibrate import LayerStats
+from qconvert.formats.layout_base import LayoutFlags
+from qconvert.formats.qarray import QArray
+from qconvert.gptq import GPTQConfig, hessian_factor, round_columns, row_output_errors
+from qconvert.scale_search import ScaleSearches
+from qconvert.smooth import TensorFold, apply_fold
+
+
+class QuantizedStore:
+    """QArrays written to a scratch folder as raw bytes, one file per leaf; read back on demand (a Mapping)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self._meta: dict[str, tuple[int, dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]] = {}
+
+    def put(self, module: str, q: QArray) -> None:
+        index = len(self._meta)
+        leaves = {}
+        for leaf in ("qvalue", "scale"):
+            array = np.ascontiguousarray(np.asarray(getattr(q, leaf)))
+            (self.folder / f"{index}.{leaf}").write_bytes(array.tobytes())
+            leaves[leaf] = (array.dtype.name, array.shape)
+        meta = {"kind": str(q.kind), "block_size": q.block_size, "shape": q.shape, "dtype": q.dtype}
+        self._meta[module] = (index, meta, leaves)
+
+    def __contains__(self, module: object) -> bool:
+        return module in self._meta
+
+    def get(self, module: str) -> QArray | None:
+        if module not in self._meta:
+            return None
+        index, meta, leaves = self._meta[module]
+        arrays = {leaf: np.frombuffer((self.folder / f"{index}.{leaf}").read_bytes(), np.dtype(dtype)).reshape(shape)
+                  for leaf, (dtype, shape) in leaves.items()}
+        return QArray(**arrays, **meta)
+
+
+@dataclasses.dataclass
+class SequentialGPTQ:
+    """GPTQ over a calibration run: `layer(...)` rounds a layer's linears, `replacement(i)` hands the runner
+    layer i's quantized weights to run again on."""
+
+    params: Mapping
+    scheme: Any                 # qconvert.schemes.base.Scheme
+    flags: LayoutFlags
+    config: GPTQConfig
+    store: QuantizedStore
+    searches: ScaleSearches
+    errors: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    _pending: dict[int, dict[str, np.ndarray]] = dataclasses.field(default_factory=dict)
+
+    def layer(self, stats: LayerStats, modules: list[str], folds: Mapping[str, TensorFold]) -> None:
+        """Round `modules` (of layer stats.index) with GPTQ; their dequantized weights wait for `replacement`.
+
+        Linears that read one input (q/k/v, gate/up) share one Hessian factorization and are rounded as one
+        matrix of their stacked rows (GPTQ treats every row alike), so each layer runs the same few programs.
+        """
+        effective = {}
+        for group in _sharing_groups([m for m in modules if m in stats.hessians], stats, folds):
+            tokens = stats.hessian_tokens[group[0]]
+            weights = {m: self._weight(m, folds.get(f"{m}.weight")) for m in group}
+            rtn = {m: self.scheme.quantize(w, self.flags, scale_dtype=raw_dtype, clip=self._clip(m, w))
+                   for m, (w, raw_dtype) in weights.items()}
+            if tokens == 0 or not float(jnp.max(jnp.diagonal(stats.hessians[group[0]]))) > 0:
+                # An expert no calibration token reached, or an input that was all zeros: nothing to round on.
+                chosen = rtn
+                values = {m: np.asarray(q.dequantize(np.float32)) for m, q in rtn.items()}
+                self.errors.update({m: {"tokens": tokens, "method": "rtn"} for m in group})
+            else:
+                fold = folds.get(f"{group[0]}.weight")
+                h = stats.hessians[group[0]]
+                if fold is not None and fold.col_multiplier is not None:
+                    h = _smoothed_hessian(h, fold.col_multiplier)
+                chosen, values = self._round_group(group, {m: w for m, (w, _) in weights.items()}, rtn, h, tokens)
+            for m in group:
+                self.store.put(m, chosen[m])
+                effective[f"{m}.weight"] = _unfolded(values[m], folds.get(f"{m}.weight")).astype(weights[m][1])
+        self._pending[stats.index] = effective
+
+    def replacement(self, index: int) -> dict[str, np.ndarray] | None:
+        """Layer `index`'s weights as GPTQ rounded them (None when it rounded none)."""
+        return self._pending.pop(index, None) or None
+
+    def _weight(self, module: str, fold: TensorFold | None) -> tuple[np.ndarray, np.dtype]:
+        raw = np.asarray(self.params[f"{module}.weight"])
+        return (raw if fold is None else apply_fold(raw, fold)), raw.dtype  # as the writer would quantize it
+
+    def _clip(self, module: str, weight: np.ndarray):
+        return self.searches.clip_for(module, weight, self.scheme, self.flags) if self.searches.enabled else None
+
+    def _round_group(self, group: list[str], weights: dict[str, np.ndarray], rtn: dict[str, QArray], h,
+                     tokens: int) -> tuple[dict[str, QArray], dict[str, np.ndarray]]:
+        """GPTQ's QArrays of a group of linears sharing Hessian h, and the float32 weights they stand for."""
+        u, perm, dead = hessian_factor(h, self.config.damp, act_order=self.config.act_order)
+        stacked = jnp.asarray(np.concatenate([np.asarray(weights[m], np.float32) for m in group]))
+        steps = jnp.asarray(np.concatenate([self.scheme.gptq_steps(rtn[m], self.flags) for m in group]))
+        codes, values = round_columns(stacked, steps, u, perm, dead, grid=self.scheme.gptq_grid(),
+                                      block_size=self.config.block_size)
+        rtn_values = np.concatenate([np.asarray(rtn[m].dequantize(np.float32)) for m in group])
+        errors, reference = (np.asarray(a, np.float64) for a in
+                             row_output_errors(stacked, jnp.stack([values, rtn_values]), h))
+        codes, values = np.asarray(codes), np.asarray(values)
+        chosen, dequantized, start = {}, {}, 0
+        for m in group:
+            rows = slice(start, start + weights[m].shape[0])
+            start = rows.stop
+            chosen[m] = self.scheme.gptq_qarray(rtn[m], codes[rows])
+            dequantized[m] = values[rows]
+            denominator = max(float(reference[rows].sum()), float(np.finfo(np.float32).tiny))
+            self.errors[m] = {"tokens": tokens, "error_gptq": _rounded(float(errors[0, rows].sum()) / denominator),
+                              "error_rtn": _rounded(float(errors[1, rows].sum()) / denominator)}
+        return chosen, dequantized
+
+    def record(self) -> dict[str, Any]:
+        """qconvert.json's `rounding`: GPTQ's settings and, per linear, its relative output error on the
+        calibration inputs against round-to-nearest's (tr(D H D^T) / tr(W H W^T))."""
+        return {**self.config.record(), "modules": {m: self.errors[m] for m in sorted(self.errors)}}
+
+
+def _sharing_groups(modules: list[str], stats: LayerStats, folds: Mapping[str, TensorFold]) -> list[list[str]]:
+    """The modules grouped by the Hessian they are rounded on (the same input, smoothed alike), in order."""
+    groups: dict[tuple, list[str]] = {}
+    for m in modules:
+        fold = folds.get(f"{m}.weight")
+        multiplier = None if fold is None or fold.col_multiplier is None else fold.col_multiplier.tobytes()
+        groups.setdefault((id(stats.hessians[m]), multiplier), []).append(m)
+    return list(groups.values())
+
+
+def _smoothed_hessian(h, col_multiplier: np.ndarray):
+    """The Hessian of the smoothed input X / s: H / (s s^T)."""
+    inverse = jnp.asarray(1.0 / np.asarray(col_multiplier, np.float64), jnp.float32)
+    return h * inverse[:, None] * inverse[None, :]
+
+
+def _unfolded(weight: np.ndarray, fold: TensorFold | None) -> np.ndarray:
+    """A smoothed linear's weight back in the source's terms (the inverse of apply_fold on a linear)."""
+    if fold is None:
+        return weight
+    out = np.array(weight, np.float32)
+    if fold.col_multiplier is not None:
+        out = out / fold.col_multiplier[None, :]
+    if fold.row_divisor is not None:
+        rows = slice(fold.row_offset, fold.row_offset + len(fold.row_divisor))
+        out[rows] = out[rows] * fold.row_divisor[:, None]
+    return out
+
+
+def _rounded(value: float) -> float:
+    return float(f"{value:.4g}")
+
+
+RTN_RECORD: dict[str, Any] = {"method": "rtn"}
+
