@@ -76,7 +76,10 @@ CONFIGS = {
     "w8a8-family": ("w8a8", {"scale_search": False}, {"alpha": "family"}),
     "w8a8-alpha-0.5": ("w8a8", {"scale_search": False}, {"alpha": "0.5"}),
     "w8a8-auto": ("w8a8", {"scale_search": False}, {"alpha": "auto"}),
-    "w8a8-family-scale-search": ("w8a8", {}, {"alpha": "family"}),
+    "w8a8-no-smooth-scale-search": ("w8a8", {"scale_search": True}, {"smooth": False}),
+    "w8a8-family-scale-search": ("w8a8", {"scale_search": True}, {"alpha": "family"}),
+    "w8a8-alpha-0.5-scale-search": ("w8a8", {"scale_search": True}, {"alpha": "0.5"}),
+    "w8a8-auto-scale-search": ("w8a8", {"scale_search": True}, {"alpha": "auto"}),
     "w8a8-default": ("w8a8", {}, {}),
     "w8a8-static-family": ("w8a8", {"act": "static", "scale_search": False}, {"alpha": "family"}),
     "w8a8-static-auto": ("w8a8", {"act": "static", "scale_search": False}, {"alpha": "auto"}),
@@ -210,6 +213,16 @@ def held_out_text() -> str:
     return text[int(len(text) * 0.95):]
 
 
+def window_start(tokenizer, config: dict) -> int:
+    """The token each evaluation window starts with: the model's document separator.
+
+    A GPT-2-style vocabulary (SmolLM2) separates its training documents with <|endoftext|>, and its configured
+    BOS is a chat token (<|im_start|>); otherwise the configured BOS (Gemma's <bos>).
+    """
+    separator = tokenizer.token_to_id("<|endoftext|>")
+    return int(separator) if separator is not None else int(config.get("bos_token_id") or 2)
+
+
 def gguf_llm(configs: list[str], src: Path, count: int) -> None:
     """A real causal LM rebuilt from a GGUF (bench/gguf_to_hf.py): perplexity and KL on `count` held-out windows.
 
@@ -221,8 +234,9 @@ def gguf_llm(configs: list[str], src: Path, count: int) -> None:
 
     config = json.loads((src / "config.json").read_text())
     model = build(config)
-    tokens = Tokenizer.from_file(str(src / "tokenizer.json")).encode(held_out_text(), add_special_tokens=False).ids
-    bos = int(config.get("bos_token_id") or 2)
+    tokenizer = Tokenizer.from_file(str(src / "tokenizer.json"))
+    tokens = tokenizer.encode(held_out_text(), add_special_tokens=False).ids
+    bos = window_start(tokenizer, config)
     n = min(count, len(tokens) // 255)
     windows = np.asarray([[bos] + tokens[i * 255:(i + 1) * 255] for i in range(n)], np.int32)
     base, reference, _ = evaluate(model, {k: np.asarray(v) for k, v in open_params(src).items()}, windows, batch=2)
