@@ -87,6 +87,13 @@ CONFIGS = {
 }
 
 
+# Experiments on a search's internals: module attributes of qconvert.scale_search set for one conversion.
+SEARCH_PATCHES = {
+    "w8a8-auto-scale-search-512rows": {"OUTPUT_ERROR_ROWS": 512},  # the clip search on all 512 sampled rows
+}
+CONFIGS["w8a8-auto-scale-search-512rows"] = CONFIGS["w8a8-auto-scale-search"]
+
+
 def fp8_activations(x):
     """Each token rounded to E4M3 as the fp8 deployment does it at run time (FP8_DYNAMIC).
 
@@ -173,7 +180,16 @@ def run_convert(src: Path, out: Path, name: str, calib: str, samples: int, seqle
     started = time.perf_counter()
     if w8a8 is not None:
         extra = {**extra, "w8a8": W8A8Options(calib=calib, calib_samples=samples, calib_seqlen=seqlen, **w8a8)}
-    convert(str(src), out, ConvertOptions(scheme=scheme, **extra))
+    import qconvert.scale_search as search
+
+    saved = {k: getattr(search, k) for k in SEARCH_PATCHES.get(name, {})}
+    try:
+        for k, v in SEARCH_PATCHES.get(name, {}).items():
+            setattr(search, k, v)
+        convert(str(src), out, ConvertOptions(scheme=scheme, **extra))
+    finally:
+        for k, v in saved.items():
+            setattr(search, k, v)
     return time.perf_counter() - started
 
 
@@ -242,7 +258,7 @@ def gguf_llm(configs: list[str], src: Path, count: int) -> None:
     base, reference, _ = evaluate(model, {k: np.asarray(v) for k, v in open_params(src).items()}, windows, batch=2)
     print(f"causal LM {src.name}: float perplexity {base:.4f} on {windows.size} held-out tokens", flush=True)
     for name in configs:
-        out = OUT / "accuracy" / f"gguf-{name}"
+        out = OUT / "accuracy" / f"gguf-{src.name}-{name}"
         seconds = run_convert(src, out, name, "builtin", 64, 256)
         q, params = folder_params(out)
         ppl, _, kl = evaluate(model, params, windows, simulated_linear(q, name.endswith("weights-only")), reference,
