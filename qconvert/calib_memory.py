@@ -13,6 +13,13 @@ the tensors read from disk (one layer's, or the embedding or head) and the rows
 sampled for the alpha and scale searches. On a CPU the device is the host: the
 two add up. XLA's compiler and runtime take a fixed amount on top
 (RUNTIME_BYTES, measured on this project's CPU runs).
+
+With GPTQ, each linear's input Hessian (in x in float32) is summed on the device
+over the layer's batches (each batch's product and the running sum: two per
+linear, counted without the sharing of q/k/v and gate/up, an upper bound), the
+rounding of one linear holds a few [in, in] and [out, in] matrices, and the
+sequential mode keeps the layer's input beside its two outputs (float and
+quantized weights): a fourth N x T x H copy.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ class ModelShapes:
     embed_elements: int
     head_bytes: int
     layer_inputs: int       # sum of the layer's linear input widths (rows kept per linear)
+    hessian_elements: int = 0   # sum over the layer's linears of in * in
+    largest_linear: int = 0     # the largest in * (in + out) of the layer's linears
 
     @classmethod
     def of(cls, model, shape: Callable[[str], tuple[int, ...]], itemsize: Callable[[str], int]) -> "ModelShapes":
@@ -60,7 +69,8 @@ class ModelShapes:
                    layer_bytes=layers[big][0], layer_elements=layers[big][1],
                    layer_width=sum(o + i for o, i in linears), embed_bytes=embed_bytes,
                    embed_elements=embed_elements, head_bytes=head_bytes,
-                   layer_inputs=sum(i for _, i in linears))
+                   layer_inputs=sum(i for _, i in linears), hessian_elements=sum(i * i for _, i in linears),
+                   largest_linear=max((i * (i + o) for o, i in linears), default=0))
 
 
 def _has(shape, name: str) -> bool:
@@ -85,14 +95,17 @@ class MemoryEstimate:
 
 
 def estimate(shapes: ModelShapes, samples: int, seqlen: int, batch_size: int,
-             sample_rows: int = 512) -> MemoryEstimate:
-    """The peak memory of calibrating on `samples` x `seqlen` tokens, `batch_size` samples per batch and device."""
+             sample_rows: int = 512, *, hessians: bool = False, sequential: bool = False) -> MemoryEstimate:
+    """The peak memory of calibrating on `samples` x `seqlen` tokens, `batch_size` samples per batch and device;
+    `hessians`: with GPTQ's Hessians, `sequential`: with each layer run again on its quantized weights."""
     n, t, b = samples, seqlen, min(batch_size, samples)
     hidden = n * t * shapes.hidden * F32
     # Two batches in flight at most (the runner waits for the one before the last).
     batch = 2 * (b * t * F32 * (shapes.layer_width + 2 * shapes.hidden) + 2 * b * shapes.heads * t * t * F32)
     embed_phase = 2 * hidden + shapes.embed_bytes + shapes.embed_elements * F32
-    layer_phase = 3 * hidden + shapes.layer_bytes + shapes.layer_elements * F32 + batch
+    layer_phase = (4 if sequential else 3) * hidden + shapes.layer_bytes + shapes.layer_elements * F32 + batch
+    if hessians:
+        layer_phase += 2 * shapes.hessian_elements * F32 + 4 * shapes.largest_linear * F32
     head_phase = hidden + shapes.head_bytes
     device = max(embed_phase, layer_phase, head_phase)
     rows = min(sample_rows, n * t) * shapes.layer_inputs * F32
@@ -106,10 +119,11 @@ def device_budget(device) -> int | None:
     return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
 
-def fit_batch_size(shapes: ModelShapes, samples: int, seqlen: int, batch_size: int, budget: int) -> int:
+def fit_batch_size(shapes: ModelShapes, samples: int, seqlen: int, batch_size: int, budget: int, *,
+                   hessians: bool = False, sequential: bool = False) -> int:
     """The largest batch size up to `batch_size` whose estimate fits `budget` bytes (at least 1)."""
     for b in range(max(1, batch_size), 0, -1):
-        if estimate(shapes, samples, seqlen, b).device_bytes <= budget:
+        if estimate(shapes, samples, seqlen, b, hessians=hessians, sequential=sequential).device_bytes <= budget:
             return b
     return 1
 

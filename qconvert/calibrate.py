@@ -69,6 +69,10 @@ class LayerStats:
     index: int
     act_absmax: dict[str, np.ndarray]      # module -> float32 [in]
     input_samples: dict[str, np.ndarray]   # module -> float32 [rows, in], for the modules asked for
+    # module -> H = 2 X^T X / n, float32 [in, in] on the device, for the modules asked for; linears that
+    # read the same input (q/k/v, gate/up) hold the same array. n: the tokens each saw (0: none).
+    hessians: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+    hessian_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def layer_relative(name: str) -> str:
@@ -83,14 +87,39 @@ def layer_relative(name: str) -> str:
 _LAYER_INDEX = re.compile(r"\.\d+\.")
 
 
-def _observer(keep_inputs: frozenset[str], rows_per_batch: int):
+class _HessianSharing:
+    """Which linears of a traced layer read the very same input (and validity) as an earlier one: they share
+    its Hessian, computed once. Filled while tracing, by layer-relative name."""
+
+    def __init__(self):
+        self.first: dict[tuple[int, int], tuple[str, Any, Any]] = {}
+        self.shares: dict[str, str] = {}  # layer-relative name -> the layer-relative name holding its H
+
+    def owner(self, relative: str, x, valid) -> str:
+        key = (id(x), id(valid))
+        seen = self.first.get(key)
+        if seen is not None and seen[1] is x and seen[2] is valid:  # held, so the ids are not reused
+            self.shares[relative] = seen[0]
+            return seen[0]
+        self.first[key] = (relative, x, valid)
+        return relative
+
+
+def _observer(keep_inputs: frozenset[str], rows_per_batch: int, hessians: frozenset[str] = frozenset(),
+              sharing: _HessianSharing | None = None):
     keep_relative = frozenset(layer_relative(m) for m in keep_inputs)
+    hessian_relative = frozenset(layer_relative(m) for m in hessians)
 
     def observe(name: str, x: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
         flat = x.astype(jnp.float32).reshape(-1, x.shape[-1])
         ok = valid.reshape(-1)
         # Padding (and, for experts, tokens routed elsewhere) count as 0 in the max.
         out = {"absmax": jnp.max(jnp.where(ok[:, None], jnp.abs(flat), 0.0), axis=0)}
+        relative = layer_relative(name)
+        if relative in hessian_relative and sharing.owner(relative, x, valid) == relative:
+            masked = jnp.where(ok[:, None], flat, 0.0)
+            out["hessian"] = jnp.einsum("ti,tj->ij", masked, masked, precision=jax.lax.Precision.HIGHEST)
+            out["count"] = jnp.sum(ok.astype(jnp.int32))
         if layer_relative(name) in keep_relative:
             # A spread subset of the tokens. The first ones alone over-represent
             # position 0, whose activations are often atypically large; so does a
@@ -108,8 +137,14 @@ def _observer(keep_inputs: frozenset[str], rows_per_batch: int):
 
 def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_mask=None, *,
                      batch_size: int = DEFAULT_BATCH_SIZE, keep_inputs=frozenset(),
-                     sample_rows: int = SAMPLE_ROWS, devices=None) -> Iterator[LayerStats]:
-    """Yield each layer's LayerStats in order; `keep_inputs` modules also get up to `sample_rows` input rows.
+                     sample_rows: int = SAMPLE_ROWS, devices=None, hessians=frozenset(),
+                     replace=None) -> Iterator[LayerStats]:
+    """Yield each layer's LayerStats in order; `keep_inputs` modules also get up to `sample_rows` input rows,
+    `hessians` modules their input Hessian (for GPTQ).
+
+    replace(i): after layer i's statistics are used, the tensors (name -> array) layer i
+    is to run on from then on (its quantized weights), or None; the layer runs again on
+    them to give layer i + 1 its input (runner.iterate_layers).
 
     devices: where the layers run; None: every visible device of jax's default
     backend (with more than one, the batches are split across them and the
@@ -122,23 +157,26 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
     devices = jax.devices() if devices is None else devices
     if hasattr(params, "checkpoint"):  # shapes from the index, no tensor read
         budget = device_budget(devices[0]) or HOST_BUDGET_BYTES
-        batch_size = fit_batch_size(checkpoint_shapes(model, params), n, t, batch_size, budget)
+        batch_size = fit_batch_size(checkpoint_shapes(model, params), n, t, batch_size, budget,
+                                    hessians=bool(hessians), sequential=replace is not None)
     batches = math.ceil(n / max(1, batch_size))
-    observe = _observer(keep_inputs, max(1, math.ceil(sample_rows / batches)))
-    hidden = None
+    sharing = _HessianSharing()
+    observe = _observer(keep_inputs, max(1, math.ceil(sample_rows / batches)), frozenset(hessians), sharing)
+    result = None
     for result in iterate_layers(model, params, input_ids, attention_mask, observe=observe,
-                                 batch_size=batch_size, devices=devices):
-        hidden = result.hidden
+                                 batch_size=batch_size, devices=devices, replace=replace):
         interrupts.check()  # between layers: a signal that a callee swallowed still stops calibration
-        yield _layer_stats(result.index, result.observed, keep_inputs, sample_rows)
-    if hidden is not None:
-        observed = _head_observed(model, params, hidden, attention_mask, observe, batch_size)
+        yield _layer_stats(result.index, result.observed, keep_inputs, sample_rows, sharing)
+    if result is not None:  # the last layer's output, on its replaced weights where it had some
+        observed = _head_observed(model, params, result.hidden, attention_mask, observe, batch_size)
         if observed:
-            yield _layer_stats(model.num_layers, observed, keep_inputs, sample_rows)
+            yield _layer_stats(model.num_layers, observed, keep_inputs, sample_rows, sharing)
 
 
 def _layer_stats(index: int, observed: dict[str, list], keep_inputs: frozenset[str],
-                 sample_rows: int) -> LayerStats:
+                 sample_rows: int, sharing: _HessianSharing | None = None) -> LayerStats:
+    sums = {name: (per_batch[0].pop("hessian"), per_batch[0].pop("count"))
+            for name, per_batch in observed.items() if "hessian" in per_batch[0]}  # stay on the device
     observed = jax.device_get(observed)  # the layer's statistics to the host in one transfer
     absmax, samples = {}, {}
     for name, per_batch in observed.items():
@@ -146,7 +184,17 @@ def _layer_stats(index: int, observed: dict[str, list], keep_inputs: frozenset[s
         if name in keep_inputs:
             rows = np.concatenate([np.asarray(o["rows"])[np.asarray(o["valid"])] for o in per_batch])
             samples[name] = rows[:sample_rows]
-    return LayerStats(index, absmax, samples)
+    hessians, tokens = {}, {}
+    by_relative = {layer_relative(name): name for name in observed}
+    for name in observed:
+        owner = by_relative.get(sharing.shares.get(layer_relative(name), ""), name) if sharing else name
+        if owner in sums:
+            total, count = sums[owner]
+            tokens[name] = int(count)
+            if owner not in hessians:
+                hessians[owner] = total * (2.0 / max(tokens[name], 1))
+            hessians[name] = hessians[owner]
+    return LayerStats(index, absmax, samples, hessians, tokens)
 
 
 def _head_observed(model, params: Mapping, hidden: jax.Array, attention_mask, observe,

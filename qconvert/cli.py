@@ -126,6 +126,17 @@ def _group_size(ctx, param, value):
                    "calibration activations (and the static input_scale with --act static). Default: on "
                    "for w8a8; off for int8 and nf4, whose output then stays byte-identical to plain "
                    "round-to-nearest (compressed-tensors) and to bitsandbytes.")
+@click.option("--gptq/--no-gptq", default=None,
+              help="Round weights by GPTQ (error-compensated, on each linear's input Hessian from calibration, "
+                   "layer after layer on the quantized layers' outputs) instead of round-to-nearest; same layout "
+                   "and scales, other codes. Default: on for w8a8 and int4 (off with --act-stats); int8, nf4 "
+                   "and fp8 take it with calibration text (--calib, default builtin) and stay byte-identical to "
+                   "round-to-nearest without it.")
+@click.option("--gptq-damp", type=float, default=None, metavar="FRACTION",
+              help="GPTQ dampening: this fraction of the mean Hessian diagonal is added to it [default: 0.01].")
+@click.option("--gptq-act-order", is_flag=True,
+              help="GPTQ rounds columns in order of decreasing Hessian diagonal; the scales stay fixed per group "
+                   "(static groups), so no permutation is written.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Threads reading and quantizing ahead of the writer [default: one per core; at most 4 per "
                    "core]; same output bytes.")
@@ -142,7 +153,7 @@ def _group_size(ctx, param, value):
 @_w8a8_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
              exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, group_size, scale_search: bool | None,
-             workers: int | None,
+             gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool, workers: int | None,
              overwrite: bool, dry_run: bool, any_architecture: bool, quiet: bool, as_json: bool, verbose: bool,
              **w8a8_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
@@ -157,7 +168,8 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
                              max_shard_size=parse_size(max_shard_size), double_quant=double_quant,
                              group_size=group_size, scale_search=scale_search, overwrite=overwrite, dry_run=dry_run,
                              act=w8a8_flags["act"], any_architecture=any_architecture, workers=workers,
-                             w8a8=_w8a8_options_from(scheme, w8a8_flags))
+                             w8a8=_w8a8_options_from(scheme, w8a8_flags), gptq=gptq, gptq_damp=gptq_damp,
+                             gptq_act_order=gptq_act_order)
     message = None if quiet or as_json else (lambda text: click.echo(f"qconvert: {text}", err=True))
     result = _run_with_progress(lambda progress: convert(model, out, options, progress=progress, message=message),
                                 show=not (quiet or as_json or dry_run))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -21,7 +22,7 @@ from qconvert.hub import ResolvedModel
 from qconvert.models.weight_only import WeightOnlySelection
 from qconvert.options import ConvertOptions, W8A8Options  # noqa: F401  (ConvertOptions' home; imported from here)
 from qconvert.output import (
-    check_output_free, check_output_location, copy_side_files, hash_in_background, side_files,
+    check_output_free, check_output_location, copy_side_files, hash_in_background, scratch_folder, side_files,
     staged_output, write_json,
 )
 from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
@@ -29,6 +30,7 @@ from qconvert.prefetch import available_cores, run_ahead
 from qconvert.scale_search import ScaleSearches
 from qconvert.source import SourceModel, open_source, resolve_source
 from qconvert.stages import stage
+from qconvert.gptq_layers import RTN_RECORD, QuantizedStore, SequentialGPTQ
 from qconvert.w8a8 import W8A8Adjustments, prepare_w8a8
 
 # The exponent bits of each float weight dtype: all ones exactly for NaN and Inf.
@@ -39,7 +41,7 @@ EXPONENT_BITS = {"float32": (np.uint32, 0x7F800000), "float16": (np.uint16, 0x7C
 PRESENTATION_OPTIONS = ("overwrite", "dry_run", "any_architecture", "workers")
 # The w8a8 calibration and smoothing choices are recorded in full as qconvert.json's
 # `calibration` and `smoothing`, not among the flags.
-RECORDED_ELSEWHERE = ("w8a8",)
+RECORDED_ELSEWHERE = ("w8a8", "gptq", "gptq_damp", "gptq_act_order")  # GPTQ's: as `rounding`
 # Recorded only for the schemes that take them (so other schemes' records stay as they were).
 SCHEME_ONLY_OPTIONS = ("group_size",)
 
@@ -127,20 +129,22 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
             for note in plan.notes:
                 if message is not None:
                     message(note)
-            w8a8 = W8A8Adjustments()
-            if scheme.calibrates and not (options.dry_run and options.act == "dynamic"):
-                calibration_started = time.perf_counter()
-                with stage("calibration"):
-                    w8a8 = prepare_w8a8(source, options, message, plan.quantized_modules)
-                if w8a8.calibration_record is not None:
-                    phases.append(("calibrated", time.perf_counter() - calibration_started))
-            if options.act == "static":
-                _check_input_scales(plan, w8a8.input_scales or {})
-            files: dict[str, str] = {}
-            if not options.dry_run:
-                writing_started = time.perf_counter()
-                files = write_output(source, out, plan, options, w8a8, progress)
-                phases.append(("wrote", time.perf_counter() - writing_started))
+            with contextlib.ExitStack() as scratch:
+                gptq = _sequential_gptq(source, plan, options, out, scratch)
+                w8a8 = W8A8Adjustments()
+                if (scheme.calibrates or gptq) and not (options.dry_run and options.act == "dynamic"):
+                    calibration_started = time.perf_counter()
+                    with stage("calibration"):
+                        w8a8 = prepare_w8a8(source, options, message, plan.quantized_modules, gptq)
+                    if w8a8.calibration_record is not None:
+                        phases.append(("calibrated", time.perf_counter() - calibration_started))
+                if options.act == "static":
+                    _check_input_scales(plan, w8a8.input_scales or {})
+                files: dict[str, str] = {}
+                if not options.dry_run:
+                    writing_started = time.perf_counter()
+                    files = write_output(source, out, plan, options, w8a8, progress)
+                    phases.append(("wrote", time.perf_counter() - writing_started))
         finally:
             source.close()
     except FormatError as err:
@@ -158,6 +162,25 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
     )
 
 
+def _sequential_gptq(source: SourceModel, plan: ConversionPlan, options: ConvertOptions, out: Path,
+                     scratch: contextlib.ExitStack) -> SequentialGPTQ | None:
+    """The run's GPTQ (its codes spilled to a scratch folder beside OUT), or None when it rounds to nearest.
+
+    A decoder converted by --any-architecture has no forward to calibrate: GPTQ's
+    default gives way to round-to-nearest there, an explicit --gptq is refused.
+    """
+    if not options.uses_gptq or options.dry_run:
+        return None
+    if source.weight_only is not None:
+        if options.gptq:
+            raise UsageError("--gptq needs the model's forward pass for calibration, which --any-architecture "
+                             "does not have for this model; pass --no-gptq")
+        return None
+    folder = scratch.enter_context(scratch_folder(out))
+    return SequentialGPTQ(source.params, options.scheme_object, plan.flags, options.gptq_config,
+                          QuantizedStore(folder), ScaleSearches(options.searches_scales, {}, {}))
+
+
 def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: ConvertOptions,
                  w8a8: W8A8Adjustments, progress: Progress | None) -> dict[str, str]:
     """Write the planned tensors, config.json and qconvert.json beside OUT, then rename into place; the file hashes."""
@@ -166,7 +189,8 @@ def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: 
     searches = ScaleSearches(options.searches_scales, dict(w8a8.weight_clip), dict(w8a8.search_records))
     source_hashes = hash_in_background(resolved.folder, input_files(resolved.folder, ckpt))
     with stage("writing the output"), staged_output(out, options.overwrite) as staging:
-        stream = stream_tensors(ckpt, plan, options, w8a8.transform, w8a8.input_scales or {}, progress, searches)
+        stream = stream_tensors(ckpt, plan, options, w8a8.transform, w8a8.input_scales or {}, progress, searches,
+                                w8a8.quantized)
         try:
             files.update(write_shards(staging, plan.specs, stream, options.max_shard_size))
         finally:
@@ -175,6 +199,7 @@ def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: 
         files["config.json"] = write_json(staging / "config.json", quantized_config(resolved.config, plan, options))
         record = manifest(resolved, source_hashes(), options, files, w8a8.calibration_record,
                           w8a8.smoothing_record, searches.record(options.scheme_object), plan.flags)
+        record["rounding"] = w8a8.rounding_record or dict(RTN_RECORD)
         if source.weight_only is not None:
             record["weight_only"] = source.weight_only.record()
         write_record(staging, record)
@@ -230,8 +255,8 @@ def prefetch_limit(plan: ConversionPlan) -> int:
 
 def stream_tensors(ckpt: SafetensorsCheckpoint, plan: ConversionPlan, options: ConvertOptions,
                    weight_transform, input_scales: Mapping[str, float],
-                   progress: Progress | None, searches: ScaleSearches | None = None
-                   ) -> Iterator[tuple[str, np.ndarray]]:
+                   progress: Progress | None, searches: ScaleSearches | None = None,
+                   quantized: QuantizedStore | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) for every output tensor in plan order.
 
     Reading, transforming, checking and quantizing run on `options.workers` threads
@@ -241,7 +266,7 @@ def stream_tensors(ckpt: SafetensorsCheckpoint, plan: ConversionPlan, options: C
     if progress is not None:
         progress.start(sum(t.source_bytes for t in plan.tensors), len(plan.tensors))
     tasks = ((planned.source_bytes, functools.partial(output_tensors, ckpt, planned, options, weight_transform,
-                                                      input_scales, searches, plan.flags))
+                                                      input_scales, searches, plan.flags, quantized))
              for planned in plan.tensors)
     return run_ahead(tasks, prefetch_limit(plan), on_done=progress.advance if progress is not None else None,
                      workers=options.workers or available_cores())
@@ -249,13 +274,20 @@ def stream_tensors(ckpt: SafetensorsCheckpoint, plan: ConversionPlan, options: C
 
 def output_tensors(ckpt: SafetensorsCheckpoint, planned: PlannedTensor, options: ConvertOptions,
                    weight_transform, input_scales: Mapping[str, float],
-                   searches: ScaleSearches | None = None, flags: LayoutFlags | None = None
-                   ) -> list[tuple[str, np.ndarray]]:
+                   searches: ScaleSearches | None = None, flags: LayoutFlags | None = None,
+                   quantized: QuantizedStore | None = None) -> list[tuple[str, np.ndarray]]:
     """The (name, array) output tensors of one planned tensor: read, transform, check, quantize.
 
-    An untransformed 2-D float linear whose scales are not searched is read a block of rows at a
+    A linear GPTQ rounded during calibration is taken from `quantized` as it is. An
+    untransformed 2-D float linear whose scales are not searched is read a block of rows at a
     time (qconvert.rowwise), so its source is never held whole beside its codes.
     """
+    if quantized is not None and planned.module in quantized:
+        scheme = options.scheme_object
+        tensors = scheme.layout.to_tensors(planned.module, quantized.get(planned.module),
+                                           flags if flags is not None else scheme.layout_flags(),
+                                           input_scale=input_scales.get(planned.module))
+        return [(spec.name, tensors.pop(spec.name)) for spec in planned.specs]
     if (planned.module is not None and weight_transform is None and len(planned.shape) == 2
             and planned.source_dtype in FLOAT_WEIGHT_DTYPES and not (searches is not None and searches.enabled)):
         tensors = quantized_tensors(planned, functools.partial(ckpt.get_rows, planned.source), options,

@@ -70,15 +70,22 @@ class ConvertOptions:
     # Threads that read and quantize tensors ahead of the writer; None: one per available core.
     # The output bytes are the same whatever the count.
     workers: int | None = None
-    # Calibration and smoothing; w8a8 only (None there means the defaults).
+    # Calibration and smoothing: w8a8's, and the calibration text of GPTQ (None there means the defaults).
     w8a8: W8A8Options | None = None
+    # GPTQ rounding (qconvert.gptq); None: the scheme's default (on for w8a8 and int4, which calibrate
+    # anyway, unless activation statistics replace calibration).
+    gptq: bool | None = None
+    gptq_damp: float | None = None    # None: qconvert.gptq.DEFAULT_DAMP
+    gptq_act_order: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
         scheme = scheme_named(self.scheme)
+        _check_gptq(self, scheme)
+        text_only = self.w8a8 is not None and not _smoothing_given(self.w8a8) and self.act == "dynamic"
         scheme.check_options(act=self.act, double_quant=self.double_quant, group_size=self.group_size,
-                             calibrates=self.w8a8 is not None)
+                             calibrates=self.w8a8 is not None and not (self.uses_gptq and text_only))
         if self.group_size is not None and self.group_size not in GROUP_SIZE_CHOICES:
             raise UsageError(f"--group-size must be 32, 64, 128 or channel, not {self.group_size!r}")
         if self.max_shard_size <= 0:
@@ -90,7 +97,7 @@ class ConvertOptions:
             raise UsageError(f"--workers {self.workers} is more than {prefetch.WORKERS_PER_CORE} threads per core "
                              f"({prefetch.max_workers()} on this machine's {prefetch.available_cores()} cores); "
                              f"give at most {prefetch.max_workers()}")
-        if scheme.calibrates:
+        if scheme.calibrates or self.uses_gptq:
             if self.w8a8 is None:
                 object.__setattr__(self, "w8a8", W8A8Options())
             _check_w8a8(self.w8a8)
@@ -104,6 +111,55 @@ class ConvertOptions:
     def searches_scales(self) -> bool:
         """Whether scales are searched (clipping ratios) rather than plain absmax: --scale-search."""
         return self.scheme_object.default_scale_search if self.scale_search is None else bool(self.scale_search)
+
+
+    @property
+    def uses_gptq(self) -> bool:
+        """Whether weights are rounded by GPTQ: --gptq/--no-gptq, else the scheme's default (off when a
+        statistics file replaces calibration: it holds no Hessians)."""
+        if self.gptq is not None:
+            return bool(self.gptq)
+        return self.scheme_object.default_gptq and (self.w8a8 is None or self.w8a8.act_stats is None)
+
+    @property
+    def gptq_config(self):
+        """The run's qconvert.gptq.GPTQConfig (dampening, block size, act order)."""
+        from qconvert.gptq import DEFAULT_DAMP, GPTQConfig
+
+        return GPTQConfig(damp=DEFAULT_DAMP if self.gptq_damp is None else float(self.gptq_damp),
+                          act_order=self.gptq_act_order)
+
+
+def _smoothing_given(options: W8A8Options) -> bool:
+    """Whether w8a8's own flags (not the calibration text's) were given."""
+    return options.alpha is not None or not options.smooth or options.act_stats is not None
+
+
+def _check_gptq(options: ConvertOptions, scheme: Scheme) -> None:
+    """Refuse GPTQ flags that do not fit the scheme or each other."""
+    if options.gptq and scheme.gptq_grid() is None:
+        raise UsageError(f"--gptq applies to --scheme {_gptq_schemes()} only")
+    if options.gptq and options.w8a8 is not None and options.w8a8.act_stats is not None:
+        raise UsageError("--gptq needs calibration activations, which a statistics file does not hold; "
+                         "drop --act-stats, or pass --no-gptq")
+    damp = options.gptq_damp
+    if damp is not None and (isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 < damp <= 1):
+        raise UsageError(f"--gptq-damp must be a fraction in (0, 1] of the mean Hessian diagonal, not {damp!r}")
+    if (damp is not None or options.gptq_act_order) and not options.uses_gptq:
+        raise UsageError("--gptq-damp and --gptq-act-order apply with GPTQ only: pass --gptq "
+                         f"(on by default for --scheme {_default_gptq_schemes()})")
+
+
+def _gptq_schemes() -> str:
+    from qconvert.schemes import names_where
+
+    return names_where(lambda s: s.gptq_grid() is not None)
+
+
+def _default_gptq_schemes() -> str:
+    from qconvert.schemes import names_where
+
+    return names_where(lambda s: s.default_gptq)
 
 
 def _check_w8a8(options: W8A8Options) -> None:

@@ -21,7 +21,7 @@ from qconvert.formats.safetensors_io import sha256_file
 
 # Inside every temporary folder qconvert makes beside OUT: proof that it is ours (and whose: a pid).
 TEMPORARY_MARKER = ".qconvert-temporary"
-TEMPORARY_SUFFIXES = (".partial", ".old")
+TEMPORARY_SUFFIXES = (".partial", ".old", ".scratch")
 # Tokenizer, generation and sentence-transformers files travel with the weights unchanged.
 SIDE_FILE_PATTERNS = (
     "tokenizer*", "special_tokens_map.json", "added_tokens.json", "generation_config.json",
@@ -214,6 +214,24 @@ def staged_output(out: Path, overwrite: bool) -> Iterator[Path]:
     except BaseException:
         _discard(staging)
         raise
+
+
+@contextlib.contextmanager
+def scratch_folder(out: Path) -> Iterator[Path]:
+    """A private temporary folder beside OUT for intermediate files (GPTQ's codes), removed on any exit.
+
+    It carries the same marker as the staging folder, so one left by a killed run is removed by the next.
+    """
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out)
+        scratch = _make_temporary(out, ".scratch")
+    except OSError as err:
+        raise OutputWriteError(f"cannot create a temporary folder beside {out}: {err.strerror or err}") from None
+    try:
+        yield scratch
+    finally:
+        _discard(scratch)
 
 
 def check_file_output_free(out: Path, overwrite: bool, ours: Callable[[Path], bool], kind: str) -> None:

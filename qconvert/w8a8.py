@@ -25,6 +25,7 @@ from qconvert.calib_data import BUILTIN, load_calibration
 from qconvert.calibrate import ActStats, check_stats_cover, iter_layer_stats, load_act_stats
 from qconvert.errors import UsageError
 from qconvert.formats.safetensors_io import sha256_file
+from qconvert.gptq_layers import QuantizedStore, SequentialGPTQ
 from qconvert.models import build
 from qconvert.models.registry import Architecture, SmoothingGroup
 from qconvert.options import ConvertOptions, W8A8Options
@@ -48,6 +49,9 @@ class W8A8Adjustments:
     smoothing_record: dict[str, Any] | None = None
     weight_clip: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     search_records: dict[str, dict] = dataclasses.field(default_factory=dict)
+    # GPTQ's QArrays by module (read back from the scratch folder), which the writer takes as they are.
+    quantized: QuantizedStore | None = None
+    rounding_record: dict[str, Any] | None = None
 
     def weight_transform(self, name: str, array: np.ndarray) -> np.ndarray:
         """The tensor as the converter should quantize or copy it (smoothed where a group touches it)."""
@@ -89,9 +93,10 @@ def to_bfloat16(values: np.ndarray) -> np.ndarray:
 
 
 def _calibrate(source: SourceModel, groups: list[SmoothingGroup], linears: list[str], spec: AlphaSpec,
-               options: ConvertOptions, progress: Callable[[str], None]
-               ) -> tuple[ActStats, dict[str, GroupScales], dict, dict]:
-    """Run calibration; as each layer completes, choose its groups' smoothing and search its linears.
+               options: ConvertOptions, progress: Callable[[str], None], gptq: SequentialGPTQ | None = None,
+               rounded: Sequence[str] = ()) -> tuple[ActStats, dict[str, GroupScales], dict, dict]:
+    """Run calibration; as each layer completes, choose its groups' smoothing, search its linears and, with
+    `gptq`, round the `rounded` linears among them (the layer then runs again on them).
 
     Returns the statistics, every group's scales, the alpha search errors and
     the per-linear searches (clip ratios, static input scales).
@@ -102,14 +107,17 @@ def _calibrate(source: SourceModel, groups: list[SmoothingGroup], linears: list[
     progress(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
     model = build(source.config)
     static = options.act == "static"
-    keep = set(linears) if options.searches_scales else set()
+    searches_on_rows = options.searches_scales and options.scheme_object.calibrates
+    keep = set(linears) if searches_on_rows else set()
     keep |= {g.linears[0] for g in groups} if spec.auto else set()
     act_absmax: dict[str, np.ndarray] = {}
     chosen: dict[str, GroupScales] = {}
     errors: dict[str, dict[float, float]] = {}
     searches: dict[str, LinearSearch] = {}
-    pending, unsearched = list(groups), list(linears)
+    pending, unsearched, unrounded = list(groups), list(linears), list(rounded) if gptq is not None else []
     batching = {} if calib.batch_size is None else {"batch_size": calib.batch_size}
+    if gptq is not None:
+        batching.update(hessians=frozenset(unrounded), replace=gptq.replacement)
     for layer in iter_layer_stats(model, params, data.input_ids, keep_inputs=keep, **batching):
         act_absmax.update(layer.act_absmax)
         for group in [g for g in pending if all(m in act_absmax for m in g.linears)]:
@@ -124,11 +132,19 @@ def _calibrate(source: SourceModel, groups: list[SmoothingGroup], linears: list[
                                                   spec.alpha_for(group.source, arch.default_alpha))
         ready = [m for m in unsearched if m in act_absmax
                  and not any(m in g.linears or m == g.source for g in pending)]
-        if options.searches_scales and ready:
+        if searches_on_rows and ready:
             searches.update(_search_linears(params, ready, chosen, act_absmax, layer.input_samples, options))
+            if gptq is not None:  # GPTQ keeps the scales these clips give
+                gptq.searches.clip.update({m: searches[m].clip for m in ready if searches[m].clip is not None})
         unsearched = [m for m in unsearched if m not in ready]
         if layer.index < model.num_layers:  # the last LayerStats holds the head's inputs
             progress(f"layer {layer.index + 1}/{model.num_layers} calibrated")
+        now = [m for m in unrounded if m in layer.hessians]
+        if now:
+            gptq.layer(layer, now, tensor_folds(list(chosen.values())))
+            unrounded = [m for m in unrounded if m not in now]
+            if layer.index < model.num_layers:
+                progress(f"layer {layer.index + 1}/{model.num_layers} rounded by GPTQ")
     return ActStats(act_absmax, data.tokens, data.record()), chosen, errors, searches
 
 
@@ -172,15 +188,17 @@ def head_linears_for_static(source: SourceModel, quantized_modules: Sequence[str
 
 def prepare_w8a8(source: SourceModel, options: ConvertOptions,
                  progress: Callable[[str], None] | None = None,
-                 quantized_modules: Sequence[str] = ()) -> W8A8Adjustments:
-    """Calibrate (or load statistics), smooth, and derive static scales for a w8a8 conversion of `source`.
+                 quantized_modules: Sequence[str] = (), gptq: SequentialGPTQ | None = None) -> W8A8Adjustments:
+    """Calibrate (or load statistics), smooth, and derive static scales for a w8a8 conversion of `source`;
+    with `gptq`, round the quantized modules by GPTQ during calibration (any scheme).
 
     `source` is the pipeline's opened model: calibration reads the very weights
-    that are then written. Plain per-token W8A8 (no smoothing, dynamic) needs no
-    statistics and gets no adjustments.
+    that are then written. Plain per-token W8A8 (no smoothing, dynamic) without
+    GPTQ needs no statistics and gets no adjustments.
     """
     calib = options.w8a8
-    if not options.scheme_object.calibrates or not (calib.smooth or options.act == "static"):
+    smooths = options.scheme_object.calibrates and calib.smooth
+    if gptq is None and (not options.scheme_object.calibrates or not (calib.smooth or options.act == "static")):
         return W8A8Adjustments()
     spec = calib.alpha_spec()
     progress = progress or (lambda message: None)
@@ -188,7 +206,7 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
     linears = arch.linear_names(params)
     # Static scales for an included head (lm_head) too; any other included linear is refused here.
     head = head_linears_for_static(source, quantized_modules) if options.act == "static" else []
-    groups = smoothing_groups(arch, source.config) if calib.smooth else []
+    groups = smoothing_groups(arch, source.config) if smooths else []
     unknown = unmatched_alpha_keys(spec, [g.source for g in groups])
     if unknown:
         raise UsageError(f"--alpha names {', '.join(unknown)}, which matches no smoothing group of "
@@ -204,7 +222,8 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
         calibration_record["stats_file"] = {"name": Path(calib.act_stats).name,
                                             "sha256": sha256_file(calib.act_stats)}
     else:
-        stats, searched, errors, searches = _calibrate(source, groups, linears, spec, options, progress)
+        stats, searched, errors, searches = _calibrate(source, groups, linears, spec, options, progress, gptq,
+                                                       quantized_modules)
         calibration_record = stats.calibration
     scales = []
     for group in groups:
@@ -224,10 +243,15 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
                         if m in searches and searches[m].input_scale is not None
                         else static_input_scale(smoothed_input_absmax(stats.act_absmax[m], smoothed.get(m)))
                         for m in [*linears, *head]}
+    clips = {m: f.clip for m, f in searches.items() if f.clip is not None}
+    records = {m: f.record for m, f in searches.items()}
+    if gptq is not None:  # the weight-only searches GPTQ ran (int8, nf4 with --scale-search)
+        clips, records = {**gptq.searches.clip, **clips}, {**gptq.searches.records, **records}
     return W8A8Adjustments(tensor_folds(scales), input_scales, calibration_record,
-                           _smoothing_record(scales, spec, arch, errors, calib) if calib.smooth else None,
-                           weight_clip={m: f.clip for m, f in searches.items() if f.clip is not None},
-                           search_records={m: f.record for m, f in searches.items()})
+                           _smoothing_record(scales, spec, arch, errors, calib) if smooths else None,
+                           weight_clip=clips, search_records=records,
+                           quantized=gptq.store if gptq is not None else None,
+                           rounding_record=gptq.record() if gptq is not None else None)
 
 
 def static_input_scale(act_absmax: float) -> float:

@@ -32,13 +32,22 @@ from qconvert.models.hooks import (GroupedLinearHook, LinearHook, dense_grouped_
 Observer = Callable[[str, jax.Array, jax.Array], Any]
 
 
-@dataclasses.dataclass(frozen=True)
+# Keys of what `observe` returns that are summed over the batches (on the device) instead of listed:
+# a running sum is all they need, and a list would hold one [in, in] matrix per batch.
+SUMMED = ("hessian", "count")
+
+
+@dataclasses.dataclass
 class LayerResult:
-    """What one layer did for one batch of samples."""
+    """What one layer did for one batch of samples.
+
+    `hidden` is replaced by the layer's output on its new weights when the caller's
+    `replace` hands some in (sequential quantization).
+    """
 
     index: int
     hidden: jax.Array               # the layer's output, float32 [B, T, H]
-    observed: dict[str, list[Any]]  # module name -> observe(...) per micro-batch
+    observed: dict[str, list[Any]]  # module name -> observe(...) per micro-batch (SUMMED keys: one sum)
 
 
 def read_tensors(params: Mapping, names: Sequence[str]) -> dict[str, Any]:
@@ -67,6 +76,21 @@ def _observing_hooks(linear: LinearHook, grouped_linear: GroupedLinearHook, obse
         return grouped_linear(names, x, weights, group_sizes)
 
     return observed_linear, observed_grouped
+
+
+def _add_observed(observed: dict[str, list[Any]], name: str, value: Any) -> None:
+    """Append one batch's observation of `name`; its SUMMED entries add into the first batch's."""
+    entries = observed.setdefault(name, [])
+    if not entries or not isinstance(value, dict) or not any(k in value for k in SUMMED):
+        entries.append(value)
+        return
+    first = entries[0]
+    for key in SUMMED:
+        if key in value:
+            first[key] = first[key] + value[key]
+    rest = {k: v for k, v in value.items() if k not in SUMMED}
+    if rest:
+        entries.append(rest)
 
 
 def layer_signature(model, i: int) -> Hashable:
@@ -121,7 +145,8 @@ def iterate_layers(model, params: Mapping, input_ids, attention_mask=None, *,
                    grouped_linear: GroupedLinearHook = dense_grouped_linear,
                    observe: Observer | None = None, batch_size: int | None = None,
                    jit: bool = True, share_programs: bool | None = None,
-                   devices: Sequence[jax.Device] | None = None) -> Iterator[LayerResult]:
+                   devices: Sequence[jax.Device] | None = None,
+                   replace: Callable[[int], Mapping[str, Any] | None] | None = None) -> Iterator[LayerResult]:
     """Embed `input_ids` [N, T], then yield each layer's LayerResult in order.
 
     The hidden states of all N samples pass from one layer to the next on the
@@ -143,6 +168,12 @@ def iterate_layers(model, params: Mapping, input_ids, attention_mask=None, *,
     replicated; what `observe` returns is gathered, one entry per batch, in
     sample order, as on one device. Batches left over (fewer than one per
     device) run on the first device.
+
+    replace: called with i once the caller is done with layer i's result; the
+    tensors it returns (name -> array) take the place of layer i's own, and the
+    layer runs again on them, without observing, to give the next layer its
+    input (and the result its `hidden`): GPTQ's sequential mode, where layer i
+    is calibrated on the outputs of layers 0..i-1 already quantized.
     """
     input_ids = jnp.asarray(input_ids, jnp.int32)
     n, t = input_ids.shape
@@ -160,7 +191,11 @@ def iterate_layers(model, params: Mapping, input_ids, attention_mask=None, *,
         out = model.layer(i, layer_params, hidden, mask, *hooks)
         return out, sink
 
+    def run_plain(i, layer_params, hidden, mask):
+        return model.layer(i, layer_params, hidden, mask, linear, grouped_linear)
+
     step = jax.jit(run_layer, static_argnums=0) if jit else run_layer
+    plain_step = jax.jit(run_plain, static_argnums=0) if jit else run_plain
     sharded_step = _sharded_step(run_layer, mesh) if mesh is not None else None
     embed = jax.jit(model.embed) if jit else model.embed
     embed_params = read_tensors(params, model.embed_tensor_names())
@@ -182,17 +217,34 @@ def iterate_layers(model, params: Mapping, input_ids, attention_mask=None, *,
         # One transfer for all groups, once they are all dispatched; then one entry per batch.
         for sink in jax.device_get(sinks):
             for name, value in sink.items():
-                per_device = [jax.tree.map(lambda a, d=d: a[d], value) for d in range(mesh.size)]
-                observed.setdefault(programs.rename(name, rep, i), []).extend(per_device)
+                for d in range(mesh.size):
+                    _add_observed(observed, programs.rename(name, rep, i), jax.tree.map(lambda a, d=d: a[d], value))
         for s in range(split, n, batch_size):
             out, sink = step(rep, layer_params, hidden[s:s + batch_size], mask[s:s + batch_size])
             outs.append(out)
             _bound_in_flight(outs)
             for name, value in sink.items():
-                observed.setdefault(programs.rename(name, rep, i), []).append(value)
-        del layer_params
+                _add_observed(observed, programs.rename(name, rep, i), value)
+        layer_input = hidden
         hidden = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
-        yield LayerResult(i, hidden, observed)
+        del outs
+        result = LayerResult(i, hidden, observed)
+        yield result
+        new = replace(i) if replace is not None else None
+        if new:
+            layer_params.update({programs.rename(name, i, rep): jnp.asarray(value) for name, value in new.items()})
+            hidden = _rerun(plain_step, rep, layer_params, layer_input, mask, batch_size)
+            result.hidden = hidden
+        del layer_params, layer_input
+
+
+def _rerun(step, rep: int, layer_params, hidden: jax.Array, mask: jax.Array, batch_size: int) -> jax.Array:
+    """The layer's output over every sample again, `batch_size` at a time, on the first device."""
+    outs = []
+    for s in range(0, hidden.shape[0], batch_size):
+        outs.append(step(rep, layer_params, hidden[s:s + batch_size], mask[s:s + batch_size]))
+        _bound_in_flight(outs)
+    return jnp.concatenate(outs) if len(outs) > 1 else outs[0]
 
 
 def _bound_in_flight(outs: list) -> None:

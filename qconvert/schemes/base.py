@@ -55,6 +55,7 @@ class Scheme(abc.ABC):
     act_modes: tuple[str, ...] = ()  # activation modes it quantizes with; () keeps activations float
     calibrates: bool = False         # takes calibration and smoothing (--calib, --alpha, ...)
     default_scale_search: bool = False
+    default_gptq: bool = False       # GPTQ rounding unless --no-gptq (a scheme that calibrates anyway)
     takes_double_quant: bool = False
     takes_group_size: bool = False
     clip: ClipSearch
@@ -91,6 +92,18 @@ class Scheme(abc.ABC):
     def clip_search(self, weight: np.ndarray, flags: LayoutFlags):
         """The per row/group/block ratios minimising the weight's squared error (a SearchResult)."""
 
+    def gptq_grid(self):
+        """The grid GPTQ rounds each column onto (a qconvert.gptq grid); None: the scheme takes no --gptq."""
+        return None
+
+    def gptq_steps(self, q: QArray, flags: LayoutFlags) -> np.ndarray:
+        """float32 [out, in]: each weight's scale in round-to-nearest's QArray `q`, which GPTQ keeps."""
+        return np.asarray(group_scale(q), np.float32)
+
+    def gptq_qarray(self, q: QArray, codes: np.ndarray) -> QArray:
+        """`q` with GPTQ's codes [out, in] (the grid's) in place of round-to-nearest's: the same scales."""
+        return dataclasses.replace(q, qvalue=np.asarray(codes).astype(np.asarray(q.qvalue).dtype))
+
     def kernel_act(self, input_scale: float | None) -> str | None:
         """The activation mode the deployment kernel runs with (None: float activations)."""
         return None
@@ -114,7 +127,8 @@ class Scheme(abc.ABC):
 
         if calibrates and not self.calibrates:
             raise UsageError("--calib, --alpha, --no-smooth, --act and --act-stats apply to --scheme "
-                             f"{names_where(lambda s: s.calibrates)} only")
+                             f"{names_where(lambda s: s.calibrates)} only (--calib, --calib-samples and "
+                             "--calib-seqlen also with --gptq)")
         if double_quant and not self.takes_double_quant:
             raise UsageError(f"--double-quant applies to --scheme {names_where(lambda s: s.takes_double_quant)} only")
         if act not in ("dynamic", "static"):

@@ -122,6 +122,11 @@ class FP8(Scheme):
     def quantize(self, weight: np.ndarray, flags: LayoutFlags, *, scale_dtype, clip=None) -> QArray:
         return quantize_fp8(weight, scale_dtype=scale_dtype, clip=clip)
 
+    def gptq_grid(self):
+        from qconvert.gptq import FloatGrid
+
+        return FloatGrid(FP8_MAX)
+
     def clip_search(self, weight: np.ndarray, flags: LayoutFlags):
         return fp8_clip_search(weight)
 

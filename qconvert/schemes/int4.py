@@ -141,6 +141,7 @@ class Int4(Scheme):
     summary = "int4 weights per group of input channels (128 by default), float activations (W4A16)"
     loads_in = "vLLM, transformers + compressed-tensors"
     takes_group_size = True
+    default_gptq = True
     clip = ClipSearch(INT4_CLIP_GRID, "per output row and group: scale = c * absmax / 7.5")
     thresholds = Thresholds(
         min_layer_sqnr_db=12.0, min_layer_cosine=0.97, max_mean_kl=0.15,
@@ -159,6 +160,11 @@ class Int4(Scheme):
 
     def quantize(self, weight: np.ndarray, flags: LayoutFlags, *, scale_dtype, clip=None) -> QArray:
         return quantize_int4(weight, flags.group_size, scale_dtype=scale_dtype, clip=clip)
+
+    def gptq_grid(self):
+        from qconvert.gptq import IntegerGrid
+
+        return IntegerGrid(INT4_QMIN, INT4_QMAX)
 
     def clip_search(self, weight: np.ndarray, flags: LayoutFlags):
         return int4_clip_search(weight, flags.group_size)

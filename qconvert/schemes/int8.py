@@ -6,7 +6,7 @@ import numpy as np
 
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_int8 import PackQuantizedInt8
-from qconvert.formats.qarray import QArray
+from qconvert.formats.qarray import INT8_QMAX, QArray
 from qconvert.quantizers import quantize_int8
 from qconvert.scale_search import INT8_CLIP_GRID, int8_clip_search
 from qconvert.schemes.base import ClipSearch, Scheme, Thresholds
@@ -29,6 +29,11 @@ class Int8(Scheme):
 
     def quantize(self, weight: np.ndarray, flags: LayoutFlags, *, scale_dtype, clip=None) -> QArray:
         return quantize_int8(weight, scale_dtype=scale_dtype, clip=clip)
+
+    def gptq_grid(self):
+        from qconvert.gptq import IntegerGrid
+
+        return IntegerGrid(-INT8_QMAX, INT8_QMAX)
 
     def clip_search(self, weight: np.ndarray, flags: LayoutFlags):
         return int8_clip_search(weight)

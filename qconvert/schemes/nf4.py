@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_nf4 import BitsandbytesNF4
+from qconvert.formats.packing import dequantize_double_quant, double_quantize_absmax
 from qconvert.formats.qarray import NF4_BLOCK_SIZE, NF4_LEVELS, QArray
 from qconvert.quantizers import NF4_THRESHOLDS, quantize_nf4
 from qconvert.rowwise import quantize_nf4_rows
@@ -43,6 +45,23 @@ class NF4(Scheme):
 
     def clip_search(self, weight: np.ndarray, flags: LayoutFlags):
         return nf4_clip_search(weight, NF4_BLOCK_SIZE, NF4_LEVELS, NF4_THRESHOLDS)
+
+    def gptq_grid(self):
+        from qconvert.gptq import LevelGrid
+
+        return LevelGrid(tuple(float(v) for v in NF4_LEVELS))
+
+    def gptq_steps(self, q: QArray, flags: LayoutFlags) -> np.ndarray:
+        # Each weight's block absmax as the folder stores it: double quantization rounds it first.
+        absmax = np.asarray(q.scale, np.float32)
+        if flags.double_quant:
+            absmax = dequantize_double_quant(*double_quantize_absmax(absmax))
+        return np.repeat(absmax, q.block_size)[:q.size].reshape(q.shape)
+
+    def gptq_qarray(self, q: QArray, codes: np.ndarray) -> QArray:
+        flat = np.asarray(codes).reshape(-1).astype(np.uint8)
+        pairs = np.concatenate([flat, np.zeros(flat.size % 2, np.uint8)]).reshape(-1, 2)
+        return dataclasses.replace(q, qvalue=((pairs[:, 0] << 4) | pairs[:, 1]).astype(np.uint8))
 
     def folder_weight(self, q: QArray) -> np.ndarray:
         # Loaders decode in float32 and cast to the model's dtype before the matmul.

@@ -24,6 +24,7 @@ class W8A8(Int8):
     act_modes = ("dynamic", "static")
     calibrates = True
     default_scale_search = True
+    default_gptq = True
     thresholds = Thresholds(
         min_layer_sqnr_db=20.0, min_layer_cosine=0.99, max_mean_kl=0.05,
         min_top1_agreement=0.80, max_perplexity_ratio=1.10, min_pooled_cosine=0.98,

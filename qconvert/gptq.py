@@ -1,0 +1,165 @@
+"""GPTQ (Frantar et al., 2022): round a linear's weight one input column at a time, each column's error fed forward.
+
+The scales are fixed first (round-to-nearest's, or the clip search's), so the
+layout is unchanged: GPTQ only chooses other codes on the same grid. Column j
+is rounded to the nearest point of its grid; the error, divided by the j-th
+diagonal entry of the upper Cholesky factor U of the damped inverse Hessian,
+is subtracted from the columns not yet rounded along U's row j. Columns go in
+blocks: inside a block the update is immediate, the rest of the matrix gets
+the block's errors in one matrix product (the paper's lazy batch update).
+With act order the columns go in order of decreasing Hessian diagonal, each
+keeping the scale of the group it belongs to in the layout (static groups),
+so no permutation is written.
+
+Everything runs in the weight's dtype (float32 in the pipeline; float64 under
+`jax.enable_x64` gives the exact reference the tests compare with), as one
+compiled program per shape and grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DEFAULT_DAMP = 0.01        # of the mean Hessian diagonal, added to the diagonal
+DEFAULT_BLOCK_SIZE = 128   # columns per lazy batch update
+
+
+@dataclasses.dataclass(frozen=True)
+class IntegerGrid:
+    """Symmetric integer codes in [qmin, qmax]: code = clip(round(x)), value = code (int8, int4)."""
+
+    qmin: int
+    qmax: int
+
+    def round(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(codes, values) of x given in units of its scale, both in x's dtype."""
+        code = jnp.clip(jnp.round(x), self.qmin, self.qmax)
+        return code, code
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelGrid:
+    """Codes that index a sorted table of levels (NF4): the code of x is how many midpoints x lies above."""
+
+    levels: tuple[float, ...]
+
+    def round(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        levels = np.asarray(self.levels, np.float32)
+        midpoints = jnp.asarray((levels[1:] + levels[:-1]) / np.float32(2), x.dtype)
+        code = jnp.sum(x[..., None] > midpoints, axis=-1)
+        return code.astype(x.dtype), jnp.asarray(levels, x.dtype)[code]
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatGrid:
+    """Float8 E4M3 codes saturated at +-limit: value = float8(x), round to nearest even."""
+
+    limit: float
+
+    def round(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        value = jnp.clip(x, -self.limit, self.limit).astype(jnp.float8_e4m3fn).astype(x.dtype)
+        return value, value
+
+
+RoundingGrid = IntegerGrid | LevelGrid | FloatGrid
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTQConfig:
+    """The GPTQ choices of a run (qconvert.json's `gptq` record holds them)."""
+
+    damp: float = DEFAULT_DAMP
+    block_size: int = DEFAULT_BLOCK_SIZE
+    act_order: bool = False
+
+    def record(self) -> dict:
+        return {"method": "gptq", "damp": self.damp, "block_size": self.block_size, "act_order": self.act_order}
+
+
+def _prepare_hessian(w: jax.Array, h: jax.Array, damp: jax.Array, act_order: bool):
+    """Dead columns (H_ii == 0: an input never seen) get H_ii = 1 and weight 0, as the paper does; then the
+    act-order permutation (before dampening, as the paper orders by the undamped diagonal) and dampening."""
+    n = h.shape[0]
+    diag = jnp.diagonal(h)
+    dead = diag == 0
+    h = h.at[jnp.arange(n), jnp.arange(n)].set(jnp.where(dead, 1, diag))
+    w = jnp.where(dead[None, :], 0, w)
+    perm = jnp.argsort(-jnp.diagonal(h), stable=True) if act_order else jnp.arange(n)
+    h = h[perm][:, perm]
+    h = h + damp * jnp.mean(jnp.diagonal(h)) * jnp.eye(n, dtype=h.dtype)
+    return w[:, perm], h, perm
+
+
+def inverse_cholesky(h: jax.Array) -> jax.Array:
+    """U, upper triangular, with U^T U = H^-1 (the paper's Cholesky of the inverse)."""
+    lower = jnp.linalg.cholesky(h)
+    inverse = jax.scipy.linalg.cho_solve((lower, True), jnp.eye(h.shape[0], dtype=h.dtype))
+    return jnp.linalg.cholesky(inverse).T
+
+
+def _round_block(w1, s1, u1, grid: RoundingGrid):
+    """One block of columns rounded in order, each error fed into the block's later columns at once."""
+
+    def column(j, carry):
+        w1, codes, errors = carry
+        x, step = w1[:, j], s1[:, j]
+        code, value = grid.round(x / jnp.where(step == 0, 1, step))
+        error = (x - value * step) / u1[j, j]
+        w1 = w1 - error[:, None] * u1[j][None, :]  # U is upper triangular: only columns >= j move
+        return w1, codes.at[:, j].set(code), errors.at[:, j].set(error)
+
+    zeros = jnp.zeros_like(w1)
+    _, codes, errors = jax.lax.fori_loop(0, w1.shape[1], column, (w1, zeros, zeros))
+    return codes, errors
+
+
+@functools.partial(jax.jit, static_argnames=("grid", "block_size", "act_order"))
+def gptq_codes(w: jax.Array, h: jax.Array, steps: jax.Array, damp, *, grid: RoundingGrid,
+               block_size: int = DEFAULT_BLOCK_SIZE, act_order: bool = False) -> jax.Array:
+    """GPTQ's codes [out, in] (in the grid's terms, in w's dtype) of a weight w [out, in].
+
+    h [in, in] is the input Hessian (any positive multiple of X^T X); steps [out, in]
+    each weight's scale (the value of a code is grid value * step), fixed before
+    any column is rounded; damp the fraction of the mean diagonal added to it.
+    """
+    rows, n = w.shape
+    dtype = w.dtype
+    w, h, perm = _prepare_hessian(w, h.astype(dtype), jnp.asarray(damp, dtype), act_order)
+    steps = steps.astype(dtype)[:, perm]
+    padded = -(-n // block_size) * block_size
+    # Padding columns: weight 0, identity Hessian, unit step; their error is 0 and touches nothing.
+    w = jnp.pad(w, ((0, 0), (0, padded - n)))
+    steps = jnp.pad(steps, ((0, 0), (0, padded - n)), constant_values=1)
+    h = jnp.pad(h, ((0, padded - n), (0, padded - n))) + jnp.diag(jnp.arange(padded) >= n).astype(dtype)
+    u = inverse_cholesky(h)
+    columns = jnp.arange(padded)
+
+    def block(b, carry):
+        w, codes = carry
+        start = b * block_size
+        w1 = jax.lax.dynamic_slice(w, (0, start), (rows, block_size))
+        s1 = jax.lax.dynamic_slice(steps, (0, start), (rows, block_size))
+        u_rows = jax.lax.dynamic_slice(u, (start, 0), (block_size, padded))
+        u1 = jax.lax.dynamic_slice(u_rows, (0, start), (block_size, block_size))
+        block_codes, errors = _round_block(w1, s1, u1, grid)
+        later = jnp.where(columns[None, :] >= start + block_size, u_rows, 0)
+        w = w - errors @ later
+        return w, jax.lax.dynamic_update_slice(codes, block_codes, (0, start))
+
+    _, codes = jax.lax.fori_loop(0, padded // block_size, block, (w, jnp.zeros_like(w)))
+    codes = codes[:, :n]
+    return codes[:, jnp.argsort(perm)] if act_order else codes
+
+
+@jax.jit
+def output_error(w: jax.Array, q: jax.Array, h: jax.Array) -> jax.Array:
+    """tr((W - Q) H (W - Q)^T) / tr(W H W^T): the relative squared output error on the Hessian's inputs."""
+    d = (w - q).astype(jnp.float32)
+    w = w.astype(jnp.float32)
+    h = h.astype(jnp.float32)
+    return jnp.sum((d @ h) * d) / jnp.maximum(jnp.sum((w @ h) * w), jnp.finfo(jnp.float32).tiny)
