@@ -28,6 +28,7 @@ from qconvert.formats.errors import FormatError
 from qconvert.formats.checkpoint_params import CheckpointParams
 from qconvert.formats.safetensors_io import TensorSpec, encode_header, open_checkpoint
 from qconvert.models import iterate_layers, read_tensors
+from qconvert.models.runner import add_observed
 
 STATS_FORMAT = "qconvert-act-stats"
 STATS_VERSION = "1"
@@ -218,7 +219,7 @@ def _head_observed(model, params: Mapping, hidden: jax.Array, attention_mask, ob
     observed: dict[str, list] = {}
     for s in range(0, n, max(1, batch_size)):
         for name, value in step(head_params, hidden[s:s + batch_size], mask[s:s + batch_size]).items():
-            observed.setdefault(name, []).append(value)
+            add_observed(observed, name, value)
     return observed
 
 

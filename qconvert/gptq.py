@@ -81,79 +81,105 @@ class GPTQConfig:
         return {"method": "gptq", "damp": self.damp, "block_size": self.block_size, "act_order": self.act_order}
 
 
-def _prepare_hessian(w: jax.Array, h: jax.Array, damp: jax.Array, act_order: bool):
-    """Dead columns (H_ii == 0: an input never seen) get H_ii = 1 and weight 0, as the paper does; then the
-    act-order permutation (before dampening, as the paper orders by the undamped diagonal) and dampening."""
+def inverse_cholesky(h: jax.Array) -> jax.Array:
+    """U, upper triangular with a positive diagonal, with U^T U = H^-1 (the paper's Cholesky of the inverse).
+
+    One factorization instead of the paper's three: with J the reversal, J H J = L L^T
+    gives H = R R^T for the upper triangular R = J L J, so H^-1 = R^-T R^-1 and U = R^-1.
+    """
+    lower = jnp.linalg.cholesky(h[::-1, ::-1])
+    upper = lower[::-1, ::-1]
+    return jax.scipy.linalg.solve_triangular(upper, jnp.eye(h.shape[0], dtype=h.dtype), lower=False)
+
+
+def _round_block(w1, s1, u1, grid: RoundingGrid):
+    """One block of columns rounded in order, each error fed into the block's later columns at once.
+
+    Returns the block's codes, its dequantized values (grid value * step) and the scaled errors."""
+
+    def column(j, carry):
+        w1, codes, values, errors = carry
+        x, step = w1[:, j], s1[:, j]
+        code, value = grid.round(x / jnp.where(step == 0, 1, step))
+        q = value * step
+        error = (x - q) / u1[j, j]
+        w1 = w1 - error[:, None] * u1[j][None, :]  # U is upper triangular: only columns >= j move
+        return w1, codes.at[:, j].set(code), values.at[:, j].set(q), errors.at[:, j].set(error)
+
+    zeros = jnp.zeros_like(w1)
+    _, codes, values, errors = jax.lax.fori_loop(0, w1.shape[1], column, (w1, zeros, zeros, zeros))
+    return codes, values, errors
+
+
+@functools.partial(jax.jit, static_argnames=("act_order",))
+def hessian_factor(h: jax.Array, damp, *, act_order: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(U, perm, dead) of an input Hessian h [in, in], in h's dtype: the upper Cholesky factor of the damped
+    inverse (in act order when asked), the column order, and the dead columns (H_ii == 0: never seen,
+    given H_ii = 1 and weight 0, as the paper does). Linears that read one input share it."""
     n = h.shape[0]
     diag = jnp.diagonal(h)
     dead = diag == 0
     h = h.at[jnp.arange(n), jnp.arange(n)].set(jnp.where(dead, 1, diag))
-    w = jnp.where(dead[None, :], 0, w)
+    # The paper orders by the undamped diagonal, then dampens.
     perm = jnp.argsort(-jnp.diagonal(h), stable=True) if act_order else jnp.arange(n)
     h = h[perm][:, perm]
-    h = h + damp * jnp.mean(jnp.diagonal(h)) * jnp.eye(n, dtype=h.dtype)
-    return w[:, perm], h, perm
+    h = h + jnp.asarray(damp, h.dtype) * jnp.mean(jnp.diagonal(h)) * jnp.eye(n, dtype=h.dtype)
+    return inverse_cholesky(h), perm, dead
 
 
-def inverse_cholesky(h: jax.Array) -> jax.Array:
-    """U, upper triangular, with U^T U = H^-1 (the paper's Cholesky of the inverse)."""
-    lower = jnp.linalg.cholesky(h)
-    inverse = jax.scipy.linalg.cho_solve((lower, True), jnp.eye(h.shape[0], dtype=h.dtype))
-    return jnp.linalg.cholesky(inverse).T
-
-
-def _round_block(w1, s1, u1, grid: RoundingGrid):
-    """One block of columns rounded in order, each error fed into the block's later columns at once."""
-
-    def column(j, carry):
-        w1, codes, errors = carry
-        x, step = w1[:, j], s1[:, j]
-        code, value = grid.round(x / jnp.where(step == 0, 1, step))
-        error = (x - value * step) / u1[j, j]
-        w1 = w1 - error[:, None] * u1[j][None, :]  # U is upper triangular: only columns >= j move
-        return w1, codes.at[:, j].set(code), errors.at[:, j].set(error)
-
-    zeros = jnp.zeros_like(w1)
-    _, codes, errors = jax.lax.fori_loop(0, w1.shape[1], column, (w1, zeros, zeros))
-    return codes, errors
-
-
-@functools.partial(jax.jit, static_argnames=("grid", "block_size", "act_order"))
-def gptq_codes(w: jax.Array, h: jax.Array, steps: jax.Array, damp, *, grid: RoundingGrid,
-               block_size: int = DEFAULT_BLOCK_SIZE, act_order: bool = False) -> jax.Array:
-    """GPTQ's codes [out, in] (in the grid's terms, in w's dtype) of a weight w [out, in].
-
-    h [in, in] is the input Hessian (any positive multiple of X^T X); steps [out, in]
-    each weight's scale (the value of a code is grid value * step), fixed before
-    any column is rounded; damp the fraction of the mean diagonal added to it.
-    """
+@functools.partial(jax.jit, static_argnames=("grid", "block_size"))
+def round_columns(w: jax.Array, steps: jax.Array, u: jax.Array, perm: jax.Array, dead: jax.Array, *,
+                  grid: RoundingGrid, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[jax.Array, jax.Array]:
+    """GPTQ's codes [out, in] (in the grid's terms, in w's dtype) of w [out, in] with hessian_factor's (U, perm,
+    dead), and the weight they stand for (code value * step); steps [out, in] holds each weight's scale,
+    fixed beforehand."""
     rows, n = w.shape
     dtype = w.dtype
-    w, h, perm = _prepare_hessian(w, h.astype(dtype), jnp.asarray(damp, dtype), act_order)
+    w = jnp.where(dead[None, :], 0, w)[:, perm]
     steps = steps.astype(dtype)[:, perm]
     padded = -(-n // block_size) * block_size
-    # Padding columns: weight 0, identity Hessian, unit step; their error is 0 and touches nothing.
+    # Padding columns: weight 0, unit step, identity in U; their error is 0 and touches nothing.
     w = jnp.pad(w, ((0, 0), (0, padded - n)))
     steps = jnp.pad(steps, ((0, 0), (0, padded - n)), constant_values=1)
-    h = jnp.pad(h, ((0, padded - n), (0, padded - n))) + jnp.diag(jnp.arange(padded) >= n).astype(dtype)
-    u = inverse_cholesky(h)
+    u = jnp.pad(u.astype(dtype), ((0, padded - n), (0, padded - n))) + jnp.diag(jnp.arange(padded) >= n).astype(dtype)
     columns = jnp.arange(padded)
 
     def block(b, carry):
-        w, codes = carry
+        w, codes, values = carry
         start = b * block_size
         w1 = jax.lax.dynamic_slice(w, (0, start), (rows, block_size))
         s1 = jax.lax.dynamic_slice(steps, (0, start), (rows, block_size))
         u_rows = jax.lax.dynamic_slice(u, (start, 0), (block_size, padded))
         u1 = jax.lax.dynamic_slice(u_rows, (0, start), (block_size, block_size))
-        block_codes, errors = _round_block(w1, s1, u1, grid)
+        block_codes, block_values, errors = _round_block(w1, s1, u1, grid)
         later = jnp.where(columns[None, :] >= start + block_size, u_rows, 0)
         w = w - errors @ later
-        return w, jax.lax.dynamic_update_slice(codes, block_codes, (0, start))
+        return (w, jax.lax.dynamic_update_slice(codes, block_codes, (0, start)),
+                jax.lax.dynamic_update_slice(values, block_values, (0, start)))
 
-    _, codes = jax.lax.fori_loop(0, padded // block_size, block, (w, jnp.zeros_like(w)))
-    codes = codes[:, :n]
-    return codes[:, jnp.argsort(perm)] if act_order else codes
+    zeros = jnp.zeros_like(w)
+    _, codes, values = jax.lax.fori_loop(0, padded // block_size, block, (w, zeros, zeros))
+    order = jnp.argsort(perm)
+    return codes[:, :n][:, order], values[:, :n][:, order]
+
+
+def gptq_codes(w: jax.Array, h: jax.Array, steps: jax.Array, damp, *, grid: RoundingGrid,
+               block_size: int = DEFAULT_BLOCK_SIZE, act_order: bool = False) -> jax.Array:
+    """GPTQ's codes [out, in] of a weight w [out, in] on its input Hessian h [in, in] (any positive multiple
+    of X^T X), computed in w's dtype; `damp`: the fraction of the mean diagonal added to it."""
+    w = jnp.asarray(w)
+    u, perm, dead = hessian_factor(jnp.asarray(h, w.dtype), damp, act_order=act_order)
+    return round_columns(w, jnp.asarray(steps), u, perm, dead, grid=grid, block_size=block_size)[0]
+
+
+@jax.jit
+def row_output_errors(w: jax.Array, candidates: jax.Array, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row, d H d^T of each candidate [k, out, in] (d = w - candidate) and w H w^T: summed over a linear's
+    rows, the numerator and denominator of output_error, for several linears stacked in one call."""
+    w = w.astype(jnp.float32)
+    h = h.astype(jnp.float32)
+    d = w[None] - candidates.astype(jnp.float32)
+    return jnp.sum((d @ h) * d, axis=-1), jnp.sum((w @ h) * w, axis=-1)
 
 
 @jax.jit

@@ -24,7 +24,7 @@ import numpy as np
 from qconvert.calibrate import LayerStats
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.qarray import QArray
-from qconvert.gptq import GPTQConfig, gptq_codes, output_error
+from qconvert.gptq import GPTQConfig, hessian_factor, round_columns, row_output_errors
 from qconvert.scale_search import ScaleSearches
 from qconvert.smooth import TensorFold, apply_fold
 
@@ -73,45 +73,81 @@ class SequentialGPTQ:
     _pending: dict[int, dict[str, np.ndarray]] = dataclasses.field(default_factory=dict)
 
     def layer(self, stats: LayerStats, modules: list[str], folds: Mapping[str, TensorFold]) -> None:
-        """Round `modules` (of layer stats.index) with GPTQ; their dequantized weights wait for `replacement`."""
+        """Round `modules` (of layer stats.index) with GPTQ; their dequantized weights wait for `replacement`.
+
+        Linears that read one input (q/k/v, gate/up) share one Hessian factorization and are rounded as one
+        matrix of their stacked rows (GPTQ treats every row alike), so each layer runs the same few programs.
+        """
         effective = {}
-        for module in modules:
-            if module not in stats.hessians:
-                continue
-            fold = folds.get(f"{module}.weight")
-            q, dequantized = self._round(module, stats.hessians[module], stats.hessian_tokens[module], fold)
-            self.store.put(module, q)
-            effective[f"{module}.weight"] = dequantized
+        for group in _sharing_groups([m for m in modules if m in stats.hessians], stats, folds):
+            tokens = stats.hessian_tokens[group[0]]
+            weights = {m: self._weight(m, folds.get(f"{m}.weight")) for m in group}
+            rtn = {m: self.scheme.quantize(w, self.flags, scale_dtype=raw_dtype, clip=self._clip(m, w))
+                   for m, (w, raw_dtype) in weights.items()}
+            if tokens == 0 or not float(jnp.max(jnp.diagonal(stats.hessians[group[0]]))) > 0:
+                # An expert no calibration token reached, or an input that was all zeros: nothing to round on.
+                chosen = rtn
+                values = {m: np.asarray(q.dequantize(np.float32)) for m, q in rtn.items()}
+                self.errors.update({m: {"tokens": tokens, "method": "rtn"} for m in group})
+            else:
+                fold = folds.get(f"{group[0]}.weight")
+                h = stats.hessians[group[0]]
+                if fold is not None and fold.col_multiplier is not None:
+                    h = _smoothed_hessian(h, fold.col_multiplier)
+                chosen, values = self._round_group(group, {m: w for m, (w, _) in weights.items()}, rtn, h, tokens)
+            for m in group:
+                self.store.put(m, chosen[m])
+                effective[f"{m}.weight"] = _unfolded(values[m], folds.get(f"{m}.weight")).astype(weights[m][1])
         self._pending[stats.index] = effective
 
     def replacement(self, index: int) -> dict[str, np.ndarray] | None:
         """Layer `index`'s weights as GPTQ rounded them (None when it rounded none)."""
         return self._pending.pop(index, None) or None
 
-    def _round(self, module: str, hessian, tokens: int, fold: TensorFold | None) -> tuple[QArray, np.ndarray]:
+    def _weight(self, module: str, fold: TensorFold | None) -> tuple[np.ndarray, np.dtype]:
         raw = np.asarray(self.params[f"{module}.weight"])
-        weight = raw if fold is None else apply_fold(raw, fold)  # as the writer would quantize it
-        clip = self.searches.clip_for(module, weight, self.scheme, self.flags) if self.searches.enabled else None
-        rtn = self.scheme.quantize(weight, self.flags, scale_dtype=raw.dtype, clip=clip)
-        if tokens == 0:  # an expert no calibration token reached: no Hessian to round on
-            self.errors[module] = {"tokens": 0}
-            return rtn, _unfolded(np.asarray(rtn.dequantize(np.float32)), fold).astype(raw.dtype)
-        h = hessian if fold is None or fold.col_multiplier is None else _smoothed_hessian(hessian, fold.col_multiplier)
-        w = jnp.asarray(weight, jnp.float32)
-        steps = self.scheme.gptq_steps(rtn, self.flags)
-        codes = gptq_codes(w, h, jnp.asarray(steps), self.config.damp, grid=self.scheme.gptq_grid(),
-                           block_size=self.config.block_size, act_order=self.config.act_order)
-        q = self.scheme.gptq_qarray(rtn, np.asarray(codes))
-        dequantized = np.asarray(q.dequantize(np.float32))
-        self.errors[module] = {"tokens": tokens,
-                               "error_gptq": _rounded(float(output_error(w, dequantized, h))),
-                               "error_rtn": _rounded(float(output_error(w, rtn.dequantize(np.float32), h)))}
-        return q, _unfolded(dequantized, fold).astype(raw.dtype)
+        return (raw if fold is None else apply_fold(raw, fold)), raw.dtype  # as the writer would quantize it
+
+    def _clip(self, module: str, weight: np.ndarray):
+        return self.searches.clip_for(module, weight, self.scheme, self.flags) if self.searches.enabled else None
+
+    def _round_group(self, group: list[str], weights: dict[str, np.ndarray], rtn: dict[str, QArray], h,
+                     tokens: int) -> tuple[dict[str, QArray], dict[str, np.ndarray]]:
+        """GPTQ's QArrays of a group of linears sharing Hessian h, and the float32 weights they stand for."""
+        u, perm, dead = hessian_factor(h, self.config.damp, act_order=self.config.act_order)
+        stacked = jnp.asarray(np.concatenate([np.asarray(weights[m], np.float32) for m in group]))
+        steps = jnp.asarray(np.concatenate([self.scheme.gptq_steps(rtn[m], self.flags) for m in group]))
+        codes, values = round_columns(stacked, steps, u, perm, dead, grid=self.scheme.gptq_grid(),
+                                      block_size=self.config.block_size)
+        rtn_values = np.concatenate([np.asarray(rtn[m].dequantize(np.float32)) for m in group])
+        errors, reference = (np.asarray(a, np.float64) for a in
+                             row_output_errors(stacked, jnp.stack([values, rtn_values]), h))
+        codes, values = np.asarray(codes), np.asarray(values)
+        chosen, dequantized, start = {}, {}, 0
+        for m in group:
+            rows = slice(start, start + weights[m].shape[0])
+            start = rows.stop
+            chosen[m] = self.scheme.gptq_qarray(rtn[m], codes[rows])
+            dequantized[m] = values[rows]
+            denominator = max(float(reference[rows].sum()), float(np.finfo(np.float32).tiny))
+            self.errors[m] = {"tokens": tokens, "error_gptq": _rounded(float(errors[0, rows].sum()) / denominator),
+                              "error_rtn": _rounded(float(errors[1, rows].sum()) / denominator)}
+        return chosen, dequantized
 
     def record(self) -> dict[str, Any]:
         """qconvert.json's `rounding`: GPTQ's settings and, per linear, its relative output error on the
         calibration inputs against round-to-nearest's (tr(D H D^T) / tr(W H W^T))."""
         return {**self.config.record(), "modules": {m: self.errors[m] for m in sorted(self.errors)}}
+
+
+def _sharing_groups(modules: list[str], stats: LayerStats, folds: Mapping[str, TensorFold]) -> list[list[str]]:
+    """The modules grouped by the Hessian they are rounded on (the same input, smoothed alike), in order."""
+    groups: dict[tuple, list[str]] = {}
+    for m in modules:
+        fold = folds.get(f"{m}.weight")
+        multiplier = None if fold is None or fold.col_multiplier is None else fold.col_multiplier.tobytes()
+        groups.setdefault((id(stats.hessians[m]), multiplier), []).append(m)
+    return list(groups.values())
 
 
 def _smoothed_hessian(h, col_multiplier: np.ndarray):

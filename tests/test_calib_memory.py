@@ -74,3 +74,26 @@ def test_fit_batch_size_shrinks_the_batch_to_the_budget():
     four = estimate(shapes, 64, 512, 4).device_bytes
     assert fit_batch_size(shapes, 64, 512, 8, budget=four + 1) == 4
     assert fit_batch_size(shapes, 64, 512, 8, budget=1) == 1
+
+
+def test_gptq_adds_the_hessians_and_a_fourth_copy_of_the_hidden_states_by_hand():
+    shapes = ModelShapes(hidden=8, heads=2, layer_bytes=1000, layer_elements=500, layer_width=40,
+                         embed_bytes=300, embed_elements=150, head_bytes=200, layer_inputs=24,
+                         hessian_elements=3 * 8 * 8 + 16 * 16, largest_linear=16 * (16 + 8))
+    plain = estimate(shapes, samples=4, seqlen=3, batch_size=2, sample_rows=5)
+    gptq = estimate(shapes, samples=4, seqlen=3, batch_size=2, sample_rows=5, hessians=True, sequential=True)
+    hidden = 4 * 3 * 8 * 4
+    # each linear's running sum and one batch's product, float32; four [in, in + out] matrices of the
+    # largest linear while it is rounded; the layer's input kept beside its two outputs
+    assert gptq.device_bytes - plain.device_bytes == 2 * 4 * (3 * 64 + 256) + 4 * 4 * 16 * 24 + hidden
+
+
+def test_a_70b_down_proj_hessian_lowers_the_batch():
+    # Llama-70B's down_proj reads 28672 features: its Hessian alone is 28672^2 float32 (3.3 GB).
+    shapes = ModelShapes(hidden=8192, heads=64, layer_bytes=2 * 856 * 10**6, layer_elements=856 * 10**6,
+                         layer_width=200000, embed_bytes=2 * 10**9, embed_elements=10**9, head_bytes=2 * 10**9,
+                         layer_inputs=80000, hessian_elements=28672**2 + 3 * 8192**2,
+                         largest_linear=28672 * (28672 + 8192))
+    budget = estimate(shapes, 128, 512, 8).device_bytes
+    assert fit_batch_size(shapes, 128, 512, 8, budget) == 8
+    assert fit_batch_size(shapes, 128, 512, 8, budget, hessians=True, sequential=True) < 8

@@ -1,7 +1,7 @@
 """int4 folders of Llama, Qwen3, Phi-3, Gemma 3, Mixtral and Qwen3-MoE (tiny, built by transformers) convert,
 pass `qconvert verify` through the Pallas int4 kernels, and load in transformers + compressed-tensors as meant:
 its logits equal those of the float model holding qconvert's own dequantized weights, and stay close to the
-float model's."""
+float model's. The folders are rounded by GPTQ (int4's default), experts each on their own Hessian."""
 
 from __future__ import annotations
 
@@ -27,8 +27,11 @@ def converted(request, tmp_path_factory):
 
 
 def convert(source, out, capsys):
-    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", "int4", "-q"], capsys)
+    # GPTQ (int4's default) on a few random windows: the folders are GPTQ's, the layout the same.
+    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", "int4", "--calib", "random",
+                            "--calib-samples", "4", "--calib-seqlen", "32", "-q"], capsys)
     assert code == 0, err
+    assert json.loads((out / "qconvert.json").read_text())["rounding"]["method"] == "gptq"
 
 
 def test_converts_and_passes_verify_through_the_pallas_kernels(converted, capsys):
@@ -38,6 +41,7 @@ def test_converts_and_passes_verify_through_the_pallas_kernels(converted, capsys
     assert code == 0, err
     record = json.loads(report)
     assert record["scheme"] == "int4" and record["passed"]
+    assert record["rounding"]["method"] == "gptq"  # named from qconvert.json; the thresholds are int4's
     assert all(layer["kernel"]["pallas"] for layer in record["layers"])
     assert min(layer["fidelity_sqnr_db"] for layer in record["layers"]) >= 40
 

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(not (VENV_PYTHON.exists() and CHECK.exists()),
                                 reason="vLLM's check needs .vllm-venv (../shared/vllm/setup_venv.sh)")
 TPU_PYTHON = ROOT / ".vllm-tpu-venv" / "bin" / "python"
 TPU_CHECK = ROOT.parent / "shared" / "vllm-tpu" / "tpu_accept.py"
-SCHEMES = {"int8": [], "int4": [], "fp8": [],
-           "w8a8": ["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "16"]}
+CALIB = ["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "16"]
+SCHEMES = {"int8": [], "int4": CALIB, "fp8": [], "w8a8": CALIB}  # int4 and w8a8 calibrate for GPTQ
 
 
 @pytest.mark.slow

@@ -46,7 +46,8 @@ def quantized_params(folder):
     return params
 
 
-def convert_w8a8(src, out, *, act="dynamic", scale_search=None, gptq=None, **flags):
+def convert_w8a8(src, out, *, act="dynamic", scale_search=None, gptq=False, **flags):
+    # Round-to-nearest unless a test asks for GPTQ: these tests are about smoothing and the scales.
     options = ConvertOptions(scheme="w8a8", act=act, scale_search=scale_search, gptq=gptq, w8a8=W8A8Options(**flags))
     return convert(str(src), out, options)
 
@@ -208,11 +209,13 @@ def test_mixtral_experts_are_calibrated_and_smoothed_without_changing_the_model(
 
 def test_default_flags_search_alpha_and_clip_weights_only_when_asked(outlier_llama, tmp_path):
     folder, config, ids, _ = outlier_llama
-    convert_w8a8(folder, tmp_path / "default", calib="random", calib_samples=4, calib_seqlen=32)
+    convert_w8a8(folder, tmp_path / "default", calib="random", calib_samples=4, calib_seqlen=32, gptq=None)
     convert_w8a8(folder, tmp_path / "searched", calib="random", calib_samples=4, calib_seqlen=32, scale_search=True)
     convert_w8a8(folder, tmp_path / "family", calib="random", calib_samples=4, calib_seqlen=32,
                  alpha="family", scale_search=False)
     manifest = json.loads((tmp_path / "default" / "qconvert.json").read_text())
+    # GPTQ is opt-in for w8a8: on real LLMs it cost perplexity after smoothing (docs/ACCURACY.md)
+    assert manifest["rounding"]["method"] == "rtn"
     smoothing = manifest["smoothing"]
     assert smoothing["alpha_mode"] == "auto"
     for source, tried in smoothing["alpha_search"].items():

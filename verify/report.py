@@ -150,6 +150,7 @@ def to_record(report: VerifyReport) -> dict[str, Any]:
         "verdict": verdict(report),
         "folder": report.folder,
         "scheme": report.scheme,
+        "rounding": report.rounding,
         "reference": report.reference,
         "backend": report.backend,
         "devices": list(report.devices),

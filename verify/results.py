@@ -110,6 +110,9 @@ class VerifyReport:
     seconds: float
     # Stages (or parts of them) that could not run, each one line saying why; not failures.
     skipped: tuple[str, ...] = ()
+    # How the folder's weights were rounded, from its qconvert.json's `rounding` (its per-linear errors left
+    # out): {"method": "gptq", "damp": ..., ...} or {"method": "rtn"} (also for folders that predate it).
+    rounding: dict[str, Any] = dataclasses.field(default_factory=lambda: {"method": "rtn"})
 
     @property
     def failed_fidelity_checks(self) -> list[Check]:

@@ -133,8 +133,22 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions()) -> VerifyRep
 
     Raises QConvertError subclasses for bad input (no qconvert.json, an
     unreachable reference, bad flags); a folder that is wrong in itself (hashes,
-    tensors, numbers) yields a failing report instead.
+    tensors, numbers) yields a failing report instead. The thresholds are the
+    scheme's whatever the rounding (GPTQ or round-to-nearest); the report names it.
     """
+    report = _verify_folder(folder, options)
+    return dataclasses.replace(report, rounding=rounding_of(read_record(Path(folder))))
+
+
+def rounding_of(record) -> dict[str, Any]:
+    """The rounding a qconvert.json records, without its per-linear errors (a record without one: "rtn")."""
+    rounding = record.raw.get("rounding")
+    if not isinstance(rounding, dict) or not isinstance(rounding.get("method"), str):
+        return {"method": "rtn"}
+    return {k: v for k, v in rounding.items() if k != "modules"}
+
+
+def _verify_folder(folder, options: VerifyOptions) -> VerifyReport:
     started = time.perf_counter()
     check_backend(options.backend)
     folder = Path(folder)

@@ -78,7 +78,7 @@ def _observing_hooks(linear: LinearHook, grouped_linear: GroupedLinearHook, obse
     return observed_linear, observed_grouped
 
 
-def _add_observed(observed: dict[str, list[Any]], name: str, value: Any) -> None:
+def add_observed(observed: dict[str, list[Any]], name: str, value: Any) -> None:
     """Append one batch's observation of `name`; its SUMMED entries add into the first batch's."""
     entries = observed.setdefault(name, [])
     if not entries or not isinstance(value, dict) or not any(k in value for k in SUMMED):
@@ -218,14 +218,14 @@ def iterate_layers(model, params: Mapping, input_ids, attention_mask=None, *,
         for sink in jax.device_get(sinks):
             for name, value in sink.items():
                 for d in range(mesh.size):
-                    _add_observed(observed, programs.rename(name, rep, i), jax.tree.map(lambda a, d=d: a[d], value))
+                    add_observed(observed, programs.rename(name, rep, i), jax.tree.map(lambda a, d=d: a[d], value))
         for s in range(split, n, batch_size):
             out, sink = step(rep, layer_params, hidden[s:s + batch_size], mask[s:s + batch_size])
             outs.append(out)
             _bound_in_flight(outs)
             for name, value in sink.items():
-                _add_observed(observed, programs.rename(name, rep, i), value)
-        layer_input = hidden
+                add_observed(observed, programs.rename(name, rep, i), value)
+        layer_input = hidden if replace is not None else None  # kept only to run the layer again
         hidden = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
         del outs
         result = LayerResult(i, hidden, observed)

@@ -97,8 +97,12 @@ class Scheme(abc.ABC):
         return None
 
     def gptq_steps(self, q: QArray, flags: LayoutFlags) -> np.ndarray:
-        """float32 [out, in]: each weight's scale in round-to-nearest's QArray `q`, which GPTQ keeps."""
-        return np.asarray(group_scale(q), np.float32)
+        """float32 [out, in]: each weight's scale in round-to-nearest's QArray `q`, which GPTQ keeps (numpy: no
+        program to compile per shape)."""
+        scale = np.asarray(q.scale).astype(np.float32)
+        if scale.shape[-1] not in (1, q.shape[-1]):
+            scale = np.repeat(scale, q.shape[-1] // scale.shape[-1], axis=-1)
+        return np.ascontiguousarray(np.broadcast_to(scale, q.shape))
 
     def gptq_qarray(self, q: QArray, codes: np.ndarray) -> QArray:
         """`q` with GPTQ's codes [out, in] (the grid's) in place of round-to-nearest's: the same scales."""

@@ -1,0 +1,136 @@
+"""GPTQ folders end to end: NF4 rounded by GPTQ is still a bitsandbytes folder, qconvert.json says how each
+folder was rounded, and the GPTQ flags refuse what does not fit."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from checkpoints import make_llama_checkpoint
+from cli_helpers import run as run_cli
+from hf_checkpoints import dequantized_float_folder, family_source, load_config, reference_logits, token_batch
+
+CALIB = ["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "32"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return family_source(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def quantize(source, out, capsys, *flags):
+    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "-q", *flags], capsys)
+    assert code == 0, err
+    return json.loads((out / "qconvert.json").read_text())
+
+
+def test_nf4_gptq_folder_loads_in_bitsandbytes_as_its_own_dequantization(llama, tmp_path, capsys):
+    import bitsandbytes
+    import transformers
+
+    out = tmp_path / "nf4"
+    record = quantize(llama, out, capsys, "--scheme", "nf4", "--gptq", *CALIB)
+    rounding = record["rounding"]
+    assert rounding["method"] == "gptq" and rounding["damp"] == 0.01 and rounding["block_size"] == 128
+    errors = rounding["modules"].values()
+    assert len(errors) == 7 and all(e["error_gptq"] < e["error_rtn"] for e in errors)
+    loaded_model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert isinstance(loaded_model.model.layers[0].mlp.down_proj, bitsandbytes.nn.Linear4bit)
+    ids, mask = token_batch(load_config(llama)["vocab_size"])
+    loaded = reference_logits(out, ids, mask)  # transformers + bitsandbytes reading the folder
+    meant = reference_logits(dequantized_float_folder(llama, out, tmp_path / "meant"), ids, mask)
+    valid = mask.astype(bool)
+    assert np.abs(loaded[valid] - meant[valid]).max() <= 1e-4 * np.abs(meant[valid]).max()
+
+
+def test_round_to_nearest_is_recorded_and_gptq_changes_codes_not_scales(llama, tmp_path, capsys):
+    from qconvert.formats.layouts import open_quantized
+
+    rtn = quantize(llama, tmp_path / "rtn", capsys, "--scheme", "int8")
+    gptq = quantize(llama, tmp_path / "gptq", capsys, "--scheme", "int8", "--gptq", "--gptq-act-order",
+                    "--gptq-damp", "0.05", *CALIB)
+    assert rtn["rounding"] == {"method": "rtn"}
+    assert {k: gptq["rounding"][k] for k in ("method", "damp", "act_order")} == {
+        "method": "gptq", "damp": 0.05, "act_order": True}
+    a, b = open_quantized(tmp_path / "rtn"), open_quantized(tmp_path / "gptq")
+    for module in a.quantized_modules:
+        qa, qb = a.qarray(module), b.qarray(module)
+        np.testing.assert_array_equal(np.asarray(qa.scale), np.asarray(qb.scale))
+        assert np.mean(np.asarray(qa.qvalue) != np.asarray(qb.qvalue)) > 0.01
+
+
+def test_two_gptq_runs_give_identical_bytes(tmp_path, capsys):
+    src = make_llama_checkpoint(tmp_path / "src", hidden=64, intermediate=128)
+    first = quantize(src, tmp_path / "a", capsys, "--scheme", "w8a8", *CALIB)
+    second = quantize(src, tmp_path / "b", capsys, "--scheme", "w8a8", *CALIB)
+    assert first["rounding"]["method"] == "gptq"
+    assert first["files"] == second["files"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--scheme", "w8a8", "--gptq", "--act-stats", "stats.safetensors"], "--gptq needs calibration activations"),
+    (["--scheme", "int8", "--gptq-damp", "0.1"], "apply with GPTQ only"),
+    (["--scheme", "int4", "--gptq-damp", "0"], "--gptq-damp must be a fraction"),
+    (["--scheme", "nf4", "--calib", "random"], "also with --gptq"),
+    (["--scheme", "int4", "--alpha", "0.5"], "apply to --scheme w8a8 only"),
+])
+def test_gptq_flags_that_do_not_fit_are_usage_errors(tmp_path, capsys, flags, message):
+    src = make_llama_checkpoint(tmp_path / "src")
+    code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "out"), *flags], capsys)
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_hessians_are_two_xtx_over_n_shared_by_the_linears_of_one_input(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    from qconvert.calibrate import iter_layer_stats, open_params
+    from qconvert.models import build, dense_linear
+
+    src = make_llama_checkpoint(tmp_path / "src", layers=1)
+    config, params = load_config(src), open_params(src)
+    model = build(config)
+    ids = np.random.default_rng(0).integers(0, config["vocab_size"], (3, 16))
+    wanted = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.mlp.down_proj"]
+    stats = next(iter_layer_stats(model, params, ids, batch_size=2, hessians=frozenset(wanted)))
+    inputs = {}
+
+    def capture(name, x, weight, bias):
+        inputs[name] = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+        return dense_linear(name, x, weight, bias)
+
+    with jax.disable_jit():
+        model.forward({k: jnp.asarray(np.asarray(params[k])) for k in params}, jnp.asarray(ids), linear=capture)
+    for module in wanted:
+        x = inputs[module]
+        expected = 2 * x.T @ x / x.shape[0]
+        np.testing.assert_allclose(np.asarray(stats.hessians[module]), expected, rtol=1e-4,
+                                   atol=1e-5 * np.abs(expected).max())
+        assert stats.hessian_tokens[module] == ids.size
+    assert stats.hessians[wanted[0]] is stats.hessians[wanted[1]]  # q and k read one input: one H
+    assert "model.layers.0.self_attn.v_proj" not in stats.hessians
+
+
+def test_sequential_mode_runs_each_layer_again_on_the_weights_handed_in(tmp_path):
+    import jax.numpy as jnp
+
+    from qconvert.calibrate import open_params
+    from qconvert.models import build, iterate_layers
+
+    src = make_llama_checkpoint(tmp_path / "src", layers=2)
+    config, params = load_config(src), open_params(src)
+    model = build(config)
+    ids = np.random.default_rng(0).integers(0, config["vocab_size"], (2, 16))
+    name = "model.layers.0.mlp.down_proj.weight"
+    rounded = np.round(np.asarray(params[name]) * 8) / 8  # any other weight: the layer must run on it
+    results = list(iterate_layers(model, params, ids, batch_size=1,
+                                  replace=lambda i: {name: rounded} if i == 0 else None))
+    replaced = {k: jnp.asarray(np.asarray(params[k])) for k in params}
+    replaced[name] = jnp.asarray(rounded)
+    hidden = model.embed(replaced, jnp.asarray(ids))
+    for i in range(model.num_layers):
+        hidden = model.layer(i, replaced, hidden)
+        np.testing.assert_allclose(np.asarray(results[i].hidden), np.asarray(hidden), rtol=1e-4, atol=1e-5)
