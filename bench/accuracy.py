@@ -59,29 +59,50 @@ from qconvert.schemes.fp8 import FP8_MAX  # noqa: E402
 OUT = Path(__file__).resolve().parent / "out"
 HI = jax.lax.Precision.HIGHEST
 
-# name -> (scheme, ConvertOptions extras, W8A8Options extras); "family" and "auto --no-scale-search"
-# are the explicit flags a user had before the defaults changed.
+# name -> (scheme, ConvertOptions extras, W8A8Options extras: calibration, smoothing); "family" and "auto
+# --no-scale-search" are the explicit flags a user had before the defaults changed. Every row but the
+# "-default" ones pins GPTQ (on: "-gptq"), so that a name keeps its meaning whatever the defaults.
+RTN, GPTQ = {"gptq": False}, {"gptq": True}
 CONFIGS = {
-    "int8": ("int8", {}, None),
-    "int8-scale-search": ("int8", {"scale_search": True}, None),
-    "int4-g128": ("int4", {}, None),
-    "int4-g128-scale-search": ("int4", {"scale_search": True}, None),
-    "int4-g64": ("int4", {"group_size": 64}, None),
-    "int4-g64-scale-search": ("int4", {"group_size": 64, "scale_search": True}, None),
-    "nf4": ("nf4", {}, None),
-    "nf4-scale-search": ("nf4", {"scale_search": True}, None),
-    "fp8": ("fp8", {}, None),
-    "fp8-weights-only": ("fp8", {}, None),  # diagnostic: the fp8 folder's weights, activations left float
-    "w8a8-no-smooth": ("w8a8", {"scale_search": False}, {"smooth": False}),
-    "w8a8-family": ("w8a8", {"scale_search": False}, {"alpha": "family"}),
-    "w8a8-alpha-0.5": ("w8a8", {"scale_search": False}, {"alpha": "0.5"}),
-    "w8a8-auto": ("w8a8", {"scale_search": False}, {"alpha": "auto"}),
-    "w8a8-family-scale-search": ("w8a8", {}, {"alpha": "family"}),
+    "int8": ("int8", RTN, None),
+    "int8-scale-search": ("int8", {**RTN, "scale_search": True}, None),
+    "int4-g128": ("int4", RTN, None),
+    "int4-g128-scale-search": ("int4", {**RTN, "scale_search": True}, None),
+    "int4-g64": ("int4", {**RTN, "group_size": 64}, None),
+    "int4-g64-scale-search": ("int4", {**RTN, "group_size": 64, "scale_search": True}, None),
+    "nf4": ("nf4", RTN, None),
+    "nf4-scale-search": ("nf4", {**RTN, "scale_search": True}, None),
+    "fp8": ("fp8", RTN, None),
+    "fp8-weights-only": ("fp8", RTN, None),  # diagnostic: the fp8 folder's weights, activations left float
+    "int8-gptq": ("int8", GPTQ, {}),
+    "int4-g128-gptq": ("int4", GPTQ, {}),
+    "nf4-gptq": ("nf4", GPTQ, {}),
+    "fp8-gptq": ("fp8", GPTQ, {}),
+    "int4-default": ("int4", {}, {}),
     "w8a8-default": ("w8a8", {}, {}),
-    "w8a8-static-family": ("w8a8", {"act": "static", "scale_search": False}, {"alpha": "family"}),
-    "w8a8-static-auto": ("w8a8", {"act": "static", "scale_search": False}, {"alpha": "auto"}),
     "w8a8-static-default": ("w8a8", {"act": "static"}, {}),
 }
+W8A8_SMOOTHING = {"no-smooth": {"smooth": False}, "family": {"alpha": "family"}, "alpha-0.5": {"alpha": "0.5"},
+                  "auto": {"alpha": "auto"}}
+for _label, _w8a8 in W8A8_SMOOTHING.items():
+    for _search, _suffix in ((False, ""), (True, "-scale-search")):
+        CONFIGS[f"w8a8-{_label}{_suffix}"] = ("w8a8", {**RTN, "scale_search": _search}, _w8a8)
+        CONFIGS[f"w8a8-{_label}{_suffix}-gptq"] = ("w8a8", {**GPTQ, "scale_search": _search}, _w8a8)
+for _act in ("static",):
+    for _label in ("family", "auto"):
+        for _search, _suffix in ((False, ""), (True, "-scale-search")):
+            for _g, _gs in ((RTN, ""), (GPTQ, "-gptq")):
+                CONFIGS[f"w8a8-{_act}-{_label}{_suffix}{_gs}"] = ("w8a8", {"act": _act, **_g, "scale_search": _search},
+                                                                  W8A8_SMOOTHING[_label])
+
+
+# Experiments on a search's internals: module attributes of qconvert.scale_search set for one conversion.
+SEARCH_PATCHES = {
+    "w8a8-auto-scale-search-512rows": {"OUTPUT_ERROR_ROWS": 512},  # the clip search on all 512 sampled rows
+}
+SEARCH_PATCHES["w8a8-auto-scale-search-512rows-gptq"] = SEARCH_PATCHES["w8a8-auto-scale-search-512rows"]
+CONFIGS["w8a8-auto-scale-search-512rows"] = CONFIGS["w8a8-auto-scale-search"]
+CONFIGS["w8a8-auto-scale-search-512rows-gptq"] = CONFIGS["w8a8-auto-scale-search-gptq"]
 
 
 def fp8_activations(x):
@@ -143,7 +164,8 @@ def evaluate(model, params, windows: np.ndarray, linear=dense_linear, reference=
         ids = jnp.asarray(windows[s:s + batch])
         logits = model.forward(params, ids, linear=linear).astype(jnp.float32)
         logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-        logps.append(logp)
+        if reference is None:  # kept only as the reference of later runs (a 262k vocabulary makes them large)
+            logps.append(logp)
         nll -= float(jnp.sum(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)))
         count += int(ids[:, 1:].size)
         if reference is not None:
@@ -170,7 +192,16 @@ def run_convert(src: Path, out: Path, name: str, calib: str, samples: int, seqle
     started = time.perf_counter()
     if w8a8 is not None:
         extra = {**extra, "w8a8": W8A8Options(calib=calib, calib_samples=samples, calib_seqlen=seqlen, **w8a8)}
-    convert(str(src), out, ConvertOptions(scheme=scheme, **extra))
+    import qconvert.scale_search as search
+
+    saved = {k: getattr(search, k) for k in SEARCH_PATCHES.get(name, {})}
+    try:
+        for k, v in SEARCH_PATCHES.get(name, {}).items():
+            setattr(search, k, v)
+        convert(str(src), out, ConvertOptions(scheme=scheme, **extra))
+    finally:
+        for k, v in saved.items():
+            setattr(search, k, v)
     return time.perf_counter() - started
 
 
@@ -210,6 +241,16 @@ def held_out_text() -> str:
     return text[int(len(text) * 0.95):]
 
 
+def window_start(tokenizer, config: dict) -> int:
+    """The token each evaluation window starts with: the model's document separator.
+
+    A GPT-2-style vocabulary (SmolLM2) separates its training documents with <|endoftext|>, and its configured
+    BOS is a chat token (<|im_start|>); otherwise the configured BOS (Gemma's <bos>).
+    """
+    separator = tokenizer.token_to_id("<|endoftext|>")
+    return int(separator) if separator is not None else int(config.get("bos_token_id") or 2)
+
+
 def gguf_llm(configs: list[str], src: Path, count: int) -> None:
     """A real causal LM rebuilt from a GGUF (bench/gguf_to_hf.py): perplexity and KL on `count` held-out windows.
 
@@ -221,14 +262,15 @@ def gguf_llm(configs: list[str], src: Path, count: int) -> None:
 
     config = json.loads((src / "config.json").read_text())
     model = build(config)
-    tokens = Tokenizer.from_file(str(src / "tokenizer.json")).encode(held_out_text(), add_special_tokens=False).ids
-    bos = int(config.get("bos_token_id") or 2)
+    tokenizer = Tokenizer.from_file(str(src / "tokenizer.json"))
+    tokens = tokenizer.encode(held_out_text(), add_special_tokens=False).ids
+    bos = window_start(tokenizer, config)
     n = min(count, len(tokens) // 255)
     windows = np.asarray([[bos] + tokens[i * 255:(i + 1) * 255] for i in range(n)], np.int32)
     base, reference, _ = evaluate(model, {k: np.asarray(v) for k, v in open_params(src).items()}, windows, batch=2)
     print(f"causal LM {src.name}: float perplexity {base:.4f} on {windows.size} held-out tokens", flush=True)
     for name in configs:
-        out = OUT / "accuracy" / f"gguf-{name}"
+        out = OUT / "accuracy" / f"gguf-{src.name}-{name}"
         seconds = run_convert(src, out, name, "builtin", 64, 256)
         q, params = folder_params(out)
         ppl, _, kl = evaluate(model, params, windows, simulated_linear(q, name.endswith("weights-only")), reference,

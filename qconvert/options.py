@@ -72,8 +72,8 @@ class ConvertOptions:
     workers: int | None = None
     # Calibration and smoothing: w8a8's, and the calibration text of GPTQ (None there means the defaults).
     w8a8: W8A8Options | None = None
-    # GPTQ rounding (qconvert.gptq); None: the scheme's default (on for w8a8 and int4, which calibrate
-    # anyway, unless activation statistics replace calibration).
+    # GPTQ rounding (qconvert.gptq); None: the scheme's default (on for int4, unless activation statistics
+    # replace calibration; opt-in for w8a8, where it cost real LLMs perplexity after smoothing).
     gptq: bool | None = None
     gptq_damp: float | None = None    # None: qconvert.gptq.DEFAULT_DAMP
     gptq_act_order: bool = False

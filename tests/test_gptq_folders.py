@@ -63,8 +63,8 @@ def test_round_to_nearest_is_recorded_and_gptq_changes_codes_not_scales(llama, t
 
 def test_two_gptq_runs_give_identical_bytes(tmp_path, capsys):
     src = make_llama_checkpoint(tmp_path / "src", hidden=64, intermediate=128)
-    first = quantize(src, tmp_path / "a", capsys, "--scheme", "w8a8", *CALIB)
-    second = quantize(src, tmp_path / "b", capsys, "--scheme", "w8a8", *CALIB)
+    first = quantize(src, tmp_path / "a", capsys, "--scheme", "w8a8", "--gptq", *CALIB)
+    second = quantize(src, tmp_path / "b", capsys, "--scheme", "w8a8", "--gptq", *CALIB)
     assert first["rounding"]["method"] == "gptq"
     assert first["files"] == second["files"]
 
