@@ -14,9 +14,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from cli_helpers import quantize_quietly, run, tree
+from cli_helpers import quantize_quietly, run
 from checkpoints import make_llama_checkpoint, minilm_path
-from qconvert.cli import main
 
 QCONVERT = str(Path(sys.executable).parent / "qconvert")
 
