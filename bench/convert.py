@@ -131,6 +131,7 @@ def main() -> None:
                   ("int8", lambda out: convert(str(source), out, ConvertOptions(scheme="int8"))),
                   ("nf4", lambda out: convert(str(source), out, ConvertOptions(scheme="nf4")))]
         ratios: dict[str, list[float]] = {"int8": [], "nf4": []}
+        copy_rate = float("nan")  # each round's copy runs first and sets it
         # The first copy warms the page cache and is not reported.
         for round_index, (name, run) in enumerate([(None, phases[0][1])] + phases * max(1, args.rounds)):
             out = work / f"out-{round_index}"

@@ -85,7 +85,6 @@ def _fp8_parts(rhs: QArray):
 def _rhs_parts(lhs, rhs, rhs_scale, transpose_rhs):
     """(rhs_kind, codes/float rhs, scale or absmax, G, K, N, NF4 block or int4 group size) from the accepted
     rhs forms."""
-    k = lhs.shape[1]
     if isinstance(rhs, QArray):
         if len(rhs.shape) != 3 or not transpose_rhs:
             raise KernelArgumentError(f"{OP}: a QArray rhs must have logical shape (G, N, K) (one nn.Linear weight "

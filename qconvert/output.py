@@ -178,6 +178,16 @@ def _swap_in(staging: Path, out: Path, committed: Callable[[], None]) -> None:
     _discard(old)
 
 
+def _fresh_temporary(out: Path, suffix: str, what: str) -> Path:
+    """A new marked temporary folder beside OUT, after removing any a killed run left there (exit 9 on failure)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out)
+        return _make_temporary(out, suffix)
+    except OSError as err:
+        raise OutputWriteError(f"cannot create {what} beside {out}: {err.strerror or err}") from None
+
+
 @contextlib.contextmanager
 def staged_output(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a temporary folder beside OUT; on success it becomes OUT, on any failure it is removed.
@@ -187,12 +197,7 @@ def staged_output(out: Path, overwrite: bool) -> Iterator[Path]:
     temporary that the next run writing the same OUT recognises and removes.
     """
     check_output_free(out, overwrite)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(out)
-        staging = _make_temporary(out, ".partial")
-    except OSError as err:
-        raise OutputWriteError(f"cannot create the output beside {out}: {err.strerror or err}") from None
+    staging = _fresh_temporary(out, ".partial", "the output")
     try:
         yield staging
         with interrupts.commit_zone() as committed:
@@ -222,12 +227,7 @@ def scratch_folder(out: Path) -> Iterator[Path]:
 
     It carries the same marker as the staging folder, so one left by a killed run is removed by the next.
     """
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(out)
-        scratch = _make_temporary(out, ".scratch")
-    except OSError as err:
-        raise OutputWriteError(f"cannot create a temporary folder beside {out}: {err.strerror or err}") from None
+    scratch = _fresh_temporary(out, ".scratch", "a temporary folder")
     try:
         yield scratch
     finally:

@@ -17,6 +17,14 @@ def run(argv, capsys):
     return exit_info.value.code, captured.out, captured.err
 
 
+def quantize_quietly(source, out, *args):
+    """`qconvert quantize SOURCE -o OUT -q ARGS` in-process; asserts exit 0 and returns OUT."""
+    with pytest.raises(SystemExit) as done:
+        main(["quantize", str(source), "-o", str(out), "-q", *args])
+    assert done.value.code == 0
+    return out
+
+
 def tree(root):
     """Every path under root with the sha256 of its bytes (None for a folder)."""
     return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None

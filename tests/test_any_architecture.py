@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from checkpoints import make_llama_checkpoint, make_mixtral_checkpoint  # noqa: E402
+from checkpoints import make_mixtral_checkpoint  # noqa: E402
 from cli_helpers import run  # noqa: E402
 from qconvert.cli import main  # noqa: E402
 from qconvert.errors import UnsupportedModelError  # noqa: E402

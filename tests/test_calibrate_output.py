@@ -1,7 +1,5 @@
 """`calibrate -o` follows quantize's OUT rules, writes atomically, and a statistics file is checked when read."""
 
-import json
-import os
 
 import numpy as np
 import pytest

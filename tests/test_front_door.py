@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import make_llama_checkpoint
-from cli_helpers import run
+from cli_helpers import quantize_quietly, run
 from rich.console import Console
 
 from qconvert.console import RichStages
@@ -28,13 +28,7 @@ def source(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted(source, tmp_path_factory):
-    out = tmp_path_factory.mktemp("front-out") / "int8"
-    with pytest.raises(SystemExit) as done:
-        from qconvert.cli import main
-
-        main(["quantize", str(source), "-o", str(out), "-q"])
-    assert done.value.code == 0
-    return out
+    return quantize_quietly(source, tmp_path_factory.mktemp("front-out") / "int8")
 
 
 def test_bare_qconvert_prints_a_short_usage_and_the_commands_with_exit_0(capsys):

@@ -2,7 +2,6 @@
 
 import numpy as np
 import jax.numpy as jnp
-import pytest
 
 from qconvert.formats import NF4_LEVELS, QArray
 from qconvert.kernels import grouped_matmul, make_group_metadata, transposed_grouped_matmul

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 from checkpoints import make_llama_checkpoint, make_tokenizer
-from cli_helpers import run
+from cli_helpers import quantize_quietly, run
 from safetensors.numpy import load_file
 
 from qconvert.card import CardFacts, model_card
@@ -33,13 +33,7 @@ def source(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted(source, tmp_path_factory):
-    out = tmp_path_factory.mktemp("card-out") / "int8"
-    with pytest.raises(SystemExit) as done:
-        from qconvert.cli import main
-
-        main(["quantize", str(source), "-o", str(out), "-q"])
-    assert done.value.code == 0
-    return out
+    return quantize_quietly(source, tmp_path_factory.mktemp("card-out") / "int8")
 
 
 def test_card_names_source_scheme_flags_size_and_how_to_load(source, converted):

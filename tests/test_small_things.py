@@ -14,9 +14,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from cli_helpers import run, tree
+from cli_helpers import quantize_quietly, run
 from checkpoints import make_llama_checkpoint, minilm_path
-from qconvert.cli import main
 
 QCONVERT = str(Path(sys.executable).parent / "qconvert")
 
@@ -28,11 +27,7 @@ def source(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted(source, tmp_path_factory):
-    out = tmp_path_factory.mktemp("small-out") / "out"
-    with pytest.raises(SystemExit) as done:
-        main(["quantize", str(source), "-o", str(out), "-q"])
-    assert done.value.code == 0
-    return out
+    return quantize_quietly(source, tmp_path_factory.mktemp("small-out") / "out")
 
 
 @pytest.mark.parametrize("argv,words", [

@@ -114,7 +114,7 @@ def smoothing_of(src, conv, modules):
     """Per linear: the factor its input was divided by (norm ratio, or the source linear's row ratio)."""
     s_in, s_out = {}, {}
     for m in modules:
-        p, role = m.rsplit(".", 2)[0], m.rsplit(".", 1)[1]
+        role = m.rsplit(".", 1)[1]
         norm = {"q_proj": "input_layernorm", "k_proj": "input_layernorm", "v_proj": "input_layernorm",
                 "gate_proj": "post_attention_layernorm", "up_proj": "post_attention_layernorm"}.get(role)
         if norm:
