@@ -124,12 +124,13 @@ def test_quantize_calibrate_and_inspect_print_json_with_the_same_plain_flag(sour
 
 def test_w8a8_quantize_reports_each_calibration_stage_on_stderr_in_a_pipe(source, tmp_path, capsys):
     code, stdout, stderr = run(["quantize", str(source), "-o", str(tmp_path / "w"), "--scheme", "w8a8",
-                                "--calib", "random", "--calib-samples", "2", "--calib-seqlen", "8"], capsys)
+                                "--calib", "random", "--calib-samples", "2", "--calib-seqlen", "8",
+                                "--scale-search", "--gptq"], capsys)
     assert code == 0 and stdout.startswith("wrote ")
     lines = stderr.splitlines()
     # The tiny Llama: 2 layers; 4 smoothing groups per layer (norm -> q/k/v, norm -> gate/up, v -> o, up -> down).
     for stage, count in (("calibrating", "2/2 layers"), ("alpha search", "8/8 groups"),
-                         ("scale search", "14/14 linears")):
+                         ("scale search", "14/14 linears"), ("GPTQ", "2/2 layers")):
         assert sum(re.fullmatch(rf"qconvert: {stage}: {count} in \d+\.\d s", line) is not None
                    for line in lines) == 1, stderr
     code, stdout, stderr = run(["quantize", str(source), "-o", str(tmp_path / "q"), "--scheme", "w8a8",
