@@ -145,8 +145,12 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions(), progress: Re
     `progress` hears each stage's steps: integrity, then the layers of the
     per-linear and whole-model passes.
     """
-    report = _verify_folder(folder, options, as_reporter(progress))
-    return dataclasses.replace(report, rounding=rounding_of(read_record(Path(folder))))
+    started = time.perf_counter()
+    check_backend(options.backend)
+    folder = Path(folder)
+    record = read_record(folder)
+    report = _verify_folder(folder, record, options, as_reporter(progress), started)
+    return dataclasses.replace(report, rounding=rounding_of(record))
 
 
 def rounding_of(record) -> dict[str, Any]:
@@ -157,11 +161,8 @@ def rounding_of(record) -> dict[str, Any]:
     return {k: v for k, v in rounding.items() if k != "modules"}
 
 
-def _verify_folder(folder, options: VerifyOptions, progress: Reporter) -> VerifyReport:
-    started = time.perf_counter()
-    check_backend(options.backend)
-    folder = Path(folder)
-    record = read_record(folder)
+def _verify_folder(folder: Path, record: ConversionRecord, options: VerifyOptions, progress: Reporter,
+                   started: float) -> VerifyReport:
     # Until config.json's quantization_config is read, the strictest (dynamic) thresholds stand.
     thresholds = thresholds_for(record.scheme, "dynamic", **dict(options.thresholds))
     files = sorted(record.files)
