@@ -157,8 +157,10 @@ def folder_params(folder: Path):
     return q, params
 
 
-def evaluate(model, params, windows: np.ndarray, linear=dense_linear, reference=None, batch: int = 8):
-    """(perplexity, log-probs per batch, mean KL(reference || this) in nats or None)."""
+def evaluate(model, params, windows: np.ndarray, linear=dense_linear, reference=None, batch: int = 8,
+             per_window: list | None = None):
+    """(perplexity, log-probs per batch, mean KL(reference || this) in nats or None); `per_window`, when given,
+    receives each window's mean negative log-likelihood (for the standard error of a perplexity change)."""
     nll, count, kl, logps = 0.0, 0, 0.0, []
     for b, s in enumerate(range(0, len(windows), batch)):
         ids = jnp.asarray(windows[s:s + batch])
@@ -166,11 +168,22 @@ def evaluate(model, params, windows: np.ndarray, linear=dense_linear, reference=
         logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
         if reference is None:  # kept only as the reference of later runs (a 262k vocabulary makes them large)
             logps.append(logp)
-        nll -= float(jnp.sum(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)))
+        token_nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+        if per_window is not None:
+            per_window.extend(np.asarray(jnp.mean(token_nll, axis=1), np.float64).tolist())
+        nll += float(jnp.sum(token_nll))
         count += int(ids[:, 1:].size)
         if reference is not None:
             kl += float(jnp.sum(jnp.exp(reference[b]) * (reference[b] - logp)))
     return float(np.exp(nll / count)), logps, (kl / count if reference is not None else None)
+
+
+def change_standard_error(base: list[float], quantized: list[float]) -> float:
+    """The standard error, in percent, of a perplexity change measured on these windows: the spread of the
+    per-window log-likelihood differences over the square root of their count (windows, not tokens, are
+    taken as independent)."""
+    d = np.asarray(quantized) - np.asarray(base)
+    return float(100 * np.std(d, ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
 
 
 def search_errors(folder: Path) -> dict[str, float]:
@@ -186,8 +199,17 @@ def search_errors(folder: Path) -> dict[str, float]:
     return sums
 
 
+def config_of(name: str):
+    """CONFIGS[name]; a GPTQ name may end in -damp<FRACTION> (--gptq-damp), e.g. int4-g128-gptq-damp0.1."""
+    base, _, damp = name.rpartition("-damp")
+    if base and base.endswith("-gptq") and base in CONFIGS:
+        scheme, extra, w8a8 = CONFIGS[base]
+        return scheme, {**extra, "gptq_damp": float(damp)}, w8a8
+    return CONFIGS[name]
+
+
 def run_convert(src: Path, out: Path, name: str, calib: str, samples: int, seqlen: int) -> float:
-    scheme, extra, w8a8 = CONFIGS[name]
+    scheme, extra, w8a8 = config_of(name)
     shutil.rmtree(out, ignore_errors=True)
     started = time.perf_counter()
     if w8a8 is not None:
@@ -233,12 +255,13 @@ def llm(configs: list[str], folders: list[Path] = ()) -> None:
                           "change_pct": round(100 * (ppl / base - 1), 3), "mean_kl": float(f"{kl:.4g}")}), flush=True)
 
 
-def held_out_text() -> str:
-    """The last 5% of Python's documentation topics (the held-out tail of bench/train_llama.py's corpus)."""
+def held_out_text(fraction: float = 0.05) -> str:
+    """The last `fraction` of Python's documentation topics (5%: the held-out tail of bench/train_llama.py's
+    corpus; the real LLMs, which never trained on our split, are evaluated on a longer tail)."""
     from pydoc_data.topics import topics
 
     text = "\n\n".join(topics[k] for k in sorted(topics))
-    return text[int(len(text) * 0.95):]
+    return text[int(len(text) * (1 - fraction)):]
 
 
 def window_start(tokenizer, config: dict) -> int:
@@ -251,33 +274,40 @@ def window_start(tokenizer, config: dict) -> int:
     return int(separator) if separator is not None else int(config.get("bos_token_id") or 2)
 
 
-def gguf_llm(configs: list[str], src: Path, count: int) -> None:
+def gguf_llm(configs: list[str], src: Path, count: int, calib: str = "builtin", samples: int = 64,
+             held_out: float = 0.05) -> None:
     """A real causal LM rebuilt from a GGUF (bench/gguf_to_hf.py): perplexity and KL on `count` held-out windows.
 
     Its weights keep the GGUF's block quantization, so only the differences between configurations mean
-    anything. w8a8 calibrates on the built-in corpus (64 x 256 tokens). Each converted folder is removed once
-    evaluated (the float embedding makes them large).
+    anything. Calibration reads `calib` (qconvert's --calib: the built-in corpus by default), `samples` x 256
+    tokens. Each converted folder is removed once evaluated (the float embedding makes them large).
     """
     from tokenizers import Tokenizer
 
     config = json.loads((src / "config.json").read_text())
     model = build(config)
     tokenizer = Tokenizer.from_file(str(src / "tokenizer.json"))
-    tokens = tokenizer.encode(held_out_text(), add_special_tokens=False).ids
+    tokens = tokenizer.encode(held_out_text(held_out), add_special_tokens=False).ids
     bos = window_start(tokenizer, config)
     n = min(count, len(tokens) // 255)
     windows = np.asarray([[bos] + tokens[i * 255:(i + 1) * 255] for i in range(n)], np.int32)
-    base, reference, _ = evaluate(model, {k: np.asarray(v) for k, v in open_params(src).items()}, windows, batch=2)
+    base_windows: list[float] = []
+    base, reference, _ = evaluate(model, {k: np.asarray(v) for k, v in open_params(src).items()}, windows, batch=2,
+                                  per_window=base_windows)
     print(f"causal LM {src.name}: float perplexity {base:.4f} on {windows.size} held-out tokens", flush=True)
     for name in configs:
-        out = OUT / "accuracy" / f"gguf-{src.name}-{name}"
-        seconds = run_convert(src, out, name, "builtin", 64, 256)
+        tag = "" if calib == "builtin" else f"-{Path(calib).stem}{samples}"
+        out = OUT / "accuracy" / f"gguf-{src.name}{tag}-{name}"
+        seconds = run_convert(src, out, name, calib, samples, 256)
         q, params = folder_params(out)
+        quantized_windows: list[float] = []
         ppl, _, kl = evaluate(model, params, windows, simulated_linear(q, name.endswith("weights-only")), reference,
-                              batch=2)
+                              batch=2, per_window=quantized_windows)
         q.close()
-        print(json.dumps({"model": src.name, "config": name, "perplexity": round(ppl, 4),
-                          "change_pct": round(100 * (ppl / base - 1), 3), "mean_kl": float(f"{kl:.4g}"),
+        print(json.dumps({"model": src.name, "calib": f"{calib} x {samples}", "config": name,
+                          "perplexity": round(ppl, 4), "change_pct": round(100 * (ppl / base - 1), 3),
+                          "change_se_pct": round(change_standard_error(base_windows, quantized_windows), 3),
+                          "mean_kl": float(f"{kl:.4g}"),
                           "convert_s": round(seconds, 2),
                           **{k: float(f"{v:.4g}") for k, v in search_errors(out).items()}}), flush=True)
         shutil.rmtree(out, ignore_errors=True)
@@ -317,12 +347,22 @@ def main() -> None:
     parser.add_argument("--gguf-model", type=Path, default=None,
                         help="a float folder made by bench/gguf_to_hf.py (evaluated with --only gguf)")
     parser.add_argument("--gguf-windows", type=int, default=16, help="held-out 256-token windows for --gguf-model")
+    parser.add_argument("--gguf-calib", default="builtin",
+                        help="--calib of the --gguf-model conversions (builtin, or a text file)")
+    parser.add_argument("--gguf-held-out", type=float, default=0.05,
+                        help="--gguf-model is evaluated on this last fraction of Python's documentation topics")
+    parser.add_argument("--gguf-calib-samples", type=int, default=64, help="calibration windows of 256 tokens")
     parser.add_argument("--llm-folder", type=Path, action="append", default=[],
                         help="also evaluate this quantized folder of the byte Llama (made by another tool)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     args = parser.parse_args()
     configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in configs if c not in CONFIGS]
+    unknown = []
+    for c in configs:
+        try:
+            config_of(c)
+        except (KeyError, ValueError):
+            unknown.append(c)
     if unknown:
         sys.exit(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
@@ -333,7 +373,8 @@ def main() -> None:
     if args.only == "gguf":
         if args.gguf_model is None:
             sys.exit("--only gguf needs --gguf-model FOLDER (python bench/gguf_to_hf.py --out FOLDER)")
-        gguf_llm(configs, args.gguf_model, args.gguf_windows)
+        gguf_llm(configs, args.gguf_model, args.gguf_windows, args.gguf_calib, args.gguf_calib_samples,
+                  args.gguf_held_out)
 
 
 if __name__ == "__main__":

@@ -133,12 +133,14 @@ def _calibrate(source: SourceModel, groups: list[SmoothingGroup], linears: list[
             weights = read_group_weights(params, group)
             absmax = group_act_absmax(act_absmax, group)
             if spec.auto:
-                chosen[group.source], errors[group.source] = search_alpha(
+                scales, errors[group.source] = search_alpha(
                     group, absmax, weights, layer.input_samples[group.linears[0]], static=static)
-                steps.alpha_searched(len(chosen))
             else:
-                chosen[group.source] = group_scales(group, absmax, weights,
-                                                  spec.alpha_for(group.source, arch.default_alpha))
+                scales = group_scales(group, absmax, weights, spec.alpha_for(group.source, arch.default_alpha))
+            # The scales the writer folds: the clip search and GPTQ round the weights the folder will hold.
+            chosen[group.source] = written_scales(scales, params)
+            if spec.auto:
+                steps.alpha_searched(len(chosen))
         ready = [m for m in unsearched if m in act_absmax
                  and not any(m in g.linears or m == g.source for g in pending)]
         if searches_on_rows and ready:
@@ -261,17 +263,11 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
         stats, searched, errors, searches = _calibrate(source, groups, linears, spec, options, progress, gptq,
                                                        quantized_modules)
         calibration_record = stats.calibration
-    scales = []
-    for group in groups:
-        if group.source in searched:
-            scales.append(searched[group.source])
-            continue
-        alpha = spec.alpha_for(group.source, arch.default_alpha)
-        scales.append(group_scales(group, group_act_absmax(stats.act_absmax, group),
-                                   read_group_weights(params, group), alpha))
-    # A gain stored as an offset from 1 (Gemma) is rounded near -1: fold what the stored gain carries.
-    scales = [stored_gain_scales(g, np.asarray(params[f"{g.group.source}.weight"])) if g.group.norm_offset else g
-              for g in scales]
+    scales = [searched[group.source] if group.source in searched else
+              written_scales(group_scales(group, group_act_absmax(stats.act_absmax, group),
+                                          read_group_weights(params, group),
+                                          spec.alpha_for(group.source, arch.default_alpha)), params)
+              for group in groups]
     input_scales = None
     if options.act == "static":
         smoothed = {m: g.input_scales for g in scales for m in g.group.linears}
@@ -288,6 +284,14 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
                            weight_clip=clips, search_records=records,
                            quantized=gptq.store if gptq is not None else None,
                            rounding_record=gptq.record() if gptq is not None else None)
+
+
+def written_scales(scales: GroupScales, params: Mapping) -> GroupScales:
+    """A group's scales as the folder carries them: a gain stored as an offset from 1 (Gemma) is rounded near
+    -1, so its consumers fold what the stored gain really divides by (smooth.stored_gain_scales)."""
+    if not scales.group.norm_offset:
+        return scales
+    return stored_gain_scales(scales, np.asarray(params[f"{scales.group.source}.weight"]))
 
 
 def static_input_scale(act_absmax: float) -> float:

@@ -73,10 +73,27 @@ def reference_logits(folder, ids, mask) -> np.ndarray:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model = generic_bitsandbytes_path(
+        transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval())
     with torch.no_grad():
         return model(input_ids=torch.tensor(np.asarray(ids), dtype=torch.long),
                      attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long)).logits.numpy()
+
+
+def generic_bitsandbytes_path(model):
+    """`model` with every bitsandbytes 4-bit linear on its generic float32 dequantize path.
+
+    On CPUs with AVX512-BF16, bitsandbytes repacks a 4-bit weight whose out is a multiple of 32 for a bf16
+    gemm and computes in bf16 (3e-3 of the logits' scale apart from float32): a judge of the stored codes
+    must read them the same way on every CPU."""
+    try:
+        import bitsandbytes
+    except ImportError:
+        return model
+    for module in model.modules():
+        if isinstance(module, bitsandbytes.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def token_batch(vocab: int, batch: int = 2, seq: int = 10, seed: int = 1):

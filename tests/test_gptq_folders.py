@@ -33,7 +33,7 @@ def test_nf4_gptq_folder_loads_in_bitsandbytes_as_its_own_dequantization(llama, 
     out = tmp_path / "nf4"
     record = quantize(llama, out, capsys, "--scheme", "nf4", "--gptq", *CALIB)
     rounding = record["rounding"]
-    assert rounding["method"] == "gptq" and rounding["damp"] == 0.01 and rounding["block_size"] == 128
+    assert rounding["method"] == "gptq" and rounding["damp"] == 0.1 and rounding["block_size"] == 128
     errors = rounding["modules"].values()
     assert len(errors) == 7 and all(e["error_gptq"] < e["error_rtn"] for e in errors)
     loaded_model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
@@ -134,3 +134,52 @@ def test_sequential_mode_runs_each_layer_again_on_the_weights_handed_in(tmp_path
     for i in range(model.num_layers):
         hidden = model.layer(i, replaced, hidden)
         np.testing.assert_allclose(np.asarray(results[i].hidden), np.asarray(hidden), rtol=1e-4, atol=1e-5)
+
+
+def _bfloat16_gemma_with_small_gains(root):
+    """A bf16 Gemma 3 whose norms feeding linears hold some gains 1 + w just above 0, where the stored
+    smoothed gain (1 + w) / s - 1 rounds to few bf16 steps (and s is capped)."""
+    import torch
+    from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+    from gemma_checkpoints import GEMMA3, make_gemma_checkpoint
+
+    src = make_gemma_checkpoint(root, dict(GEMMA3, num_hidden_layers=2,
+                                           layer_types=["sliding_attention", "full_attention"]), seed=3)
+    tensors = load_torch(str(src / "model.safetensors"))
+    for name in list(tensors):
+        if name.endswith(("input_layernorm.weight", "pre_feedforward_layernorm.weight")):
+            tensors[name][::6] = -1 + 2.0 ** -8
+        tensors[name] = tensors[name].to(torch.bfloat16).contiguous()
+    save_torch(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    (src / "config.json").write_text(json.dumps(config))
+    return src
+
+
+def test_gemma_w8a8_gptq_rounds_the_weights_the_stored_gains_carry(tmp_path, capsys):
+    """GPTQ rounds each smoothed linear as the writer folds it, on the scales the stored norm gains really
+    divide by (rounded to bf16 near -1, capped): its folder has round-to-nearest's norms and weight scales
+    (GPTQ moves codes only), while its codes differ."""
+    from safetensors.numpy import load_file
+
+    src = _bfloat16_gemma_with_small_gains(tmp_path / "src")
+    flags = ["--scheme", "w8a8", "--alpha", "0.5", "--calib", "random", "--calib-samples", "8",
+             "--calib-seqlen", "32"]
+    quantize(src, tmp_path / "rtn", capsys, *flags, "--no-gptq")
+    quantize(src, tmp_path / "gptq", capsys, *flags, "--gptq")
+    rtn, gptq = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("rtn", "gptq"))
+    source = load_file(str(src / "model.safetensors"))
+    # Layer 0 only: GPTQ is sequential, so later layers calibrate on the rounded layers' outputs.
+    layer = "model.layers.0."
+    smoothed = [layer + n for n in ("input_layernorm.weight", "pre_feedforward_layernorm.weight")]
+    assert all(not np.array_equal(rtn[n], source[n]) for n in smoothed)
+    for name in smoothed:
+        np.testing.assert_array_equal(gptq[name], rtn[name])
+    scales = [f"{layer}{m}.weight_scale" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                   "mlp.gate_proj", "mlp.up_proj")]
+    for name in scales:
+        np.testing.assert_array_equal(gptq[name], rtn[name], err_msg=name)
+        codes = name[: -len("_scale")]
+        assert np.mean(gptq[codes] != rtn[codes]) > 0.01
