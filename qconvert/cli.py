@@ -151,7 +151,7 @@ def _group_size(ctx, param, value):
                    "take it with calibration text (--calib, default builtin) and stay byte-identical to "
                    "round-to-nearest without it.")
 @click.option("--gptq-damp", type=float, default=None, metavar="FRACTION",
-              help="GPTQ dampening: this fraction of the mean Hessian diagonal is added to it [default: 0.01].")
+              help="GPTQ dampening: this fraction of the mean Hessian diagonal is added to it [default: 0.1].")
 @click.option("--gptq-act-order", is_flag=True,
               help="GPTQ rounds columns in order of decreasing Hessian diagonal; the scales stay fixed per group "
                    "(static groups), so no permutation is written.")
