@@ -165,9 +165,30 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
         input_bytes=sum(ckpt.nbytes(name) for name in ckpt.tensor_names),
         output_bytes=sum(spec.nbytes for spec in plan.specs),
         seconds=time.perf_counter() - started, files=files, phases=tuple(phases),
-        weight_only=source.weight_only, notes=(plan.server_note,) if plan.server_note else (),
+        weight_only=source.weight_only,
+        notes=tuple(n for n in (plan.server_note, gptq_data_note(w8a8, ckpt)) if n),
         refusal=plan.refusal, kept_float=plan.kept_float,
     )
+
+
+# GPTQ's Hessian needs many more calibration tokens than the linear's input width to stand for other text.
+GPTQ_TOKENS_PER_INPUT = 10
+
+
+def gptq_data_note(w8a8: W8A8Adjustments, ckpt) -> str | None:
+    """A line for the user when GPTQ rounded on fewer calibration tokens than GPTQ_TOKENS_PER_INPUT times the
+    widest input it rounded: its codes then fit the calibration text more than text in general."""
+    rounding, calibration = w8a8.rounding_record, w8a8.calibration_record
+    if not rounding or rounding.get("method") != "gptq" or not calibration:
+        return None
+    widths = [int(ckpt.shape(f"{m}.weight")[-1]) for m, e in rounding["modules"].items() if "error_gptq" in e]
+    tokens, widest = int(calibration.get("tokens") or 0), max(widths, default=0)
+    if not widest or tokens >= GPTQ_TOKENS_PER_INPUT * widest:
+        return None
+    return (f"GPTQ rounded on {tokens:,} calibration tokens, fewer than {GPTQ_TOKENS_PER_INPUT}x the widest "
+            f"input it rounded ({widest:,}): its codes fit that text more than text in general; "
+            f"--calib with {GPTQ_TOKENS_PER_INPUT * widest:,} tokens or more of text like the model's use "
+            "generalizes better (--calib-samples x --calib-seqlen)")
 
 
 def _sequential_gptq(source: SourceModel, plan: ConversionPlan, options: ConvertOptions, out: Path,

@@ -183,3 +183,26 @@ def test_gemma_w8a8_gptq_rounds_the_weights_the_stored_gains_carry(tmp_path, cap
         np.testing.assert_array_equal(gptq[name], rtn[name], err_msg=name)
         codes = name[: -len("_scale")]
         assert np.mean(gptq[codes] != rtn[codes]) > 0.01
+
+
+@pytest.mark.parametrize("samples,seqlen,noted", [(4, 32, True), (16, 96, False)])
+def test_gptq_on_few_calibration_tokens_says_so(tmp_path, capsys, samples, seqlen, noted):
+    """128 tokens for inputs 128 wide (the MLP's down_proj) is under 10x: one note on stdout and in the JSON;
+    1,536 tokens is not."""
+    src = make_llama_checkpoint(tmp_path / "src", hidden=64, intermediate=128)
+    code, out, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "out"), "--scheme", "int8", "--gptq",
+                              "--calib", "random", "--calib-samples", str(samples), "--calib-seqlen", str(seqlen),
+                              "--json"], capsys)
+    assert code == 0, err
+    notes = [n for n in json.loads(out)["notes"] if n.startswith("GPTQ rounded on")]
+    if noted:
+        assert notes == [f"GPTQ rounded on {samples * seqlen:,} calibration tokens, fewer than 10x the widest "
+                         "input it rounded (128): its codes fit that text more than text in general; --calib "
+                         "with 1,280 tokens or more of text like the model's use generalizes better "
+                         "(--calib-samples x --calib-seqlen)"]
+    else:
+        assert notes == []
+    code, out, _ = run_cli(["quantize", str(src), "-o", str(tmp_path / "text"), "--scheme", "int8", "--gptq",
+                            "--calib", "random", "--calib-samples", str(samples), "--calib-seqlen", str(seqlen)],
+                           capsys)
+    assert code == 0 and (("note: GPTQ rounded on" in out) == noted)
