@@ -1,5 +1,6 @@
-"""The XLA contract path (verify's default on a CPU host): bit-identical to kernels/reference.py, and to the
-Pallas W8A8 kernel in interpret mode; each layer's record says that it ran."""
+"""The XLA contract path (verify's default on a CPU host), judged by numpy: W8A8 exactly (integer products,
+then the reference's rescale order), W8A16 and NF4 within float32 summation; the Pallas kernels in
+interpret mode agree with it; each layer's record says that it ran."""
 
 import json
 
@@ -11,8 +12,7 @@ from test_kernels_dense import int8_operands, nf4_weight, numpy_w8a8
 from cli_helpers import run as run_cli
 from test_verify import TINY
 
-from qconvert.kernels import (int8_matmul, int8_matmul_reference, int8_weight_matmul, int8_weight_matmul_reference,
-                              nf4_matmul, nf4_matmul_reference, resolve_backend)
+from qconvert.kernels import int8_matmul, int8_weight_matmul, nf4_matmul, resolve_backend
 
 RNG = np.random.default_rng(14)
 # A 135M LLM's MLP: hidden 576 into intermediate 1536, 64 tokens.
@@ -27,14 +27,12 @@ def test_auto_on_a_cpu_host_is_the_xla_contract_path_and_says_so():
     assert plan.fallback_reason is None and "bit-identical to the reference" in plan.guarantee
 
 
-def test_w8a8_xla_path_is_bit_identical_to_the_reference_the_interpret_kernel_and_numpy():
+def test_w8a8_xla_path_is_numpy_exactly_and_the_interpret_kernel_bit_for_bit():
     x_q, w_q, x_scale, w_scale = int8_operands(M, K, N, RNG)
     bias = RNG.normal(size=N).astype(np.float32)
     xla = np.asarray(int8_matmul(x_q, w_q, x_scale, w_scale, bias=bias, backend="xla"))
-    reference = np.asarray(int8_matmul_reference(x_q, w_q, x_scale, w_scale, bias=bias))
     interpret, plan = int8_matmul(x_q, w_q, x_scale, w_scale, bias=bias, backend="cpu", return_plan=True)
     assert plan.is_pallas and plan.interpret
-    np.testing.assert_array_equal(xla, reference)
     np.testing.assert_array_equal(xla, np.asarray(interpret))
     # The rescale order in numpy, exactly (the bias add may fuse into a multiply-add: one rounding apart).
     no_bias = np.asarray(int8_matmul(x_q, w_q, x_scale, w_scale, backend="xla"))
@@ -43,12 +41,11 @@ def test_w8a8_xla_path_is_bit_identical_to_the_reference_the_interpret_kernel_an
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_w8a16_xla_path_is_bit_identical_to_the_reference_and_matches_the_interpret_kernel(dtype):
+def test_w8a16_xla_path_and_the_interpret_kernel_match_float64_numpy(dtype):
     x = jnp.asarray(RNG.normal(size=(M, K)).astype(np.float32)).astype(dtype)
     w_q = RNG.integers(-127, 128, (N, K)).astype(np.int8)
     w_scale = RNG.uniform(1e-3, 0.1, N).astype(np.float32)
     xla = np.asarray(int8_weight_matmul(x, w_q, w_scale, backend="xla"))
-    np.testing.assert_array_equal(xla, np.asarray(int8_weight_matmul_reference(x, w_q, w_scale)))
     interpret = np.asarray(int8_weight_matmul(x, w_q, w_scale, backend="cpu"))
     # The kernel's guarantee: float32 accumulation, summation order its own.
     want = np.asarray(x, np.float64) @ w_q.astype(np.float64).T * w_scale.astype(np.float64)[None, :]
@@ -58,11 +55,10 @@ def test_w8a16_xla_path_is_bit_identical_to_the_reference_and_matches_the_interp
     np.testing.assert_allclose(interpret, xla, rtol=0, atol=tolerance)
 
 
-def test_nf4_xla_path_is_bit_identical_to_the_reference_and_matches_the_interpret_kernel():
+def test_nf4_xla_path_and_the_interpret_kernel_match_float64_numpy():
     x = RNG.normal(size=(M, K)).astype(np.float32)
     packed, absmax, weight = nf4_weight(N, K, RNG)
     xla = np.asarray(nf4_matmul(x, packed, absmax, shape=(N, K), backend="xla"))
-    np.testing.assert_array_equal(xla, np.asarray(nf4_matmul_reference(x, packed, absmax, shape=(N, K))))
     interpret = np.asarray(nf4_matmul(x, packed, absmax, shape=(N, K), backend="cpu"))
     want = x.astype(np.float64) @ weight.T
     tolerance = 1e-5 * np.abs(want).max()
