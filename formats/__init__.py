@@ -8,7 +8,6 @@ from qconvert.formats.layouts import (
     Layout,
     LayoutFlags,
     QuantizedCheckpoint,
-    detect_scheme,
     layout_for,
     layout_for_config,
     linear_tensor_specs,
@@ -29,7 +28,7 @@ __all__ = [
     "INT8_QMAX", "NF4_BLOCK_SIZE", "NF4_LEVELS", "QArray", "dequantize", "unpack_nf4_codes",
     "CheckpointParams", "FormatError",
     "SafetensorsCheckpoint", "TensorSpec", "open_checkpoint", "sha256_file", "write_shards",
-    "LAYOUTS", "SCHEMES", "Layout", "LayoutFlags", "QuantizedCheckpoint", "detect_scheme", "layout_for",
+    "LAYOUTS", "SCHEMES", "Layout", "LayoutFlags", "QuantizedCheckpoint", "layout_for",
     "layout_for_config", "linear_tensor_specs", "open_quantized",
     "qarray_to_tensors", "quantization_config",
 ]

@@ -36,7 +36,7 @@ ACTS = ("dynamic", "static")
 
 __all__ = [
     "ACTS", "FLOAT_DTYPES", "INPUT_SCALE_DTYPE", "LAYOUTS", "NF4_BLOCK_SIZE", "NF4_STATE_SUFFIX", "SCHEMES",
-    "Layout", "LayoutFlags", "QuantizedCheckpoint", "detect_scheme", "layout_for", "layout_for_config",
+    "Layout", "LayoutFlags", "QuantizedCheckpoint", "layout_for", "layout_for_config",
     "linear_tensor_specs", "nf4_state_blob", "open_quantized", "qarray_to_tensors", "quantization_config",
 ]
 
@@ -62,11 +62,6 @@ def layout_for_config(qconfig: Any) -> tuple[Layout, LayoutFlags]:
         if layout.claims(qconfig):
             return layout, layout.flags_of(qconfig)
     raise ValueError(f"{method} format {qconfig.get('format')!r} is not one qconvert reads")
-
-
-def detect_scheme(qconfig: Any) -> str:
-    """The scheme ("int8", "int4", "w8a8", "fp8", "nf4") a quantization_config describes; ValueError if none."""
-    return layout_for_config(qconfig)[0].scheme
 
 
 def linear_tensor_specs(module: str, scheme: str, shape: tuple[int, int], float_dtype, *,

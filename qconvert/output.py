@@ -16,7 +16,7 @@ from typing import Any
 from qconvert import interrupts
 from qconvert.errors import OutputExistsError, OutputWriteError, UsageError
 from qconvert.formats.jsonfile import write_json  # noqa: F401  (re-exported: config.json is written with it)
-from qconvert.formats.record import RECORD_NAME as MANIFEST_NAME
+from qconvert.formats.record import RECORD_NAME
 from qconvert.formats.safetensors_io import sha256_file
 
 # Inside every temporary folder qconvert makes beside OUT: proof that it is ours (and whose: a pid).
@@ -74,7 +74,7 @@ def check_output_free(out: Path, overwrite: bool) -> None:
         name, why = foreign
         raise OutputExistsError(
             f"{out} is not a folder qconvert wrote: {name} {why}; --overwrite replaces only an empty folder or one "
-            f"whose {MANIFEST_NAME} lists every file in it: choose another -o")
+            f"whose {RECORD_NAME} lists every file in it: choose another -o")
 
 
 def first_foreign_file(folder: Path) -> tuple[str, str] | None:
@@ -94,13 +94,13 @@ def first_foreign_file(folder: Path) -> tuple[str, str] | None:
         listed = set(read_record(folder).files)
     except RecordError as err:
         if err.kind == NO_RECORD:
-            return min(present)[0], f"is not listed in a {MANIFEST_NAME} (there is none)"
-        return MANIFEST_NAME, f"is not a valid conversion record ({err.kind})"
+            return min(present)[0], f"is not listed in a {RECORD_NAME} (there is none)"
+        return RECORD_NAME, f"is not a valid conversion record ({err.kind})"
     for name, path in sorted(present):
         if path.is_symlink() or not path.is_file():
             return name, "is not a regular file"
-        if name != MANIFEST_NAME and name not in listed:
-            return name, f"is not listed in its {MANIFEST_NAME}"
+        if name != RECORD_NAME and name not in listed:
+            return name, f"is not listed in its {RECORD_NAME}"
     return None
 
 

@@ -12,11 +12,10 @@ from transformers import BitsAndBytesConfig
 
 from cli_helpers import run
 from qconvert.formats.errors import FormatError
-from qconvert.formats.layouts import LAYOUTS, LayoutFlags, detect_scheme, layout_for, layout_for_config
+from qconvert.formats.layouts import LAYOUTS, LayoutFlags, layout_for, layout_for_config
 from qconvert.formats.layouts import linear_tensor_specs, open_quantized, qarray_to_tensors, quantization_config
 from qconvert.formats.qarray import QArray
 from qconvert.formats.safetensors_io import write_shards
-from qconvert.verify.integrity import scheme_of_quantization_config
 
 
 def compressed_tensors_config(fmt, weights, input_activations=None, groups=1):
@@ -42,7 +41,6 @@ def test_compressed_tensors_configs_are_recognised_with_their_activation_flag(fm
                                         QuantizationArgs(**acts) if acts else None, groups=2)
     layout, found = layout_for_config(qconfig)
     assert (layout.scheme, found) == (scheme, flags)
-    assert scheme_of_quantization_config(qconfig) == scheme
 
 
 def test_the_compressed_tensors_w8a8_preset_is_w8a8_with_dynamic_activations():
@@ -70,8 +68,7 @@ def test_the_compressed_tensors_w8a8_preset_is_w8a8_with_dynamic_activations():
 def test_settings_the_layouts_do_not_store_are_refused_by_name(fmt, weights, acts, words):
     qconfig = compressed_tensors_config(fmt, QuantizationArgs(**weights), QuantizationArgs(**acts) if acts else None)
     with pytest.raises(ValueError, match=words):
-        detect_scheme(qconfig)
-    assert scheme_of_quantization_config(qconfig) is None
+        layout_for_config(qconfig)
 
 
 def test_the_compressed_tensors_w4a16_preset_is_int4_with_groups_of_128():
@@ -93,7 +90,7 @@ def test_bitsandbytes_nf4_configs_are_recognised_with_their_double_quant_flag(do
 ])
 def test_bitsandbytes_configs_nf4_does_not_store_are_refused(settings, words):
     with pytest.raises(ValueError, match=words):
-        detect_scheme(BitsAndBytesConfig(**settings).to_dict())
+        layout_for_config(BitsAndBytesConfig(**settings).to_dict())
 
 
 def test_each_layout_claims_only_its_own_configs():
@@ -125,4 +122,4 @@ def test_static_per_token_activations_which_compressed_tensors_forbids_are_refus
     qconfig = quantization_config("w8a8")
     qconfig["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
     with pytest.raises(ValueError, match="per-token dynamic or per-tensor static"):
-        detect_scheme(qconfig)
+        layout_for_config(qconfig)

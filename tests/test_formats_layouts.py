@@ -13,7 +13,7 @@ from safetensors.torch import load_file as torch_load_file
 
 from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import (
-    detect_scheme,
+    layout_for_config,
     linear_tensor_specs,
     open_quantized,
     qarray_to_tensors,
@@ -274,13 +274,13 @@ def test_peer_libraries_parse_the_configs():
     assert bnb.bnb_4bit_compute_dtype == torch.bfloat16
 
 
-def test_detect_scheme_reads_each_config_back():
+def test_each_config_reads_back_as_its_scheme():
     for scheme in ("int8", "w8a8", "nf4"):
-        assert detect_scheme(quantization_config(scheme)) == scheme
+        assert layout_for_config(quantization_config(scheme))[0].scheme == scheme
     for bad in [{"quant_method": "gptq"}, {"quant_method": "compressed-tensors", "format": "float-quantized"},
                 {"quant_method": "bitsandbytes", "load_in_8bit": True}, []]:
         with pytest.raises(ValueError):
-            detect_scheme(bad)
+            layout_for_config(bad)
 
 
 def test_unknown_scheme_is_refused():

@@ -25,12 +25,11 @@ from qconvert.formats.record import (
     check_hashes,
 )
 from qconvert.formats.record import read_record as _read_record
-from qconvert.formats.safetensors_io import sha256_file
 from qconvert.models.module_roles import expert_count, head_name, is_conv1d, is_expert, is_router
 from qconvert.plan import linear_candidates
 
 __all__ = ["RECORD_NAME", "ConversionRecord", "IntegrityResult", "check_config", "check_files", "check_loader_view",
-           "read_config", "read_record", "scheme_of_quantization_config", "sha256_of"]
+           "read_config", "read_record"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +46,6 @@ class IntegrityResult:
     def as_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "files_checked": list(self.files_checked),
                 "problems": list(self.problems)}
-
-
-def sha256_of(path: Path) -> str:
-    """Hex sha256 of a file."""
-    return sha256_file(path)
 
 
 def read_record(folder: Path) -> ConversionRecord:
@@ -111,20 +105,15 @@ def read_config(folder: Path) -> dict[str, Any]:
         raise InvalidCheckpointError(f"{path}: not valid JSON ({exc.cause})") from exc
 
 
-def scheme_of_quantization_config(qconfig: Any) -> str | None:
-    """The qconvert scheme a quantization_config describes, or None when it fits none."""
-    try:
-        return layout_for_config(qconfig)[0].scheme
-    except ValueError:
-        return None
-
-
 def check_config(config: dict[str, Any], record: ConversionRecord) -> list[str]:
     """config.json's quantization_config is present and describes the scheme qconvert.json records."""
     qconfig = config.get("quantization_config")
     if not isinstance(qconfig, dict):
         return ["config.json: no quantization_config; loaders would read the folder as a float model"]
-    described = scheme_of_quantization_config(qconfig)
+    try:
+        described = layout_for_config(qconfig)[0].scheme
+    except ValueError:
+        described = None
     if described != record.scheme:
         return [
             f"config.json: quantization_config describes {described or 'no known scheme'}, "

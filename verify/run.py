@@ -17,7 +17,7 @@ from qconvert.consistency import check_weights_match_config
 from qconvert.errors import UsageError
 from qconvert.formats.errors import FormatError
 from qconvert.formats.layouts import open_quantized
-from qconvert.formats.safetensors_io import open_checkpoint
+from qconvert.formats.safetensors_io import open_checkpoint, sha256_file
 from qconvert.hub import ResolvedModel, resolve_model
 from qconvert.models import build, read_tensors
 from qconvert.models.registry import architecture_for
@@ -25,8 +25,7 @@ from qconvert.models.weight_only import check_architecture, checkpoint_architect
 from qconvert.progress import Reporter, as_reporter
 from qconvert.schemes import names_where, scheme_named
 from qconvert.verify.integrity import (ConversionRecord, IntegrityResult, check_config, check_loader_view,
-                                       check_config_matches_reference, check_files, read_config, read_record,
-                                       sha256_of)
+                                       check_config_matches_reference, check_files, read_config, read_record)
 from qconvert.verify.fidelity import make_folder_linear
 from qconvert.verify.held_out import AUTO, HeldOut, held_out_evaluation
 from qconvert.verify.kernel_path import make_quantized_linear
@@ -88,7 +87,7 @@ def check_source_unchanged(folder: Path, recorded: Mapping[str, str]) -> None:
     """The recorded source still has the bytes it was converted from; UsageError naming the file if not."""
     for name, digest in sorted(recorded.items()):
         path = Path(folder) / name
-        if path.is_file() and sha256_of(path) != digest:
+        if path.is_file() and sha256_file(path) != digest:
             raise UsageError(f"the source {folder} changed since the conversion ({name}: sha256 differs "
                              "from qconvert.json); pass --reference with the original float model")
 
