@@ -1,4 +1,105 @@
-"""FormatError: a file on disk is corrupt or inconsistent with the format it claims."""
+"""qconvert's error types, the bottom of the import graph: FormatError for a file on disk that is corrupt or
+inconsistent with the format it claims, and the user-facing errors with the exit codes the CLI maps them to.
+
+Only the standard library is imported here, so every layer may raise these.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+class QConvertError(Exception):
+    """A mistake in what the user asked for or gave us; the CLI prints one line."""
+
+    exit_code = 2
+
+
+class UsageError(QConvertError):
+    """Flags or arguments that do not fit together."""
+
+    exit_code = 2
+
+
+class ModelNotFoundError(QConvertError):
+    """A local folder that does not exist, or a Hub id that cannot be resolved."""
+
+    exit_code = 3
+
+
+class HubUnavailableError(QConvertError):
+    """The Hub cannot be reached and nothing usable is cached."""
+
+    exit_code = 4
+
+
+class UnsupportedModelError(QConvertError):
+    """An architecture, or a checkpoint format (pickles), that qconvert does not take."""
+
+    exit_code = 5
+
+
+class InvalidCheckpointError(QConvertError):
+    """config.json, an index or a safetensors file that is missing, corrupt or inconsistent."""
+
+    exit_code = 6
+
+
+class InvalidWeightError(QConvertError):
+    """A weight with NaN/Inf values or a shape the chosen scheme cannot take."""
+
+    exit_code = 7
+
+
+class OutputExistsError(QConvertError):
+    """The output folder exists and --overwrite was not given."""
+
+    exit_code = 8
+
+
+class OutputWriteError(QConvertError):
+    """Writing the output failed (a full disk, permissions)."""
+
+    exit_code = 9
+
+
+class VerificationFailed(QConvertError):
+    """A converted folder did not pass verify's checks."""
+
+    exit_code = 1
+
+
+INTERRUPTED_EXIT_CODE = 130
+
+# The exit codes of every command, as the README and each command's --help list them.
+EXIT_CODES: tuple[tuple[int, str], ...] = (
+    (0, "success"),
+    (1, "a check failed (verify, or inspect finding a changed file)"),
+    (2, "usage error (bad flags or arguments, OUT that would overwrite the input or the current folder)"),
+    (3, "model not found"),
+    (4, "Hub unreachable and nothing cached"),
+    (5, "unsupported architecture or pickle-only checkpoint"),
+    (6, "invalid checkpoint (config.json that disagrees with the weights, index or safetensors file)"),
+    (7, "a weight with NaN/Inf or a shape the scheme cannot take"),
+    (8, "OUT exists (and is not a folder qconvert wrote, or --overwrite was not given)"),
+    (9, "writing the output failed (e.g. a full disk)"),
+    (70, "internal error: a bug in qconvert (QCONVERT_DEBUG=1 shows the traceback)"),
+    (129, "interrupted by SIGHUP"),
+    (130, "interrupted (Ctrl-C, SIGINT)"),
+    (143, "interrupted by SIGTERM"),
+)
+
+
+def kernel_error_exit_code(err: BaseException) -> int | None:
+    """The exit code for a kernels KernelArgumentError (a usage error, 2), or None for any other error.
+
+    The kernels package has its own error type and no exit codes; it is looked up
+    only when already imported, so the CLI does not import JAX to map an error.
+    """
+    kernel_errors = sys.modules.get("qconvert.kernels.errors")
+    if kernel_errors is not None and isinstance(err, kernel_errors.KernelArgumentError):
+        return UsageError.exit_code
+    return None
 
 
 class FormatError(ValueError):

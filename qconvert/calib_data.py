@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from qconvert.errors import HubUnavailableError, InvalidCheckpointError, ModelNotFoundError, UsageError
+from qconvert.formats.errors import HubUnavailableError, InvalidCheckpointError, ModelNotFoundError, UsageError
 
 BUILTIN = "builtin"
 RANDOM = "random"

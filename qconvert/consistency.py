@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from qconvert.errors import InvalidCheckpointError
+from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint
 
 # Buffers some checkpoints carry inside their layers that no forward reads as weights (RoPE is recomputed).

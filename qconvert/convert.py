@@ -14,8 +14,7 @@ import numpy as np
 
 from qconvert import __version__
 from qconvert.card import CARD_NAME, CardFacts, write_card
-from qconvert.errors import InvalidCheckpointError, InvalidWeightError, QConvertError, UsageError
-from qconvert.formats.errors import FormatError
+from qconvert.formats.errors import FormatError, InvalidCheckpointError, InvalidWeightError, QConvertError, UsageError
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.record import write_record
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, write_shards

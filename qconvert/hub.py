@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from qconvert.errors import (
+from qconvert.formats.errors import (
     HubUnavailableError,
     InvalidCheckpointError,
     ModelNotFoundError,

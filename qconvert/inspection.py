@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from qconvert.errors import InvalidCheckpointError, ModelNotFoundError
-from qconvert.formats.errors import FormatError
+from qconvert.formats.errors import FormatError, InvalidCheckpointError, ModelNotFoundError
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.record import (
     NO_FILES, NO_RECORD, RECORD_NAME, ConversionRecord, FileCheck, RecordError, check_hashes, read_record,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from qconvert.errors import UsageError
+from qconvert.formats.errors import UsageError
 
 
 def check_jax_platforms() -> None:

@@ -17,8 +17,7 @@ from typing import Any, Union
 import jax
 import jax.numpy as jnp
 
-from qconvert.errors import InvalidCheckpointError, ModelNotFoundError
-from qconvert.formats.errors import FormatError
+from qconvert.formats.errors import FormatError, InvalidCheckpointError, ModelNotFoundError
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.qarray import QArray
 

@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
-from qconvert.errors import UsageError
+from qconvert.formats.errors import UsageError
 from qconvert import prefetch
 from qconvert.schemes import scheme_named
 from qconvert.schemes.base import Scheme

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qconvert import interrupts
-from qconvert.errors import OutputExistsError, OutputWriteError, UsageError
+from qconvert.formats.errors import OutputExistsError, OutputWriteError, UsageError
 from qconvert.formats.jsonfile import write_json  # noqa: F401  (re-exported: config.json is written with it)
 from qconvert.formats.record import RECORD_NAME
 from qconvert.formats.safetensors_io import sha256_file

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from qconvert.consistency import check_weights_match_config
-from qconvert.errors import (
+from qconvert.formats.errors import (
     InvalidWeightError,
     QConvertError,
     UnsupportedModelError,

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.errors import InvalidWeightError
+from qconvert.formats.errors import InvalidWeightError
 from qconvert.formats.packing import pack_nf4_codes
 from qconvert.formats.qarray import (
     INT8_QMAX,

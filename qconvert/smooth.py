@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.errors import UsageError
+from qconvert.formats.errors import UsageError
 from qconvert.formats.qarray import INT8_QMAX
 from qconvert.models.registry import SmoothingGroup
 

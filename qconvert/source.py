@@ -12,8 +12,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from qconvert.errors import InvalidCheckpointError
-from qconvert.formats.errors import FormatError
+from qconvert.formats.errors import FormatError, InvalidCheckpointError
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint
 from qconvert.hub import ResolvedModel, resolve_model
 from qconvert.models.registry import Architecture, architecture_for

@@ -10,7 +10,7 @@ from typing import Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
-from qconvert.errors import InvalidCheckpointError
+from qconvert.formats.errors import InvalidCheckpointError
 
 
 @dataclasses.dataclass(frozen=True)

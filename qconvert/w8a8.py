@@ -23,7 +23,7 @@ import numpy as np
 
 from qconvert.calib_data import BUILTIN, load_calibration
 from qconvert.calibrate import CALIBRATING, ActStats, check_stats_cover, iter_layer_stats, load_act_stats
-from qconvert.errors import UsageError
+from qconvert.formats.errors import UsageError
 from qconvert.formats.safetensors_io import sha256_file
 from qconvert.gptq_layers import QuantizedStore, SequentialGPTQ
 from qconvert.models import build

@@ -12,7 +12,7 @@ from qconvert import calib_data
 from qconvert.calib_data import load_calibration, random_windows
 from qconvert.calibrate import (ActStats, check_stats_cover, collect_act_stats, load_act_stats,
                                 open_params, save_act_stats)
-from qconvert.errors import UsageError
+from qconvert.formats.errors import UsageError
 from qconvert.models import build, dense_linear
 
 

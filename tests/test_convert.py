@@ -15,7 +15,7 @@ from quantize_reference import LEVELS, numpy_int8, numpy_nf4, unpack_int32_words
 from test_hub import COMMIT, build_hub_cache
 import qconvert.convert as convert_module
 from qconvert.convert import ConvertOptions, convert
-from qconvert.errors import InvalidWeightError, OutputWriteError, UsageError
+from qconvert.formats.errors import InvalidWeightError, OutputWriteError, UsageError
 from qconvert.formats.layouts import open_quantized
 from qconvert.inspection import inspect_checkpoint
 

@@ -17,7 +17,7 @@ from checkpoints import make_llama_checkpoint
 from quantize_reference import numpy_int8, numpy_nf4, unpack_int32_words
 from qconvert.convert import ConvertOptions, convert
 from qconvert.options import W8A8Options
-from qconvert.errors import UsageError
+from qconvert.formats.errors import UsageError
 from qconvert.formats.safetensors_io import TensorSpec, open_checkpoint, write_shards
 from qconvert.prefetch import available_cores, run_ahead
 from qconvert.schemes import scheme_named

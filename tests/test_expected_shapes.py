@@ -3,7 +3,7 @@
 import pytest
 import torch  # noqa: F401  (transformers' models need it)
 
-from qconvert.errors import InvalidCheckpointError
+from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.models import build
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,

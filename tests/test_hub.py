@@ -9,7 +9,7 @@ import pytest
 
 from checkpoints import make_llama_checkpoint
 from qconvert import hub
-from qconvert.errors import (
+from qconvert.formats.errors import (
     HubUnavailableError,
     InvalidCheckpointError,
     ModelNotFoundError,

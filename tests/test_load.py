@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 import qconvert
 from qconvert import models, ops
 from qconvert.convert import ConvertOptions, convert
-from qconvert.errors import InvalidCheckpointError, ModelNotFoundError
+from qconvert.formats.errors import InvalidCheckpointError, ModelNotFoundError
 from qconvert.formats import QArray
 from qconvert.ops.dispatch import DEQUANTIZE, INT8_INT32
 

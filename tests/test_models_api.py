@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from checkpoints import make_llama_checkpoint
-from qconvert.errors import InvalidCheckpointError, UnsupportedModelError
+from qconvert.formats.errors import InvalidCheckpointError, UnsupportedModelError
 from qconvert.formats import QArray
 from qconvert.models import build, forward_layerwise, iterate_layers
 from qconvert.tokenizer import load_tokenizer

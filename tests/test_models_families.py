@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from hf_checkpoints import TINY, load_config, make_hf_checkpoint, reference_logits, token_batch
-from qconvert.errors import InvalidCheckpointError
+from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.models import Phi3Model, Qwen2MoeModel, Qwen3Model, Qwen3MoeModel, build, forward_layerwise
 from qconvert.models.registry import architecture_for
 from qconvert.smooth import channel_map

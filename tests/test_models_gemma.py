@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from gemma_checkpoints import GEMMA2, GEMMA3, make_gemma_checkpoint, read_config, reference_logits  # noqa: E402
-from qconvert.errors import InvalidCheckpointError  # noqa: E402
+from qconvert.formats.errors import InvalidCheckpointError  # noqa: E402
 from qconvert.models import GemmaModel, build, forward_layerwise  # noqa: E402
 from qconvert.models.registry import architecture_for  # noqa: E402
 from qconvert.smooth import apply_fold, tensor_folds, group_scales  # noqa: E402

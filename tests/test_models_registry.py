@@ -10,7 +10,7 @@ import pytest
 
 from gemma_checkpoints import GEMMA2, GEMMA3
 from hf_checkpoints import TINY
-from qconvert.errors import UnsupportedModelError
+from qconvert.formats.errors import UnsupportedModelError
 from qconvert.models import build
 from qconvert.models.activations import ACTIVATIONS
 from qconvert.models.family import REMEDY_LEAD

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from qconvert.errors import InvalidWeightError
+from qconvert.formats.errors import InvalidWeightError
 from qconvert.formats.qarray import NF4_LEVELS
 from qconvert.quantizers import quantize_int8, quantize_nf4
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import qconvert.quantizers as quantize_module
-from qconvert.errors import InvalidWeightError
+from qconvert.formats.errors import InvalidWeightError
 from qconvert.convert import all_finite
 from qconvert.quantizers import int8_codes_and_scales, nf4_codes_and_absmax, quantize_int8, quantize_nf4
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qconvert.errors import UsageError
+from qconvert.formats.errors import UsageError
 from qconvert.models.registry import SmoothingGroup
 from qconvert.smooth import (AlphaSpec, apply_fold, channel_map, tensor_folds, group_scales, parse_alpha,
                              search_alpha, smooth_scales)

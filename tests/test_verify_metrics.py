@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qconvert.errors import UsageError
+from qconvert.formats.errors import UsageError
 from qconvert.verify import metrics
 from qconvert.verify.thresholds import DEFAULT_THRESHOLDS, check, thresholds_for
 

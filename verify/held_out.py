@@ -27,7 +27,7 @@ from qconvert.calib_data import (
     CalibrationData,
     load_calibration,
 )
-from qconvert.errors import QConvertError, UsageError
+from qconvert.formats.errors import QConvertError, UsageError
 
 AUTO = "auto"
 # Tokens in a row that evaluation and calibration text may not share.

@@ -12,8 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from qconvert.errors import InvalidCheckpointError
-from qconvert.formats.errors import FormatError
+from qconvert.formats.errors import FormatError, InvalidCheckpointError
 from qconvert.formats.jsonfile import MISSING, NOT_OBJECT, JsonFileError, read_json_object
 from qconvert.formats.layouts import QuantizedCheckpoint, layout_for_config
 from qconvert.formats.record import (

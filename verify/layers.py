@@ -24,7 +24,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.errors import InvalidCheckpointError
+from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.formats import QArray
 from qconvert.models import iterate_layers, read_tensors
 from qconvert.models.hooks import dense_linear

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert.consistency import check_weights_match_config
-from qconvert.errors import UsageError
-from qconvert.formats.errors import FormatError
+from qconvert.formats.errors import FormatError, UsageError
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.safetensors_io import open_checkpoint, sha256_file
 from qconvert.hub import ResolvedModel, resolve_model

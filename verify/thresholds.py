@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from qconvert.errors import UsageError
+from qconvert.formats.errors import UsageError
 from qconvert.schemes import SCHEMES
 from qconvert.schemes.base import Thresholds
 

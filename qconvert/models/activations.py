@@ -6,7 +6,7 @@ from typing import Callable
 
 import jax
 
-from qconvert.errors import UnsupportedModelError
+from qconvert.formats.errors import UnsupportedModelError
 
 Activation = Callable[[jax.Array], jax.Array]
 

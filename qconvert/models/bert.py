@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from qconvert.errors import UnsupportedModelError
+from qconvert.formats.errors import UnsupportedModelError
 from qconvert.models.activations import ACTIVATIONS, check_activation
 from qconvert.models.config_values import config_float, config_int, require_divides
 from qconvert.models.family import (REMEDY_LEAD, Architecture, LayerStack, SmoothingGroup,

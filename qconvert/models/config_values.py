@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qconvert.errors import InvalidCheckpointError
+from qconvert.formats.errors import InvalidCheckpointError
 
 _MISSING = object()
 

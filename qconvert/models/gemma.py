@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.errors import InvalidCheckpointError
+from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.formats import QArray
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, dense_grouped_linear,
                                    dense_linear)

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 import jax
 
-from qconvert.errors import InvalidCheckpointError
+from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.models.activations import ACTIVATIONS
 from qconvert.models.config_values import config_int
 from qconvert.models.family import EXPERT, REMEDY_LEAD, Architecture, SmoothingGroup, layer_linear_pattern

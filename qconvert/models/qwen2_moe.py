@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import jax
 
-from qconvert.errors import InvalidCheckpointError
+from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.models.activations import ACTIVATIONS
 from qconvert.models.config_values import config_bool, config_int, config_layer_list
 from qconvert.models.decoder_shapes import (Shapes, attention_shapes, embed_and_head_shapes,

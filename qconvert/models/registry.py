@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qconvert.errors import InvalidCheckpointError, UnsupportedModelError
+from qconvert.formats.errors import InvalidCheckpointError, UnsupportedModelError
 from qconvert.models.bert import BERT
 from qconvert.models.family import Architecture, SmoothingGroup
 from qconvert.models.gemma import GEMMA

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.errors import InvalidCheckpointError, UnsupportedModelError
+from qconvert.formats.errors import InvalidCheckpointError, UnsupportedModelError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

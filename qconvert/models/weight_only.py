@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from qconvert.errors import UnsupportedModelError
+from qconvert.formats.errors import UnsupportedModelError
 from qconvert.models.registry import Architecture, architecture_for
 
 FAMILY = "weight-only"

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from qconvert.errors import QConvertError
+from qconvert.formats.errors import QConvertError
 from qconvert.formats.qarray import QArray
 from qconvert.ops.dispatch import operand_shape
 

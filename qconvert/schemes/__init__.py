@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from qconvert.errors import UsageError
+from qconvert.formats.errors import UsageError
 
 if TYPE_CHECKING:
     from qconvert.schemes.base import Scheme

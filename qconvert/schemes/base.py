@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from qconvert.errors import UsageError
+from qconvert.formats.errors import UsageError
 from qconvert.formats.layout_base import Layout, LayoutFlags
 from qconvert.formats.qarray import QArray, group_scale
 from qconvert.rowwise import quantize_rows

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from qconvert.errors import UsageError
+from qconvert.formats.errors import UsageError
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_fp8 import FloatQuantizedFP8
 from qconvert.formats.qarray import QArray

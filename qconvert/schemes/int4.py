@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.errors import UsageError
+from qconvert.formats.errors import UsageError
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_int4 import PackQuantizedInt4
 from qconvert.formats.qarray import INT4_QMAX, INT4_QMIN, QArray

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from qconvert.errors import UsageError
+from qconvert.formats.errors import UsageError
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_nf4 import BitsandbytesNF4
 from qconvert.formats.packing import dequantize_double_quant, double_quantize_absmax

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qconvert.errors import UsageError
+from qconvert.formats.errors import UsageError
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_w8a8 import IntQuantizedW8A8
 from qconvert.schemes.base import Thresholds
