@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 from cli_helpers import run
-from hf_checkpoints import dequantized_float_folder
+from hf_checkpoints import dequantized_float_folder, generic_bitsandbytes_path
 from safetensors.numpy import load_file
 
 torch = pytest.importorskip("torch")
@@ -55,7 +55,8 @@ def sources(tmp_path_factory):
 
 
 def logits(folder, ids) -> np.ndarray:
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model = generic_bitsandbytes_path(
+        transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval())
     with torch.no_grad():
         return model(torch.tensor(ids)).logits.float().numpy()
 
