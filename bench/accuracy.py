@@ -295,8 +295,8 @@ def gguf_llm(configs: list[str], src: Path, count: int, calib: str = "builtin", 
     base, reference, _ = evaluate(model, {k: np.asarray(v) for k, v in open_params(src).items()}, windows, batch=2,
                                   per_window=base_windows)
     print(f"causal LM {src.name}: float perplexity {base:.4f} on {windows.size} held-out tokens", flush=True)
+    tag = "" if calib == "builtin" else f"-{Path(calib).stem}{samples}"  # folders apart per calibration
     for name in configs:
-        tag = "" if calib == "builtin" else f"-{Path(calib).stem}{samples}"
         out = OUT / "accuracy" / f"gguf-{src.name}{tag}-{name}"
         seconds = run_convert(src, out, name, calib, samples, 256)
         q, params = folder_params(out)

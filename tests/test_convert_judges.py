@@ -7,6 +7,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from checkpoints import make_llama_checkpoint
+from hf_checkpoints import generic_bitsandbytes_path
 from quantize_reference import LEVELS, numpy_int8, numpy_nf4
 from qconvert.convert import ConvertOptions, convert
 
@@ -62,12 +63,9 @@ def test_transformers_bitsandbytes_load_nf4_and_match_the_dequantized_float_mode
     convert(str(llama), out, ConvertOptions(scheme="nf4", double_quant=double_quant))
     quantized = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     assert isinstance(quantized.model.layers[0].mlp.up_proj, bitsandbytes.nn.Linear4bit)
-    # On CPUs with AVX512-BF16, bitsandbytes repacks 4-bit weights for a bf16 gemm that needs out % 32 == 0
-    # (and computes in bf16); these awkward shapes (72, 102) are on purpose, so judge with its generic
-    # dequantize path, the same on every CPU.
-    for module in quantized.modules():
-        if isinstance(module, bitsandbytes.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False
+    # These awkward shapes (72, 102) are on purpose; judge with bitsandbytes' generic dequantize path, the
+    # same on every CPU (hf_checkpoints.generic_bitsandbytes_path).
+    generic_bitsandbytes_path(quantized)
 
     src = load_file(str(llama / "model.safetensors"))
     stored = load_file(str(out / "model.safetensors"))
