@@ -63,6 +63,12 @@ class Layout(abc.ABC):
     loader_replaces_conv1d: bool = False
     loader_keeps_experts_float: bool = False
 
+    def kernel_act(self, flags: LayoutFlags) -> str | None:
+        """How the deployment kernels quantize this layout's activations: "dynamic" (per token), "static"
+        (the stored per-tensor input_scale), or None (they stay float: weight-only)."""
+        del flags
+        return None
+
     @abc.abstractmethod
     def loader_quantizes(self, qconfig: dict[str, Any], module: str) -> bool:
         """Whether the loader reading `qconfig` replaces linear `module` by a quantized one: the config

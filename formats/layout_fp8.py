@@ -45,6 +45,9 @@ class FloatQuantizedFP8(Layout):
     marker_suffix = ".weight_scale"
     part_suffixes = (".weight", ".weight_scale")
 
+    def kernel_act(self, flags: LayoutFlags) -> str | None:
+        return "dynamic"
+
     def tensor_specs(self, module: str, shape: tuple[int, int], float_dtype, flags: LayoutFlags) -> list[TensorSpec]:
         out_features, in_features = (int(d) for d in shape)
         return [

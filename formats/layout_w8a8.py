@@ -33,6 +33,9 @@ class IntQuantizedW8A8(ct.CompressedTensorsInt8):
     part_suffixes = (".weight", ".weight_scale", ".input_scale")
     takes_input_scale = True
 
+    def kernel_act(self, flags: LayoutFlags) -> str | None:
+        return "static" if flags.static_act else "dynamic"
+
     def tensor_specs(self, module: str, shape: tuple[int, int], float_dtype, flags: LayoutFlags) -> list[TensorSpec]:
         out_features, in_features = (int(d) for d in shape)
         specs = [

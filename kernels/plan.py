@@ -120,17 +120,20 @@ class KernelPlan:
         return text
 
 
+def platform() -> str:
+    """The kind of device JAX runs on: "tpu", "gpu" (CUDA or ROCm) or "cpu"."""
+    name = jax.default_backend()
+    return "gpu" if name in ("gpu", "cuda", "rocm") else name
+
+
 def resolve_backend(backend: str) -> str:
     """'auto' -> the platform's kernels (tpu, gpu), or 'xla' on a CPU host; other names are checked and kept."""
     if backend not in BACKENDS:
         raise KernelArgumentError(f"unknown kernel backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
-    platform = jax.default_backend()
-    if platform == "tpu":
-        return "tpu"
-    if platform in ("gpu", "cuda", "rocm"):
-        return "gpu"
+    if platform() in ("tpu", "gpu"):
+        return platform()
     # On CPU Pallas only interprets; XLA's own int8 and float dots run the same contract far faster.
     return "xla"
 

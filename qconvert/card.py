@@ -18,7 +18,7 @@ from typing import Any
 
 from qconvert import interrupts
 from qconvert.formats.jsonfile import json_bytes
-from qconvert.formats.record import RECORD_NAME
+from qconvert.formats.record import RECORD_NAME, ConversionRecord, SourceRecord, read_record
 
 CARD_NAME = "README.md"
 VERIFY_BEGIN = "<!-- qconvert verify: begin -->"
@@ -31,7 +31,7 @@ FOLDER = "path/to/this/folder"
 class CardFacts:
     """What the card says about a conversion."""
 
-    record: Mapping[str, Any]  # qconvert.json as written, without its `files`
+    record: ConversionRecord  # qconvert.json as written (its `files` not yet known)
     quant_method: str  # quantization_config["quant_method"]: the Python package transformers needs
     scheme_summary: str
     loads_in: str
@@ -48,23 +48,23 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def _source_lines(source: Mapping[str, Any]) -> list[str]:
-    model = source.get("model") or "(unknown)"
-    if source.get("is_hub"):
-        where = f"[`{model}`](https://huggingface.co/{model}), commit `{source.get('commit')}`"
+def _source_lines(source: SourceRecord) -> list[str]:
+    model = source.model or "(unknown)"
+    if source.is_hub:
+        where = f"[`{model}`](https://huggingface.co/{model}), commit `{source.commit}`"
     else:
         where = f"`{model}` (a local folder; no Hub commit)"
     return [f"| source | {where} |"]
 
 
-def _flags_line(record: Mapping[str, Any]) -> str:
-    flags = record.get("flags") or {}
+def _flags_line(record: ConversionRecord) -> str:
+    flags = record.flags
     shown = ", ".join(f"`{key}={json.dumps(value, sort_keys=True)}`" for key, value in sorted(flags.items()))
     return f"| flags | {shown or '(defaults)'} |"
 
 
-def _calibration_line(record: Mapping[str, Any]) -> list[str]:
-    calibration = record.get("calibration")
+def _calibration_line(record: ConversionRecord) -> list[str]:
+    calibration = record.calibration
     if not calibration:
         return []
     text = calibration.get("description") or calibration.get("source", "")
@@ -73,11 +73,11 @@ def _calibration_line(record: Mapping[str, Any]) -> list[str]:
 
 
 def _front_matter(facts: CardFacts) -> list[str]:
-    source = facts.record.get("source") or {}
+    source = facts.record.source
     lines = ["---"]
-    if source.get("is_hub"):
-        lines.append(f"base_model: {source.get('model')}")
-    lines += ["library_name: transformers", "tags:", "- qconvert", f"- {facts.record.get('scheme')}",
+    if source.is_hub:
+        lines.append(f"base_model: {source.model}")
+    lines += ["library_name: transformers", "tags:", "- qconvert", f"- {facts.record.scheme}",
               f"- {facts.quant_method}", "---", ""]
     return lines
 
@@ -105,14 +105,14 @@ def _vllm_snippet(facts: CardFacts) -> list[str]:
 def model_card(facts: CardFacts) -> str:
     """The card's text: what was converted and how, the sizes, and how to load it."""
     record = facts.record
-    source = record.get("source") or {}
-    name = str(source.get("model") or "model").rstrip("/").split("/")[-1]
+    source = record.source
+    name = str(source.model or "model").rstrip("/").split("/")[-1]
     ratio = facts.input_bytes / facts.output_bytes if facts.output_bytes else 0.0
     lines = _front_matter(facts) + [
-        f"# {name} ({record.get('scheme')})", "",
-        f"{facts.architecture} quantized by qconvert {record.get('qconvert_version')}: {facts.scheme_summary}.", "",
+        f"# {name} ({record.scheme})", "",
+        f"{facts.architecture} quantized by qconvert {record.qconvert_version}: {facts.scheme_summary}.", "",
         "| | |", "|---|---|", *_source_lines(source),
-        f"| scheme | `{record.get('scheme')}` ({facts.quant_method} layout) |", _flags_line(record),
+        f"| scheme | `{record.scheme}` ({facts.quant_method} layout) |", _flags_line(record),
         *_calibration_line(record),
         (f"| size | {_mib(facts.input_bytes)} -> {_mib(facts.output_bytes)} ({ratio:.2f}x smaller); "
          f"{facts.quantized_linears} linears quantized, {facts.unchanged_tensors} tensors unchanged |"),
@@ -179,9 +179,9 @@ def update_card(folder: Path, verify_record: Mapping[str, Any]) -> str:
     card = card_path.read_text(encoding="utf-8") if card_path.is_file() else ""
     text = with_verify_section(card, verify_section(verify_record)).encode("utf-8")
     digest = hashlib.sha256(text).hexdigest()
-    record = json.loads(record_path.read_text(encoding="utf-8"))
-    record["files"] = dict(sorted({**record.get("files", {}), CARD_NAME: digest}.items()))
-    _replace_together([(card_path, text), (record_path, json_bytes(record))])
+    record = read_record(folder)
+    record = dataclasses.replace(record, files=dict(sorted({**record.files, CARD_NAME: digest}.items())))
+    _replace_together([(card_path, text), (record_path, json_bytes(record.to_json()))])
     return digest
 
 

@@ -16,7 +16,7 @@ from qconvert import __version__
 from qconvert.card import CARD_NAME, CardFacts, write_card
 from qconvert.formats.errors import FormatError, InvalidCheckpointError, InvalidWeightError, QConvertError, UsageError
 from qconvert.formats.layout_base import LayoutFlags
-from qconvert.formats.record import write_record
+from qconvert.formats.record import ConversionRecord, SourceRecord, write_record
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, write_shards
 from qconvert.hub import ResolvedModel
 from qconvert.models.weight_only import WeightOnlySelection
@@ -35,17 +35,6 @@ from qconvert.w8a8 import W8A8Adjustments, prepare_w8a8
 
 # The exponent bits of each float weight dtype: all ones exactly for NaN and Inf.
 EXPONENT_BITS = {"float32": (np.uint32, 0x7F800000), "float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80)}
-# Options that change no output byte stay out of qconvert.json, so reruns with them stay identical.
-# (--any-architecture changes nothing for a known family; where it applies, qconvert.json
-# records the weight-only selection itself.)
-PRESENTATION_OPTIONS = ("overwrite", "dry_run", "any_architecture", "workers")
-# The w8a8 calibration and smoothing choices are recorded in full as qconvert.json's
-# `calibration` and `smoothing`, not among the flags.
-RECORDED_ELSEWHERE = ("w8a8", "gptq", "gptq_damp", "gptq_act_order")  # GPTQ's: as `rounding`
-# Recorded only for the schemes that take them (so other schemes' records stay as they were).
-SCHEME_ONLY_OPTIONS = ("group_size",)
-
-
 class Progress(Protocol):
     """What the pipeline reports while it streams (the CLI draws a bar from it)."""
 
@@ -225,23 +214,23 @@ def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: 
             stream.close()  # stops the worker at once if writing failed
         files.update(copy_side_files(resolved.folder, staging))
         files["config.json"] = write_json(staging / "config.json", quantized_config(resolved.config, plan, options))
-        record = manifest(resolved, source_hashes(), options, files, w8a8.calibration_record,
-                          w8a8.smoothing_record, searches.record(options.scheme_object), plan.flags)
-        record["rounding"] = w8a8.rounding_record or dict(RTN_RECORD)
-        if source.weight_only is not None:
-            record["weight_only"] = source.weight_only.record()
+        record = ConversionRecord(
+            options.scheme, {}, SourceRecord(resolved.model_id, resolved.is_hub, resolved.revision, resolved.commit,
+                                             source_hashes()),
+            __version__, options.recorded_flags(plan.flags), w8a8.calibration_record, w8a8.smoothing_record,
+            searches.record(options.scheme_object), w8a8.rounding_record or dict(RTN_RECORD),
+            source.weight_only.record() if source.weight_only is not None else None)
         files[CARD_NAME] = write_card(staging, card_facts(source, plan, options, record))
-        record["files"] = dict(sorted(files.items()))
-        write_record(staging, record)
+        write_record(staging, dataclasses.replace(record, files=dict(sorted(files.items()))))
     return dict(sorted(files.items()))
 
 
 def card_facts(source: SourceModel, plan: ConversionPlan, options: ConvertOptions,
-               record: Mapping[str, Any]) -> CardFacts:
+               record: ConversionRecord) -> CardFacts:
     """What the model card says: the record (less its file hashes), the scheme, the family and the sizes."""
     scheme, ckpt = options.scheme_object, source.checkpoint
     return CardFacts(
-        record={k: v for k, v in record.items() if k != "files"}, quant_method=scheme.layout.quant_method,
+        record=record, quant_method=scheme.layout.quant_method,
         scheme_summary=scheme.summary, loads_in=scheme.loads_in, vllm_loads=scheme.vllm_loads,
         causal_lm=source.arch.causal_lm or source.weight_only is not None,
         architecture=", ".join(source.config.get("architectures") or ["a model"]),
@@ -397,30 +386,3 @@ def input_files(folder: Path, ckpt: SafetensorsCheckpoint) -> list[str]:
     if (folder / "model.safetensors.index.json").exists():
         inputs.append("model.safetensors.index.json")
     return inputs
-
-
-def manifest(resolved: ResolvedModel, source_hashes: Mapping[str, str], options: ConvertOptions,
-             files: Mapping[str, str], calibration_record: dict | None,
-             smoothing_record: dict | None, search_record: dict | None = None,
-             layout_flags: LayoutFlags | None = None) -> dict[str, Any]:
-    """qconvert.json: tool version, source and its file hashes, scheme, flags, records, output hashes.
-
-    A scheme that takes a group size records the one written (`layout_flags`), whatever was asked.
-    """
-    flags = {k: v for k, v in dataclasses.asdict(options).items()
-             if k not in PRESENTATION_OPTIONS + RECORDED_ELSEWHERE + SCHEME_ONLY_OPTIONS}
-    if options.scheme_object.takes_group_size:
-        flags["group_size"] = (layout_flags.group_size if layout_flags is not None else options.group_size) or "channel"
-    flags["include"], flags["exclude"] = list(options.include), list(options.exclude)
-    flags["scale_search"] = options.searches_scales
-    return {
-        "qconvert_version": __version__,
-        "source": {"model": resolved.model_id, "is_hub": resolved.is_hub, "revision": resolved.revision,
-                   "commit": resolved.commit, "files": dict(sorted(source_hashes.items()))},
-        "scheme": options.scheme,
-        "flags": flags,
-        "calibration": calibration_record,
-        "smoothing": smoothing_record,
-        "scale_search": search_record,
-        "files": dict(sorted(files.items())),
-    }

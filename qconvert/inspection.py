@@ -42,7 +42,7 @@ class InspectReport:
     scheme: str
     tensors: tuple[TensorRow, ...]
     files: tuple[FileCheck, ...]
-    manifest: dict[str, Any] | None
+    record: ConversionRecord | None  # qconvert.json; None when the folder has none
     servers: dict[str, str] = dataclasses.field(default_factory=dict)  # server -> yes, no or not measured
 
     @property
@@ -60,7 +60,7 @@ class InspectReport:
     @property
     def hashes_ok(self) -> bool | None:
         """True if every recorded hash matches, False if one does not, None without qconvert.json."""
-        if self.manifest is None:
+        if self.record is None:
             return None
         return all(f.ok for f in self.files)
 
@@ -95,7 +95,7 @@ def inspect_checkpoint(folder) -> InspectReport:
     record = _read_record(folder)
     checks = tuple(check_hashes(folder, record)) if record is not None else ()
     return InspectReport(folder=folder, scheme=qc.scheme, tensors=tuple(rows), files=checks,
-                         manifest=record.raw if record is not None else None,
+                         record=record,
                          servers=servers(scheme_key(qc.scheme, qc.flags), family_of(qc.config)))
 
 

@@ -47,6 +47,17 @@ class W8A8Options:
         return spec
 
 
+# Options that change no output byte stay out of qconvert.json, so reruns with them stay identical.
+# (--any-architecture changes nothing for a known family; where it applies, qconvert.json
+# records the weight-only selection itself.)
+PRESENTATION_OPTIONS = ("overwrite", "dry_run", "any_architecture", "workers")
+# The w8a8 calibration and smoothing choices are recorded in full as qconvert.json's
+# `calibration` and `smoothing`, not among the flags.
+RECORDED_ELSEWHERE = ("w8a8", "gptq", "gptq_damp", "gptq_act_order")  # GPTQ's: as `rounding`
+# Recorded only for the schemes that take them (so other schemes' records stay as they were).
+SCHEME_ONLY_OPTIONS = ("group_size",)
+
+
 @dataclasses.dataclass(frozen=True)
 class ConvertOptions:
     """Every choice a conversion takes; validated on construction."""
@@ -106,6 +117,19 @@ class ConvertOptions:
     def scheme_object(self) -> Scheme:
         """The Scheme this run writes."""
         return scheme_named(self.scheme)
+
+    def recorded_flags(self, layout_flags) -> dict:
+        """qconvert.json's `flags`: every option that changes output bytes and is recorded nowhere else.
+
+        A scheme that takes a group size records the one written (`layout_flags`, the plan's), whatever was asked.
+        """
+        flags = {k: v for k, v in dataclasses.asdict(self).items()
+                 if k not in PRESENTATION_OPTIONS + RECORDED_ELSEWHERE + SCHEME_ONLY_OPTIONS}
+        if self.scheme_object.takes_group_size:
+            flags["group_size"] = (layout_flags.group_size if layout_flags is not None else self.group_size) or "channel"
+        flags["include"], flags["exclude"] = list(self.include), list(self.exclude)
+        flags["scale_search"] = self.searches_scales
+        return flags
 
     @property
     def searches_scales(self) -> bool:

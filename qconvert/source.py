@@ -58,6 +58,12 @@ class SourceModel:
     def close(self) -> None:
         self.checkpoint.close()
 
+    def __enter__(self) -> "SourceModel":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
 
 def resolve_source(model: str, revision: str | None = None, *, scheme: Scheme | None = None,
                    any_architecture: bool = False) -> ResolvedModel:

@@ -24,6 +24,7 @@ import numpy as np
 from qconvert.calib_data import BUILTIN, load_calibration
 from qconvert.calibrate import CALIBRATING, ActStats, check_stats_cover, iter_layer_stats, load_act_stats
 from qconvert.formats.errors import UsageError
+from qconvert.formats.record import RecordedScales, SmoothingRecord
 from qconvert.formats.safetensors_io import sha256_file
 from qconvert.gptq_layers import QuantizedStore, SequentialGPTQ
 from qconvert.models import build
@@ -49,7 +50,7 @@ class W8A8Adjustments:
     folds: dict[str, TensorFold] = dataclasses.field(default_factory=dict)
     input_scales: dict[str, float] | None = None
     calibration_record: dict[str, Any] | None = None
-    smoothing_record: dict[str, Any] | None = None
+    smoothing_record: SmoothingRecord | None = None
     weight_clip: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     search_records: dict[str, dict] = dataclasses.field(default_factory=dict)
     # GPTQ's QArrays by module (read back from the scratch folder), which the writer takes as they are.
@@ -301,22 +302,19 @@ def static_input_scale(act_absmax: float) -> float:
 
 
 def _smoothing_record(scales: list[GroupScales], spec: AlphaSpec, arch: Architecture,
-                      errors: dict[str, dict[float, float]], options: W8A8Options) -> dict[str, Any]:
+                      errors: dict[str, dict[float, float]], options: W8A8Options) -> SmoothingRecord:
+    """qconvert.json's `smoothing`: how alpha was chosen, each group's alpha, and the exact scales folded."""
     mode = "auto" if spec.auto else ("family default" if spec.default is None and not spec.per_group
                                      else "given")
     if mode == "family default" and options.alpha is None:
         mode = "family default (a statistics file holds no activation rows to search on)"
-    record: dict[str, Any] = {
-        "method": "smoothquant",
-        "alpha_mode": mode,
-        "family_default_alpha": arch.default_alpha,
-        "min_scale": MIN_SCALE,
-        "remedy": arch.remedy,
-        "alpha": {g.group.source: g.alpha for g in scales},
-        "groups": {g.group.source: list(g.group.linears) for g in scales},
-    }
-    if errors:
-        # The relative W8A8 output error of each alpha tried, per group, rounded for reading.
-        record["alpha_search"] = {source: {f"{a:.2f}": float(f"{e:.4g}") for a, e in tried.items()}
-                                  for source, tried in errors.items()}
-    return record
+    # The relative W8A8 output error of each alpha tried, per group, rounded for reading.
+    searched = {source: {f"{a:.2f}": float(f"{e:.4g}") for a, e in tried.items()} for source, tried in errors.items()}
+    return SmoothingRecord(
+        alpha_mode=mode, family_default_alpha=arch.default_alpha, min_scale=MIN_SCALE, remedy=arch.remedy,
+        alpha={g.group.source: g.alpha for g in scales},
+        groups={g.group.source: tuple(g.group.linears) for g in scales},
+        scales={g.group.source: RecordedScales(g.group.source, tuple(g.group.linears), g.source_scales,
+                                               g.input_scales, g.group.source_offset, g.group.norm_offset)
+                for g in scales},
+        alpha_search=searched or None)

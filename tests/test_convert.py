@@ -299,6 +299,7 @@ def test_overwrite_replaces_and_a_failed_overwrite_keeps_the_old_output(llama_bf
 
 
 def test_weight_transform_and_static_input_scales_reach_the_w8a8_folder(tmp_path, monkeypatch):
+    from qconvert.formats.record import SmoothingRecord
     from qconvert.smooth import TensorFold
     from qconvert.w8a8 import W8A8Adjustments
 
@@ -307,7 +308,7 @@ def test_weight_transform_and_static_input_scales_reach_the_w8a8_folder(tmp_path
     norm = "model.layers.0.input_layernorm.weight"
     modules = [f"model.layers.0.{x}" for x in LLAMA_LINEARS]
     scales = {m: 0.01 * (k + 1) for k, m in enumerate(modules)}
-    record = {"alpha": 0.5}
+    record = SmoothingRecord("given", 0.5, 1e-5, "", {norm[:-7]: 0.5}, {norm[:-7]: ("x",)}, {})
     # The w8a8 stage's result, given: the norm's rows divided by 1/2 (doubled), nothing else touched.
     halves = np.full(src[norm].shape[0], 0.5, np.float32)
     given = W8A8Adjustments(folds={norm: TensorFold(halves, None)}, input_scales=scales, smoothing_record=record)
@@ -320,7 +321,9 @@ def test_weight_transform_and_static_input_scales_reach_the_w8a8_folder(tmp_path
     for m in modules:
         np.testing.assert_array_equal(dst[f"{m}.weight"], numpy_int8(src[f"{m}.weight"], np.float32)[0])
         np.testing.assert_array_equal(dst[f"{m}.input_scale"], np.array([scales[m]], np.float32))
-    assert json.loads((tmp_path / "out" / "qconvert.json").read_text())["smoothing"] == record
+    assert json.loads((tmp_path / "out" / "qconvert.json").read_text())["smoothing"] == {
+        "method": "smoothquant", "alpha_mode": "given", "family_default_alpha": 0.5, "min_scale": 1e-5, "remedy": "",
+        "alpha": {norm[:-7]: 0.5}, "groups": {norm[:-7]: ["x"]}}
 
 
 def test_inspect_reports_sizes_and_notices_a_changed_file(llama_bf16, tmp_path):

@@ -1,9 +1,11 @@
 """qconvert.json's one owner (formats.record) and the one JSON-object reader (formats.jsonfile)."""
 
+import base64
 import hashlib
 import json
 import os
 
+import numpy as np
 import pytest
 
 from qconvert.formats import jsonfile, record
@@ -49,14 +51,15 @@ def test_the_writer_writes_the_documented_bytes_and_returns_their_sha256(tmp_pat
 
 
 def test_a_written_record_reads_back_with_its_source_and_files(tmp_path):
-    raw = {"scheme": "nf4", "source": {"model": "org/m", "revision": "main", "commit": "abc"},
-           "files": {"config.json": "0" * 64}}
-    digest = write_record(tmp_path, raw)
+    written = record.ConversionRecord("nf4", {"config.json": "0" * 64},
+                                      record.SourceRecord("org/m", True, "main", "abc"))
+    digest = write_record(tmp_path, written)
     assert RECORD_NAME == "qconvert.json"
     assert digest == hashlib.sha256((tmp_path / "qconvert.json").read_bytes()).hexdigest()
     got = read_record(tmp_path)
-    assert (got.raw, got.scheme, got.files, got.source_model, got.source_revision) == (
-        raw, "nf4", {"config.json": "0" * 64}, "org/m", "abc")
+    assert got == written
+    assert (got.scheme, got.files, got.source_model, got.source_revision) == (
+        "nf4", {"config.json": "0" * 64}, "org/m", "abc")
 
 
 @pytest.mark.parametrize("content, kind", [
@@ -86,8 +89,8 @@ def test_hashes_are_checked_against_hashlib_and_paths_outside_the_folder_are_nev
     (folder / "b.bin").write_bytes(b"changed")
     (tmp_path / "secret").write_bytes(b"abc")
     good = hashlib.sha256(b"abc").hexdigest()
-    write_record(folder, {"scheme": "int8", "files": {
-        "b.bin": good, "a.bin": good, "gone.bin": good, "../secret": good}})
+    write_record(folder, record.ConversionRecord("int8", {
+        "b.bin": good, "a.bin": good, "gone.bin": good, "../secret": good}))
     checks = check_hashes(folder, read_record(folder))
     assert [(c.name, c.actual, c.outside, c.ok) for c in checks] == [
         ("../secret", None, True, False),
@@ -95,3 +98,31 @@ def test_hashes_are_checked_against_hashlib_and_paths_outside_the_folder_are_nev
         ("b.bin", hashlib.sha256(b"changed").hexdigest(), False, False),
         ("gone.bin", None, False, False),
     ]
+
+
+def test_smoothing_scales_are_written_exactly_and_a_format_1_record_reads_without_them(tmp_path):
+    rng = np.random.default_rng(0)
+    # float32 values no decimal shortcut would keep: random mantissas over six octaves.
+    source = (rng.random(96) * 2.0 ** rng.integers(-3, 3, 96)).astype(np.float32)
+    wide = np.repeat(source, 2)
+    smoothing = record.SmoothingRecord("auto", 0.85, 1e-5, "remedy", {"n": 0.4, "v": 0.6},
+                                       {"n": ("q", "k"), "v": ("o",)}, {
+                                           "n": record.RecordedScales("n", ("q", "k"), source, source.copy()),
+                                           "v": record.RecordedScales("v", ("o",), source, wide, 0, 0.0)})
+    write_record(tmp_path, record.ConversionRecord("w8a8", {}, smoothing=smoothing))
+    raw = json.loads((tmp_path / "qconvert.json").read_text())
+    assert raw["format_version"] == 2 and raw["smoothing"]["encoding"] == "float32-le-base64"
+    assert "input_scales" not in raw["smoothing"]["scales"]["n"]  # the same as the source's: written once
+    assert np.frombuffer(base64.b64decode(raw["smoothing"]["scales"]["v"]["input_scales"]), "<f4").tolist() == \
+        wide.tolist()
+    got = read_record(tmp_path).smoothing
+    for name, want in (("n", source), ("v", wide)):
+        assert got.scales[name].input_scales.dtype == np.float32
+        np.testing.assert_array_equal(got.scales[name].input_scales, want)
+        np.testing.assert_array_equal(got.scales[name].source_scales, source)
+    # A record written before the scales were: the groups read, none of them scaled, and it writes back the same.
+    del raw["smoothing"]["scales"], raw["smoothing"]["encoding"], raw["format_version"]
+    (tmp_path / "qconvert.json").write_text(json.dumps(raw))
+    old = read_record(tmp_path)
+    assert old.format_version == 1 and old.smoothing.unscaled == ["n", "v"]
+    assert {k: v for k, v in old.to_json().items() if k != "format_version"} == raw

@@ -11,6 +11,7 @@ from checkpoints import make_llama_checkpoint, make_tokenizer
 from cli_helpers import quantize_quietly, run
 from safetensors.numpy import load_file
 
+from qconvert.formats.record import ConversionRecord, SourceRecord
 from qconvert.card import CardFacts, model_card
 
 FOLDER = "path/to/this/folder"
@@ -103,9 +104,8 @@ def test_update_card_leaves_a_folder_that_failed_integrity_alone(converted, tmp_
 
 
 def test_card_of_a_hub_model_names_base_model_and_commit_and_nf4_has_no_vllm_snippet():
-    record = {"qconvert_version": "0.1.0", "scheme": "nf4", "flags": {"double_quant": True},
-              "source": {"model": "org/tiny-bert", "is_hub": True, "revision": "main", "commit": "a" * 40},
-              "calibration": None}
+    record = ConversionRecord("nf4", {}, SourceRecord("org/tiny-bert", True, "main", "a" * 40), "0.1.0",
+                              {"double_quant": True})
     card = model_card(CardFacts(record=record, quant_method="bitsandbytes", scheme_summary="NormalFloat-4",
                                 loads_in="transformers + bitsandbytes only", vllm_loads=False, causal_lm=False,
                                 architecture="BertModel", quantized_linears=36, unchanged_tensors=68,

@@ -1,6 +1,7 @@
 """qconvert verify on correct conversions: it passes, runs the Pallas kernels, and its per-layer
 figures equal an independent computation (transformers for the activations, numpy for the rest)."""
 
+import base64
 import hashlib
 import json
 
@@ -110,8 +111,15 @@ def numpy_metrics(ref, out):
             "max_abs_error": np.abs(err).max()}
 
 
-def smoothing_of(src, conv, modules):
-    """Per linear: the factor its input was divided by (norm ratio, or the source linear's row ratio)."""
+def recorded_source_scales(folder, source):
+    """The float32 scales qconvert.json records for a smoothing group's source (little-endian, base64)."""
+    record = json.loads((folder / "qconvert.json").read_text())["smoothing"]
+    assert record["encoding"] == "float32-le-base64"
+    return np.frombuffer(base64.b64decode(record["scales"][source]["source_scales"]), "<f4").astype(np.float64)
+
+
+def smoothing_of(src, conv, modules, folder):
+    """Per linear: the factor its input was divided by (norm ratio, or the source linear's recorded scales)."""
     s_in, s_out = {}, {}
     for m in modules:
         role = m.rsplit(".", 1)[1]
@@ -124,9 +132,12 @@ def smoothing_of(src, conv, modules):
         layer = m.split(".self_attn")[0].split(".mlp")[0]
         source = {"o_proj": f"{layer}.self_attn.v_proj", "down_proj": f"{layer}.mlp.up_proj"}.get(m.rsplit(".", 1)[1])
         if source:
+            s = recorded_source_scales(folder, source)
+            # The recorded scales are the ones the source's rows were divided by: its dequantized rows, times
+            # s, are the reference's up to int8 rounding.
             a = src[f"{source}.weight"].astype(np.float64) * s_in[source][None, :]
-            b = dequantize_file(conv, source, "w8a8")
-            s = np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)  # the test's own estimator
+            b = dequantize_file(conv, source, "w8a8") * s[:, None]
+            np.testing.assert_allclose(b, a, atol=np.abs(a).max() / 127)
             s_out[source] = s
             rep = TINY["heads"] // TINY["kv_heads"] if "o_proj" in m else 1
             hd = TINY["hidden"] // TINY["heads"]
@@ -161,7 +172,7 @@ def test_correct_conversion_passes_and_its_figures_match_an_independent_computat
     inputs = reference_inputs(tiny_source, ids)
     src = load_file(str(tiny_source / "model.safetensors"))
     conv = load_file(str(folder / "model.safetensors"))
-    s_in, s_out = smoothing_of(src, conv, layers) if scheme == "w8a8" else ({}, {})
+    s_in, s_out = smoothing_of(src, conv, layers, folder) if scheme == "w8a8" else ({}, {})
     if scheme == "w8a8":
         assert record["reference"]["from"] == "qconvert.json"
         assert any(np.abs(v - 1).max() > 1e-3 for v in s_in.values()), "the w8a8 model should be smoothed"

@@ -1,4 +1,4 @@
-"""The deployment kernel of each quantized linear, as one function verify calls, recording what ran.
+"""The deployment kernels of a folder, as one object verify calls (KernelPath), recording what ran.
 
 The routing from a QArray to its kernel is kernels.qlinear's (the one router):
 int8 -> int8_weight_matmul, w8a8 -> quantize_activations + int8_matmul, nf4 ->
@@ -13,7 +13,7 @@ host), and says why when a layer fell back to the reference.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,12 +21,7 @@ import jax.numpy as jnp
 from qconvert.formats import QArray
 from qconvert.kernels import qgrouped_linear, qlinear
 from qconvert.kernels.plan import KernelPlan
-from qconvert.schemes import scheme_named
 from qconvert.verify.results import KernelChoice
-
-# (name, x [M, in] float, q, bias or None) -> (y [M, out] float32, KernelChoice)
-QuantizedLinear = Callable[[str, jax.Array, QArray, object], tuple[jax.Array, KernelChoice]]
-
 
 def kernel_choice(plan: KernelPlan) -> KernelChoice:
     """The report's view of a kernels KernelPlan."""
@@ -43,27 +38,21 @@ def deployment_dtype(q: QArray):
     return jnp.dtype(q.dtype) if jnp.issubdtype(jnp.dtype(q.dtype), jnp.floating) else jnp.float32
 
 
-def _act(scheme: str, input_scale) -> str | None:
-    return scheme_named(scheme).kernel_act(input_scale)
-
-
-def run_quantized_linear(x: jax.Array, q: QArray, bias, scheme: str, *, backend: str = "auto",
+def run_quantized_linear(x: jax.Array, q: QArray, bias, act: str | None, *, backend: str = "auto",
                          input_scale: float | None = None) -> tuple[jax.Array, KernelPlan]:
-    """y = x W^T + b through the scheme's deployment kernel; returns (y float32, the plan that ran)."""
+    """y = x W^T + b through the deployment kernel (activations quantized as `act` says); (y float32, the plan)."""
     x = jnp.asarray(x).astype(deployment_dtype(q))
     bias = None if bias is None else jnp.asarray(bias, jnp.float32)
-    return qlinear(x, q, bias, act=_act(scheme, input_scale), input_scale=input_scale, out_dtype=jnp.float32,
+    return qlinear(x, q, bias, act=act, input_scale=input_scale, out_dtype=jnp.float32,
                    backend=backend, return_plan=True)
 
 
-def run_grouped_experts(x: jax.Array, group_sizes, qs: Sequence[QArray], scheme: str, *,
+def run_grouped_experts(x: jax.Array, group_sizes, qs: Sequence[QArray], act: str | None, *,
                         backend: str = "auto", input_scales: Sequence[float | None] = ()
                         ) -> tuple[jax.Array, KernelPlan]:
     """Rows of x sorted by expert (group_sizes[e] rows for expert e) through grouped_matmul."""
     x = jnp.asarray(x).astype(deployment_dtype(qs[0]))
-    scales = list(input_scales) or [None] * len(qs)
-    act = _act(scheme, next((s for s in scales if s is not None), None))
-    return qgrouped_linear(x, qs, group_sizes, act=act, input_scales=scales if act == "static" else (),
+    return qgrouped_linear(x, qs, group_sizes, act=act, input_scales=list(input_scales) if act == "static" else (),
                            backend=backend, return_plan=True)
 
 
@@ -72,35 +61,41 @@ def is_expert(name: str) -> bool:
     return ".experts." in name
 
 
-def make_quantized_linear(quantized, scheme: str, backend: str = "auto"
-                          ) -> tuple[QuantizedLinear, dict[str, KernelChoice]]:
-    """A QuantizedLinear over a QuantizedCheckpoint, and the dict it fills with each layer's KernelChoice.
-
-    The choice is recorded when the kernel is planned, which under jit is the
-    tracing call: what is recorded is what the compiled code runs.
+class KernelPath:
+    """A folder's deployment kernels as verify calls them: `linear` for one quantized linear, `grouped` for a
+    layer's experts at once. The activation mode is the folder's (its layout and flags: per-token, the
+    stored static input_scale, or float); `choices` holds the KernelChoice of each linear, recorded when its
+    kernel is planned, which under jit is the tracing call, so what is recorded is what the compiled code runs.
     """
-    choices: dict[str, KernelChoice] = {}
-    input_scales: dict[str, float | None] = {}
 
-    def input_scale(name: str) -> float | None:
-        if name not in input_scales:
-            input_scales[name] = quantized.input_scale(name)
-        return input_scales[name]
+    def __init__(self, quantized, backend: str = "auto"):
+        self.quantized, self.backend = quantized, backend
+        self.act = quantized.layout.kernel_act(quantized.flags)
+        self.choices: dict[str, KernelChoice] = {}
+        self._input_scales: dict[str, float | None] = {}
 
-    def quantized_linear(name: str, x, q: QArray, bias):
+    def input_scale(self, name: str) -> float | None:
+        """The folder's static input_scale of linear `name` (None unless activations are static)."""
+        if self.act != "static":
+            return None
+        if name not in self._input_scales:
+            self._input_scales[name] = self.quantized.input_scale(name)
+        return self._input_scales[name]
+
+    def linear(self, name: str, x, q: QArray, bias) -> tuple[jax.Array, KernelChoice]:
+        """(y [M, out] float32, its KernelChoice) of linear `name` on x [M, in]; an expert alone runs as a
+        grouped matmul with one group holding every row."""
         if is_expert(name):
-            # An expert alone is a grouped matmul with one group holding every row.
-            y, plan = run_grouped_experts(x, [x.shape[0]], [q], scheme, backend=backend,
-                                          input_scales=[input_scale(name)])
+            y, plan = run_grouped_experts(x, [x.shape[0]], [q], self.act, backend=self.backend,
+                                          input_scales=[self.input_scale(name)])
         else:
-            y, plan = run_quantized_linear(x, q, bias, scheme, backend=backend, input_scale=input_scale(name))
-        choices[name] = kernel_choice(plan)
-        return y.astype(jnp.float32), choices[name]
+            y, plan = run_quantized_linear(x, q, bias, self.act, backend=self.backend,
+                                           input_scale=self.input_scale(name))
+        self.choices[name] = kernel_choice(plan)
+        return y.astype(jnp.float32), self.choices[name]
 
-    def quantized_grouped(names: Sequence[str], x, qs: Sequence[QArray], group_sizes):
-        y, _ = run_grouped_experts(x, group_sizes, qs, scheme, backend=backend,
-                                   input_scales=[input_scale(n) for n in names])
+    def grouped(self, names: Sequence[str], x, qs: Sequence[QArray], group_sizes) -> jax.Array:
+        """The experts `names` (their QArrays `qs`) on the rows of x sorted by expert; float32."""
+        y, _ = run_grouped_experts(x, group_sizes, qs, self.act, backend=self.backend,
+                                   input_scales=[self.input_scale(n) for n in names])
         return y.astype(jnp.float32)
-
-    quantized_linear.grouped = quantized_grouped
-    return quantized_linear, choices

@@ -16,30 +16,30 @@ from qconvert.formats import QArray
 from qconvert.models import forward_layerwise
 from qconvert.models.hooks import dense_grouped_linear, dense_linear
 from qconvert.verify import metrics
-from qconvert.verify.kernel_path import QuantizedLinear
+from qconvert.verify.kernel_path import KernelPath
 from qconvert.verify.results import ModelResult
 from qconvert.verify.thresholds import Thresholds, check
 
 
-def kernel_linear_hook(quantized_linear: QuantizedLinear):
-    """A models linear hook: QArray weights through `quantized_linear`, float weights through dense_linear."""
+def kernel_linear_hook(kernels: KernelPath):
+    """A models linear hook: QArray weights through the folder's kernels, float weights through dense_linear."""
 
     def linear(name, x, weight, bias):
         if not isinstance(weight, QArray):
             return dense_linear(name, x, weight, bias)
-        y, _ = quantized_linear(name, x.reshape(-1, x.shape[-1]), weight, bias)
+        y, _ = kernels.linear(name, x.reshape(-1, x.shape[-1]), weight, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     return linear
 
 
-def kernel_grouped_hook(quantized_linear: QuantizedLinear):
+def kernel_grouped_hook(kernels: KernelPath):
     """A models grouped hook: experts with QArray weights through grouped_matmul, float ones as before."""
 
     def grouped_linear(names, x, weights, group_sizes):
         if not all(isinstance(w, QArray) for w in weights):
             return dense_grouped_linear(names, x, weights, group_sizes)
-        return quantized_linear.grouped(names, x, weights, group_sizes)
+        return kernels.grouped(names, x, weights, group_sizes)
 
     return grouped_linear
 
@@ -78,7 +78,7 @@ def compare_encoder(float_hidden, quant_hidden, mask, thresholds: Thresholds) ->
 
 
 def verify_model(model, reference: Mapping, converted: Mapping, input_ids, attention_mask,
-                 quantized_linear: QuantizedLinear, thresholds: Thresholds, *,
+                 kernels: KernelPath, thresholds: Thresholds, *,
                  causal_lm: bool, batch_size: int | None = None,
                  float_output=None, jit: bool = False, on_layer=None) -> ModelResult:
     """Run the float and the kernel-backed model on the same tokens and compare their outputs.
@@ -91,8 +91,8 @@ def verify_model(model, reference: Mapping, converted: Mapping, input_ids, atten
     if float_output is None:
         float_output = forward_layerwise(model, reference, input_ids, mask, batch_size=batch_size, jit=jit)
     quant_output = forward_layerwise(model, converted, input_ids, mask, batch_size=batch_size,
-                                     linear=kernel_linear_hook(quantized_linear),
-                                     grouped_linear=kernel_grouped_hook(quantized_linear), jit=jit,
+                                     linear=kernel_linear_hook(kernels),
+                                     grouped_linear=kernel_grouped_hook(kernels), jit=jit,
                                      on_layer=on_layer)
     float_output, quant_output = np.asarray(float_output), np.asarray(quant_output)
     if causal_lm:

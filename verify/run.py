@@ -1,9 +1,18 @@
-"""`qconvert verify` as a function: integrity, then per-layer and whole-model checks, into one report."""
+"""`qconvert verify` as a pipeline of stages, each a function of the run so far.
+
+    read the record -> check the folder alone (hashes, config, loader's view) -> open the reference
+    (source.py, pinned to the recorded commit, closed when done) -> check the folder against it (config,
+    tensors, smoothing scales) -> per linear and whole model on held-out text (or, for a weight-only
+    folder of an unknown family, per linear on synthetic rows) -> one report.
+
+A stage that finds the folder wrong records its problems and the run goes
+straight to the report (a failing one); bad input (no qconvert.json, an
+unreachable reference, bad flags) raises a QConvertError subclass instead.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -13,28 +22,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.consistency import check_weights_match_config
 from qconvert.formats.errors import FormatError, UsageError
-from qconvert.formats.layouts import open_quantized
-from qconvert.formats.safetensors_io import open_checkpoint, sha256_file
-from qconvert.hub import ResolvedModel, resolve_model
+from qconvert.formats.layouts import QuantizedCheckpoint, open_quantized
+from qconvert.formats.record import ConversionRecord
+from qconvert.formats.safetensors_io import sha256_file
+from qconvert.kernels.plan import platform
 from qconvert.models import build, read_tensors
-from qconvert.models.registry import architecture_for
-from qconvert.models.weight_only import check_architecture, checkpoint_architecture
 from qconvert.progress import Reporter, as_reporter
-from qconvert.schemes import names_where, scheme_named
-from qconvert.verify.integrity import (ConversionRecord, IntegrityResult, check_config, check_loader_view,
-                                       check_config_matches_reference, check_files, read_config, read_record)
+from qconvert.schemes import scheme_named
+from qconvert.source import SourceModel, open_source, resolve_source
 from qconvert.verify.fidelity import make_folder_linear
 from qconvert.verify.held_out import AUTO, HeldOut, held_out_evaluation
-from qconvert.verify.kernel_path import make_quantized_linear
-from qconvert.verify.layers import smoothing_factors, verify_layers
+from qconvert.verify.integrity import (IntegrityResult, check_config, check_config_matches_reference,
+                                       check_files, check_loader_view, read_config, read_record)
+from qconvert.verify.kernel_path import KernelPath
+from qconvert.verify.layers import verify_layers
 from qconvert.verify.model import verify_model
 from qconvert.formats.checkpoint_params import CheckpointParams
 from qconvert.verify.params import QuantizedParams, check_tensors
 from qconvert.verify.report import versions
-from qconvert.verify.results import VerifyReport
-from qconvert.verify.thresholds import Check, thresholds_for
+from qconvert.verify.results import LayerResult, ModelResult, VerifyReport
+from qconvert.verify.smoothing import check_record_has_scales, check_smoothing, smoothing_factors
+from qconvert.verify.thresholds import Check, Thresholds, thresholds_for
 from qconvert.verify.weight_only import (SYNTHETIC_ROWS, SYNTHETIC_SEED, skipped_stages,
                                          verify_linears_on_synthetic_inputs)
 
@@ -63,23 +72,108 @@ class VerifyOptions:
     thresholds: Mapping[str, float | None] = dataclasses.field(default_factory=dict)
 
 
-def evaluation_tokens(options: VerifyOptions, reference_folder: Path, config: dict[str, Any],
-                      calibration: dict[str, Any] | None = None) -> HeldOut:
-    """The evaluation windows, held out from the calibration text qconvert.json records (verify/held_out.py)."""
-    samples = options.samples or (QUICK_SAMPLES if options.quick else DEFAULT_SAMPLES)
-    seqlen = options.seqlen or (QUICK_SEQLEN if options.quick else DEFAULT_SEQLEN)
-    return held_out_evaluation(options.calib, calibration, reference_folder, config, samples, seqlen)
+@dataclasses.dataclass
+class Run:
+    """One verification as its stages fill it in; `report` turns it into the VerifyReport."""
+
+    folder: Path
+    options: VerifyOptions
+    record: ConversionRecord
+    thresholds: Thresholds
+    started: float
+    problems: list[str] = dataclasses.field(default_factory=list)
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    quantized: QuantizedCheckpoint | None = None
+    reference: dict[str, Any] = dataclasses.field(default_factory=dict)
+    kernels: KernelPath | None = None
+    layers: tuple[LayerResult, ...] = ()
+    model: ModelResult | None = None
+    evaluation: dict[str, Any] = dataclasses.field(default_factory=dict)
+    skipped: tuple[str, ...] = ()
+
+
+def verify_folder(folder, options: VerifyOptions = VerifyOptions(), progress: Reporter | None = None
+                  ) -> VerifyReport:
+    """Verify a folder written by `qconvert quantize`; the report says what passed and what did not.
+
+    The thresholds are the scheme's whatever the rounding (GPTQ or round-to-nearest);
+    the report names it. `progress` hears each stage's steps: integrity, then the
+    layers of the per-linear and whole-model passes.
+    """
+    check_backend(options.backend)
+    record = read_record(folder)
+    check_record_has_scales(record)
+    run = Run(Path(folder), options, record, thresholds_for(record.scheme, "dynamic", **dict(options.thresholds)),
+              time.perf_counter())
+    progress = as_reporter(progress)
+    if check_folder(run, progress):
+        with open_reference(run) as source:
+            if check_against_reference(run, source):
+                progress.step(INTEGRITY, 2, 2, "checks")
+                (verify_weight_only if source.weight_only is not None else verify_on_text)(run, source, progress)
+    return report(run)
 
 
 def check_backend(backend: str) -> None:
     """--backend tpu/gpu needs that platform (cpu interprets the TPU kernels anywhere, xla runs anywhere);
     UsageError if absent."""
-    platform = jax.default_backend()
     if backend not in (AUTO, "cpu", "xla", "tpu", "gpu"):
         raise UsageError(f"unknown --backend {backend!r}; choose auto, tpu, gpu, cpu or xla")
-    if backend in ("tpu", "gpu") and platform.replace("cuda", "gpu").replace("rocm", "gpu") != backend:
-        raise UsageError(f"--backend {backend} needs a {backend.upper()}, but JAX runs on {platform}; "
-                         "use --backend auto, xla or cpu")
+    if backend in ("tpu", "gpu") and platform() != backend:
+        raise UsageError(f"--backend {backend} needs a {backend.upper()}, but JAX runs on "
+                         f"{jax.default_backend()}; use --backend auto, xla or cpu")
+
+
+def check_folder(run: Run, progress: Reporter) -> bool:
+    """Integrity from the folder alone: the recorded hashes, config.json against the record, the folder as
+    its loader reads it, and the recorded activation mode against config.json's. The thresholds follow."""
+    progress.step(INTEGRITY, 0, 2, "checks")
+    run.problems = check_files(run.folder, run.record)
+    progress.step(INTEGRITY, 1, 2, "checks")
+    if (run.folder / "config.json").is_file():
+        run.config = read_config(run.folder)
+        run.problems += check_config(run.config, run.record)
+    if run.problems:
+        return False
+    try:
+        run.quantized = open_quantized(run.folder)
+    except FormatError as exc:
+        run.problems.append(str(exc))
+        return False
+    run.problems += check_loader_view(run.quantized) or check_activation_mode(run.record, run.quantized)
+    if run.problems:
+        return False
+    run.thresholds = thresholds_for(run.record.scheme, run.record.act, **dict(run.options.thresholds))
+    return True
+
+
+def check_activation_mode(record: ConversionRecord, quantized: QuantizedCheckpoint) -> list[str]:
+    """qconvert.json's flags are not hashed, so the activation mode they record must be the one config.json's
+    quantization_config (which the hashes cover) describes."""
+    act = "static" if quantized.flags.static_act else "dynamic"
+    if record.act == act:
+        return []
+    return [f"qconvert.json: flags.act is {record.act!r}, but config.json's quantization_config describes "
+            f"{act} activations"]
+
+
+def open_reference(run: Run) -> SourceModel:
+    """The float reference, opened (a context manager): --reference, else the source qconvert.json records,
+    pinned to the recorded commit and checked unchanged since the conversion."""
+    options, source = run.options, run.record.source
+    model = options.reference or source.model
+    if not model:
+        raise UsageError("qconvert.json records no source model; pass --reference MODEL")
+    weight_only = run.record.weight_only is not None  # a reference of no known family (--any-architecture)
+    scheme = scheme_named(run.record.scheme) if weight_only else None
+    # A Hub source is pinned to the commit it was converted from; a local folder has no revision.
+    revision = options.revision if options.reference else (source.pinned_revision if source.is_hub else None)
+    resolved = resolve_source(model, revision, scheme=scheme, any_architecture=weight_only)
+    if not options.reference:
+        check_source_unchanged(resolved.folder, source.files)
+    run.reference = {"model": model, "folder": str(resolved.folder), "commit": resolved.commit,
+                     "is_hub": resolved.is_hub, "from": "--reference" if options.reference else "qconvert.json"}
+    return open_source(resolved, any_architecture=weight_only)
 
 
 def check_source_unchanged(folder: Path, recorded: Mapping[str, str]) -> None:
@@ -91,27 +185,60 @@ def check_source_unchanged(folder: Path, recorded: Mapping[str, str]) -> None:
                              "from qconvert.json); pass --reference with the original float model")
 
 
-def resolve_reference(record: ConversionRecord, options: VerifyOptions) -> tuple[str, ResolvedModel]:
-    """(model id, ResolvedModel) of the float reference: --reference, else the source qconvert.json records.
+def check_against_reference(run: Run, source: SourceModel) -> bool:
+    """The folder against the reference: the same config, every tensor the layout needs, and the smoothed
+    tensors exactly the reference's with the recorded scales folded in. A reference whose own config does
+    not fit its weights is bad input (one line), not a failed folder."""
+    if source.weight_only is None:
+        source.check_weights()
+    run.problems += check_config_matches_reference(run.config, source.config) + check_tensors(
+        run.quantized, source.checkpoint, run.config, source.arch)
+    if not run.problems:
+        run.problems += check_smoothing(run.record.smoothing, source.params, QuantizedParams(run.quantized))
+    run.kernels = KernelPath(run.quantized, run.options.backend)
+    return not run.problems
 
-    UsageError when there is none, or when the recorded source changed since the conversion.
-    """
-    reference_id = options.reference or record.source_model
-    if not reference_id:
-        raise UsageError("qconvert.json records no source model; pass --reference MODEL")
-    # A folder converted weight-only with --any-architecture has a reference of no known family.
-    check = (functools.partial(check_architecture, any_architecture=True, scheme=record.scheme,
-                               weight_only=scheme_named(record.scheme).weight_only,
-                               weight_only_schemes=names_where(lambda s: s.weight_only))
-             if _weight_only(record) else architecture_for)
-    if options.reference:
-        return reference_id, resolve_model(reference_id, options.revision, check_architecture=check)
-    source = record.raw.get("source", {})
-    # A Hub source is pinned to the commit it was converted from; a local folder has no revision.
-    resolved = resolve_model(reference_id, record.source_revision if source.get("is_hub") else None,
-                             check_architecture=check)
-    check_source_unchanged(resolved.folder, source.get("files") or {})
-    return reference_id, resolved
+
+def evaluation_tokens(options: VerifyOptions, reference_folder: Path, config: dict[str, Any],
+                      calibration: dict[str, Any] | None = None) -> HeldOut:
+    """The evaluation windows, held out from the calibration text qconvert.json records (verify/held_out.py)."""
+    samples = options.samples or (QUICK_SAMPLES if options.quick else DEFAULT_SAMPLES)
+    seqlen = options.seqlen or (QUICK_SEQLEN if options.quick else DEFAULT_SEQLEN)
+    return held_out_evaluation(options.calib, calibration, reference_folder, config, samples, seqlen)
+
+
+def verify_on_text(run: Run, source: SourceModel, progress: Reporter) -> None:
+    """Per linear on the float model's own activations, then the whole model, on held-out text."""
+    model = build(source.config)  # the reference's forward; the folder's config was found equal to it
+    converted = QuantizedParams(run.quantized)
+    held_out = evaluation_tokens(run.options, source.folder, source.config, run.record.calibration)
+    ids = np.asarray(held_out.data.input_ids)
+    mask = np.ones_like(ids)
+    layers, float_hidden = verify_layers(
+        model, source.params, converted, ids, mask, run.quantized.quantized_modules, run.kernels, run.thresholds,
+        smoothing=smoothing_factors(run.record.smoothing, source.params, converted),
+        batch_size=run.options.batch_size, folder_linear=make_folder_linear(run.quantized, run.record.scheme),
+        on_layer=_layer_steps(progress, PER_LINEAR, model.num_layers))
+    float_output = model.head(read_tensors(source.params, model.head_tensor_names()), float_hidden,
+                              jnp.asarray(mask))
+    run.model = verify_model(model, source.params, converted, ids, mask, run.kernels, run.thresholds,
+                             causal_lm=source.arch.causal_lm, batch_size=run.options.batch_size,
+                             float_output=float_output,
+                             on_layer=_layer_steps(progress, WHOLE_MODEL, model.num_layers))
+    run.layers = tuple(layers)
+    run.evaluation = {**held_out.data.record(), "quick": run.options.quick, "kernel_calls": len(run.kernels.choices),
+                      "held_out": held_out.record()}
+
+
+def verify_weight_only(run: Run, source: SourceModel, progress: Reporter) -> None:
+    """A family qconvert has no forward for: per linear on synthetic rows; no whole-model stage."""
+    del progress
+    run.layers = tuple(verify_linears_on_synthetic_inputs(
+        source.params, QuantizedParams(run.quantized), run.quantized.quantized_modules, run.kernels,
+        run.thresholds, folder_linear=make_folder_linear(run.quantized, run.record.scheme)))
+    run.evaluation = {"source": "synthetic", "rows": SYNTHETIC_ROWS, "seed": SYNTHETIC_SEED,
+                      "kernel_calls": len(run.kernels.choices)}
+    run.skipped = skipped_stages(source.weight_only.architecture)
 
 
 def _layer_steps(progress: Reporter, stage: str, num_layers: int):
@@ -120,154 +247,24 @@ def _layer_steps(progress: Reporter, stage: str, num_layers: int):
     return lambda index: progress.step(stage, index + 1, num_layers)
 
 
-def _weight_only(record: ConversionRecord) -> bool:
-    return isinstance(record.raw.get("weight_only"), dict)
-
-
-def _integrity_only(folder, scheme, options, thresholds, files, problems, started) -> VerifyReport:
-    return VerifyReport(
-        folder=str(folder), scheme=scheme, reference={}, backend=options.backend,
-        devices=tuple(str(d) for d in jax.devices()), thresholds=thresholds,
-        integrity=IntegrityResult(tuple(files), tuple(problems)), layers=(), model=None,
-        extra_checks=(), evaluation={}, versions=versions(), seconds=time.perf_counter() - started)
-
-
-def verify_folder(folder, options: VerifyOptions = VerifyOptions(), progress: Reporter | None = None
-                  ) -> VerifyReport:
-    """Verify a folder written by `qconvert quantize`; the report says what passed and what did not.
-
-    Raises QConvertError subclasses for bad input (no qconvert.json, an
-    unreachable reference, bad flags); a folder that is wrong in itself (hashes,
-    tensors, numbers) yields a failing report instead. The thresholds are the
-    scheme's whatever the rounding (GPTQ or round-to-nearest); the report names it.
-    `progress` hears each stage's steps: integrity, then the layers of the
-    per-linear and whole-model passes.
-    """
-    started = time.perf_counter()
-    check_backend(options.backend)
-    folder = Path(folder)
-    record = read_record(folder)
-    report = _verify_folder(folder, record, options, as_reporter(progress), started)
-    return dataclasses.replace(report, rounding=rounding_of(record))
-
-
-def rounding_of(record) -> dict[str, Any]:
+def rounding_of(record: ConversionRecord) -> dict[str, Any]:
     """The rounding a qconvert.json records, without its per-linear errors (a record without one: "rtn")."""
-    rounding = record.raw.get("rounding")
-    if not isinstance(rounding, dict) or not isinstance(rounding.get("method"), str):
+    rounding = record.rounding
+    if rounding is None or not isinstance(rounding.get("method"), str):
         return {"method": "rtn"}
     return {k: v for k, v in rounding.items() if k != "modules"}
 
 
-def _verify_folder(folder: Path, record: ConversionRecord, options: VerifyOptions, progress: Reporter,
-                   started: float) -> VerifyReport:
-    # Until config.json's quantization_config is read, the strictest (dynamic) thresholds stand.
-    thresholds = thresholds_for(record.scheme, "dynamic", **dict(options.thresholds))
-    files = sorted(record.files)
-    progress.step(INTEGRITY, 0, 2, "checks")
-    problems = check_files(folder, record)
-    progress.step(INTEGRITY, 1, 2, "checks")
-    config = read_config(folder) if (folder / "config.json").is_file() else {}
-    if config:
-        problems += check_config(config, record)
-    if problems:
-        return _integrity_only(folder, record.scheme, options, thresholds, files, problems, started)
-    try:
-        quantized = open_quantized(folder)
-    except FormatError as exc:
-        return _integrity_only(folder, record.scheme, options, thresholds, files, [str(exc)], started)
-    problems = check_loader_view(quantized)
-    if problems:
-        return _integrity_only(folder, record.scheme, options, thresholds, files, problems, started)
-    # The activation mode, and with it the thresholds, follow from config.json's quantization_config, which
-    # qconvert.json's hashes cover; the record's own flags are not hashed, so they must agree with it.
-    act = "static" if quantized.flags.static_act else "dynamic"
-    recorded_act = (record.raw.get("flags") or {}).get("act", "dynamic")
-    if recorded_act != act:
-        return _integrity_only(folder, record.scheme, options, thresholds, files, [
-            f"qconvert.json: flags.act is {recorded_act!r}, but config.json's quantization_config describes "
-            f"{act} activations"], started)
-    thresholds = thresholds_for(record.scheme, act, **dict(options.thresholds))
-
-    reference_id, resolved = resolve_reference(record, options)
-    reference_ckpt = open_checkpoint(resolved.folder)
-    arch, weight_only = checkpoint_architecture(config, reference_ckpt, any_architecture=_weight_only(record))
-    if weight_only is None:
-        check_weights_match_config(reference_ckpt, resolved.config)  # a reference whose config misfits: one line
-    problems = check_config_matches_reference(config, resolved.config) + check_tensors(
-        quantized, reference_ckpt, config, arch)
-    if problems:
-        return _integrity_only(folder, record.scheme, options, thresholds, files, problems, started)
-    progress.step(INTEGRITY, 2, 2, "checks")
-    reference_info = {"model": reference_id, "folder": str(resolved.folder), "commit": resolved.commit,
-                      "is_hub": resolved.is_hub, "from": "--reference" if options.reference else "qconvert.json"}
-    if weight_only is not None:
-        return _verify_weight_only(folder, record, options, thresholds, files, quantized, reference_ckpt,
-                                   resolved, reference_info, weight_only.architecture, started)
-
-    if architecture_for(resolved.config) is not arch:
-        raise UsageError(f"the reference {reference_id} is a {resolved.config.get('architectures')} model, "
-                         f"the converted folder a {config.get('architectures')} one; pass the right --reference")
-    model = build(resolved.config)  # the reference's forward; the folder's config was found equal to it above
-    reference = CheckpointParams(reference_ckpt)
-    converted = QuantizedParams(quantized)
-    held_out = evaluation_tokens(options, resolved.folder, resolved.config, record.raw.get("calibration"))
-    data = held_out.data
-    ids = np.asarray(data.input_ids)
-    mask = np.ones_like(ids)
-    quantized_linear, choices = make_quantized_linear(quantized, record.scheme, options.backend)
-    smoothing_record = record.raw.get("smoothing") or {}
-    smoothed_sources = sorted((smoothing_record.get("groups") or {}).keys())
-    smoothing = smoothing_factors(arch, config, reference, converted, smoothed_sources)
-    layer_results, float_hidden = verify_layers(model, reference, converted, ids, mask, quantized.quantized_modules,
-                                  quantized_linear, thresholds, smoothing=smoothing,
-                                  batch_size=options.batch_size,
-                                  folder_linear=make_folder_linear(quantized, record.scheme),
-                                  on_layer=_layer_steps(progress, PER_LINEAR, model.num_layers))
-    causal_lm = arch.causal_lm
-    float_output = model.head(read_tensors(reference, model.head_tensor_names()), float_hidden,
-                              jnp.asarray(mask))
-    model_result = verify_model(model, reference, converted, ids, mask, quantized_linear, thresholds,
-                                causal_lm=causal_lm, batch_size=options.batch_size,
-                                float_output=float_output,
-                                on_layer=_layer_steps(progress, WHOLE_MODEL, model.num_layers))
-    extra: list[Check] = []
-    if options.strict:
-        # --strict: a layer that ran through the reference instead of a Pallas kernel fails.
-        for r in layer_results:
-            extra.append(Check("pallas_kernel", r.name, float(r.kernel.pallas), 1.0, "min", r.kernel.pallas))
-    backends = sorted({r.kernel.backend for r in layer_results})
+def report(run: Run) -> VerifyReport:
+    """The one VerifyReport of a run, however far it got (an integrity failure has no layers and no model)."""
+    extra = tuple(Check("pallas_kernel", r.name, float(r.kernel.pallas), 1.0, "min", r.kernel.pallas)
+                  for r in run.layers) if run.options.strict else ()  # --strict: a reference fallback fails
+    backends = sorted({r.kernel.backend for r in run.layers})
     return VerifyReport(
-        folder=str(folder), scheme=record.scheme,
-        reference=reference_info,
-        backend=",".join(backends) if backends else options.backend,
-        devices=tuple(str(d) for d in jax.devices()), thresholds=thresholds,
-        integrity=IntegrityResult(tuple(files), ()), layers=tuple(layer_results), model=model_result,
-        extra_checks=tuple(extra),
-        evaluation={**data.record(), "quick": options.quick, "kernel_calls": len(choices),
-                    "held_out": held_out.record()},
-        versions=versions(), seconds=time.perf_counter() - started)
-
-
-def _verify_weight_only(folder, record, options, thresholds, files, quantized, reference_ckpt, resolved,
-                        reference_info, architecture: str, started) -> VerifyReport:
-    """Integrity passed; per layer on synthetic inputs, no whole-model stage (no forward pass exists)."""
-    if resolved.config.get("architectures") != [architecture]:
-        raise UsageError(f"the reference {reference_info['model']} is a {resolved.config.get('architectures')} "
-                         f"model, the converted folder a {architecture} one; pass the right --reference")
-    quantized_linear, choices = make_quantized_linear(quantized, record.scheme, options.backend)
-    layer_results = verify_linears_on_synthetic_inputs(
-        CheckpointParams(reference_ckpt), QuantizedParams(quantized), quantized.quantized_modules,
-        quantized_linear, thresholds, folder_linear=make_folder_linear(quantized, record.scheme))
-    extra = [Check("pallas_kernel", r.name, float(r.kernel.pallas), 1.0, "min", r.kernel.pallas)
-             for r in layer_results] if options.strict else []
-    backends = sorted({r.kernel.backend for r in layer_results})
-    return VerifyReport(
-        folder=str(folder), scheme=record.scheme, reference=reference_info,
-        backend=",".join(backends) if backends else options.backend,
-        devices=tuple(str(d) for d in jax.devices()), thresholds=thresholds,
-        integrity=IntegrityResult(tuple(files), ()), layers=tuple(layer_results), model=None,
-        extra_checks=tuple(extra),
-        evaluation={"source": "synthetic", "rows": SYNTHETIC_ROWS, "seed": SYNTHETIC_SEED,
-                    "kernel_calls": len(choices)},
-        versions=versions(), seconds=time.perf_counter() - started, skipped=skipped_stages(architecture))
+        folder=str(run.folder), scheme=run.record.scheme,
+        reference=run.reference if not run.problems else {},
+        backend=",".join(backends) if backends else run.options.backend,
+        devices=tuple(str(d) for d in jax.devices()), thresholds=run.thresholds,
+        integrity=IntegrityResult(tuple(sorted(run.record.files)), tuple(run.problems)), layers=run.layers,
+        model=run.model, extra_checks=extra, evaluation=run.evaluation, versions=versions(),
+        seconds=time.perf_counter() - run.started, skipped=run.skipped, rounding=rounding_of(run.record))

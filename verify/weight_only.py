@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from qconvert.verify.fidelity import FolderLinear
-from qconvert.verify.kernel_path import QuantizedLinear
+from qconvert.verify.kernel_path import KernelPath
 from qconvert.verify.layers import compare_linear
 from qconvert.verify.results import LayerResult
 from qconvert.verify.thresholds import Thresholds
@@ -29,7 +29,7 @@ def synthetic_inputs(in_features: int, rows: int = SYNTHETIC_ROWS, seed: int = S
 
 
 def verify_linears_on_synthetic_inputs(reference: Mapping, converted: Mapping, modules: Sequence[str],
-                                       quantized_linear: QuantizedLinear, thresholds: Thresholds,
+                                       kernels: KernelPath, thresholds: Thresholds,
                                        rows: int = SYNTHETIC_ROWS, folder_linear: FolderLinear | None = None,
                                        ) -> list[LayerResult]:
     """Every quantized linear through its kernel against the float layer (quality) and, with
@@ -38,7 +38,7 @@ def verify_linears_on_synthetic_inputs(reference: Mapping, converted: Mapping, m
     for name in sorted(modules):
         in_features = int(np.shape(reference[f"{name}.weight"])[1])
         results.append(compare_linear(name, synthetic_inputs(in_features, rows), reference, converted,
-                                      quantized_linear, thresholds, folder_linear=folder_linear))
+                                      kernels, thresholds, folder_linear=folder_linear))
     return results
 
 
