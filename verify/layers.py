@@ -14,7 +14,7 @@ any group get s = 1.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -105,42 +105,31 @@ def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, atte
                   ) -> tuple[list[LayerResult], jnp.ndarray]:
     """Compare every module in `modules` (quantized linears) on real activations; one LayerResult each.
 
-    `reference` and `converted` map tensor names to arrays (the converted map
-    holds QArrays under "<module>.weight"); `kernels` runs the folder's deployment
-    kernels; `folder_linear`, when given, computes the same layer
-    from the folder's own dequantized weights, and the kernel's output is also
-    compared with it (fidelity). Returns the results and the float model's last hidden
-    state (the whole-model check reuses it instead of running the float model again). `on_layer(i)` is
-    called after layer i (progress).
+    `converted` holds QArrays under "<module>.weight"; `kernels` runs the folder's deployment kernels and
+    `folder_linear`, when given, the same layer from the folder's dequantized weights (fidelity). Returns
+    the results and the float model's last hidden state (the whole-model check reuses it); `on_layer(i)`
+    is called after layer i (progress).
     """
     wanted = set(modules)
-    smoothing = smoothing or SmoothingFactors({}, {})
+    compare = functools.partial(_compare_captured, reference=reference, converted=converted, kernels=kernels,
+                                thresholds=thresholds, smoothing=smoothing or SmoothingFactors({}, {}),
+                                folder_linear=folder_linear)
     results: list[LayerResult] = []
     final_hidden = None
-
-    def observe(name, x, valid):
-        return (x, valid) if name in wanted else None
-
     # Eager layers: the float ops are cheap, and each kernel compiles once per
     # shape and is reused by the whole-model pass (same token count), where
     # per-layer jit would compile every kernel again inside every layer.
-    for layer in iterate_layers(model, reference, input_ids, attention_mask, observe=observe,
+    for layer in iterate_layers(model, reference, input_ids, attention_mask,
+                                observe=lambda name, x, valid: (x, valid) if name in wanted else None,
                                 batch_size=batch_size, jit=jit):
         final_hidden = layer.hidden
-        inputs = captured_inputs(layer.observed, wanted)
-        for name in sorted(inputs):
-            results.append(compare_linear(name, inputs[name], reference, converted, kernels,
-                                          thresholds, smoothing, folder_linear))
+        results += compare(layer.observed, wanted)
         if on_layer is not None:
             on_layer(layer.index)
     head_wanted = wanted - {r.name for r in results}
     if head_wanted and final_hidden is not None:
         # A quantized head (--include lm_head) reads the final norm's output, after the layers.
-        inputs = captured_inputs(head_observed(model, reference, final_hidden, attention_mask, head_wanted),
-                                 head_wanted)
-        for name in sorted(inputs):
-            results.append(compare_linear(name, inputs[name], reference, converted, kernels,
-                                          thresholds, smoothing, folder_linear))
+        results += compare(head_observed(model, reference, final_hidden, attention_mask, head_wanted), head_wanted)
     missing = wanted - {r.name for r in results}
     if missing:
         # A quantized linear the float forward never called: the folder and the
@@ -149,3 +138,9 @@ def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, atte
             f"no activations reached quantized linear {sorted(missing)[0]} in the reference forward pass; "
             "the folder and the reference disagree on the architecture")
     return results, final_hidden
+
+
+def _compare_captured(observed: Mapping[str, list], wanted: set[str], **compare_args) -> list[LayerResult]:
+    """compare_linear for each wanted module among the captured inputs, in name order."""
+    inputs = captured_inputs(observed, wanted)
+    return [compare_linear(name, inputs[name], **compare_args) for name in sorted(inputs)]

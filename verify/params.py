@@ -51,60 +51,70 @@ def check_tensors(quantized, reference, config: dict[str, Any], arch: Architectu
     the file (or the folder, for a tensor that is nowhere). `arch` defaults to
     the config's known family (the weight-only rule's Architecture is passed in).
     """
-    problems: list[str] = []
-    ckpt = quantized.checkpoint
-    folder = quantized.folder.name
     arch = arch or architecture_for(config)
-    layout, flags = quantized.layout, quantized.flags  # as the folder's quantization_config states them
-    float_names = set(quantized.float_names)
     quantized_modules = set(quantized.quantized_modules)
     # The family's linears, and any other reference linear the folder quantized (--include lm_head).
     ref_linears = list(arch.linear_names(reference.tensor_names))
     ref_linears += sorted(m for m in quantized_modules - set(ref_linears) if f"{m}.weight" in reference)
-    for module in sorted(quantized_modules - set(ref_linears)):
-        problems.append(f"{folder}: quantized linear {module} has no {module}.weight in the reference")
+    problems = [f"{quantized.folder.name}: quantized linear {module} has no {module}.weight in the reference"
+                for module in sorted(quantized_modules - set(ref_linears))]
     for module in ref_linears:
         shape = tuple(reference.shape(f"{module}.weight"))
-        if module not in quantized_modules:
-            weight = f"{module}.weight"
-            # bf16 is kind "V" to numpy; an int8 .weight without its scale is not a float linear.
-            if (weight in float_names and tuple(ckpt.shape(weight)) == shape
-                    and np.dtype(ckpt.dtype(weight)).kind in "fV"):
-                continue
-            problems.append(f"{folder}: quantized linear {module} is missing (no {module}.weight "
-                            f"in any shard, quantized or float)")
+        problems += (_quantized_linear_problems(quantized, module, shape) if module in quantized_modules
+                     else _float_linear_problems(quantized, module, shape))
+    return problems + _other_tensor_problems(quantized, reference, config, ref_linears)
+
+
+def _float_linear_problems(quantized, module: str, shape: tuple[int, ...]) -> list[str]:
+    """A reference linear the folder did not quantize: its float weight, of the reference's shape."""
+    weight, ckpt = f"{module}.weight", quantized.checkpoint
+    # bf16 is kind "V" to numpy; an int8 .weight without its scale is not a float linear.
+    if (weight in set(quantized.float_names) and tuple(ckpt.shape(weight)) == shape
+            and np.dtype(ckpt.dtype(weight)).kind in "fV"):
+        return []
+    return [f"{quantized.folder.name}: quantized linear {module} is missing (no {module}.weight "
+            f"in any shard, quantized or float)"]
+
+
+def _quantized_linear_problems(quantized, module: str, shape: tuple[int, ...]) -> list[str]:
+    """A quantized linear: every tensor its layout needs, with the layout's dtype and shape, and a QArray of
+    the reference weight's shape."""
+    ckpt, layout, problems = quantized.checkpoint, quantized.layout, []
+    where = ckpt.file_of([n for n in ckpt.tensor_names if n.startswith(module + ".")][0]).name
+    for spec in layout.tensor_specs(module, shape, np.float32, quantized.flags):
+        if spec.name not in ckpt:
+            problems.append(f"{where}: tensor {spec.name} is missing (quantized linear {module} needs it)")
             continue
-        present = [n for n in ckpt.tensor_names if n.startswith(module + ".")]
-        where = ckpt.file_of(present[0]).name
-        specs = layout.tensor_specs(module, shape, np.float32, flags)
-        for spec in specs:
-            if spec.name not in ckpt:
-                problems.append(f"{where}: tensor {spec.name} is missing (quantized linear {module} needs it)")
-                continue
-            got_shape, got_dtype = tuple(ckpt.shape(spec.name)), np.dtype(ckpt.dtype(spec.name))
-            float_scale = spec.name.endswith(".weight_scale") and got_dtype.kind in "fV"
-            if got_dtype != spec.dtype and not float_scale:
-                problems.append(f"{ckpt.file_of(spec.name).name}: tensor {spec.name} is {got_dtype}, "
-                                f"the {quantized.scheme} layout needs {spec.dtype}")
-            if got_shape != spec.shape and not spec.name.endswith(layout.content_sized_suffixes):
-                problems.append(f"{ckpt.file_of(spec.name).name}: tensor {spec.name} has shape "
-                                f"{list(got_shape)}, expected {list(spec.shape)} for a {list(shape)} weight")
-        try:
-            q = quantized.qarray(module)
-            if tuple(q.shape) != shape:
-                problems.append(f"{where}: {module} decodes to shape {list(q.shape)}, the reference "
-                                f"weight is {list(shape)}")
-        except FormatError as exc:
-            problems.append(str(exc))
+        got_shape, got_dtype = tuple(ckpt.shape(spec.name)), np.dtype(ckpt.dtype(spec.name))
+        float_scale = spec.name.endswith(".weight_scale") and got_dtype.kind in "fV"
+        if got_dtype != spec.dtype and not float_scale:
+            problems.append(f"{ckpt.file_of(spec.name).name}: tensor {spec.name} is {got_dtype}, "
+                            f"the {quantized.scheme} layout needs {spec.dtype}")
+        if got_shape != spec.shape and not spec.name.endswith(layout.content_sized_suffixes):
+            problems.append(f"{ckpt.file_of(spec.name).name}: tensor {spec.name} has shape "
+                            f"{list(got_shape)}, expected {list(spec.shape)} for a {list(shape)} weight")
+    try:
+        q = quantized.qarray(module)
+        if tuple(q.shape) != shape:
+            problems.append(f"{where}: {module} decodes to shape {list(q.shape)}, the reference "
+                            f"weight is {list(shape)}")
+    except FormatError as exc:
+        problems.append(str(exc))
+    return problems
+
+
+def _other_tensor_problems(quantized, reference, config: dict[str, Any], ref_linears: list[str]) -> list[str]:
+    """Every reference tensor that is no linear's weight: present in the folder with the reference's shape."""
+    ckpt, float_names, problems = quantized.checkpoint, set(quantized.float_names), []
     linear_tensors = {f"{m}.weight" for m in ref_linears}
     # A tied lm_head the reference also stores is the embedding table: the conversion does not write it again.
-    if config.get("tie_word_embeddings") is True and "lm_head" not in quantized_modules:
+    if config.get("tie_word_embeddings") is True and "lm_head" not in quantized.quantized_modules:
         linear_tensors.add("lm_head.weight")
     for name in reference.tensor_names:
         if name in linear_tensors:
             continue
         if name not in float_names:
-            problems.append(f"{folder}: tensor {name} is missing (the reference has it)")
+            problems.append(f"{quantized.folder.name}: tensor {name} is missing (the reference has it)")
         elif tuple(ckpt.shape(name)) != tuple(reference.shape(name)):
             problems.append(f"{ckpt.file_of(name).name}: tensor {name} has shape {list(ckpt.shape(name))}, "
                             f"the reference has {list(reference.shape(name))}")
