@@ -55,6 +55,8 @@ def int8_round(x, scale) -> jax.Array:
     `scale` broadcasts against x as `/` does (per row, per tensor or a scalar).
     Callers cast to int8 for codes or multiply by the scale for the dequantized
     value. Usable under jit, vmap and lax.map, with float64 on or off (see
-    `f32_quotient`); not inside a Pallas kernel body, where the barrier does not lower.
+    `f32_quotient`), but not inside a Pallas kernel body: Mosaic has no lowering
+    for the optimization barrier. No kernel rounds in its body; the W8A8 kernels
+    take rows that kernels.activations quantized before the launch.
     """
     return jnp.clip(jnp.round(f32_quotient(x, scale)), -INT8_QMAX, INT8_QMAX)
