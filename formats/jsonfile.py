@@ -1,7 +1,9 @@
-"""The JSON files of a model folder: one reader that insists on an object, one deterministic writer.
+"""The JSON files of a model folder: one reader that insists on an object, the config.json reader, one writer.
 
-The reader says what went wrong as a `kind` and keeps the original exception,
-so each caller can word its own message and pick its own error type.
+`read_json_object` says what went wrong as a `kind` and keeps the original
+exception, so each caller can word its own message and pick its own error type;
+`read_config` is the one reader of a folder's config.json, which every layer
+(the pipeline, the loader, the tokenizer, the layouts, verify) asks.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from qconvert.formats.errors import FormatError
+from qconvert.formats.errors import FormatError, InvalidCheckpointError
 
 MISSING = "missing"  # no such file
 UNREADABLE = "unreadable"  # the file exists but cannot be read (permissions, a folder, I/O)
@@ -47,6 +49,34 @@ def read_json_object(path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise JsonFileError(path, NOT_OBJECT)
     return data
+
+
+CONFIG_NAME = "config.json"
+
+
+def read_config(folder, *, missing: str | None = "a Hugging Face checkpoint folder needs its config.json",
+                broken: str = "restore the file from the model's source") -> dict[str, Any]:
+    """folder/config.json as a dict; InvalidCheckpointError, one line, when there is none to read.
+
+    `missing` ends the message of an absent config.json (None: it is optional,
+    and the result is then {}); `broken` ends the message of one that is not
+    valid JSON or not an object: each says what to do, in the caller's words
+    (the defaults speak of a source checkpoint). A file that cannot be read at
+    all (permissions, I/O) raises the OSError itself.
+    """
+    path = Path(folder) / CONFIG_NAME
+    if not path.is_file():
+        if missing is None:
+            return {}
+        raise InvalidCheckpointError(f"{path} is missing; {missing}")
+    try:
+        return read_json_object(path)
+    except JsonFileError as err:
+        if err.kind == NOT_OBJECT:
+            raise InvalidCheckpointError(f"{path} must hold a JSON object; {broken}") from None
+        if err.kind != INVALID:
+            raise err.cause from None
+        raise InvalidCheckpointError(f"{path} is not valid JSON ({err.cause}); {broken}") from None
 
 
 def json_bytes(data: Any) -> bytes:

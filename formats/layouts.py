@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from qconvert.formats.errors import FormatError
-from qconvert.formats.jsonfile import MISSING, NOT_OBJECT, JsonFileError, read_json_object
+from qconvert.formats.errors import FormatError, InvalidCheckpointError
+from qconvert.formats.jsonfile import CONFIG_NAME, read_config
 from qconvert.formats.layout_base import FLOAT_DTYPES, Layout, LayoutFlags
 from qconvert.formats.layout_fp8 import FloatQuantizedFP8
 from qconvert.formats.layout_int4 import PackQuantizedInt4
@@ -155,16 +155,13 @@ class QuantizedCheckpoint:
 def open_quantized(folder) -> QuantizedCheckpoint:
     """Open a folder written in one of the export layouts; the layout comes from config.json."""
     folder = Path(folder)
-    config_path = folder / "config.json"
+    config_path = folder / CONFIG_NAME
     try:
-        config = read_json_object(config_path)
-    except JsonFileError as exc:
-        if exc.kind == MISSING:
-            raise FormatError(f"{config_path}: missing; a quantized checkpoint needs its config.json") from None
-        if exc.kind != NOT_OBJECT:
-            raise FormatError(f"{config_path}: invalid ({exc.cause})") from exc
-        config = None
-    if not isinstance(config, dict) or "quantization_config" not in config:
+        config = read_config(folder, missing="a quantized checkpoint needs its config.json",
+                             broken="this is not a quantized checkpoint")
+    except InvalidCheckpointError as exc:
+        raise FormatError(str(exc)) from None
+    if "quantization_config" not in config:
         raise FormatError(f"{config_path}: no quantization_config; this is not a quantized checkpoint")
     try:
         layout, flags = layout_for_config(config["quantization_config"])

@@ -1,15 +1,19 @@
-"""The correctly rounded float32 quotient, on which FORMATS.md states every rounding rule.
+"""The correctly rounded float32 quotient, on which FORMATS.md states every rounding rule, and the int8 rounding.
 
 Codes are round(w / scale) and scales absmax / 127, each on the IEEE float32
 quotient. XLA turns a division by a constant or a broadcast value into a
 multiplication by its rounded reciprocal, which is an ulp off now and then, so
 a plain `/` does not give that quotient; `f32_quotient` does, under jit or not.
+`int8_round` is the one symmetric int8 rounding rule on it: the weight
+quantizer, the activation row quantizer and the searches that model them.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from qconvert.formats.qarray import INT8_QMAX
 
 
 def float64_enabled() -> bool:
@@ -43,3 +47,16 @@ def f32_quotient(numerator, denominator) -> jax.Array:
     shape = jnp.broadcast_shapes(numerator.shape, jnp.shape(denominator))
     divisor = jnp.broadcast_to(jnp.asarray(denominator, jnp.float32), shape)
     return jnp.broadcast_to(numerator, shape) / jax.lax.optimization_barrier(divisor)
+
+
+def int8_round(x, scale) -> jax.Array:
+    """clip(round_half_even(x / scale), -127, 127) on the exact float32 quotient, as float32 code values.
+
+    `scale` broadcasts against x as `/` does (per row, per tensor or a scalar).
+    Callers cast to int8 for codes or multiply by the scale for the dequantized
+    value. Usable under jit, vmap and lax.map, with float64 on or off (see
+    `f32_quotient`), but not inside a Pallas kernel body: Mosaic has no lowering
+    for the optimization barrier. No kernel rounds in its body; the W8A8 kernels
+    take rows that kernels.activations quantized before the launch.
+    """
+    return jnp.clip(jnp.round(f32_quotient(x, scale)), -INT8_QMAX, INT8_QMAX)

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from qconvert.formats.qarray import FP8_DTYPE, FP8_E4M3_MAX, INT8_QMAX
-from qconvert.formats.quotient import f32_quotient
+from qconvert.formats.quotient import f32_quotient, int8_round
 from qconvert.kernels.errors import KernelArgumentError
 
 
@@ -42,7 +42,7 @@ def quantize_activations(x, scale=None) -> tuple[jax.Array, jax.Array]:
     float32 (a division, not a multiplication by the reciprocal).
     """
     xf, x_scale, divisor = _row_scales("quantize_activations", x, scale, INT8_QMAX)
-    x_q = jnp.clip(jnp.round(f32_quotient(xf, divisor)), -INT8_QMAX, INT8_QMAX).astype(jnp.int8)
+    x_q = int8_round(xf, divisor).astype(jnp.int8)
     return x_q, x_scale
 
 

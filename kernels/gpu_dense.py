@@ -27,13 +27,32 @@ def _compiler_params(tiling: Tiling):
     return pltr.CompilerParams(num_warps=4 if tiling.tm <= 32 else 8, num_stages=3)
 
 
-def _specs(tiling: Tiling, kp_x: int, kp_w: int):
-    tm, tn = tiling.tm, tiling.tn
-    return (pl.BlockSpec((tm, kp_x), lambda i, j: (i, 0)),
-            pl.BlockSpec((tn, kp_w), lambda i, j: (j, 0)),
-            pl.BlockSpec((tm, 1), lambda i, j: (i, 0)),
-            pl.BlockSpec((1, tn), lambda i, j: (0, j)),
-            pl.BlockSpec((tm, tn), lambda i, j: (i, j)))
+def _rows(tiling: Tiling, width: int):
+    """A [tm, width] block of an operand's rows (all of K: each program loops over it)."""
+    return pl.BlockSpec((tiling.tm, width), lambda i, j: (i, 0))
+
+
+def _cols(tiling: Tiling, width: int):
+    """A [tn, width] block of a weight operand's output channels (all of K)."""
+    return pl.BlockSpec((tiling.tn, width), lambda i, j: (j, 0))
+
+
+def _col_vec(tiling: Tiling):
+    return pl.BlockSpec((1, tiling.tn), lambda i, j: (0, j))
+
+
+def _launch(kernel, operands, in_specs, *, tiling: Tiling, mp: int, np_: int, out_dtype, interpret: bool):
+    """The pallas_call of every dense kernel: grid (Mp/tm, Np/tn), a [tm, tn] output block; `in_specs` are the
+    operands' blocks."""
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid=(mp // tiling.tm, np_ // tiling.tn),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((tiling.tm, tiling.tn), lambda i, j: (i, j)),
+        compiler_params=_compiler_params(tiling),
+        interpret=interpret,
+    )(*operands)
 
 
 def _w8a8_kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, *, tk, has_bias):
@@ -55,18 +74,10 @@ def _w8a8_kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, *, tk, has_bias):
 
 
 def _w8a8_call(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool, interpret: bool):
-    mp, kp = x_q.shape
-    np_ = w_q.shape[0]
-    x_spec, w_spec, row_vec, col_vec, out_spec = _specs(tiling, kp, kp)
-    return pl.pallas_call(
-        functools.partial(_w8a8_kernel, tk=tiling.tk, has_bias=has_bias),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid=(mp // tiling.tm, np_ // tiling.tn),
-        in_specs=[x_spec, w_spec, row_vec, col_vec, col_vec],
-        out_specs=out_spec,
-        compiler_params=_compiler_params(tiling),
-        interpret=interpret,
-    )(x_q, w_q, x_scale, w_scale, bias)
+    (mp, kp), np_ = x_q.shape, w_q.shape[0]
+    return _launch(functools.partial(_w8a8_kernel, tk=tiling.tk, has_bias=has_bias), (x_q, w_q, x_scale, w_scale, bias),
+                   [_rows(tiling, kp), _cols(tiling, kp), _rows(tiling, 1), _col_vec(tiling), _col_vec(tiling)],
+                   tiling=tiling, mp=mp, np_=np_, out_dtype=out_dtype, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
@@ -103,18 +114,20 @@ def _w8a16_kernel(x_ref, w_ref, ws_ref, b_ref, o_ref, *, tk, has_bias):
 def int8_weight_matmul_gpu(x, w_q, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
                            interpret: bool = False):
     """Padded operands: x [Mp, Kp] float, w_q [Np, Kp] i8, w_scale/bias [1, Np] f32."""
-    mp, kp = x.shape
-    np_ = w_q.shape[0]
-    x_spec, w_spec, _, col_vec, out_spec = _specs(tiling, kp, kp)
-    return pl.pallas_call(
-        functools.partial(_w8a16_kernel, tk=tiling.tk, has_bias=has_bias),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid=(mp // tiling.tm, np_ // tiling.tn),
-        in_specs=[x_spec, w_spec, col_vec, col_vec],
-        out_specs=out_spec,
-        compiler_params=_compiler_params(tiling),
-        interpret=interpret,
-    )(x, w_q, w_scale, bias)
+    (mp, kp), np_ = x.shape, w_q.shape[0]
+    return _launch(functools.partial(_w8a16_kernel, tk=tiling.tk, has_bias=has_bias), (x, w_q, w_scale, bias),
+                   [_rows(tiling, kp), _cols(tiling, kp), _col_vec(tiling), _col_vec(tiling)],
+                   tiling=tiling, mp=mp, np_=np_, out_dtype=out_dtype, interpret=interpret)
+
+
+def _packed4_call(kernel, x_even, x_odd, w_bytes, scales, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
+                  interpret: bool):
+    # NF4 and int4: two codes a byte (Kp/2 byte columns), x split into even and odd columns, the scales' whole row.
+    (mp, kp_half), np_ = x_even.shape, w_bytes.shape[0]
+    return _launch(functools.partial(kernel, tk=tiling.tk, has_bias=has_bias), (x_even, x_odd, w_bytes, scales, bias),
+                   [_rows(tiling, kp_half), _rows(tiling, kp_half), _cols(tiling, kp_half),
+                    _cols(tiling, scales.shape[1]), _col_vec(tiling)],
+                   tiling=tiling, mp=mp, np_=np_, out_dtype=out_dtype, interpret=interpret)
 
 
 def nf4_step_dot(acc, xe, xo, packed, block_scales):
@@ -154,22 +167,8 @@ def _nf4_kernel(xe_ref, xo_ref, w_ref, a_ref, b_ref, o_ref, *, tk, has_bias):
 def nf4_matmul_gpu(x_even, x_odd, w_bytes, absmax, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
                    interpret: bool = False):
     """Padded operands: x_even/x_odd [Mp, Kp/2], w_bytes [Np, Kp/2] u8, absmax [Np, Kp/64], bias [1, Np]."""
-    mp, kp_half = x_even.shape
-    np_ = w_bytes.shape[0]
-    tm, tn = tiling.tm, tiling.tn
-    return pl.pallas_call(
-        functools.partial(_nf4_kernel, tk=tiling.tk, has_bias=has_bias),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid=(mp // tm, np_ // tn),
-        in_specs=[pl.BlockSpec((tm, kp_half), lambda i, j: (i, 0)),
-                  pl.BlockSpec((tm, kp_half), lambda i, j: (i, 0)),
-                  pl.BlockSpec((tn, kp_half), lambda i, j: (j, 0)),
-                  pl.BlockSpec((tn, absmax.shape[1]), lambda i, j: (j, 0)),
-                  pl.BlockSpec((1, tn), lambda i, j: (0, j))],
-        out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
-        compiler_params=_compiler_params(tiling),
-        interpret=interpret,
-    )(x_even, x_odd, w_bytes, absmax, bias)
+    return _packed4_call(_nf4_kernel, x_even, x_odd, w_bytes, absmax, bias, tiling=tiling, out_dtype=out_dtype,
+                         has_bias=has_bias, interpret=interpret)
 
 
 def int4_step_dot(acc, xe, xo, packed, group_scales):
@@ -216,19 +215,5 @@ def int4_weight_matmul_gpu(x_even, x_odd, w_bytes, scales, bias, *, tiling: Tili
                            interpret: bool = False):
     """Padded operands: x_even/x_odd [Mp, Kp/2], w_bytes [Np, Kp/2] i8 (int4_weight_operands),
     scales [Np, Kp/group] f32, bias [1, Np]."""
-    mp, kp_half = x_even.shape
-    np_ = w_bytes.shape[0]
-    tm, tn = tiling.tm, tiling.tn
-    return pl.pallas_call(
-        functools.partial(_int4_kernel, tk=tiling.tk, has_bias=has_bias),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid=(mp // tm, np_ // tn),
-        in_specs=[pl.BlockSpec((tm, kp_half), lambda i, j: (i, 0)),
-                  pl.BlockSpec((tm, kp_half), lambda i, j: (i, 0)),
-                  pl.BlockSpec((tn, kp_half), lambda i, j: (j, 0)),
-                  pl.BlockSpec((tn, scales.shape[1]), lambda i, j: (j, 0)),
-                  pl.BlockSpec((1, tn), lambda i, j: (0, j))],
-        out_specs=pl.BlockSpec((tm, tn), lambda i, j: (i, j)),
-        compiler_params=_compiler_params(tiling),
-        interpret=interpret,
-    )(x_even, x_odd, w_bytes, scales, bias)
+    return _packed4_call(_int4_kernel, x_even, x_odd, w_bytes, scales, bias, tiling=tiling, out_dtype=out_dtype,
+                         has_bias=has_bias, interpret=interpret)

@@ -31,13 +31,32 @@ def _interpret(interpret: bool):
     return pltpu.InterpretParams() if interpret else False
 
 
-def _grid_specs(tiling: Tiling, mp: int, np_: int, kp: int):
+def _row_vec(tiling: Tiling):
+    return pl.BlockSpec((tiling.tm, 1), lambda i, j, k: (i, 0))
+
+
+def _col_vec(tiling: Tiling):
+    return pl.BlockSpec((1, tiling.tn), lambda i, j, k: (0, j))
+
+
+def _launch(kernel, operands, in_specs, *, tiling: Tiling, mp: int, np_: int, kp: int, out_dtype, acc_dtype,
+            interpret: bool, name: str | None = None):
+    """The pallas_call of every dense kernel: grid (Mp/tm, Np/tn, Kp/tk), a [tm, tn] output block and a [tm, tn]
+    accumulator of acc_dtype in VMEM scratch; `in_specs` are the operands' blocks, `name` the kernel's name in
+    the lowered module and in profiles (the kernel function's own by default)."""
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
-    grid = (mp // tm, np_ // tn, kp // tk)
-    out_spec = pl.BlockSpec((tm, tn), lambda i, j, k: (i, j))
-    row_vec = pl.BlockSpec((tm, 1), lambda i, j, k: (i, 0))
-    col_vec = pl.BlockSpec((1, tn), lambda i, j, k: (0, j))
-    return grid, out_spec, row_vec, col_vec
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=0, grid=(mp // tm, np_ // tn, kp // tk),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((tm, tn), lambda i, j, k: (i, j)),
+            scratch_shapes=[pltpu.VMEM((tm, tn), acc_dtype)]),
+        compiler_params=_compiler_params(),
+        interpret=_interpret(interpret),
+        name=name,
+    )(*operands)
 
 
 def _w8a8_kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, acc_ref, *, has_bias):
@@ -64,22 +83,13 @@ def _w8a8_kernel(x_ref, w_ref, xs_ref, ws_ref, b_ref, o_ref, acc_ref, *, has_bia
 def _w8a8_call(x_q, w_q, x_scale, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool, interpret: bool):
     # int8 operands accumulate exactly in an int32 scratch, E4M3 ones (widened to bf16) in a float32 one.
     acc_dtype = jnp.int32 if jnp.issubdtype(x_q.dtype, jnp.integer) else jnp.float32
-    mp, kp = x_q.shape
-    np_ = w_q.shape[0]
-    grid, out_spec, row_vec, col_vec = _grid_specs(tiling, mp, np_, kp)
-    return pl.pallas_call(
-        functools.partial(_w8a8_kernel, has_bias=has_bias),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=0, grid=grid,
-            in_specs=[pl.BlockSpec((tiling.tm, tiling.tk), lambda i, j, k: (i, k)),
-                      pl.BlockSpec((tiling.tn, tiling.tk), lambda i, j, k: (j, k)),
-                      row_vec, col_vec, col_vec],
-            out_specs=out_spec,
-            scratch_shapes=[pltpu.VMEM((tiling.tm, tiling.tn), acc_dtype)]),
-        compiler_params=_compiler_params(),
-        interpret=_interpret(interpret),
-    )(x_q, w_q, x_scale, w_scale, bias)
+    (mp, kp), np_ = x_q.shape, w_q.shape[0]
+    return _launch(functools.partial(_w8a8_kernel, has_bias=has_bias), (x_q, w_q, x_scale, w_scale, bias),
+                   [pl.BlockSpec((tiling.tm, tiling.tk), lambda i, j, k: (i, k)),
+                    pl.BlockSpec((tiling.tn, tiling.tk), lambda i, j, k: (j, k)),
+                    _row_vec(tiling), _col_vec(tiling), _col_vec(tiling)],
+                   tiling=tiling, mp=mp, np_=np_, kp=kp, out_dtype=out_dtype, acc_dtype=acc_dtype,
+                   interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
@@ -120,22 +130,13 @@ def _w8a16_kernel(x_ref, w_ref, ws_ref, b_ref, o_ref, acc_ref, *, has_bias):
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
 def int8_weight_matmul_tpu(x, w_q, w_scale, bias, *, tiling: Tiling, out_dtype, has_bias: bool, interpret: bool):
     """Padded operands: x [Mp, Kp] float, w_q [Np, Kp] i8, w_scale/bias [1, Np] f32."""
-    mp, kp = x.shape
-    np_ = w_q.shape[0]
-    grid, out_spec, _, col_vec = _grid_specs(tiling, mp, np_, kp)
-    return pl.pallas_call(
-        functools.partial(_w8a16_kernel, has_bias=has_bias),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=0, grid=grid,
-            in_specs=[pl.BlockSpec((tiling.tm, tiling.tk), lambda i, j, k: (i, k)),
-                      pl.BlockSpec((tiling.tn, tiling.tk), lambda i, j, k: (j, k)),
-                      col_vec, col_vec],
-            out_specs=out_spec,
-            scratch_shapes=[pltpu.VMEM((tiling.tm, tiling.tn), jnp.float32)]),
-        compiler_params=_compiler_params(),
-        interpret=_interpret(interpret),
-    )(x, w_q, w_scale, bias)
+    (mp, kp), np_ = x.shape, w_q.shape[0]
+    return _launch(functools.partial(_w8a16_kernel, has_bias=has_bias), (x, w_q, w_scale, bias),
+                   [pl.BlockSpec((tiling.tm, tiling.tk), lambda i, j, k: (i, k)),
+                    pl.BlockSpec((tiling.tn, tiling.tk), lambda i, j, k: (j, k)),
+                    _col_vec(tiling), _col_vec(tiling)],
+                   tiling=tiling, mp=mp, np_=np_, kp=kp, out_dtype=out_dtype, acc_dtype=jnp.float32,
+                   interpret=interpret)
 
 
 def expand_block_scales(absmax_chunk: jax.Array, lane_block: jax.Array) -> jax.Array:
@@ -187,12 +188,13 @@ def nf4_chunks(tile_bytes: int) -> list[tuple[int, int]]:
     return [(start, min(NF4_CHUNK_BYTES, tile_bytes - start)) for start in range(0, tile_bytes, NF4_CHUNK_BYTES)]
 
 
-def _nf4_kernel(xe_ref, xo_ref, w_ref, a_ref, b_ref, o_ref, acc_ref, *, has_bias):
+def _packed4_kernel(xe_ref, xo_ref, w_ref, s_ref, b_ref, o_ref, acc_ref, *, tile_dot, has_bias):
+    """NF4 and int4: two codes a byte, x split into even and odd columns; tile_dot decodes and multiplies a tile."""
     @pl.when(pl.program_id(2) == 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    acc_ref[...] = nf4_tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, a_ref)
+    acc_ref[...] = tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, s_ref)
 
     @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
     def _store():
@@ -202,29 +204,29 @@ def _nf4_kernel(xe_ref, xo_ref, w_ref, a_ref, b_ref, o_ref, acc_ref, *, has_bias
         o_ref[...] = y.astype(o_ref.dtype)
 
 
+def _packed4_call(name, tile_dot, scale_spec, x_even, x_odd, w_bytes, scales, bias, *, tiling: Tiling, out_dtype,
+                  has_bias: bool, interpret: bool):
+    # K tiles of tk codes are tk/2 bytes; scale_spec is the scales' block (NF4 per 64-block, int4 per K tile).
+    mp = x_even.shape[0]
+    np_, kp_half = w_bytes.shape
+    tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
+    return _launch(functools.partial(_packed4_kernel, tile_dot=tile_dot, has_bias=has_bias),
+                   (x_even, x_odd, w_bytes, scales, bias),
+                   [pl.BlockSpec((tm, tk // 2), lambda i, j, k: (i, k)),
+                    pl.BlockSpec((tm, tk // 2), lambda i, j, k: (i, k)),
+                    pl.BlockSpec((tn, tk // 2), lambda i, j, k: (j, k)),
+                    scale_spec, _col_vec(tiling)],
+                   tiling=tiling, mp=mp, np_=np_, kp=2 * kp_half, out_dtype=out_dtype, acc_dtype=jnp.float32,
+                   interpret=interpret, name=name)
+
+
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
 def nf4_matmul_tpu(x_even, x_odd, w_bytes, absmax, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
                    interpret: bool):
     """Padded operands: x_even/x_odd [Mp, Kp/2], w_bytes [Np, Kp/2] u8, absmax [Np, Kp/64], bias [1, Np]."""
-    mp = x_even.shape[0]
-    np_, kp_half = w_bytes.shape
-    tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
-    grid, out_spec, _, col_vec = _grid_specs(tiling, mp, np_, 2 * kp_half)
-    return pl.pallas_call(
-        functools.partial(_nf4_kernel, has_bias=has_bias),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=0, grid=grid,
-            in_specs=[pl.BlockSpec((tm, tk // 2), lambda i, j, k: (i, k)),
-                      pl.BlockSpec((tm, tk // 2), lambda i, j, k: (i, k)),
-                      pl.BlockSpec((tn, tk // 2), lambda i, j, k: (j, k)),
-                      pl.BlockSpec((tn, tk // 64), lambda i, j, k: (j, k)),
-                      col_vec],
-            out_specs=out_spec,
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)]),
-        compiler_params=_compiler_params(),
-        interpret=_interpret(interpret),
-    )(x_even, x_odd, w_bytes, absmax, bias)
+    absmax_spec = pl.BlockSpec((tiling.tn, tiling.tk // 64), lambda i, j, k: (j, k))
+    return _packed4_call("_nf4_kernel", nf4_tile_dot, absmax_spec, x_even, x_odd, w_bytes, absmax, bias, tiling=tiling,
+                         out_dtype=out_dtype, has_bias=has_bias, interpret=interpret)
 
 
 def int4_tile_dot(acc, xe_ref, xo_ref, w_ref, s_ref):
@@ -254,42 +256,11 @@ def int4_tile_dot(acc, xe_ref, xo_ref, w_ref, s_ref):
     return acc
 
 
-def _int4_kernel(xe_ref, xo_ref, w_ref, s_ref, b_ref, o_ref, acc_ref, *, has_bias):
-    @pl.when(pl.program_id(2) == 0)
-    def _init():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    acc_ref[...] = int4_tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, s_ref)
-
-    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
-    def _store():
-        y = acc_ref[...]
-        if has_bias:
-            y = y + b_ref[...]
-        o_ref[...] = y.astype(o_ref.dtype)
-
-
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
 def int4_weight_matmul_tpu(x_even, x_odd, w_bytes, scales, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
                            interpret: bool):
     """Padded operands: x_even/x_odd [Mp, Kp/2], w_bytes [Np, Kp/2] i8 (int4_weight_operands),
     scales [Kp/tk, Np, groups per K tile] f32, bias [1, Np]."""
-    mp = x_even.shape[0]
-    np_, kp_half = w_bytes.shape
-    tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
-    grid, out_spec, _, col_vec = _grid_specs(tiling, mp, np_, 2 * kp_half)
-    return pl.pallas_call(
-        functools.partial(_int4_kernel, has_bias=has_bias),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=0, grid=grid,
-            in_specs=[pl.BlockSpec((tm, tk // 2), lambda i, j, k: (i, k)),
-                      pl.BlockSpec((tm, tk // 2), lambda i, j, k: (i, k)),
-                      pl.BlockSpec((tn, tk // 2), lambda i, j, k: (j, k)),
-                      pl.BlockSpec((None, tn, scales.shape[2]), lambda i, j, k: (k, j, 0)),
-                      col_vec],
-            out_specs=out_spec,
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)]),
-        compiler_params=_compiler_params(),
-        interpret=_interpret(interpret),
-    )(x_even, x_odd, w_bytes, scales, bias)
+    scale_spec = pl.BlockSpec((None, tiling.tn, scales.shape[2]), lambda i, j, k: (k, j, 0))
+    return _packed4_call("_int4_kernel", int4_tile_dot, scale_spec, x_even, x_odd, w_bytes, scales, bias, tiling=tiling,
+                         out_dtype=out_dtype, has_bias=has_bias, interpret=interpret)

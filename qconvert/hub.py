@@ -22,7 +22,7 @@ from qconvert.formats.errors import (
     UnsupportedModelError,
     UsageError,
 )
-from qconvert.formats.jsonfile import INVALID, NOT_OBJECT, JsonFileError, read_json_object
+from qconvert.formats.jsonfile import read_config
 from qconvert.models.registry import architecture_for
 
 # What a conversion needs from a repository; everything else (pickles, ONNX, images) stays remote.
@@ -47,21 +47,6 @@ class ResolvedModel:
     commit: str | None
     is_hub: bool
     config: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
-
-
-def read_config(folder: Path) -> dict[str, Any]:
-    """Parse folder/config.json, or InvalidCheckpointError saying what is wrong with it."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise InvalidCheckpointError(f"{path} is missing; a Hugging Face checkpoint folder needs its config.json")
-    try:
-        return read_json_object(path)
-    except JsonFileError as err:
-        if err.kind == NOT_OBJECT:
-            raise InvalidCheckpointError(f"{path} must hold a JSON object; restore the file from the model's source")
-        if err.kind != INVALID:
-            raise err.cause from None
-        raise InvalidCheckpointError(f"{path} is not valid JSON ({err.cause}); restore the file from the model's source")
 
 
 def check_weights_are_safetensors(folder: Path, where: str) -> None:

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Union
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from qconvert.formats.errors import FormatError, InvalidCheckpointError, ModelNotFoundError
+from qconvert.formats.jsonfile import read_config
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.qarray import QArray
 
@@ -30,9 +30,13 @@ def _device_qarray(q: QArray) -> QArray:
                   block_size=q.block_size, shape=q.shape, dtype=q.dtype)
 
 
-def _open(folder: Path):
+def _check_folder(folder: Path) -> None:
     if not folder.is_dir():
         raise ModelNotFoundError(f"{folder} is not a folder; pass the output folder of `qconvert quantize`")
+
+
+def _open(folder: Path):
+    _check_folder(folder)
     try:
         return open_quantized(folder)
     except FormatError as err:
@@ -104,10 +108,6 @@ def load(folder) -> Params:
 
 def load_config(folder) -> dict[str, Any]:
     """The folder's config.json (what qconvert.models.build takes)."""
-    path = Path(folder) / "config.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelNotFoundError(f"{path} does not exist; pass the output folder of `qconvert quantize`") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InvalidCheckpointError(f"{path} is not valid JSON ({err})") from None
+    _check_folder(Path(folder))
+    return read_config(folder, missing="pass the output folder of `qconvert quantize`",
+                       broken="re-run `qconvert quantize` to rewrite it")

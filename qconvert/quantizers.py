@@ -29,7 +29,7 @@ from qconvert.formats.qarray import (
     NF4_ZERO_CODE,
     QArray,
 )
-from qconvert.formats.quotient import f32_quotient
+from qconvert.formats.quotient import f32_quotient, int8_round
 
 # Elements per jitted call: large enough that dispatch costs nothing, small enough to stay in cache-sized buffers.
 CHUNK_ELEMENTS = 1 << 20
@@ -81,7 +81,7 @@ def int8_codes_and_scales(w: jax.Array, scale_dtype, clip: jax.Array | None = No
     scale = jnp.maximum(f32_quotient(absmax, jnp.float32(INT8_QMAX)), _scale_floor(scale_dtype))
     scale = scale.astype(scale_dtype)
     # Divide by the scale exactly as loaders will multiply it back: the rounded one.
-    q = jnp.clip(jnp.round(f32_quotient(w, scale)), -INT8_QMAX, INT8_QMAX)
+    q = int8_round(w, scale)
     return q.astype(jnp.int8), scale, _all_finite_hint(w)
 
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert.formats.qarray import INT8_QMAX
+from qconvert.formats.quotient import int8_round
 from qconvert.quantizers import pad_rows, quantize_int8
 
 # Candidate clipping ratios, largest (plain absmax) first.
@@ -60,7 +61,7 @@ def _int8_row_errors(w: jax.Array, x: jax.Array, grid: jax.Array) -> jax.Array:
 
     def one(c):
         scale = jnp.maximum(c * absmax / INT8_QMAX, 1e-12)
-        d = w - jnp.clip(jnp.round(w / scale), -INT8_QMAX, INT8_QMAX) * scale
+        d = w - int8_round(w, scale) * scale
         return jnp.sum(jnp.matmul(x, d.T, precision=_HI) ** 2, axis=0)
 
     return jax.lax.map(one, grid)
@@ -72,7 +73,7 @@ def _int8_row_weight_errors(w: jax.Array, grid: jax.Array) -> jax.Array:
 
     def one(c):
         scale = jnp.maximum(c * absmax / INT8_QMAX, 1e-12)
-        return jnp.sum((w - jnp.clip(jnp.round(w / scale), -INT8_QMAX, INT8_QMAX) * scale) ** 2, axis=1)
+        return jnp.sum((w - int8_round(w, scale) * scale) ** 2, axis=1)
 
     return jax.lax.map(one, grid)
 
@@ -141,7 +142,7 @@ def _static_errors(x: jax.Array, w_q: jax.Array, y: jax.Array, scales: jax.Array
     """[candidates] squared output error of per-tensor int8 x (each candidate scale) times w_q."""
 
     def one(scale):
-        x_q = jnp.clip(jnp.round(x / scale), -INT8_QMAX, INT8_QMAX) * scale
+        x_q = int8_round(x, scale) * scale
         return jnp.sum((jnp.matmul(x_q, w_q.T, precision=_HI) - y) ** 2)
 
     return jax.lax.map(one, scales)

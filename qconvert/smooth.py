@@ -21,6 +21,7 @@ import numpy as np
 
 from qconvert.formats.errors import UsageError
 from qconvert.formats.qarray import INT8_QMAX
+from qconvert.formats.quotient import int8_round
 from qconvert.models.registry import SmoothingGroup
 
 MIN_SCALE = 1e-5
@@ -242,14 +243,13 @@ def read_group_weights(params: Mapping, group: SmoothingGroup) -> list[np.ndarra
 def simulated_int8_rows(x: jax.Array) -> jax.Array:
     """The alpha search's model of W8A8 rounding: symmetric int8 per row, dequantized back to float32.
 
-    Per output channel of a weight, per token of an activation. Not the kernels'
-    row quantizer (kernels.activations.quantize_activations, an exact division and
-    scale 1 for a zero row): the errors this gives are recorded in qconvert.json's
-    alpha_search, so its arithmetic (x / scale as XLA computes it, scale floored
-    at 1e-12) stays as it is to keep conversions byte-identical.
+    Per output channel of a weight, per token of an activation. It rounds as the
+    kernels' row quantizer does (`int8_round`, on the exact quotient); only its
+    scale differs from kernels.activations.quantize_activations (max|x| / 127 as
+    XLA computes it, floored at 1e-12, where the kernels give a zero row scale 1).
     """
     scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True) / INT8_QMAX, 1e-12)
-    return jnp.clip(jnp.round(x / scale), -INT8_QMAX, INT8_QMAX) * scale
+    return int8_round(x, scale) * scale
 
 
 @functools.partial(jax.jit, static_argnames=("linears",))
@@ -269,7 +269,7 @@ def _w8a8_errors(x: jax.Array, w: jax.Array, segment: jax.Array, s: jax.Array, s
     def one(args):
         s_a, static = args
         xs = x / s_a
-        x_static = jnp.clip(jnp.round(xs / jnp.maximum(static, 1e-12)), -INT8_QMAX, INT8_QMAX) * static
+        x_static = int8_round(xs, jnp.maximum(static, 1e-12)) * static
         xq = jnp.where(static > 0, x_static, simulated_int8_rows(xs))
         yq = jnp.matmul(xq, simulated_int8_rows(w * s_a[None, :]).T, precision=_HI)
         err = jax.ops.segment_sum(jnp.sum((yq - y) ** 2, axis=0), segment, num_segments=linears)

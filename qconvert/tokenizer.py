@@ -11,6 +11,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from qconvert.formats.errors import InvalidCheckpointError
+from qconvert.formats.jsonfile import read_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,7 @@ def _pad_id(tokenizer: Tokenizer, folder: Path) -> int:
         pad_token = pad_token.get("content")
     if isinstance(pad_token, str) and tokenizer.token_to_id(pad_token) is not None:
         return int(tokenizer.token_to_id(pad_token))
-    config = _read_json(folder / "config.json")
+    config = read_config(folder, missing=None, broken="fix or remove it")
     for key in ("pad_token_id", "eos_token_id"):
         value = config.get(key)
         if isinstance(value, list):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from qconvert.formats.errors import FormatError, InvalidCheckpointError
-from qconvert.formats.jsonfile import MISSING, NOT_OBJECT, JsonFileError, read_json_object
+from qconvert.formats.jsonfile import read_config as read_folder_config
 from qconvert.formats.layouts import QuantizedCheckpoint, layout_for_config
 from qconvert.formats.record import (
     NO_FILES,
@@ -93,15 +93,8 @@ def check_files(folder: Path, record: ConversionRecord) -> list[str]:
 
 def read_config(folder: Path) -> dict[str, Any]:
     """Parse folder/config.json; InvalidCheckpointError when missing or malformed."""
-    path = Path(folder) / "config.json"
-    try:
-        return read_json_object(path)
-    except JsonFileError as exc:
-        if exc.kind == MISSING:
-            raise InvalidCheckpointError(f"{path}: missing") from exc
-        if exc.kind == NOT_OBJECT:
-            raise InvalidCheckpointError(f"{path}: not a JSON object") from exc
-        raise InvalidCheckpointError(f"{path}: not valid JSON ({exc.cause})") from exc
+    return read_folder_config(folder, missing="give the output folder of `qconvert quantize`",
+                              broken="re-run `qconvert quantize` to rewrite it")
 
 
 def check_config(config: dict[str, Any], record: ConversionRecord) -> list[str]:
