@@ -37,7 +37,9 @@ class RecordError(FormatError):
         super().__init__(f"{path}: {kind}" + (f" ({cause})" if cause is not None else ""))
 
 
-# 2: the smoothing record carries each group's exact scales (`smoothing.scales`); a record without the field is 1.
+# 2: the smoothing record carries each group's exact scales (`smoothing.scales`), and the alpha search's
+# recorded errors come from the exact int8 rounding (formats/quotient.int8_round; they moved in their fourth
+# digit, no chosen alpha did). A record without the field is 1.
 RECORD_FORMAT_VERSION = 2
 # How a vector of scales is written: its float32 values, little-endian, in base64 (exact, and a quarter the size
 # of decimal text).
