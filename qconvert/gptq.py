@@ -95,20 +95,23 @@ def inverse_cholesky(h: jax.Array) -> jax.Array:
 def _round_block(w1, s1, u1, grid: RoundingGrid):
     """One block of columns rounded in order, each error fed into the block's later columns at once.
 
-    Returns the block's codes, its dequantized values (grid value * step) and the scaled errors."""
+    Returns the block's codes, its dequantized values (grid value * step) and the scaled errors. The loop
+    carries the block alone: column j's error moves only the columns after it, so once the loop is done
+    column j still holds the value it was rounded from, and the codes, values and errors of every column
+    come out of one pass over the block, the same numbers the loop computed."""
+    later = jnp.arange(w1.shape[1])[None, :] > jnp.arange(w1.shape[1])[:, None]  # [j, k]: k after j
+    steps = jnp.where(s1 == 0, 1, s1)
 
-    def column(j, carry):
-        w1, codes, values, errors = carry
-        x, step = w1[:, j], s1[:, j]
-        code, value = grid.round(x / jnp.where(step == 0, 1, step))
-        q = value * step
-        error = (x - q) / u1[j, j]
-        w1 = w1 - error[:, None] * u1[j][None, :]  # U is upper triangular: only columns >= j move
-        return w1, codes.at[:, j].set(code), values.at[:, j].set(q), errors.at[:, j].set(error)
+    def column(j, w1):
+        x = w1[:, j]
+        _, value = grid.round(x / steps[:, j])
+        error = (x - value * s1[:, j]) / u1[j, j]
+        return w1 - error[:, None] * jnp.where(later[j], u1[j], 0)[None, :]
 
-    zeros = jnp.zeros_like(w1)
-    _, codes, values, errors = jax.lax.fori_loop(0, w1.shape[1], column, (w1, zeros, zeros, zeros))
-    return codes, values, errors
+    rounded_from = jax.lax.fori_loop(0, w1.shape[1], column, w1)
+    codes, values = grid.round(rounded_from / steps)
+    q = values * s1
+    return codes, q, (rounded_from - q) / jnp.diagonal(u1)[None, :]
 
 
 @functools.partial(jax.jit, static_argnames=("act_order",))
