@@ -28,7 +28,7 @@ from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.formats import QArray
 from qconvert.models import iterate_layers, read_tensors
 from qconvert.models.hooks import dense_linear
-from qconvert.models.registry import Architecture
+from qconvert.models.family import Family
 from qconvert.smooth import channel_map
 from qconvert.verify.fidelity import FolderLinear
 from qconvert.verify.metrics import tensor_metrics
@@ -54,7 +54,7 @@ def _dequantized(value) -> np.ndarray:
     return np.asarray(value.dequantize(jnp.float32) if isinstance(value, QArray) else value, np.float64)
 
 
-def smoothing_factors(arch: Architecture, config: Mapping[str, Any], reference: Mapping,
+def smoothing_factors(model: Family, config: Mapping[str, Any], reference: Mapping,
                       converted: Mapping, smoothed_sources: Sequence[str] = ()) -> SmoothingFactors:
     """Read the smoothing scales back from the two folders.
 
@@ -70,7 +70,7 @@ def smoothing_factors(arch: Architecture, config: Mapping[str, Any], reference: 
     """
     inputs: dict[str, np.ndarray] = {}
     outputs: dict[str, np.ndarray] = {}
-    for group in arch.smoothing_groups(dict(config)):
+    for group in model.smoothing_groups():
         name = f"{group.source}.weight"
         if name not in reference or name not in converted:
             continue
@@ -86,7 +86,7 @@ def smoothing_factors(arch: Architecture, config: Mapping[str, Any], reference: 
         for linear in group.linears:
             inputs[linear] = s
     wanted = set(smoothed_sources)
-    for group in arch.linear_smoothing_groups(dict(config)):
+    for group in model.linear_smoothing_groups():
         if group.source not in wanted:
             continue
         ref = np.asarray(reference[f"{group.source}.weight"], np.float64)

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from qconvert.formats.errors import FormatError
-from qconvert.models.registry import Architecture, architecture_for
+from qconvert.models.family import FamilyFacts
+from qconvert.models.registry import family_for
 
 
 class QuantizedParams(Mapping):
@@ -42,19 +43,19 @@ class QuantizedParams(Mapping):
         return len(self._names)
 
 
-def check_tensors(quantized, reference, config: dict[str, Any], arch: Architecture | None = None) -> list[str]:
+def check_tensors(quantized, reference, config: dict[str, Any], arch: FamilyFacts | None = None) -> list[str]:
     """The converted folder's tensors against the reference and the layout of its scheme.
 
     Every reference linear is either quantized (with every tensor its layout
     needs, of the right dtype and shape) or kept in float; every other reference
     tensor is present with its shape; every QArray decodes. Each problem names
     the file (or the folder, for a tensor that is nowhere). `arch` defaults to
-    the config's known family (the weight-only rule's Architecture is passed in).
+    the config's known family (the weight-only rule's family is passed in).
     """
     problems: list[str] = []
     ckpt = quantized.checkpoint
     folder = quantized.folder.name
-    arch = arch or architecture_for(config)
+    arch = arch or family_for(config)
     layout, flags = quantized.layout, quantized.flags  # as the folder's quantization_config states them
     float_names = set(quantized.float_names)
     quantized_modules = set(quantized.quantized_modules)

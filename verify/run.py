@@ -18,9 +18,9 @@ from qconvert.formats.errors import FormatError, UsageError
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.safetensors_io import open_checkpoint, sha256_file
 from qconvert.hub import ResolvedModel, resolve_model
-from qconvert.models import build, read_tensors
-from qconvert.models.registry import architecture_for
-from qconvert.models.weight_only import check_architecture, checkpoint_architecture
+from qconvert.models import read_tensors
+from qconvert.models.registry import family_for
+from qconvert.models.weight_only import check_architecture, checkpoint_family
 from qconvert.progress import Reporter, as_reporter
 from qconvert.schemes import names_where, scheme_named
 from qconvert.verify.integrity import (ConversionRecord, IntegrityResult, check_config, check_loader_view,
@@ -103,7 +103,7 @@ def resolve_reference(record: ConversionRecord, options: VerifyOptions) -> tuple
     check = (functools.partial(check_architecture, any_architecture=True, scheme=record.scheme,
                                weight_only=scheme_named(record.scheme).weight_only,
                                weight_only_schemes=names_where(lambda s: s.weight_only))
-             if _weight_only(record) else architecture_for)
+             if _weight_only(record) else family_for)
     if options.reference:
         return reference_id, resolve_model(reference_id, options.revision, check_architecture=check)
     source = record.raw.get("source", {})
@@ -191,9 +191,10 @@ def _verify_folder(folder: Path, record: ConversionRecord, options: VerifyOption
 
     reference_id, resolved = resolve_reference(record, options)
     reference_ckpt = open_checkpoint(resolved.folder)
-    arch, weight_only = checkpoint_architecture(config, reference_ckpt, any_architecture=_weight_only(record))
-    if weight_only is None:
-        check_weights_match_config(reference_ckpt, resolved.config)  # a reference whose config misfits: one line
+    arch, weight_only = checkpoint_family(config, reference_ckpt, any_architecture=_weight_only(record))
+    model = None
+    if weight_only is None:  # a reference whose config misfits: one line
+        model = check_weights_match_config(reference_ckpt, resolved.config)
     problems = check_config_matches_reference(config, resolved.config) + check_tensors(
         quantized, reference_ckpt, config, arch)
     if problems:
@@ -205,10 +206,10 @@ def _verify_folder(folder: Path, record: ConversionRecord, options: VerifyOption
         return _verify_weight_only(folder, record, options, thresholds, files, quantized, reference_ckpt,
                                    resolved, reference_info, weight_only.architecture, started)
 
-    if architecture_for(resolved.config) is not arch:
+    if resolved.family is not arch:
         raise UsageError(f"the reference {reference_id} is a {resolved.config.get('architectures')} model, "
                          f"the converted folder a {config.get('architectures')} one; pass the right --reference")
-    model = build(resolved.config)  # the reference's forward; the folder's config was found equal to it above
+    # `model` is the reference's forward; the folder's config was found equal to it above.
     reference = CheckpointParams(reference_ckpt)
     converted = QuantizedParams(quantized)
     held_out = evaluation_tokens(options, resolved.folder, resolved.config, record.raw.get("calibration"))
@@ -218,7 +219,7 @@ def _verify_folder(folder: Path, record: ConversionRecord, options: VerifyOption
     quantized_linear, choices = make_quantized_linear(quantized, record.scheme, options.backend)
     smoothing_record = record.raw.get("smoothing") or {}
     smoothed_sources = sorted((smoothing_record.get("groups") or {}).keys())
-    smoothing = smoothing_factors(arch, config, reference, converted, smoothed_sources)
+    smoothing = smoothing_factors(model, config, reference, converted, smoothed_sources)
     layer_results, float_hidden = verify_layers(model, reference, converted, ids, mask, quantized.quantized_modules,
                                   quantized_linear, thresholds, smoothing=smoothing,
                                   batch_size=options.batch_size,
