@@ -3,6 +3,7 @@ transformers' own tables and against the family's forward and smoothing groups."
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -13,7 +14,7 @@ from hf_checkpoints import TINY
 from qconvert.formats.errors import UnsupportedModelError
 from qconvert.models import build
 from qconvert.models.activations import ACTIVATIONS
-from qconvert.models.family import REMEDY_LEAD
+from qconvert.models.family import REMEDY_LEAD, DecoderHooks, Family
 from qconvert.models.registry import FAMILIES, family_for
 from test_expected_shapes import CASES
 
@@ -69,6 +70,30 @@ def test_quantized_linears_are_the_forward_linears_except_routers(name):
     quantized = set(family.linear_names(model.expected_shapes()))
     assert quantized == {m for m in called if not ROUTERS.search(m)}
     assert all(f"{m}.weight" in model.expected_shapes() for m in called)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_each_family_is_one_class_answering_the_family_protocol(name):
+    config = CONFIGS[name]
+    model = build(config)
+    assert isinstance(model, Family)
+    assert type(model) is family_for(config) and name in type(model).hf_architectures
+    if type(model).causal_lm:  # the decoders: Llama's layer with its override points
+        assert isinstance(model, DecoderHooks)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_smoothing_groups_are_named_under_the_models_own_layer_prefix(name):
+    """A checkpoint that nests the model (BERT under "bert.", a decoder under another prefix) gets its
+    groups named there: the prefix comes from the model, never from the family's code."""
+    model = build(CONFIGS[name])
+    moved = dataclasses.replace(model, prefix="bert." if name == "BertModel" else "language_model.model")
+    groups = moved.smoothing_groups() + moved.linear_smoothing_groups()
+    assert groups and len(groups) == len(model.smoothing_groups() + model.linear_smoothing_groups())
+    modules = {n[: -len(".weight")] for n in moved.expected_shapes() if n.endswith(".weight")}
+    for group in groups:
+        assert group.source.startswith(moved.layers_prefix)
+        assert {group.source, *group.linears} <= modules
 
 
 def _module_words(remedy: str) -> set[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, ClassVar, Iterable, Mapping, Protocol
+from typing import Any, ClassVar, Iterable, Mapping, Protocol, runtime_checkable
 
 import jax
 
@@ -80,6 +80,7 @@ class FamilyFacts(Protocol):
         """Module names (sorted) of the quantizable linears among a checkpoint's tensor names."""
 
 
+@runtime_checkable
 class Family(FamilyFacts, Protocol):
     """A model family with a forward: what the pipeline, the runner, calibration and verify call.
 
@@ -137,6 +138,7 @@ class Family(FamilyFacts, Protocol):
         """Logits float32 [B, T, vocab] for a causal LM, the last hidden state for an encoder."""
 
 
+@runtime_checkable
 class DecoderHooks(Protocol):
     """What a subclass of a decoder family (LlamaModel, GemmaModel) overrides to change one part of a layer.
 

@@ -250,8 +250,10 @@ class GemmaModel(LayerStack):
         scale = jnp.asarray(np.sqrt(np.float32(self.args.hidden_size)), dtype=table.dtype)
         return (rows * scale).astype(jnp.float32)
 
-    def attention(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook) -> jax.Array:
-        """Self-attention of layer i on the normed hidden states x [B, T, hidden]."""
+    def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
+                  linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Layer i's queries [B, H, T, d], keys and values [B, KV, T, d] before RoPE (Gemma 3: each query
+        and key head RMS-normed)."""
         a, p = self.args, f"{self.layer_prefix(i)}.self_attn"
         b, t, _ = x.shape
 
@@ -265,6 +267,13 @@ class GemmaModel(LayerStack):
         if a.qk_norm:
             q = gemma_rms_norm(q, params[f"{p}.q_norm.weight"], a.rms_norm_eps)
             k = gemma_rms_norm(k, params[f"{p}.k_norm.weight"], a.rms_norm_eps)
+        return q, k, v
+
+    def attention(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook) -> jax.Array:
+        """Self-attention of layer i on the normed hidden states x [B, T, hidden]."""
+        a, p = self.args, f"{self.layer_prefix(i)}.self_attn"
+        b, t, _ = x.shape
+        q, k, v = self.qkv_heads(i, params, x, linear)
         cos, sin = rope_angles(a.ropes[i], a.head_dim, t)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         window = a.sliding_window if a.layer_types[i] == SLIDING else None
@@ -273,7 +282,8 @@ class GemmaModel(LayerStack):
         out = out.transpose(0, 2, 1, 3).reshape(b, t, a.num_attention_heads * a.head_dim)
         return self._linear(linear, params, f"{p}.o_proj", out)
 
-    def mlp(self, i: int, params: Mapping, x: jax.Array, linear: LinearHook) -> jax.Array:
+    def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook,
+            grouped_linear: GroupedLinearHook) -> jax.Array:
         """Gated feed-forward: down(act(gate(x)) * up(x)), act gelu-tanh."""
         project = functools.partial(self._linear, linear, params)
         return gated_mlp(project, f"{self.layer_prefix(i)}.mlp", x, self.args.hidden_activation)
@@ -282,13 +292,12 @@ class GemmaModel(LayerStack):
               linear: LinearHook = dense_linear,
               grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array:
         """Decoder layer i: h += post_attn_norm(attn(input_norm(h))); h += post_ff_norm(mlp(pre_ff_norm(h)))."""
-        del grouped_linear  # no experts
         p, eps = self.layer_prefix(i), self.args.rms_norm_eps
         x = gemma_rms_norm(hidden, params[f"{p}.input_layernorm.weight"], eps)
         x = self.attention(i, params, x, attention_mask, linear)
         hidden = hidden + gemma_rms_norm(x, params[f"{p}.post_attention_layernorm.weight"], eps)
         x = gemma_rms_norm(hidden, params[f"{p}.pre_feedforward_layernorm.weight"], eps)
-        x = self.mlp(i, params, x, linear)
+        x = self.mlp(i, params, x, attention_mask, linear, grouped_linear)
         return hidden + gemma_rms_norm(x, params[f"{p}.post_feedforward_layernorm.weight"], eps)
 
     def layer_norm_groups(self, i: int) -> list[SmoothingGroup]:
