@@ -30,7 +30,7 @@ def gain_errors(source, options) -> tuple[dict[str, np.ndarray], dict[str, float
 
     adjustments = prepare_w8a8(source, options)
     errors, largest = {}, {}
-    for group in source.arch.smoothing_groups(source.config):
+    for group in source.model.smoothing_groups():
         if not group.norm_offset:
             continue
         norm = np.asarray(source.params[f"{group.source}.weight"])

@@ -43,7 +43,7 @@ def calibrate_once(model: Path, gptq: bool, samples: int, seqlen: int) -> dict:
     options = ConvertOptions(scheme="w8a8", gptq=gptq, w8a8=W8A8Options(calib="random", calib_samples=samples,
                                                                          calib_seqlen=seqlen))
     source = open_source(resolve_source(str(model), None, scheme=options.scheme_object))
-    plan = plan_conversion(source.checkpoint, source.config, source.arch, scheme=options.scheme_object)
+    plan = plan_conversion(source, scheme=options.scheme_object)
     with tempfile.TemporaryDirectory(prefix="qc-gptq-out-") as out, contextlib.ExitStack() as scratch:
         started = time.perf_counter()
         sequential = _sequential_gptq(source, plan, options, Path(out) / "out", scratch)

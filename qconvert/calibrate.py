@@ -342,7 +342,6 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
     is renamed into place.
     """
     from qconvert.calib_data import BUILTIN, load_calibration
-    from qconvert.models import build
     from qconvert.source import open_source, resolve_source
 
     out = Path(out)
@@ -355,7 +354,7 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
     data = load_calibration(calib or BUILTIN, resolved.folder, resolved.config, samples=samples, seqlen=seqlen)
     if message is not None:
         message(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
-    stats = collect_act_stats(build(resolved.config), params, data.input_ids,
+    stats = collect_act_stats(source.model, params, data.input_ids,
                               batch_size=batch_size, calibration=data.record(), progress=message)
     save_act_stats(out, stats, model=resolved.model_id,
                    recheck=lambda: check_stats_target(out, overwrite, resolved.folder))

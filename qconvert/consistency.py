@@ -4,7 +4,7 @@ the shape the config implies, and no layer tensor goes unread."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint
@@ -58,13 +58,19 @@ def _config_summary(config: dict[str, Any]) -> str:
     return ", ".join(f"{k}={config[k]}" for k in _CONFIG_KEYS if k in config)
 
 
-def check_weights_match_config(ckpt: SafetensorsCheckpoint, config: dict[str, Any]):
+def check_weights_match_config(ckpt: SafetensorsCheckpoint, config: dict[str, Any],
+                               model_of: Callable[[], Any] | None = None):
     """Raise InvalidCheckpointError (exit 6), one line naming the tensor or key, where config.json and the
-    weights disagree. Returns the family's model (what `qconvert.models.build(config)` gives)."""
-    from qconvert.models import build
+    weights disagree. Returns the family's model: `model_of()` (the command's one build, e.g.
+    SourceModel.model), by default `qconvert.models.build(config)`."""
+    if model_of is None:
+        from qconvert.models import build
+
+        def model_of():
+            return build(config)
 
     check_config_counts(ckpt, config)
-    model = build(config)  # config values of the wrong type or inconsistent ones raise here
+    model = model_of()  # config values of the wrong type or inconsistent ones raise here
     expected = model.expected_shapes()
     for name, shape in expected.items():
         if name not in ckpt:

@@ -117,7 +117,7 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
             source = open_source(resolved, any_architecture=options.any_architecture)
         try:
             with stage("planning"):
-                plan = plan_conversion(source.checkpoint, resolved.config, source.arch, scheme=scheme,
+                plan = plan_conversion(source, scheme=scheme,
                                        include=options.include, exclude=options.exclude,
                                        double_quant=options.double_quant, static_act=options.act == "static",
                                        group_size=options.group_size, dry_run=options.dry_run)
@@ -232,7 +232,7 @@ def card_facts(source: SourceModel, plan: ConversionPlan, options: ConvertOption
     return CardFacts(
         record=record, quant_method=scheme.layout.quant_method,
         scheme_summary=scheme.summary, loads_in=scheme.loads_in, vllm_loads=scheme.vllm_loads,
-        causal_lm=source.arch.causal_lm or source.weight_only is not None,
+        causal_lm=source.family.causal_lm or source.weight_only is not None,
         architecture=", ".join(source.config.get("architectures") or ["a model"]),
         quantized_linears=len(plan.quantized_modules),
         unchanged_tensors=sum(t.module is None for t in plan.tensors),

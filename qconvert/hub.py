@@ -23,7 +23,7 @@ from qconvert.formats.errors import (
     UsageError,
 )
 from qconvert.formats.jsonfile import read_config
-from qconvert.models.registry import architecture_for
+from qconvert.models.registry import family_for
 
 # What a conversion needs from a repository; everything else (pickles, ONNX, images) stays remote.
 ALLOW_PATTERNS = (
@@ -47,6 +47,9 @@ class ResolvedModel:
     commit: str | None
     is_hub: bool
     config: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    # The model family the architecture check found in config.json (None where it let an unknown one through):
+    # the command's one lookup, which opening the source takes as it is.
+    family: Any = dataclasses.field(default=None, compare=False)
 
 
 def check_weights_are_safetensors(folder: Path, where: str) -> None:
@@ -155,7 +158,7 @@ def _transport_errors() -> tuple[type[Exception], ...]:
     return tuple(errors)
 
 
-def _resolve_hub(model_id: str, revision: str | None, check_architecture=architecture_for) -> ResolvedModel:
+def _resolve_hub(model_id: str, revision: str | None, check_architecture=family_for) -> ResolvedModel:
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub import errors as hf
 
@@ -180,7 +183,7 @@ def _resolve_hub(model_id: str, revision: str | None, check_architecture=archite
     folder = config_path.parent
     commit = folder.name  # cache layout: snapshots/<commit>/config.json
     config = read_config(folder)
-    check_architecture(config)  # unsupported -> error before a single weight byte moves
+    family = check_architecture(config)  # unsupported -> error before a single weight byte moves
     try:
         if not offline:
             remote_files = HfApi().list_repo_files(model_id, revision=commit)
@@ -197,32 +200,33 @@ def _resolve_hub(model_id: str, revision: str | None, check_architecture=archite
         raise _hub_error(err, model_id, revision) from None
     check_weights_are_safetensors(folder, f"Hub model {model_id}")
     return ResolvedModel(folder=folder, model_id=model_id, revision=revision, commit=commit,
-                         is_hub=True, config=config)
+                         is_hub=True, config=config, family=family)
 
 
 def _resolve_cached(model_id: str, revision: str | None, cache_dir: str | None,
-                    check_architecture=architecture_for) -> ResolvedModel:
+                    check_architecture=family_for) -> ResolvedModel:
     """A Hub id from the local cache alone (the Hub is unreachable)."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
     config_path = Path(hf_hub_download(model_id, "config.json", revision=revision, cache_dir=cache_dir,
                                        local_files_only=True))
     config = read_config(config_path.parent)
-    check_architecture(config)
+    family = check_architecture(config)
     commit = config_path.parent.name
     folder = Path(snapshot_download(model_id, revision=commit, cache_dir=cache_dir,
                                     allow_patterns=list(ALLOW_PATTERNS), local_files_only=True))
     check_weights_are_safetensors(folder, f"Hub model {model_id}")
     return ResolvedModel(folder=folder, model_id=model_id, revision=revision, commit=commit,
-                         is_hub=True, config=config)
+                         is_hub=True, config=config, family=family)
 
 
 def resolve_model(model: str, revision: str | None = None, *,
-                  check_architecture: Callable[[dict], object] = architecture_for) -> ResolvedModel:
+                  check_architecture: Callable[[dict], object] = family_for) -> ResolvedModel:
     """A local folder as it is, or a Hub id downloaded (config first) into the Hugging Face cache.
 
     `check_architecture(config)` raises for a model that cannot be converted, before any
-    weight is fetched (default: the architecture must be a known family).
+    weight is fetched (default: the architecture must be a known family); what it returns
+    (the family) is kept as the ResolvedModel's `family`.
     """
     path = Path(model).expanduser()
     if path.exists():
@@ -231,10 +235,10 @@ def resolve_model(model: str, revision: str | None = None, *,
         if revision is not None:
             raise UsageError(f"--revision {revision} applies to Hub ids, but {model} is a local folder")
         config = read_config(path)
-        check_architecture(config)
+        family = check_architecture(config)
         check_weights_are_safetensors(path, str(model))
         return ResolvedModel(folder=path, model_id=str(model), revision=None, commit=None,
-                             is_hub=False, config=config)
+                             is_hub=False, config=config, family=family)
     if _looks_like_path(model):
         raise ModelNotFoundError(f"no such folder: {model}")
     return _resolve_hub(model, revision, check_architecture)

@@ -26,11 +26,11 @@ from qconvert.formats.errors import (
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, TensorSpec
 from qconvert.models.module_roles import expert_count, head_name, is_conv1d, is_router
-from qconvert.models.registry import Architecture
-from qconvert.models.weight_only import FAMILY as WEIGHT_ONLY_FAMILY
+from qconvert.models.family import FamilyFacts
 from qconvert.models.weight_only import architecture_name
 from qconvert.schemes.base import Scheme
 from qconvert.schemes.servers import family_of, scheme_key, tpu_note
+from qconvert.source import SourceModel
 
 FLOAT_WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 # The kind of a tensor written as the source holds it (float or not: int64 position_ids too).
@@ -155,7 +155,7 @@ def loader_float(ckpt: SafetensorsCheckpoint, config: dict[str, Any], modules) -
     return routers, conv1d
 
 
-def select_modules(ckpt: SafetensorsCheckpoint, arch: Architecture, include: tuple[str, ...],
+def select_modules(ckpt: SafetensorsCheckpoint, family: FamilyFacts, include: tuple[str, ...],
                    exclude: tuple[str, ...], dropped: set[str], config: dict[str, Any] | None = None) -> Selection:
     """The sorted module names to quantize; a pattern that selects nothing is a UsageError.
 
@@ -165,7 +165,7 @@ def select_modules(ckpt: SafetensorsCheckpoint, arch: Architecture, include: tup
     candidates = [m for m in linear_candidates(ckpt) if f"{m}.weight" not in dropped]
     routers, conv1d = loader_float(ckpt, config or {}, candidates)
     never = set(routers) | set(conv1d)
-    selected = set(arch.linear_names(ckpt.tensor_names))
+    selected = set(family.linear_names(ckpt.tensor_names))
     for pattern in include:
         hit = {m for m in candidates if matches(pattern, m)}
         if not hit:
@@ -232,8 +232,7 @@ class _Refusals:
             self.first = self.first or err
 
 
-def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: Architecture, *,
-                    scheme: Scheme, include: tuple[str, ...] = (), exclude: tuple[str, ...] = (),
+def plan_conversion(source: SourceModel, *, scheme: Scheme, include: tuple[str, ...] = (), exclude: tuple[str, ...] = (),
                     double_quant: bool = False, static_act: bool = False,
                     group_size: int | str | None = None, dry_run: bool = False) -> ConversionPlan:
     """Decide every output tensor, its layout and order (sorted by source name), before any byte is read.
@@ -241,12 +240,13 @@ def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: A
     With `dry_run`, a refusal after the selection (a weight's shape, the group size, the scheme's own
     checks, the config against the weights) is kept in the plan's `refusal` instead of raised.
     """
+    ckpt, config = source.checkpoint, source.config
     if "quantization_config" in config:
         raise UnsupportedModelError("the model is already quantized (config.json has quantization_config); "
                                     "give the float checkpoint")
     # A tied lm_head is the embedding table: loaders re-tie it, so it is not written twice.
     dropped = {"lm_head.weight"} if config.get("tie_word_embeddings") is True and "lm_head.weight" in ckpt else set()
-    selection = select_modules(ckpt, arch, tuple(include), tuple(exclude), dropped, config)
+    selection = select_modules(ckpt, source.family, tuple(include), tuple(exclude), dropped, config)
     refusals = _Refusals(dry_run)
     with refusals.check():
         _check_something_left(selection, config)
@@ -259,9 +259,9 @@ def plan_conversion(ckpt: SafetensorsCheckpoint, config: dict[str, Any], arch: A
     tensors = _planned_tensors(ckpt, scheme, dropped, set(modules), shapes, flags)
     # After the per-linear checks (a weight of the wrong rank or dtype is exit 7), before any byte is read.
     # A weight-only architecture (--any-architecture) has no family to hold the config against.
-    if arch.family != WEIGHT_ONLY_FAMILY:
+    if source.weight_only is None:
         with refusals.check():
-            check_weights_match_config(ckpt, config)
+            check_weights_match_config(ckpt, config, lambda: source.model)
     notes: tuple[str, ...] = selection.notes()
     with refusals.check():
         notes += (scheme.group_note(group_size, shapes),)

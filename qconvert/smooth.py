@@ -22,7 +22,7 @@ import numpy as np
 from qconvert.formats.errors import UsageError
 from qconvert.formats.qarray import INT8_QMAX
 from qconvert.formats.quotient import int8_round
-from qconvert.models.registry import SmoothingGroup
+from qconvert.models.family import SmoothingGroup
 
 MIN_SCALE = 1e-5
 ALPHA_GRID = tuple(round(0.05 * k, 2) for k in range(21))

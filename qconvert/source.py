@@ -1,4 +1,5 @@
-"""The model a command reads: MODEL resolved once, its checkpoint opened once, its architecture found once.
+"""The model a command reads: MODEL resolved once, its checkpoint opened once, its family found once and its
+model built once.
 
 `quantize` and `calibrate` both start here, so everything a run reads (the
 config, calibration's weights, the weights written) comes from the one folder
@@ -15,8 +16,9 @@ from typing import Any
 from qconvert.formats.errors import FormatError, InvalidCheckpointError
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint
 from qconvert.hub import ResolvedModel, resolve_model
-from qconvert.models.registry import Architecture, architecture_for
-from qconvert.models.weight_only import WeightOnlySelection, check_architecture, checkpoint_architecture
+from qconvert.models.family import Family, FamilyFacts
+from qconvert.models.registry import family_for
+from qconvert.models.weight_only import WeightOnlySelection, check_architecture, checkpoint_family
 from qconvert.schemes import names_where
 from qconvert.schemes.base import Scheme
 from qconvert.stages import stage
@@ -24,13 +26,19 @@ from qconvert.stages import stage
 
 @dataclasses.dataclass
 class SourceModel:
-    """A resolved model with its checkpoint open (headers read, tensors read when asked for)."""
+    """A resolved model with its checkpoint open (headers read, tensors read when asked for).
+
+    `family` is config.json's family class (the --any-architecture fallback's facts where
+    `weight_only` is set); `model` its forward, built on first use and then shared by every
+    stage of the command.
+    """
 
     resolved: ResolvedModel
     checkpoint: SafetensorsCheckpoint
-    arch: Architecture
+    family: FamilyFacts
     weight_only: WeightOnlySelection | None = None  # set when --any-architecture chose the linears
     _params: Any = dataclasses.field(default=None, repr=False)
+    _model: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def folder(self) -> Path:
@@ -49,11 +57,21 @@ class SourceModel:
             self._params = CheckpointParams(self.checkpoint)
         return self._params
 
+    @property
+    def model(self) -> Family:
+        """The family's forward for config.json, built once (InvalidCheckpointError for a bad config value;
+        TypeError for the --any-architecture fallback, which has none)."""
+        if self._model is None:
+            if self.weight_only is not None:
+                raise TypeError(f"{self.weight_only.architecture} is converted weight-only and has no forward pass")
+            self._model = self.family.from_config(self.config)
+        return self._model
+
     def check_weights(self) -> None:
         """Raise InvalidCheckpointError when the weights do not fit config.json (shapes, names)."""
         from qconvert.consistency import check_weights_match_config
 
-        check_weights_match_config(self.checkpoint, self.config)
+        check_weights_match_config(self.checkpoint, self.config, lambda: self.model)
 
     def close(self) -> None:
         self.checkpoint.close()
@@ -67,13 +85,13 @@ class SourceModel:
 
 def resolve_source(model: str, revision: str | None = None, *, scheme: Scheme | None = None,
                    any_architecture: bool = False) -> ResolvedModel:
-    """MODEL (a folder or Hub id) as a local folder; the architecture is checked before any weight moves.
+    """MODEL (a folder or Hub id) as a local folder; its family is found before any weight moves.
 
     With `scheme`, the check is the conversion's (--any-architecture lets an
     unknown decoder through for the weight-only schemes); without, the model
-    must be of a known family.
+    must be of a known family. The ResolvedModel keeps the family found.
     """
-    check = architecture_for if scheme is None else functools.partial(
+    check = family_for if scheme is None else functools.partial(
         check_architecture, any_architecture=any_architecture, scheme=scheme.name,
         weight_only=scheme.weight_only, weight_only_schemes=names_where(lambda s: s.weight_only))
     with stage("resolving the model"):
@@ -81,14 +99,16 @@ def resolve_source(model: str, revision: str | None = None, *, scheme: Scheme | 
 
 
 def open_source(resolved: ResolvedModel, *, any_architecture: bool = False) -> SourceModel:
-    """Open the resolved folder's safetensors (every header checked) and find its architecture."""
+    """Open the resolved folder's safetensors (every header checked) with the family resolving found (for an
+    unknown decoder under --any-architecture, the layer-prefix rule's choice from the headers)."""
     try:
         checkpoint = open_checkpoint(resolved.folder)
     except FormatError as err:
         raise InvalidCheckpointError(str(err)) from None
     try:
-        arch, weight_only = checkpoint_architecture(resolved.config, checkpoint, any_architecture=any_architecture)
+        family, weight_only = checkpoint_family(resolved.config, checkpoint, any_architecture=any_architecture,
+                                                family=resolved.family)
     except BaseException:
         checkpoint.close()
         raise
-    return SourceModel(resolved, checkpoint, arch, weight_only)
+    return SourceModel(resolved, checkpoint, family, weight_only)

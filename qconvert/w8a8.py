@@ -27,8 +27,7 @@ from qconvert.formats.errors import UsageError
 from qconvert.formats.record import RecordedScales, SmoothingRecord
 from qconvert.formats.safetensors_io import sha256_file
 from qconvert.gptq_layers import QuantizedStore, SequentialGPTQ
-from qconvert.models import build
-from qconvert.models.registry import Architecture, SmoothingGroup
+from qconvert.models.family import Family, FamilyFacts, SmoothingGroup
 from qconvert.options import ConvertOptions, W8A8Options
 from qconvert.progress import Reporter, as_reporter
 from qconvert.scale_search import LinearSearch, search_linear
@@ -68,9 +67,9 @@ class W8A8Adjustments:
         return self.weight_transform if self.folds else None
 
 
-def smoothing_groups(arch: Architecture, config: dict[str, Any]) -> list[SmoothingGroup]:
+def smoothing_groups(model: Family) -> list[SmoothingGroup]:
     """The family's norm -> linears groups, then its linear -> linear groups (the o/down remedy)."""
-    return list(arch.smoothing_groups(config)) + list(arch.linear_smoothing_groups(config))
+    return model.smoothing_groups() + model.linear_smoothing_groups()
 
 
 def group_act_absmax(act_absmax: Mapping[str, np.ndarray], group: SmoothingGroup) -> np.ndarray:
@@ -107,11 +106,10 @@ def _calibrate(source: SourceModel, groups: list[SmoothingGroup], linears: list[
     the layers calibrated, the groups whose alpha was searched and the linears
     whose scales were searched.
     """
-    calib, params, arch = options.w8a8, source.params, source.arch
+    calib, params, family, model = options.w8a8, source.params, source.family, source.model
     data = load_calibration(calib.calib or BUILTIN, source.folder, source.config,
                             samples=calib.calib_samples, seqlen=calib.calib_seqlen)
     progress(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
-    model = build(source.config)
     static = options.act == "static"
     searches_on_rows = options.searches_scales and options.scheme_object.calibrates
     keep = set(linears) if searches_on_rows else set()
@@ -137,7 +135,7 @@ def _calibrate(source: SourceModel, groups: list[SmoothingGroup], linears: list[
                 scales, errors[group.source] = search_alpha(
                     group, absmax, weights, layer.input_samples[group.linears[0]], static=static)
             else:
-                scales = group_scales(group, absmax, weights, spec.alpha_for(group.source, arch.default_alpha))
+                scales = group_scales(group, absmax, weights, spec.alpha_for(group.source, family.default_alpha))
             # The scales the writer folds: the clip search and GPTQ round the weights the folder will hold.
             chosen[group.source] = written_scales(scales, params)
             if spec.auto:
@@ -213,9 +211,9 @@ def _search_linears(params: Mapping, modules: list[str], chosen: Mapping[str, Gr
 def head_linears_for_static(source: SourceModel, quantized_modules: Sequence[str]) -> list[str]:
     """The quantized modules outside the family's block linears that get a static input scale (the head's
     lm_head); UsageError, before anything is calibrated, for any other, which would get none."""
-    block = set(source.arch.linear_names(source.params))
+    block = set(source.family.linear_names(source.params))
     extra = sorted(set(quantized_modules) - block)
-    head = {name[: -len(".weight")] for name in build(source.config).head_tensor_names()
+    head = {name[: -len(".weight")] for name in source.model.head_tensor_names()
             if name.endswith(".weight")}
     for module in extra:
         if module not in head:
@@ -241,11 +239,11 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
         return W8A8Adjustments()
     spec = calib.alpha_spec()
     progress = as_reporter(progress)
-    arch, params = source.arch, source.params
-    linears = arch.linear_names(params)
+    family, params = source.family, source.params
+    linears = family.linear_names(params)
     # Static scales for an included head (lm_head) too; any other included linear is refused here.
     head = head_linears_for_static(source, quantized_modules) if options.act == "static" else []
-    groups = smoothing_groups(arch, source.config) if smooths else []
+    groups = smoothing_groups(source.model) if smooths else []
     unknown = unmatched_alpha_keys(spec, [g.source for g in groups])
     if unknown:
         raise UsageError(f"--alpha names {', '.join(unknown)}, which matches no smoothing group of "
@@ -267,7 +265,7 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
     scales = [searched[group.source] if group.source in searched else
               written_scales(group_scales(group, group_act_absmax(stats.act_absmax, group),
                                           read_group_weights(params, group),
-                                          spec.alpha_for(group.source, arch.default_alpha)), params)
+                                          spec.alpha_for(group.source, family.default_alpha)), params)
               for group in groups]
     input_scales = None
     if options.act == "static":
@@ -281,7 +279,7 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
     if gptq is not None:  # the weight-only searches GPTQ ran (int8, nf4 with --scale-search)
         clips, records = {**gptq.searches.clip, **clips}, {**gptq.searches.records, **records}
     return W8A8Adjustments(tensor_folds(scales), input_scales, calibration_record,
-                           _smoothing_record(scales, spec, arch, errors, calib) if smooths else None,
+                           _smoothing_record(scales, spec, family, errors, calib) if smooths else None,
                            weight_clip=clips, search_records=records,
                            quantized=gptq.store if gptq is not None else None,
                            rounding_record=gptq.record() if gptq is not None else None)
@@ -301,7 +299,7 @@ def static_input_scale(act_absmax: float) -> float:
     return max(float(act_absmax) / INT8_QMAX, MIN_INPUT_SCALE)
 
 
-def _smoothing_record(scales: list[GroupScales], spec: AlphaSpec, arch: Architecture,
+def _smoothing_record(scales: list[GroupScales], spec: AlphaSpec, family: FamilyFacts,
                       errors: dict[str, dict[float, float]], options: W8A8Options) -> SmoothingRecord:
     """qconvert.json's `smoothing`: how alpha was chosen, each group's alpha, and the exact scales folded."""
     mode = "auto" if spec.auto else ("family default" if spec.default is None and not spec.per_group
@@ -311,7 +309,7 @@ def _smoothing_record(scales: list[GroupScales], spec: AlphaSpec, arch: Architec
     # The relative W8A8 output error of each alpha tried, per group, rounded for reading.
     searched = {source: {f"{a:.2f}": float(f"{e:.4g}") for a, e in tried.items()} for source, tried in errors.items()}
     return SmoothingRecord(
-        alpha_mode=mode, family_default_alpha=arch.default_alpha, min_scale=MIN_SCALE, remedy=arch.remedy,
+        alpha_mode=mode, family_default_alpha=family.default_alpha, min_scale=MIN_SCALE, remedy=family.remedy,
         alpha={g.group.source: g.alpha for g in scales},
         groups={g.group.source: tuple(g.group.linears) for g in scales},
         scales={g.group.source: RecordedScales(g.group.source, tuple(g.group.linears), g.source_scales,

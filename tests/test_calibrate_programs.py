@@ -35,8 +35,9 @@ class CountingModel:
 
 
 def _windowed_llama(folder: Path) -> tuple[Path, dict]:
-    """A 5-layer Llama with Qwen2's window layout: layers 0-2 full attention, 3-4 a sliding window of 3 tokens."""
-    folder = make_llama_checkpoint(folder, layers=5, outlier_channels=(3,))
+    """A 5-layer Qwen2 (the Llama decoder with Qwen's window layout): layers 0-2 full attention, 3-4 a sliding
+    window of 3 tokens."""
+    folder = make_llama_checkpoint(folder, layers=5, outlier_channels=(3,), architecture="Qwen2ForCausalLM")
     config = json.loads((folder / "config.json").read_text())
     config.update(use_sliding_window=True, sliding_window=3, max_window_layers=3)
     (folder / "config.json").write_text(json.dumps(config))

@@ -18,7 +18,7 @@ from hf_checkpoints import load_config, make_hf_checkpoint, reference_logits, to
 from quantize_reference import numpy_int8
 from qconvert.cli import main
 from qconvert.models import build
-from qconvert.models.registry import architecture_for
+from qconvert.models.registry import family_for
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -58,7 +58,7 @@ def test_converts_verifies_and_loads_back(source, scheme, tmp_path, capsys):
     code, report, err = run_cli(["verify", str(out), "--quick", "--backend", "cpu", "--json", "-"], capsys)
     assert code == 0, err
     record = json.loads(report)
-    linears = architecture_for(config).linear_names(load_file(str(source / "model.safetensors")))
+    linears = family_for(config).linear_names(load_file(str(source / "model.safetensors")))
     assert sorted(r["name"] for r in record["layers"]) == [m for m in linears
                                                            if not (float_experts and ".experts." in m)]
     assert record["model"]["mean_kl"] is not None
@@ -84,7 +84,7 @@ def test_int8_weights_decompressed_by_compressed_tensors_give_transformers_the_f
         json.loads((out / "config.json").read_text())["quantization_config"])
     stored = load_torch(str(out / "model.safetensors"))
     weights = load_file(str(source / "model.safetensors"))
-    linears = architecture_for(config).linear_names(weights)
+    linears = family_for(config).linear_names(weights)
     for m in linears:
         state = {k: stored[f"{m}.{k}"] for k in ("weight_packed", "weight_scale", "weight_shape")}
         dequantized = PackedQuantizationCompressor.decompress(state, quantization.config_groups["group_0"])

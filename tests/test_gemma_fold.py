@@ -46,7 +46,7 @@ def test_the_smoothed_gemma_applies_the_source_gains_to_float32_rounding(outlier
 
 
 def test_an_s_the_stored_gain_cannot_carry_is_capped():
-    from qconvert.models.registry import SmoothingGroup
+    from qconvert.models.family import SmoothingGroup
     from qconvert.smooth import MIN_GAIN_STEPS, GroupScales, apply_fold, stored_gain_scales, tensor_folds
 
     group = SmoothingGroup("n", ("q",), norm_offset=1.0)

@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 from hf_checkpoints import TINY, load_config, make_hf_checkpoint, reference_logits, token_batch
 from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.models import Phi3Model, Qwen2MoeModel, Qwen3Model, Qwen3MoeModel, build, forward_layerwise
-from qconvert.models.registry import architecture_for
+from qconvert.models.registry import family_for
 from qconvert.smooth import channel_map
 
 torch = pytest.importorskip("torch")
@@ -67,7 +67,7 @@ def _expected_linears(name: str, layer: int) -> set[str]:
 
 def test_quantized_linears_are_the_blocks_projections_routers_stay_float(family):
     name, _, config, params = family
-    linears = architecture_for(config).linear_names(params)
+    linears = family_for(config).linear_names(params)
     assert set(linears) == _expected_linears(name, 0) | _expected_linears(name, 1)
 
 
@@ -75,8 +75,8 @@ def test_smoothing_groups_fold_without_changing_the_float_model(family):
     """Fold arbitrary positive scales into every group as SmoothQuant does (the source's output
     channels divide by s, the linears' input columns multiply by s): the logits stay the same."""
     name, _, config, params = family
-    arch = architecture_for(config)
-    groups = list(arch.smoothing_groups(config)) + list(arch.linear_smoothing_groups(config))
+    model = build(config)
+    groups = model.smoothing_groups() + model.linear_smoothing_groups()
     sources = {g.source for g in groups}
     assert {f"model.layers.{i}.{n}" for i in range(2)
             for n in ("input_layernorm", "post_attention_layernorm")} <= sources
@@ -100,7 +100,7 @@ def test_smoothing_groups_fold_without_changing_the_float_model(family):
             covered.add(linear)
     # Every quantized linear's input is smoothed; the routers (and shared-expert gates) that
     # read the same norm's output absorb s too but stay float.
-    linears = set(arch.linear_names(params))
+    linears = set(model.linear_names(params))
     assert linears <= covered
     assert {m.rsplit(".", 1)[1] for m in covered - linears} <= {"gate", "shared_expert_gate"}
     ids, mask = token_batch(config["vocab_size"])
@@ -150,7 +150,7 @@ def test_qwen2_moe_dense_mlp_only_layer_and_renormalized_top_k_match_transformer
     model = _assert_matches_transformers(folder)
     assert model.moe.sparse_layers == (False, True) and model.moe.norm_topk_prob
     assert "model.layers.0.mlp.gate_proj" in model.layer_linears(0)
-    groups = {g.source: g.linears for g in architecture_for(load_config(folder)).smoothing_groups(load_config(folder))}
+    groups = {g.source: g.linears for g in build(load_config(folder)).smoothing_groups()}
     assert groups["model.layers.0.post_attention_layernorm"] == ("model.layers.0.mlp.gate_proj",
                                                                  "model.layers.0.mlp.up_proj")
     assert "model.layers.1.mlp.gate" in groups["model.layers.1.post_attention_layernorm"]

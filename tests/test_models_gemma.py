@@ -15,7 +15,6 @@ transformers = pytest.importorskip("transformers")
 from gemma_checkpoints import GEMMA2, GEMMA3, make_gemma_checkpoint, read_config, reference_logits  # noqa: E402
 from qconvert.formats.errors import InvalidCheckpointError  # noqa: E402
 from qconvert.models import GemmaModel, build, forward_layerwise  # noqa: E402
-from qconvert.models.registry import architecture_for  # noqa: E402
 from qconvert.smooth import apply_fold, tensor_folds, group_scales  # noqa: E402
 
 # Measured max abs diff ~3e-6 on logits of scale ~2.5 (both families).
@@ -102,8 +101,8 @@ def test_inconsistent_config_is_an_invalid_checkpoint_naming_the_key(change, key
 
 def test_smoothing_folds_into_one_plus_w_and_leaves_transformers_logits_unchanged(gemma):
     family, folder, config, params, ids, mask, expected = gemma
-    arch = architecture_for(config)
-    groups = arch.smoothing_groups(config) + arch.linear_smoothing_groups(config)
+    model = build(config)
+    groups = model.smoothing_groups() + model.linear_smoothing_groups()
     assert [g.source.rsplit(".", 1)[1] for g in groups[:2]] == ["input_layernorm", "pre_feedforward_layernorm"]
     rng = np.random.default_rng(0)
     scales = []

@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 from checkpoints import make_mixtral_checkpoint
 from qconvert.models import MixtralModel, build, forward_layerwise, iterate_layers
 from qconvert.models.hooks import dense_grouped_linear
-from qconvert.models.registry import architecture_for
+from qconvert.models.registry import family_for
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -113,18 +113,18 @@ def test_runner_observes_each_expert_input_only_on_its_routed_tokens(tmp_path):
 
 def test_router_stays_float_and_smoothing_group_keeps_the_model_unchanged(tmp_path):
     _, config, params, ids, mask = _setup(tmp_path, layers=1)
-    arch = architecture_for(config)
-    linears = arch.linear_names(params)
+    linears = family_for(config).linear_names(params)
     assert "model.layers.0.block_sparse_moe.experts.3.w2" in linears
     assert not any(name.endswith(".gate") for name in linears)
 
     # Fold arbitrary positive scales into every smoothing group as SmoothQuant does:
     # the norm divides by s, every listed linear's columns multiply by s.
-    forward = jax.jit(build(config).forward)
+    model = build(config)
+    forward = jax.jit(model.forward)
     before = np.asarray(forward(params, ids, mask))
     rng = np.random.default_rng(0)
     smoothed = dict(params)
-    for group in arch.smoothing_groups(config):
+    for group in model.smoothing_groups():
         s = rng.uniform(0.25, 4.0, size=config["hidden_size"]).astype(np.float32)
         smoothed[f"{group.source}.weight"] = smoothed[f"{group.source}.weight"] / s
         for linear in group.linears:

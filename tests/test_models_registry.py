@@ -3,6 +3,7 @@ transformers' own tables and against the family's forward and smoothing groups."
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -13,8 +14,8 @@ from hf_checkpoints import TINY
 from qconvert.formats.errors import UnsupportedModelError
 from qconvert.models import build
 from qconvert.models.activations import ACTIVATIONS
-from qconvert.models.family import REMEDY_LEAD
-from qconvert.models.registry import ARCHITECTURES, architecture_for
+from qconvert.models.family import REMEDY_LEAD, DecoderHooks, Family
+from qconvert.models.registry import FAMILIES, family_for
 from test_expected_shapes import CASES
 
 torch = pytest.importorskip("torch")
@@ -42,13 +43,13 @@ ROUTERS = re.compile(r"(\.gate|\.shared_expert_gate)$")
 
 
 def test_every_supported_architecture_has_a_test_config():
-    assert sorted(CONFIGS) == sorted(a for arch in ARCHITECTURES for a in arch.hf_architectures)
+    assert sorted(CONFIGS) == sorted(a for family in FAMILIES for a in family.hf_architectures)
 
 
 def test_each_architecture_name_belongs_to_one_family():
-    names = [a for arch in ARCHITECTURES for a in arch.hf_architectures]
+    names = [a for family in FAMILIES for a in family.hf_architectures]
     assert len(names) == len(set(names))
-    assert len({arch.family for arch in ARCHITECTURES}) == len(ARCHITECTURES)
+    assert len({family.family for family in FAMILIES}) == len(FAMILIES)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -56,19 +57,43 @@ def test_causal_lm_is_what_transformers_maps_as_a_causal_lm(name):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     causal = name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    assert architecture_for(CONFIGS[name]).causal_lm is causal
+    assert family_for(CONFIGS[name]).causal_lm is causal
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_quantized_linears_are_the_forward_linears_except_routers(name):
     """The family's per-layer linear names give both the forward's calls and the quantized pattern."""
     config = CONFIGS[name]
-    arch, model = architecture_for(config), build(config)
-    assert type(model) is arch.model
+    family, model = family_for(config), build(config)
+    assert type(model) is family
     called = {m for i in range(model.num_layers) for m in model.layer_linears(i)}
-    quantized = set(arch.linear_names(model.expected_shapes()))
+    quantized = set(family.linear_names(model.expected_shapes()))
     assert quantized == {m for m in called if not ROUTERS.search(m)}
     assert all(f"{m}.weight" in model.expected_shapes() for m in called)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_each_family_is_one_class_answering_the_family_protocol(name):
+    config = CONFIGS[name]
+    model = build(config)
+    assert isinstance(model, Family)
+    assert type(model) is family_for(config) and name in type(model).hf_architectures
+    if type(model).causal_lm:  # the decoders: Llama's layer with its override points
+        assert isinstance(model, DecoderHooks)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_smoothing_groups_are_named_under_the_models_own_layer_prefix(name):
+    """A checkpoint that nests the model (BERT under "bert.", a decoder under another prefix) gets its
+    groups named there: the prefix comes from the model, never from the family's code."""
+    model = build(CONFIGS[name])
+    moved = dataclasses.replace(model, prefix="bert." if name == "BertModel" else "language_model.model")
+    groups = moved.smoothing_groups() + moved.linear_smoothing_groups()
+    assert groups and len(groups) == len(model.smoothing_groups() + model.linear_smoothing_groups())
+    modules = {n[: -len(".weight")] for n in moved.expected_shapes() if n.endswith(".weight")}
+    for group in groups:
+        assert group.source.startswith(moved.layers_prefix)
+        assert {group.source, *group.linears} <= modules
 
 
 def _module_words(remedy: str) -> set[str]:
@@ -83,21 +108,21 @@ def test_remedy_names_the_familys_own_linear_groups(name):
     linear -> linear group's source and consumer is named (BERT, Mixtral and Phi-3 have no
     v_proj or up_proj)."""
     config = CONFIGS[name]
-    arch, model = architecture_for(config), build(config)
-    assert arch.remedy.startswith(REMEDY_LEAD)
+    model = build(config)
+    assert model.remedy.startswith(REMEDY_LEAD)
     modules = {n[: -len(".weight")] for n in model.expected_shapes() if n.endswith(".weight")}
-    words = _module_words(arch.remedy)
+    words = _module_words(model.remedy)
     assert words
     for word in words:
-        assert any(m.endswith(f".{word}") for m in modules), f"{arch.family} remedy names {word!r}"
-    for group in arch.linear_smoothing_groups(config):
+        assert any(m.endswith(f".{word}") for m in modules), f"{model.family} remedy names {word!r}"
+    for group in model.linear_smoothing_groups():
         for module in (group.source, *group.linears):
-            assert any(module.endswith(f".{word}") for word in words), f"{module} not in {arch.remedy!r}"
+            assert any(module.endswith(f".{word}") for word in words), f"{module} not in {model.remedy!r}"
 
 
 def test_llamas_remedy_text_is_unchanged():
     # Recorded in every Llama w8a8 qconvert.json since the first release; converted folders compare it.
-    assert architecture_for(CASES["llama"]).remedy == (
+    assert family_for(CASES["llama"]).remedy == (
         "linear->linear smoothing of the inputs no norm feeds: v_proj rows -> o_proj columns "
         "(one scale per KV-head channel, shared by the query heads of its group), "
         "up_proj rows -> down_proj columns")

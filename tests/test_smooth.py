@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qconvert.formats.errors import UsageError
-from qconvert.models.registry import SmoothingGroup
+from qconvert.models.family import SmoothingGroup
 from qconvert.smooth import (AlphaSpec, apply_fold, channel_map, tensor_folds, group_scales, parse_alpha,
                              search_alpha, smooth_scales)
 

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from qconvert.formats.errors import FormatError
-from qconvert.models.registry import Architecture, architecture_for
+from qconvert.models.family import FamilyFacts
+from qconvert.models.registry import family_for
 
 
 class QuantizedParams(Mapping):
@@ -42,16 +43,16 @@ class QuantizedParams(Mapping):
         return len(self._names)
 
 
-def check_tensors(quantized, reference, config: dict[str, Any], arch: Architecture | None = None) -> list[str]:
+def check_tensors(quantized, reference, config: dict[str, Any], arch: FamilyFacts | None = None) -> list[str]:
     """The converted folder's tensors against the reference and the layout of its scheme.
 
     Every reference linear is either quantized (with every tensor its layout
     needs, of the right dtype and shape) or kept in float; every other reference
     tensor is present with its shape; every QArray decodes. Each problem names
     the file (or the folder, for a tensor that is nowhere). `arch` defaults to
-    the config's known family (the weight-only rule's Architecture is passed in).
+    the config's known family (the weight-only rule's family is passed in).
     """
-    arch = arch or architecture_for(config)
+    arch = arch or family_for(config)
     quantized_modules = set(quantized.quantized_modules)
     # The family's linears, and any other reference linear the folder quantized (--include lm_head).
     ref_linears = list(arch.linear_names(reference.tensor_names))

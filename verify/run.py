@@ -27,7 +27,7 @@ from qconvert.formats.layouts import QuantizedCheckpoint, open_quantized
 from qconvert.formats.record import ConversionRecord
 from qconvert.formats.safetensors_io import sha256_file
 from qconvert.kernels.plan import platform
-from qconvert.models import build, read_tensors
+from qconvert.models import read_tensors
 from qconvert.progress import Reporter, as_reporter
 from qconvert.schemes import scheme_named
 from qconvert.source import SourceModel, open_source, resolve_source
@@ -192,7 +192,7 @@ def check_against_reference(run: Run, source: SourceModel) -> bool:
     if source.weight_only is None:
         source.check_weights()
     run.problems += check_config_matches_reference(run.config, source.config) + check_tensors(
-        run.quantized, source.checkpoint, run.config, source.arch)
+        run.quantized, source.checkpoint, run.config, source.family)
     if not run.problems:
         run.problems += check_smoothing(run.record.smoothing, source.params, QuantizedParams(run.quantized))
     run.kernels = KernelPath(run.quantized, run.options.backend)
@@ -209,7 +209,7 @@ def evaluation_tokens(options: VerifyOptions, reference_folder: Path, config: di
 
 def verify_on_text(run: Run, source: SourceModel, progress: Reporter) -> None:
     """Per linear on the float model's own activations, then the whole model, on held-out text."""
-    model = build(source.config)  # the reference's forward; the folder's config was found equal to it
+    model = source.model  # the reference's forward; the folder's config was found equal to it
     converted = QuantizedParams(run.quantized)
     held_out = evaluation_tokens(run.options, source.folder, source.config, run.record.calibration)
     ids = np.asarray(held_out.data.input_ids)
@@ -222,7 +222,7 @@ def verify_on_text(run: Run, source: SourceModel, progress: Reporter) -> None:
     float_output = model.head(read_tensors(source.params, model.head_tensor_names()), float_hidden,
                               jnp.asarray(mask))
     run.model = verify_model(model, source.params, converted, ids, mask, run.kernels, run.thresholds,
-                             causal_lm=source.arch.causal_lm, batch_size=run.options.batch_size,
+                             causal_lm=source.family.causal_lm, batch_size=run.options.batch_size,
                              float_output=float_output,
                              on_layer=_layer_steps(progress, WHOLE_MODEL, model.num_layers))
     run.layers = tuple(layers)

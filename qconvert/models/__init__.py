@@ -1,8 +1,9 @@
 """Supported architectures: which tensors are linears, how they are smoothed, a JAX forward.
 
-One module per family (llama.py, bert.py, mixtral.py, gemma.py, phi3.py, qwen3.py,
-qwen2_moe.py, qwen3_moe.py) holds all of it as an `Architecture` (family.py);
-registry.py lists them. `build(config)` gives the family's model (LlamaModel, BertModel, MixtralModel, GemmaModel,
+One module per family (llama.py, qwen2.py, bert.py, mixtral.py, gemma.py, phi3.py, qwen3.py,
+qwen2_moe.py, qwen3_moe.py) holds all of it as one class (`family.Family` says what it answers);
+registry.py lists them and `registry.family_for(config)` finds the one config.json names.
+`build(config)` gives the family's model (LlamaModel, Qwen2Model, BertModel, MixtralModel, GemmaModel,
 Qwen3Model, Phi3Model, Qwen2MoeModel, Qwen3MoeModel), a frozen dataclass whose methods are pure
 functions of `params` (its `from_config` raises InvalidCheckpointError, exit 6, naming
 the key, for a config.json value of the wrong type or an inconsistent one), any Mapping from
@@ -12,8 +13,11 @@ checkpoint tensor name to array (lazy readers and QArray weights included):
     model.expected_shapes()                     every tensor name the forward reads -> the shape
                                                 config.json implies (a tied lm_head omitted)
     model.layers_prefix                         what layer tensor names start with ("model.layers.")
+    model.layer_prefix(i)                       layer i's module prefix ("model.layers.3")
     model.embed_tensor_names() / layer_tensor_names(i) / head_tensor_names()
     model.layer_linears(i)                      module names, in call order
+    model.smoothing_groups() / linear_smoothing_groups()
+                                                SmoothQuant's norm -> linears and linear -> linear groups
     model.embed(params, input_ids, attention_mask=None) -> hidden float32 [B, T, H]
     model.layer(i, params, hidden, attention_mask=None, linear=dense_linear,
                 grouped_linear=dense_grouped_linear) -> hidden
@@ -39,19 +43,20 @@ from qconvert.models.llama import LlamaModel
 from qconvert.models.mixtral import MixtralModel
 from qconvert.models.phi3 import Phi3Model
 from qconvert.models.qwen2_moe import Qwen2MoeModel
+from qconvert.models.qwen2 import Qwen2Model
 from qconvert.models.qwen3 import Qwen3Model
 from qconvert.models.qwen3_moe import Qwen3MoeModel
-from qconvert.models.registry import architecture_for
+from qconvert.models.registry import family_for
 from qconvert.models.runner import LayerResult, forward_layerwise, iterate_layers, read_tensors
 
 
 def build(config: dict[str, Any]):
     """The forward-pass model for a parsed config.json (UnsupportedModelError if not supported)."""
-    return architecture_for(config).build(config)
+    return family_for(config).from_config(config)
 
 
 __all__ = [
     "BertModel", "GemmaModel", "GroupedLinearHook", "LayerResult", "LinearHook", "LlamaModel", "MixtralModel",
-    "Phi3Model", "Qwen2MoeModel", "Qwen3Model", "Qwen3MoeModel", "build",
+    "Phi3Model", "Qwen2Model", "Qwen2MoeModel", "Qwen3Model", "Qwen3MoeModel", "build",
     "dense_grouped_linear", "dense_linear", "forward_layerwise", "iterate_layers", "mean_pool", "read_tensors",
 ]

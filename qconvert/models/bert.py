@@ -11,8 +11,7 @@ import jax.numpy as jnp
 from qconvert.formats.errors import UnsupportedModelError
 from qconvert.models.activations import ACTIVATIONS, check_activation
 from qconvert.models.config_values import config_float, config_int, require_divides
-from qconvert.models.family import (REMEDY_LEAD, Architecture, LayerStack, SmoothingGroup,
-                                    layer_linear_pattern)
+from qconvert.models.family import REMEDY_LEAD, LayerStack, SmoothingGroup
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32,
                                    dense_grouped_linear, dense_linear)
 
@@ -77,7 +76,23 @@ def mean_pool(hidden: jax.Array, attention_mask: jax.Array | None = None) -> jax
 
 @dataclasses.dataclass(frozen=True)
 class BertModel(LayerStack):
-    """BertModel as pure functions of `params`; head() is the last hidden state (no pooler)."""
+    """BertModel as pure functions of `params`; head() is the last hidden state (no pooler).
+
+    No LayerNorm can absorb 1/s, so there are no norm groups: BERT is post-LN, every LayerNorm's
+    output also feeds a residual (attention.output.LayerNorm's output h comes back in
+    output.LayerNorm(FFN(h) + h); the previous layer's output.LayerNorm feeds q/k/v and
+    attention.output.LayerNorm's residual).
+    """
+
+    family = "bert"
+    hf_architectures = ("BertModel",)
+    default_alpha = 0.5
+    causal_lm = False
+    remedy = (f"{REMEDY_LEAD}attention.self.value rows -> "
+              "attention.output.dense columns (one scale per head channel); no LayerNorm group (post-LN: "
+              "each LayerNorm also feeds a residual) and none into output.dense (GELU comes first)")
+    LAYER_STACK = "encoder.layer"
+    LAYER_LINEARS = LAYER_LINEARS
 
     args: BertArgs
     prefix: str = ""  # "bert." for a checkpoint that nests the encoder (config.json never says so)
@@ -89,10 +104,7 @@ class BertModel(LayerStack):
     @property
     def layers_prefix(self) -> str:
         """What every encoder layer's tensor names start with (then the layer index)."""
-        return f"{self.prefix}encoder.layer."
-
-    def _layer_prefix(self, i: int) -> str:
-        return f"{self.prefix}encoder.layer.{i}"
+        return f"{self.prefix}{self.LAYER_STACK}."
 
     def layer_signature(self, i: int) -> tuple:
         """What besides the weights sets layer i's program (layers with equal signatures share one)."""
@@ -110,7 +122,7 @@ class BertModel(LayerStack):
             f"{e}.LayerNorm.weight": (h,), f"{e}.LayerNorm.bias": (h,),
         }
         for i in range(self.num_layers):
-            p = self._layer_prefix(i)
+            p = self.layer_prefix(i)
             linears = dict(zip(self.layer_linears(i), ((h, h), (h, h), (h, h), (h, h), (inner, h), (h, inner))))
             for module, (out, inp) in linears.items():
                 shapes[f"{module}.weight"], shapes[f"{module}.bias"] = (out, inp), (out,)
@@ -118,16 +130,17 @@ class BertModel(LayerStack):
                 shapes[f"{p}.{norm}.weight"] = shapes[f"{p}.{norm}.bias"] = (h,)
         return shapes
 
-    def layer_linears(self, i: int) -> list[str]:
-        """Module names of layer i's linears, in the order the forward calls them."""
-        p = self._layer_prefix(i)
-        return [f"{p}.{module}" for module in LAYER_LINEARS]
-
     def layer_tensor_names(self, i: int) -> list[str]:
         """Checkpoint tensor names layer i reads (every linear and LayerNorm has weight and bias)."""
-        p = self._layer_prefix(i)
+        p = self.layer_prefix(i)
         modules = self.layer_linears(i) + [f"{p}.attention.output.LayerNorm", f"{p}.output.LayerNorm"]
         return [f"{m}.{part}" for m in modules for part in ("weight", "bias")]
+
+    def layer_linear_groups(self, i: int) -> list[SmoothingGroup]:
+        """attention.self.value -> attention.output.dense (every head its own K/V).
+        intermediate.dense -> output.dense is not smoothable: GELU sits between them."""
+        return [SmoothingGroup("attention.self.value", ("attention.output.dense",), kv_repeat=1,
+                               head_dim=self.args.hidden_size // self.args.num_attention_heads)]
 
     def embed_tensor_names(self) -> list[str]:
         """Tensor names the embedding reads."""
@@ -156,7 +169,7 @@ class BertModel(LayerStack):
 
     def attention(self, i: int, params: Mapping, hidden: jax.Array, attention_mask, linear: LinearHook):
         """Bidirectional self-attention over the real tokens (padding keys hidden)."""
-        p, a = f"{self._layer_prefix(i)}.attention.self", self.args
+        p, a = f"{self.layer_prefix(i)}.attention.self", self.args
         b, t, _ = hidden.shape
         head_dim = a.hidden_size // a.num_attention_heads
 
@@ -177,7 +190,7 @@ class BertModel(LayerStack):
               linear: LinearHook = dense_linear,
               grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array:
         """Encoder layer i (post-LN): h = LN(h + attn(h)); h = LN(h + ffn(h)). No experts here."""
-        p, eps = self._layer_prefix(i), self.args.layer_norm_eps
+        p, eps = self.layer_prefix(i), self.args.layer_norm_eps
         context = self.attention(i, params, hidden, attention_mask, linear)
         attn_out = self._linear(linear, params, f"{p}.attention.output.dense", context)
         hidden = layer_norm(hidden + attn_out, params[f"{p}.attention.output.LayerNorm.weight"],
@@ -198,33 +211,3 @@ class BertModel(LayerStack):
                             linear: LinearHook = dense_linear) -> jax.Array:
         """Mean-pooled last hidden state [B, H] (all-MiniLM-L6-v2 then L2-normalizes; not done here)."""
         return mean_pool(self.forward(params, input_ids, attention_mask, linear), attention_mask)
-
-
-def bert_linear_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
-    """attention.self.value -> attention.output.dense in every layer (every head its own K/V).
-
-    No LayerNorm can absorb 1/s: BERT is post-LN, so every LayerNorm's output also feeds a
-    residual (attention.output.LayerNorm's output h comes back in output.LayerNorm(FFN(h) + h);
-    the previous layer's output.LayerNorm feeds q/k/v and attention.output.LayerNorm's
-    residual). intermediate.dense -> output.dense is not smoothable: GELU sits between them.
-    """
-    heads = int(config["num_attention_heads"])
-    return [
-        SmoothingGroup(f"encoder.layer.{i}.attention.self.value", (f"encoder.layer.{i}.attention.output.dense",),
-                       kv_repeat=1, head_dim=int(config["hidden_size"]) // heads)
-        for i in range(int(config["num_hidden_layers"]))
-    ]
-
-
-BERT = Architecture(
-    family="bert",
-    hf_architectures=("BertModel",),
-    linear_pattern=layer_linear_pattern("encoder.layer", LAYER_LINEARS),
-    default_alpha=0.5,
-    linear_smoothing_groups=bert_linear_groups,
-    remedy=(f"{REMEDY_LEAD}attention.self.value rows -> "
-            "attention.output.dense columns (one scale per head channel); no LayerNorm group (post-LN: "
-            "each LayerNorm also feeds a residual) and none into output.dense (GELU comes first)"),
-    causal_lm=False,
-    model=BertModel,
-)

@@ -18,21 +18,21 @@ def embed_and_head_shapes(model: LlamaModel) -> Shapes:
 
 def layer_norm_shapes(model: LlamaModel, i: int) -> Shapes:
     """Layer i's input_layernorm and post_attention_layernorm."""
-    p = model._layer_prefix(i)
+    p = model.layer_prefix(i)
     return {f"{p}.{norm}.weight": (model.args.hidden_size,)
             for norm in ("input_layernorm", "post_attention_layernorm")}
 
 
 def attention_shapes(model: LlamaModel, i: int) -> Shapes:
     """Layer i's q/k/v/o_proj weights and the biases the family reads."""
-    a, p = model.args, f"{model._layer_prefix(i)}.self_attn"
+    a, p = model.args, f"{model.layer_prefix(i)}.self_attn"
     outs = {"q_proj": a.num_attention_heads * a.head_dim, "k_proj": a.num_key_value_heads * a.head_dim,
             "v_proj": a.num_key_value_heads * a.head_dim, "o_proj": a.hidden_size}
     shapes: Shapes = {}
     for proj, out in outs.items():
         shapes[f"{p}.{proj}.weight"] = (out, a.num_attention_heads * a.head_dim if proj == "o_proj"
                                         else a.hidden_size)
-        if model._biased(proj):
+        if model.biased(proj):
             shapes[f"{p}.{proj}.bias"] = (out,)
     return shapes
 

@@ -1,15 +1,17 @@
-"""What a model family tells the rest of qconvert: its names, linears, smoothing groups and forward.
+"""What a model family is to the rest of qconvert: one class, whose attributes the registry and the plan
+read and whose instances (built once from config.json) run the forward and name the smoothing groups.
 
-Each family module (llama.py, bert.py, mixtral.py, ...) defines one `Architecture`
-next to its forward; registry.py only collects them. The quantize pipeline and
-verify ask the Architecture and know no model names themselves.
+Each family module (llama.py, bert.py, mixtral.py, ...) defines its model class on `LayerStack`;
+registry.py only lists the classes. The quantize pipeline and verify ask the family and know no model
+names themselves. `Family` below writes down what they ask; `DecoderHooks` what a subclass of a family
+overrides to change one part of the layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, ClassVar, Iterable, Mapping, Protocol, runtime_checkable
 
 import jax
 
@@ -22,6 +24,8 @@ class SmoothingGroup:
 
     `source` is a module name whose `.weight` (and `.bias`, for LayerNorm or a
     biased linear) absorb 1/s; `linears` are module names whose weight columns absorb s.
+    A family declares its groups per layer in module paths inside the layer
+    (`input_layernorm`, `self_attn.q_proj`); `under(prefix)` names them in the checkpoint.
     """
 
     source: str
@@ -39,78 +43,198 @@ class SmoothingGroup:
     # gain, so it must fold into norm_offset + weight, not weight alone.
     norm_offset: float = 0.0
 
-
-def _no_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
-    del config
-    return []
-
-
-@dataclasses.dataclass(frozen=True)
-class Architecture:
-    """One model family as qconvert knows it.
-
-    `model` is the family's forward (a class with `from_config(config)`); None for
-    the weight-only fallback, which has no forward. `remedy` says, in the family's
-    own module names, which inputs no norm feeds are smoothed linear -> linear
-    (recorded in qconvert.json). `causal_lm`: the forward's head gives next-token logits.
-    """
-
-    family: str
-    hf_architectures: tuple[str, ...]
-    linear_pattern: re.Pattern  # matches a module name (without ".weight")
-    smoothing_groups: Callable[[dict[str, Any]], list[SmoothingGroup]] = _no_groups
-    default_alpha: float = 0.5
-    # Linear -> linear groups for the inputs no norm feeds (o_proj, down_proj):
-    # the source linear's rows (and bias) absorb 1/s, the consumers' columns s.
-    linear_smoothing_groups: Callable[[dict[str, Any]], list[SmoothingGroup]] = _no_groups
-    remedy: str = ""
-    causal_lm: bool = True
-    model: Any = None
-
-    def is_linear(self, module_name: str) -> bool:
-        return self.linear_pattern.search(module_name) is not None
-
-    def linear_names(self, tensor_names) -> list[str]:
-        """Module names (sorted) of the quantizable linears among a checkpoint's tensors."""
-        modules = []
-        for name in tensor_names:
-            if name.endswith(".weight") and self.is_linear(name[: -len(".weight")]):
-                modules.append(name[: -len(".weight")])
-        return sorted(modules)
-
-    def build(self, config: dict[str, Any]):
-        """The family's forward-pass model for a parsed config.json."""
-        if self.model is None:
-            raise TypeError(f"the {self.family} family has no forward pass")
-        return self.model.from_config(config)
+    def under(self, prefix: str) -> "SmoothingGroup":
+        """The group with every module path put under `prefix` (a layer's, e.g. "model.layers.3")."""
+        return dataclasses.replace(self, source=f"{prefix}.{self.source}",
+                                   linears=tuple(f"{prefix}.{m}" for m in self.linears))
 
 
 # How every family's `remedy` starts; the rest names its own modules.
 REMEDY_LEAD = "linear->linear smoothing of the inputs no norm feeds: "
 
-EXPERT = "{expert}"  # in a per-layer module path: any expert number
+EXPERT = "{expert}"  # in a per-layer module path: each expert's number
 
 
 def layer_linear_pattern(stack: str, modules: Iterable[str]) -> re.Pattern:
-    """Match `<stack>.<N>.<module>` (after any prefix) for each per-layer module path in `modules`.
-
-    The family's one list of per-layer linears gives both its forward's call order
-    and this pattern, so the names are written once.
-    """
+    """Match `<stack>.<N>.<module>` (after any prefix) for each per-layer module path in `modules`."""
     alternatives = "|".join(re.escape(m).replace(re.escape(EXPERT), r"\d+") for m in modules)
     return re.compile(rf"(^|\.){re.escape(stack)}\.\d+\.({alternatives})$")
 
 
-class LayerStack:
-    """What every family's forward shares: embed, the layers in order, then the head.
+class FamilyFacts(Protocol):
+    """What the registry, the plan and the records read of a family before (or without) a model.
 
-    A family's model supplies `args.num_hidden_layers`, `embed`, `layer(i, ...)` and `head`;
-    runner.py calls the same three pieces one layer at a time.
+    A family class has these as class attributes; the `--any-architecture` fallback
+    (weight_only.py) is an object with the same ones and no forward.
     """
+
+    family: ClassVar[str]                   # the family's own name ("llama", "bert", ...)
+    hf_architectures: ClassVar[tuple[str, ...]]  # the config.json "architectures" names it serves
+    default_alpha: ClassVar[float]          # SmoothQuant's alpha when --alpha names none
+    causal_lm: ClassVar[bool]               # the head gives next-token logits
+    # Which inputs no norm feeds are smoothed linear -> linear, in the family's module names
+    # (recorded in qconvert.json).
+    remedy: ClassVar[str]
+
+    def linear_names(self, tensor_names: Iterable[str]) -> list[str]:
+        """Module names (sorted) of the quantizable linears among a checkpoint's tensor names."""
+
+
+@runtime_checkable
+class Family(FamilyFacts, Protocol):
+    """A model family with a forward: what the pipeline, the runner, calibration and verify call.
+
+    Built once per command by `from_config(config)` (InvalidCheckpointError, exit 6, naming
+    the key of a bad config.json). `params` is any Mapping from checkpoint tensor name to
+    array (lazy readers and QArray weights included); every linear runs through the `linear`
+    hook and experts through `grouped_linear` (hooks.py).
+    """
+
+    LAYER_STACK: ClassVar[str]              # the numbered stack's name ("layers", "encoder.layer")
+    LAYER_LINEARS: ClassVar[tuple[str, ...]]  # a layer's linears inside it, in call order
+    FLOAT_LINEARS: ClassVar[tuple[str, ...]]  # those among them that stay float (routers)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Family": ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def layers_prefix(self) -> str:
+        """What every layer's tensor names start with, then the index ("model.layers.")."""
+
+    def layer_prefix(self, i: int) -> str:
+        """Layer i's module prefix ("model.layers.3")."""
+
+    def embed_tensor_names(self) -> list[str]: ...
+    def layer_tensor_names(self, i: int) -> list[str]: ...
+    def head_tensor_names(self) -> list[str]: ...
+
+    def layer_linears(self, i: int) -> list[str]:
+        """Module names of layer i's linears, in the order the forward calls them."""
+
+    def layer_signature(self, i: int) -> tuple:
+        """What besides the weights sets layer i's program (layers with equal signatures share one)."""
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the forward reads -> the shape config.json implies (a tied lm_head omitted)."""
+
+    def smoothing_groups(self) -> list[SmoothingGroup]:
+        """SmoothQuant's norm -> linears groups of every layer."""
+
+    def linear_smoothing_groups(self) -> list[SmoothingGroup]:
+        """The linear -> linear groups (the remedy) of every layer."""
+
+    def embed(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array | None = None
+              ) -> jax.Array: ...
+
+    def layer(self, i: int, params: Mapping, hidden: jax.Array, attention_mask: jax.Array | None = None,
+              linear: LinearHook = dense_linear,
+              grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array: ...
+
+    def head(self, params: Mapping, hidden: jax.Array, attention_mask: jax.Array | None = None,
+             linear: LinearHook = dense_linear) -> jax.Array:
+        """Logits float32 [B, T, vocab] for a causal LM, the last hidden state for an encoder."""
+
+
+@runtime_checkable
+class DecoderHooks(Protocol):
+    """What a subclass of a decoder family (LlamaModel, GemmaModel) overrides to change one part of a layer.
+
+    The layer calls these; everything else (norms, RoPE, attention, residuals) it keeps.
+    """
+
+    def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
+                  linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Layer i's queries [B, H, T, d], keys and values [B, KV, T, d] before RoPE (fused: Phi-3;
+        normed per head: Qwen3)."""
+
+    def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask: jax.Array | None,
+            linear: LinearHook, grouped_linear: GroupedLinearHook) -> jax.Array:
+        """Layer i's feed-forward on the normed hidden states (experts: Mixtral, the Qwen MoEs)."""
+
+    def biased(self, proj: str) -> bool:
+        """Whether the linear `proj` (its module name's last part: q_proj, down_proj, ...) has a bias."""
+
+    def layer_norm_groups(self, i: int) -> list[SmoothingGroup]:
+        """Layer i's norm -> linears groups, in module paths inside the layer."""
+
+    def layer_linear_groups(self, i: int) -> list[SmoothingGroup]:
+        """Layer i's linear -> linear groups, in module paths inside the layer."""
+
+
+class LayerStack:
+    """What every family class shares: the facts' defaults, its linears from `LAYER_LINEARS`,
+    the smoothing groups from the per-layer declarations, and the forward (embed, layers, head).
+
+    A family supplies `args.num_hidden_layers`, `layers_prefix`, `embed`, `layer(i, ...)` and
+    `head`; runner.py calls the same three pieces one layer at a time.
+    """
+
+    family: ClassVar[str]
+    hf_architectures: ClassVar[tuple[str, ...]]
+    default_alpha: ClassVar[float] = 0.5
+    causal_lm: ClassVar[bool] = True
+    remedy: ClassVar[str] = ""
+    LAYER_STACK: ClassVar[str] = "layers"
+    LAYER_LINEARS: ClassVar[tuple[str, ...]] = ()
+    # The linears of a layer without experts, in a family whose layers differ (Qwen-MoE's dense layers).
+    DENSE_LINEARS: ClassVar[tuple[str, ...]] = ()
+    FLOAT_LINEARS: ClassVar[tuple[str, ...]] = ()
+    linear_pattern: ClassVar[re.Pattern]  # matches a quantized linear's module name (without ".weight")
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        quantized = [m for m in dict.fromkeys(cls.LAYER_LINEARS + cls.DENSE_LINEARS) if m not in cls.FLOAT_LINEARS]
+        cls.linear_pattern = layer_linear_pattern(cls.LAYER_STACK, quantized)
+
+    @classmethod
+    def linear_names(cls, tensor_names: Iterable[str]) -> list[str]:
+        """Module names (sorted) of the quantizable linears among a checkpoint's tensor names."""
+        modules = [name[: -len(".weight")] for name in tensor_names if name.endswith(".weight")]
+        return sorted(m for m in modules if cls.linear_pattern.search(m))
 
     @property
     def num_layers(self) -> int:
         return self.args.num_hidden_layers
+
+    @property
+    def num_experts(self) -> int:
+        """How many experts a layer's `{expert}` linears stand for (0 without experts)."""
+        return 0
+
+    def layer_prefix(self, i: int) -> str:
+        """Layer i's module prefix ("model.layers.3")."""
+        return f"{self.layers_prefix}{i}"
+
+    def layer_modules(self, i: int) -> tuple[str, ...]:
+        """Layer i's linears inside it (`{expert}` standing for each expert), in call order."""
+        return self.LAYER_LINEARS
+
+    def layer_linears(self, i: int) -> list[str]:
+        """Module names of layer i's linears, in the order the forward calls them."""
+        p = self.layer_prefix(i)
+        return [f"{p}.{m.format(expert=e)}" for m in self.layer_modules(i)
+                for e in (range(self.num_experts) if EXPERT in m else (None,))]
+
+    def layer_norm_groups(self, i: int) -> list[SmoothingGroup]:
+        return []
+
+    def layer_linear_groups(self, i: int) -> list[SmoothingGroup]:
+        return []
+
+    def every_layer(self, groups_of) -> list[SmoothingGroup]:
+        """`groups_of(i)` for each layer i, named under the layer's prefix, layer 0 first."""
+        return [g.under(self.layer_prefix(i)) for i in range(self.num_layers) for g in groups_of(i)]
+
+    def smoothing_groups(self) -> list[SmoothingGroup]:
+        """SmoothQuant's norm -> linears groups of every layer."""
+        return self.every_layer(self.layer_norm_groups)
+
+    def linear_smoothing_groups(self) -> list[SmoothingGroup]:
+        """The linear -> linear groups (the inputs no norm feeds: the remedy) of every layer."""
+        return self.every_layer(self.layer_linear_groups)
 
     def forward(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array | None = None,
                 linear: LinearHook = dense_linear,

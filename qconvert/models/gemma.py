@@ -17,8 +17,9 @@ from qconvert.formats import QArray
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, dense_grouped_linear,
                                    dense_linear)
 from qconvert.models.activations import check_activation
-from qconvert.models.family import Architecture, LayerStack, SmoothingGroup
-from qconvert.models.llama import LAYER_LINEARS, LLAMA, DecoderArgs, attention_bias, gated_mlp, rms_norm
+from qconvert.models.family import LayerStack, SmoothingGroup
+from qconvert.models.llama import (LAYER_LINEARS, LLAMA_REMEDY, UP_DOWN_GROUP, DecoderArgs, attention_bias,
+                                   gated_mlp, rms_norm, value_output_group)
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -155,6 +156,12 @@ def gemma_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, s
 class GemmaModel(LayerStack):
     """Gemma2ForCausalLM and Gemma3ForCausalLM as pure functions of `params` (see LlamaModel)."""
 
+    family = "gemma"
+    hf_architectures = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+    default_alpha = 0.85  # as for the Llama family: both are pre-norm decoders with gated MLPs
+    remedy = LLAMA_REMEDY
+    LAYER_LINEARS = LAYER_LINEARS  # Llama's seven linears per layer
+
     args: GemmaArgs
     prefix: str = "model"
 
@@ -162,35 +169,33 @@ class GemmaModel(LayerStack):
     def from_config(cls, config: dict[str, Any]) -> "GemmaModel":
         return cls(GemmaArgs.from_config(config))
 
-    def _layer_prefix(self, i: int) -> str:
-        return f"{self.prefix}.layers.{i}"
+    @property
+    def layers_prefix(self) -> str:
+        """What every decoder layer's tensor names start with (then the layer index)."""
+        return f"{self.prefix}.{self.LAYER_STACK}."
 
     def layer_signature(self, i: int) -> tuple:
         """What besides the weights sets layer i's program (layers with equal signatures share one)."""
         return (self.args.layer_types[i], self.args.ropes[i])
 
     def _norms(self, i: int) -> list[str]:
-        p = self._layer_prefix(i)
+        p = self.layer_prefix(i)
         norms = [f"{p}.{n}" for n in ("input_layernorm", "post_attention_layernorm",
                                       "pre_feedforward_layernorm", "post_feedforward_layernorm")]
         if self.args.qk_norm:
             norms += [f"{p}.self_attn.q_norm", f"{p}.self_attn.k_norm"]
         return norms
 
-    def layer_linears(self, i: int) -> list[str]:
-        """Module names of layer i's linears, in the order the forward calls them."""
-        p = self._layer_prefix(i)
-        return [f"{p}.{module}" for module in LAYER_LINEARS]
-
-    def _biased(self, module: str) -> bool:
-        return self.args.attention_bias and ".self_attn." in module
+    def biased(self, proj: str) -> bool:
+        """Whether the linear `proj` (q_proj, ..., down_proj) has a bias: the attention's, with attention_bias."""
+        return self.args.attention_bias and proj in ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def layer_tensor_names(self, i: int) -> list[str]:
         """Checkpoint tensor names layer i reads (norm weights, linear weights and biases)."""
         names = [f"{n}.weight" for n in self._norms(i)]
         for module in self.layer_linears(i):
             names.append(f"{module}.weight")
-            if self._biased(module):
+            if self.biased(module.rsplit(".", 1)[1]):
                 names.append(f"{module}.bias")
         return names
 
@@ -223,12 +228,12 @@ class GemmaModel(LayerStack):
             for module in self.layer_linears(i):
                 shape = out_in[module.rsplit(".", 1)[1]]
                 shapes[f"{module}.weight"] = shape
-                if self._biased(module):
+                if self.biased(module.rsplit(".", 1)[1]):
                     shapes[f"{module}.bias"] = (shape[0],)
         return shapes
 
     def _linear(self, linear: LinearHook, params: Mapping, module: str, x: jax.Array) -> jax.Array:
-        bias = params[f"{module}.bias"] if self._biased(module) else None
+        bias = params[f"{module}.bias"] if self.biased(module.rsplit(".", 1)[1]) else None
         return linear(module, x, params[f"{module}.weight"], bias)
 
     def embed(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
@@ -245,9 +250,11 @@ class GemmaModel(LayerStack):
         scale = jnp.asarray(np.sqrt(np.float32(self.args.hidden_size)), dtype=table.dtype)
         return (rows * scale).astype(jnp.float32)
 
-    def attention(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook) -> jax.Array:
-        """Self-attention of layer i on the normed hidden states x [B, T, hidden]."""
-        a, p = self.args, f"{self._layer_prefix(i)}.self_attn"
+    def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
+                  linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Layer i's queries [B, H, T, d], keys and values [B, KV, T, d] before RoPE (Gemma 3: each query
+        and key head RMS-normed)."""
+        a, p = self.args, f"{self.layer_prefix(i)}.self_attn"
         b, t, _ = x.shape
 
         def heads(module: str, n: int) -> jax.Array:
@@ -260,6 +267,13 @@ class GemmaModel(LayerStack):
         if a.qk_norm:
             q = gemma_rms_norm(q, params[f"{p}.q_norm.weight"], a.rms_norm_eps)
             k = gemma_rms_norm(k, params[f"{p}.k_norm.weight"], a.rms_norm_eps)
+        return q, k, v
+
+    def attention(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook) -> jax.Array:
+        """Self-attention of layer i on the normed hidden states x [B, T, hidden]."""
+        a, p = self.args, f"{self.layer_prefix(i)}.self_attn"
+        b, t, _ = x.shape
+        q, k, v = self.qkv_heads(i, params, x, linear)
         cos, sin = rope_angles(a.ropes[i], a.head_dim, t)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         window = a.sliding_window if a.layer_types[i] == SLIDING else None
@@ -268,23 +282,38 @@ class GemmaModel(LayerStack):
         out = out.transpose(0, 2, 1, 3).reshape(b, t, a.num_attention_heads * a.head_dim)
         return self._linear(linear, params, f"{p}.o_proj", out)
 
-    def mlp(self, i: int, params: Mapping, x: jax.Array, linear: LinearHook) -> jax.Array:
+    def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook,
+            grouped_linear: GroupedLinearHook) -> jax.Array:
         """Gated feed-forward: down(act(gate(x)) * up(x)), act gelu-tanh."""
         project = functools.partial(self._linear, linear, params)
-        return gated_mlp(project, f"{self._layer_prefix(i)}.mlp", x, self.args.hidden_activation)
+        return gated_mlp(project, f"{self.layer_prefix(i)}.mlp", x, self.args.hidden_activation)
 
     def layer(self, i: int, params: Mapping, hidden: jax.Array, attention_mask: jax.Array | None = None,
               linear: LinearHook = dense_linear,
               grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array:
         """Decoder layer i: h += post_attn_norm(attn(input_norm(h))); h += post_ff_norm(mlp(pre_ff_norm(h)))."""
-        del grouped_linear  # no experts
-        p, eps = self._layer_prefix(i), self.args.rms_norm_eps
+        p, eps = self.layer_prefix(i), self.args.rms_norm_eps
         x = gemma_rms_norm(hidden, params[f"{p}.input_layernorm.weight"], eps)
         x = self.attention(i, params, x, attention_mask, linear)
         hidden = hidden + gemma_rms_norm(x, params[f"{p}.post_attention_layernorm.weight"], eps)
         x = gemma_rms_norm(hidden, params[f"{p}.pre_feedforward_layernorm.weight"], eps)
-        x = self.mlp(i, params, x, linear)
+        x = self.mlp(i, params, x, attention_mask, linear, grouped_linear)
         return hidden + gemma_rms_norm(x, params[f"{p}.post_feedforward_layernorm.weight"], eps)
+
+    def layer_norm_groups(self, i: int) -> list[SmoothingGroup]:
+        """input_layernorm -> q/k/v and pre_feedforward_layernorm -> gate/up, each a gain 1 + w.
+
+        Gemma's sandwich norms: post_attention_layernorm and post_feedforward_layernorm norm the
+        outputs of o_proj and down_proj on their way to the residual, feeding no linear.
+        """
+        return [SmoothingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                               norm_offset=1.0),
+                SmoothingGroup("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), norm_offset=1.0)]
+
+    def layer_linear_groups(self, i: int) -> list[SmoothingGroup]:
+        """v -> o and up -> down as for Llama: Gemma 3's q/k norms and Gemma 2's soft-capping act on the
+        attention scores, never on v; down_proj's input is gelu(gate) * up."""
+        return [value_output_group(self.args), UP_DOWN_GROUP]
 
     def head(self, params: Mapping, hidden: jax.Array, attention_mask: jax.Array | None = None,
              linear: LinearHook = dense_linear) -> jax.Array:
@@ -292,32 +321,3 @@ class GemmaModel(LayerStack):
         names = self.head_tensor_names()
         x = gemma_rms_norm(hidden, params[names[0]], self.args.rms_norm_eps)
         return soft_cap(linear("lm_head", x, params[names[1]], None), self.args.final_logit_softcapping)
-
-
-def _gemma_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
-    # Gemma's sandwich norms: input_layernorm feeds q/k/v and pre_feedforward_layernorm
-    # feeds gate/up; post_attention_layernorm and post_feedforward_layernorm norm the
-    # outputs of o_proj and down_proj on their way to the residual, feeding no linear.
-    groups = []
-    for i in range(int(config["num_hidden_layers"])):
-        p = f"model.layers.{i}"
-        groups.append(SmoothingGroup(f"{p}.input_layernorm",
-                                     tuple(f"{p}.self_attn.{x}_proj" for x in "qkv"), norm_offset=1.0))
-        groups.append(SmoothingGroup(f"{p}.pre_feedforward_layernorm",
-                                     (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"), norm_offset=1.0))
-    return groups
-
-
-GEMMA = Architecture(
-    family="gemma",
-    hf_architectures=("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
-    linear_pattern=LLAMA.linear_pattern,  # the same seven linears per layer
-    smoothing_groups=_gemma_groups,
-    default_alpha=0.85,  # as for the Llama family: both are pre-norm decoders with gated MLPs
-    # v -> o and up -> down as for Llama: Gemma 3's q/k norms and Gemma 2's soft-capping
-    # act on the attention scores, never on v; down_proj's input is gelu(gate) * up.
-    linear_smoothing_groups=LLAMA.linear_smoothing_groups,
-    remedy=LLAMA.remedy,
-    causal_lm=True,
-    model=GemmaModel,
-)

@@ -1,4 +1,4 @@
-"""The Llama family in JAX (Llama, Mistral, Qwen2): GQA, RoPE, RMSNorm, SwiGLU, sliding windows."""
+"""The Llama family in JAX (Llama, Mistral): GQA, RoPE, RMSNorm, SwiGLU, sliding windows."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from qconvert.models.activations import ACTIVATIONS, check_activation
 from qconvert.models.config_values import config_bool, config_float, config_int, require_divides
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32,
                                    dense_grouped_linear, dense_linear)
-from qconvert.models.family import (REMEDY_LEAD, Architecture, LayerStack, SmoothingGroup,
-                                    layer_linear_pattern)
+from qconvert.models.family import REMEDY_LEAD, LayerStack, SmoothingGroup
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
 
 # A decoder layer's linears, in the order the forward calls them.
@@ -44,13 +43,13 @@ class LlamaArgs(DecoderArgs):
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
     attention_bias: bool = False   # bias on q, k, v and o (Llama's flag)
-    qkv_bias: bool = False         # bias on q, k, v only (Qwen2)
+    qkv_bias: bool = False         # bias on q, k, v only (Qwen2 sets it)
     mlp_bias: bool = False
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full causal attention
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "LlamaArgs":
-        """Read a LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM config.json."""
+        """Read a Llama-style config.json (LlamaForCausalLM, MistralForCausalLM and the families built on them)."""
         hidden = config_int(config, "hidden_size")
         heads = config_int(config, "num_attention_heads")
         layers = config_int(config, "num_hidden_layers")
@@ -75,30 +74,15 @@ class LlamaArgs(DecoderArgs):
             hidden_act=config.get("hidden_act", "silu"),
             tie_word_embeddings=config_bool(config, "tie_word_embeddings", False),
             attention_bias=config_bool(config, "attention_bias", False),
-            qkv_bias=config.get("model_type") == "qwen2",
             mlp_bias=config_bool(config, "mlp_bias", False),
             sliding_windows=sliding_windows(config, layers),
         )
 
 
-# Qwen configs gate `sliding_window` by `use_sliding_window` (off when absent).
-QWEN_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen3")
-
-
 def sliding_windows(config: dict[str, Any], layers: int) -> tuple[int | None, ...]:
-    """Each layer's attention window: Mistral/Mixtral use `sliding_window` everywhere;
-    Qwen2, Qwen2-MoE and Qwen3 only with `use_sliding_window`, on layers >= `max_window_layers`
-    (or per `layer_types`)."""
-    window = config.get("sliding_window")
-    if config.get("model_type") in QWEN_MODEL_TYPES or "use_sliding_window" in config:
-        if not config.get("use_sliding_window", False):
-            window = None
-        types = config.get("layer_types") or [
-            "sliding_attention" if i >= int(config.get("max_window_layers", layers)) else "full_attention"
-            for i in range(layers)]
-        return tuple(int(window) if window and t == "sliding_attention" else None for t in types)
-    if config.get("model_type") == "llama":
-        window = None
+    """Each layer's attention window: Mistral and Mixtral use `sliding_window` in every layer; Llama none.
+    (The Qwen families have their own rule: qwen2.py.)"""
+    window = None if config.get("model_type") == "llama" else config.get("sliding_window")
     return tuple(int(window) if window else None for _ in range(layers))
 
 
@@ -142,13 +126,34 @@ def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v, precision=hi)
 
 
+def value_output_group(args: DecoderArgs) -> SmoothingGroup:
+    """v_proj -> o_proj inside a layer: attention is linear in V per head, so scaling v_proj's
+    output row c by 1/s scales every o_proj input channel that reads kv channel c by 1/s."""
+    return SmoothingGroup("self_attn.v_proj", ("self_attn.o_proj",),
+                          kv_repeat=args.num_attention_heads // args.num_key_value_heads, head_dim=args.head_dim)
+
+
+# down_proj's input is act(gate) * up, linear in up.
+UP_DOWN_GROUP = SmoothingGroup("mlp.up_proj", ("mlp.down_proj",))
+
+VALUE_OUTPUT_REMEDY = ("v_proj rows -> o_proj columns "
+                       "(one scale per KV-head channel, shared by the query heads of its group)")
+LLAMA_REMEDY = f"{REMEDY_LEAD}{VALUE_OUTPUT_REMEDY}, up_proj rows -> down_proj columns"
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaModel(LayerStack):
-    """LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM as pure functions of `params`.
+    """LlamaForCausalLM and MistralForCausalLM as pure functions of `params`.
 
     `params` maps checkpoint tensor names to arrays (lazily read ones too; linear
     weights may be QArrays). Hidden states are float32 [B, T, hidden_size].
     """
+
+    family = "llama"
+    hf_architectures = ("LlamaForCausalLM", "MistralForCausalLM")
+    default_alpha = 0.85
+    remedy = LLAMA_REMEDY
+    LAYER_LINEARS = LAYER_LINEARS
 
     args: LlamaArgs
     prefix: str = "model"
@@ -160,10 +165,7 @@ class LlamaModel(LayerStack):
     @property
     def layers_prefix(self) -> str:
         """What every decoder layer's tensor names start with (then the layer index)."""
-        return f"{self.prefix}.layers."
-
-    def _layer_prefix(self, i: int) -> str:
-        return f"{self.prefix}.layers.{i}"
+        return f"{self.prefix}.{self.LAYER_STACK}."
 
     def layer_signature(self, i: int) -> tuple:
         """What besides the weights sets layer i's program (layers with equal signatures share one)."""
@@ -176,47 +178,44 @@ class LlamaModel(LayerStack):
         shapes = ((q, a.hidden_size), (kv, a.hidden_size), (kv, a.hidden_size), (a.hidden_size, q),
                   (a.intermediate_size, a.hidden_size), (a.intermediate_size, a.hidden_size),
                   (a.hidden_size, a.intermediate_size))
-        return dict(zip(LlamaModel.layer_linears(self, i), shapes, strict=True))
+        p = self.layer_prefix(i)
+        return dict(zip((f"{p}.{m}" for m in LAYER_LINEARS), shapes, strict=True))
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the forward reads, with the shape config.json implies (lm_head omitted when tied)."""
         a = self.args
         shapes: dict[str, tuple[int, ...]] = {f"{self.prefix}.embed_tokens.weight": (a.vocab_size, a.hidden_size)}
         for i in range(self.num_layers):
-            p = self._layer_prefix(i)
+            p = self.layer_prefix(i)
             shapes[f"{p}.input_layernorm.weight"] = (a.hidden_size,)
             shapes[f"{p}.post_attention_layernorm.weight"] = (a.hidden_size,)
             for module, (out, inp) in self.linear_shapes(i).items():
                 shapes[f"{module}.weight"] = (out, inp)
-                if self._biased(module.rsplit(".", 1)[1]):
+                if self.biased(module.rsplit(".", 1)[1]):
                     shapes[f"{module}.bias"] = (out,)
         shapes[f"{self.prefix}.norm.weight"] = (a.hidden_size,)
         if not a.tie_word_embeddings:
             shapes["lm_head.weight"] = (a.vocab_size, a.hidden_size)
         return shapes
 
-    def _biased(self, proj: str) -> bool:
+    def biased(self, proj: str) -> bool:
+        """Whether the linear `proj` (q_proj, ..., down_proj) has a bias."""
         if proj in ("gate_proj", "up_proj", "down_proj"):
             return self.args.mlp_bias
         return self.args.attention_bias or (self.args.qkv_bias and proj != "o_proj")
 
-    def layer_linears(self, i: int) -> list[str]:
-        """Module names of layer i's linears, in the order the forward calls them."""
-        p = self._layer_prefix(i)
-        return [f"{p}.{module}" for module in LAYER_LINEARS]
-
     def layer_tensor_names(self, i: int) -> list[str]:
         """Checkpoint tensor names layer i reads (norm weights, linear weights and biases)."""
-        p = self._layer_prefix(i)
+        p = self.layer_prefix(i)
         names = [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
         for module in self.layer_linears(i):
             names.append(f"{module}.weight")
-            if self._biased(module.rsplit(".", 1)[1]):
+            if self.biased(module.rsplit(".", 1)[1]):
                 names.append(f"{module}.bias")
         return names
 
     def _linear(self, linear: LinearHook, params: Mapping, module: str, x: jax.Array) -> jax.Array:
-        bias = params[f"{module}.bias"] if self._biased(module.rsplit(".", 1)[1]) else None
+        bias = params[f"{module}.bias"] if self.biased(module.rsplit(".", 1)[1]) else None
         return linear(module, x, params[f"{module}.weight"], bias)
 
     def embed_tensor_names(self) -> list[str]:
@@ -236,7 +235,7 @@ class LlamaModel(LayerStack):
     def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
                   linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Layer i's queries [B, H, T, d], keys and values [B, KV, T, d] before RoPE."""
-        a, p = self.args, f"{self._layer_prefix(i)}.self_attn"
+        a, p = self.args, f"{self.layer_prefix(i)}.self_attn"
         b, t, _ = x.shape
 
         def heads(module: str, n: int) -> jax.Array:
@@ -248,7 +247,7 @@ class LlamaModel(LayerStack):
 
     def attention(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook) -> jax.Array:
         """Self-attention of layer i on the normed hidden states x [B, T, hidden]."""
-        a, p = self.args, f"{self._layer_prefix(i)}.self_attn"
+        a, p = self.args, f"{self.layer_prefix(i)}.self_attn"
         b, t, _ = x.shape
         q, k, v = self.qkv_heads(i, params, x, linear)
         cos, sin = rope_angles(a.rope, self.rotary_dim, t)
@@ -261,17 +260,26 @@ class LlamaModel(LayerStack):
             grouped_linear: GroupedLinearHook) -> jax.Array:
         """SwiGLU feed-forward: down(act(gate(x)) * up(x))."""
         project = functools.partial(self._linear, linear, params)
-        return gated_mlp(project, f"{self._layer_prefix(i)}.mlp", x, self.args.hidden_act)
+        return gated_mlp(project, f"{self.layer_prefix(i)}.mlp", x, self.args.hidden_act)
 
     def layer(self, i: int, params: Mapping, hidden: jax.Array, attention_mask: jax.Array | None = None,
               linear: LinearHook = dense_linear,
               grouped_linear: GroupedLinearHook = dense_grouped_linear) -> jax.Array:
         """Decoder layer i (pre-norm): h += attn(norm(h)); h += mlp(norm(h))."""
-        p, eps = self._layer_prefix(i), self.args.rms_norm_eps
+        p, eps = self.layer_prefix(i), self.args.rms_norm_eps
         x = rms_norm(hidden, params[f"{p}.input_layernorm.weight"], eps)
         hidden = hidden + self.attention(i, params, x, attention_mask, linear)
         x = rms_norm(hidden, params[f"{p}.post_attention_layernorm.weight"], eps)
         return hidden + self.mlp(i, params, x, attention_mask, linear, grouped_linear)
+
+    def layer_norm_groups(self, i: int) -> list[SmoothingGroup]:
+        """input_layernorm -> q/k/v and post_attention_layernorm -> gate/up."""
+        return [SmoothingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                SmoothingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))]
+
+    def layer_linear_groups(self, i: int) -> list[SmoothingGroup]:
+        """v_proj -> o_proj, then up_proj -> down_proj."""
+        return [value_output_group(self.args), UP_DOWN_GROUP]
 
     def head_tensor_names(self) -> list[str]:
         """Tensor names the head reads: the final norm and lm_head (the embedding when tied)."""
@@ -287,50 +295,3 @@ class LlamaModel(LayerStack):
         return linear("lm_head", x, params[lm_head_name], None)
 
 
-def llama_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
-    """input_layernorm -> q/k/v and post_attention_layernorm -> gate/up in every layer."""
-    groups = []
-    for i in range(int(config["num_hidden_layers"])):
-        p = f"model.layers.{i}"
-        groups.append(SmoothingGroup(f"{p}.input_layernorm",
-                                     tuple(f"{p}.self_attn.{x}_proj" for x in "qkv")))
-        groups.append(SmoothingGroup(f"{p}.post_attention_layernorm",
-                                     (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj")))
-    return groups
-
-
-def value_output_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
-    """v_proj -> o_proj in every layer: attention is linear in V per head, so scaling v_proj's
-    output row c by 1/s scales every o_proj input channel that reads kv channel c by 1/s."""
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    return [SmoothingGroup(f"model.layers.{i}.self_attn.v_proj", (f"model.layers.{i}.self_attn.o_proj",),
-                           kv_repeat=heads // kv_heads, head_dim=head_dim)
-            for i in range(int(config["num_hidden_layers"]))]
-
-
-def llama_linear_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
-    """v_proj -> o_proj, then up_proj -> down_proj (down_proj's input is act(gate) * up, linear in up)."""
-    groups = []
-    for i, value_group in enumerate(value_output_groups(config)):
-        groups.append(value_group)
-        groups.append(SmoothingGroup(f"model.layers.{i}.mlp.up_proj", (f"model.layers.{i}.mlp.down_proj",)))
-    return groups
-
-
-VALUE_OUTPUT_REMEDY = ("v_proj rows -> o_proj columns "
-                       "(one scale per KV-head channel, shared by the query heads of its group)")
-LLAMA_REMEDY = f"{REMEDY_LEAD}{VALUE_OUTPUT_REMEDY}, up_proj rows -> down_proj columns"
-
-LLAMA = Architecture(
-    family="llama",
-    hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
-    linear_pattern=layer_linear_pattern("layers", LAYER_LINEARS),
-    smoothing_groups=llama_groups,
-    default_alpha=0.85,
-    linear_smoothing_groups=llama_linear_groups,
-    remedy=LLAMA_REMEDY,
-    causal_lm=True,
-    model=LlamaModel,
-)

@@ -20,7 +20,7 @@ from qconvert.models.activations import ACTIVATIONS
 from qconvert.models.config_values import config_fraction
 from qconvert.models.decoder_shapes import Shapes, embed_and_head_shapes, layer_norm_shapes
 from qconvert.models.hooks import GroupedLinearHook, LinearHook
-from qconvert.models.family import REMEDY_LEAD, Architecture, SmoothingGroup, layer_linear_pattern
+from qconvert.models.family import REMEDY_LEAD, SmoothingGroup
 from qconvert.models.llama import LlamaArgs, LlamaModel
 
 # A layer's linears, in the order the forward calls them.
@@ -39,6 +39,12 @@ def partial_rotary_factor(config: dict[str, Any]) -> float:
 class Phi3Model(LlamaModel):
     """Phi3ForCausalLM as pure functions of `params` (see LlamaModel); no biases."""
 
+    family = "phi3"
+    hf_architectures = ("Phi3ForCausalLM",)
+    remedy = (f"{REMEDY_LEAD}the value rows of qkv_proj -> o_proj columns (one scale per KV-head channel, "
+              "shared by the query heads of its group), the up rows of gate_up_proj -> down_proj columns")
+    LAYER_LINEARS = LAYER_LINEARS
+
     rotary_fraction: float = 1.0
 
     @classmethod
@@ -49,19 +55,14 @@ class Phi3Model(LlamaModel):
     def rotary_dim(self) -> int:
         return int(self.args.head_dim * self.rotary_fraction)
 
-    def _biased(self, proj: str) -> bool:
+    def biased(self, proj: str) -> bool:
         return False
-
-    def layer_linears(self, i: int) -> list[str]:
-        """Module names of layer i's linears, in the order the forward calls them."""
-        p = self._layer_prefix(i)
-        return [f"{p}.{module}" for module in LAYER_LINEARS]
 
     def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
                   linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries, keys and values cut from the rows of the fused qkv_proj."""
         a, (b, t, _) = self.args, x.shape
-        qkv = self._linear(linear, params, f"{self._layer_prefix(i)}.self_attn.qkv_proj", x)
+        qkv = self._linear(linear, params, f"{self.layer_prefix(i)}.self_attn.qkv_proj", x)
         q_end = a.num_attention_heads * a.head_dim
         k_end = q_end + a.num_key_value_heads * a.head_dim
 
@@ -73,16 +74,30 @@ class Phi3Model(LlamaModel):
     def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook,
             grouped_linear: GroupedLinearHook) -> jax.Array:
         """down(act(gate) * up) with gate and up the two halves of gate_up_proj's output."""
-        p = f"{self._layer_prefix(i)}.mlp"
+        p = f"{self.layer_prefix(i)}.mlp"
         gate, up = jnp.split(self._linear(linear, params, f"{p}.gate_up_proj", x), 2, axis=-1)
         return self._linear(linear, params, f"{p}.down_proj", ACTIVATIONS[self.args.hidden_act](gate) * up)
+
+    def layer_norm_groups(self, i: int) -> list[SmoothingGroup]:
+        """input_layernorm -> qkv_proj and post_attention_layernorm -> gate_up_proj."""
+        return [SmoothingGroup("input_layernorm", ("self_attn.qkv_proj",)),
+                SmoothingGroup("post_attention_layernorm", ("mlp.gate_up_proj",))]
+
+    def layer_linear_groups(self, i: int) -> list[SmoothingGroup]:
+        """The value rows of qkv_proj -> o_proj (GQA as in Llama) and the up rows of gate_up_proj ->
+        down_proj: the smoothing divides only those rows of the fused linear."""
+        a = self.args
+        return [SmoothingGroup("self_attn.qkv_proj", ("self_attn.o_proj",),
+                               kv_repeat=a.num_attention_heads // a.num_key_value_heads, head_dim=a.head_dim,
+                               source_offset=(a.num_attention_heads + a.num_key_value_heads) * a.head_dim),
+                SmoothingGroup("mlp.gate_up_proj", ("mlp.down_proj",), source_offset=a.intermediate_size)]
 
     def expected_shapes(self) -> Shapes:
         """Every tensor the forward reads, with the shape config.json implies."""
         a = self.args
         shapes = embed_and_head_shapes(self)
         for i in range(self.num_layers):
-            p = self._layer_prefix(i)
+            p = self.layer_prefix(i)
             shapes.update(layer_norm_shapes(self, i))
             shapes[f"{p}.self_attn.qkv_proj.weight"] = (
                 (a.num_attention_heads + 2 * a.num_key_value_heads) * a.head_dim, a.hidden_size)
@@ -90,42 +105,3 @@ class Phi3Model(LlamaModel):
             shapes[f"{p}.mlp.gate_up_proj.weight"] = (2 * a.intermediate_size, a.hidden_size)
             shapes[f"{p}.mlp.down_proj.weight"] = (a.hidden_size, a.intermediate_size)
         return shapes
-
-
-def _phi3_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
-    groups = []
-    for i in range(int(config["num_hidden_layers"])):
-        p = f"model.layers.{i}"
-        groups.append(SmoothingGroup(f"{p}.input_layernorm", (f"{p}.self_attn.qkv_proj",)))
-        groups.append(SmoothingGroup(f"{p}.post_attention_layernorm", (f"{p}.mlp.gate_up_proj",)))
-    return groups
-
-
-def _phi3_linear_groups(config: dict[str, Any]) -> list[SmoothingGroup]:
-    # The value rows of qkv_proj -> o_proj (GQA as in Llama) and the up rows of
-    # gate_up_proj -> down_proj: the smoothing divides only those rows of the fused linear.
-    a = LlamaArgs.from_config(config)
-    groups = []
-    for i in range(a.num_hidden_layers):
-        p = f"model.layers.{i}"
-        groups.append(SmoothingGroup(
-            f"{p}.self_attn.qkv_proj", (f"{p}.self_attn.o_proj",),
-            kv_repeat=a.num_attention_heads // a.num_key_value_heads,
-            head_dim=a.head_dim, source_offset=(a.num_attention_heads + a.num_key_value_heads) * a.head_dim))
-        groups.append(SmoothingGroup(f"{p}.mlp.gate_up_proj", (f"{p}.mlp.down_proj",),
-                                     source_offset=a.intermediate_size))
-    return groups
-
-
-PHI3 = Architecture(
-    family="phi3",
-    hf_architectures=("Phi3ForCausalLM",),
-    linear_pattern=layer_linear_pattern("layers", LAYER_LINEARS),
-    smoothing_groups=_phi3_groups,
-    default_alpha=0.85,
-    linear_smoothing_groups=_phi3_linear_groups,
-    remedy=(f"{REMEDY_LEAD}the value rows of qkv_proj -> o_proj columns (one scale per KV-head channel, "
-            "shared by the query heads of its group), the up rows of gate_up_proj -> down_proj columns"),
-    causal_lm=True,
-    model=Phi3Model,
-)

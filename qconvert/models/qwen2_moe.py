@@ -9,7 +9,7 @@ with p the router's softmax (`mlp.gate`), renormalized over the k kept only when
 `norm_topk_prob`. Layers in `mlp_only_layers`, or off the `decoder_sparse_step`
 beat, have a dense SwiGLU `mlp.{gate,up,down}_proj` instead. The experts run
 through the grouped hook (moe.py); the router and the shared expert's gate are
-ordinary linears that stay float (they are not in the family's linear pattern).
+ordinary linears that stay float (the family's FLOAT_LINEARS).
 """
 
 from __future__ import annotations
@@ -24,12 +24,16 @@ from qconvert.models.activations import ACTIVATIONS
 from qconvert.models.config_values import config_bool, config_int, config_layer_list
 from qconvert.models.decoder_shapes import (Shapes, attention_shapes, embed_and_head_shapes,
                                             layer_norm_shapes, swiglu_shapes)
-from qconvert.models.family import EXPERT, Architecture, SmoothingGroup, layer_linear_pattern
+from qconvert.models.family import EXPERT, SmoothingGroup
 from qconvert.models.hooks import GroupedLinearHook, LinearHook
-from qconvert.models.llama import ATTENTION_LINEARS, LLAMA_REMEDY, LlamaArgs, LlamaModel, value_output_groups
+from qconvert.models.llama import ATTENTION_LINEARS, LLAMA_REMEDY, LlamaModel, value_output_group
 from qconvert.models.moe import routed_experts
+from qconvert.models.qwen2 import qwen_args
 
 SWIGLU = ("gate_proj", "up_proj", "down_proj")
+ROUTER, SHARED_EXPERT_GATE = "mlp.gate", "mlp.shared_expert_gate"
+ROUTED = tuple(f"mlp.experts.{EXPERT}.{proj}" for proj in SWIGLU)
+SHARED = tuple(f"mlp.shared_expert.{proj}" for proj in SWIGLU)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,16 +75,34 @@ class QwenMoeArgs:
 class Qwen2MoeModel(LlamaModel):
     """Qwen2MoeForCausalLM as pure functions of `params` (see LlamaModel)."""
 
+    family = "qwen2_moe"
+    hf_architectures = ("Qwen2MoeForCausalLM",)
+    # v_proj -> o_proj and up_proj -> down_proj (in every expert, the shared expert and dense MLPs).
+    remedy = LLAMA_REMEDY
+    # A sparse layer: attention, the router, every expert's gate/up/down_proj, the shared expert and its gate;
+    # a dense one: attention and one SwiGLU. The router and the shared expert's gate stay float.
+    LAYER_LINEARS = ATTENTION_LINEARS + (ROUTER,) + ROUTED + SHARED + (SHARED_EXPERT_GATE,)
+    DENSE_LINEARS = ATTENTION_LINEARS + tuple(f"mlp.{proj}" for proj in SWIGLU)
+    FLOAT_LINEARS = (ROUTER, SHARED_EXPERT_GATE)
+
     moe: QwenMoeArgs = QwenMoeArgs(1, 1, 1, 0, True, ())
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Qwen2MoeModel":
-        args = dataclasses.replace(LlamaArgs.from_config(config), attention_bias=False,
+        args = dataclasses.replace(qwen_args(config), attention_bias=False,
                                    qkv_bias=config_bool(config, "qkv_bias", True))
         return cls(args, moe=QwenMoeArgs.from_config(config, shared_expert=True))
 
+    @property
+    def num_experts(self) -> int:
+        return self.moe.num_experts
+
+    def layer_modules(self, i: int) -> tuple[str, ...]:
+        """A sparse layer's LAYER_LINEARS, a dense one's DENSE_LINEARS."""
+        return self.LAYER_LINEARS if self.moe.sparse_layers[i] else self.DENSE_LINEARS
+
     def _mlp_prefix(self, i: int) -> str:
-        return f"{self._layer_prefix(i)}.mlp"
+        return f"{self.layer_prefix(i)}.mlp"
 
     def layer_signature(self, i: int) -> tuple:
         """What besides the weights sets layer i's program (layers with equal signatures share one)."""
@@ -88,32 +110,51 @@ class Qwen2MoeModel(LlamaModel):
 
     def router(self, i: int) -> str:
         """Layer i's router module (`mlp.gate`)."""
-        return f"{self._mlp_prefix(i)}.gate"
+        return f"{self.layer_prefix(i)}.{ROUTER}"
 
     def expert_linears(self, i: int, proj: str) -> list[str]:
         """Module names of layer i's experts' `proj` (gate_proj, up_proj or down_proj), expert 0 first."""
         return [f"{self._mlp_prefix(i)}.experts.{e}.{proj}" for e in range(self.moe.num_experts)]
 
+    def shared_expert_modules(self) -> tuple[str, ...]:
+        """A sparse layer's shared expert gate/up/down_proj and its sigmoid gate, inside the layer
+        (none without a shared expert)."""
+        return SHARED + (SHARED_EXPERT_GATE,) if self.moe.shared_expert_intermediate_size else ()
+
     def shared_expert_linears(self, i: int) -> list[str]:
         """Layer i's shared expert gate/up/down_proj and its sigmoid gate (none without a shared expert)."""
-        if not self.moe.shared_expert_intermediate_size:
-            return []
-        p = self._mlp_prefix(i)
-        return [f"{p}.shared_expert.{proj}" for proj in SWIGLU] + [f"{p}.shared_expert_gate"]
+        return [f"{self.layer_prefix(i)}.{m}" for m in self.shared_expert_modules()]
 
-    def layer_linears(self, i: int) -> list[str]:
-        """Attention, then the router, every expert's gate/up/down_proj and the shared expert (sparse
-        layers) or the dense gate/up/down_proj."""
-        attention = [f"{self._layer_prefix(i)}.{module}" for module in ATTENTION_LINEARS]
-        if not self.moe.sparse_layers[i]:
-            return attention + [f"{self._mlp_prefix(i)}.{proj}" for proj in SWIGLU]
-        experts = [m for proj in SWIGLU for m in self.expert_linears(i, proj)]
-        return attention + [self.router(i)] + experts + self.shared_expert_linears(i)
-
-    def _biased(self, proj: str) -> bool:
+    def biased(self, proj: str) -> bool:
         if proj not in ("q_proj", "k_proj", "v_proj", "o_proj"):
             return False
         return self.args.attention_bias or (self.args.qkv_bias and proj != "o_proj")
+
+    def layer_norm_groups(self, i: int) -> list[SmoothingGroup]:
+        """input_layernorm -> q/k/v; post_attention_layernorm -> everything the feed-forward reads x with:
+        the shared expert's gate/up_proj, every expert's gate/up_proj, and the router and shared-expert
+        gate, which absorb s so the float model is unchanged but stay float (dense layers: gate/up_proj)."""
+        attention = SmoothingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+        if not self.moe.sparse_layers[i]:
+            return [attention, SmoothingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))]
+        shared = self.shared_expert_modules()
+        experts = tuple(f"mlp.experts.{e}.{proj}" for e in range(self.num_experts) for proj in SWIGLU[:2])
+        # The shared expert (every token) first: --alpha auto searches on the first linear's input.
+        return [attention, SmoothingGroup("post_attention_layernorm", (*shared[:2], *experts, ROUTER, *shared[3:]))]
+
+    def layer_linear_groups(self, i: int) -> list[SmoothingGroup]:
+        """up_proj -> down_proj in every expert and the shared expert (sparse layers), or the dense MLP."""
+        if self.moe.sparse_layers[i]:
+            owners = [f"mlp.experts.{e}" for e in range(self.num_experts)]
+            owners += ["mlp.shared_expert"] if self.moe.shared_expert_intermediate_size else []
+        else:
+            owners = ["mlp"]
+        return [SmoothingGroup(f"{o}.up_proj", (f"{o}.down_proj",)) for o in owners]
+
+    def linear_smoothing_groups(self) -> list[SmoothingGroup]:
+        """v_proj -> o_proj in every layer as in Llama, then the feed-forward's groups (the order
+        qconvert.json records)."""
+        return self.every_layer(lambda i: [value_output_group(self.args)]) + super().linear_smoothing_groups()
 
     def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook,
             grouped_linear: GroupedLinearHook) -> jax.Array:
@@ -157,61 +198,3 @@ class Qwen2MoeModel(LlamaModel):
                 shapes.update(swiglu_shapes(f"{p}.shared_expert", a.hidden_size, m.shared_expert_intermediate_size))
                 shapes[f"{p}.shared_expert_gate.weight"] = (1, a.hidden_size)
         return shapes
-
-
-def moe_smoothing_groups(model: Qwen2MoeModel) -> list[SmoothingGroup]:
-    """input_layernorm -> q/k/v; post_attention_layernorm -> everything the feed-forward reads x with:
-    the shared expert's gate/up_proj, every expert's gate/up_proj, and the router and shared-expert
-    gate, which absorb s so the float model is unchanged but stay float (dense layers: gate/up_proj)."""
-    groups = []
-    for i in range(model.num_layers):
-        p, mlp = model._layer_prefix(i), model._mlp_prefix(i)
-        groups.append(SmoothingGroup(f"{p}.input_layernorm", tuple(f"{p}.self_attn.{x}_proj" for x in "qkv")))
-        if model.moe.sparse_layers[i]:
-            shared = model.shared_expert_linears(i)
-            experts = [f"{e}.{proj}" for e in (f"{mlp}.experts.{n}" for n in range(model.moe.num_experts))
-                       for proj in SWIGLU[:2]]
-            # The shared expert (every token) first: --alpha auto searches on the first linear's input.
-            linears = shared[:2] + experts + [model.router(i)] + shared[3:]
-        else:
-            linears = [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
-        groups.append(SmoothingGroup(f"{p}.post_attention_layernorm", tuple(linears)))
-    return groups
-
-
-def moe_linear_smoothing_groups(model: Qwen2MoeModel, config: dict[str, Any]) -> list[SmoothingGroup]:
-    """v_proj -> o_proj as in Llama; up_proj -> down_proj in every expert, the shared expert and dense MLPs."""
-    groups = value_output_groups(config)
-    for i in range(model.num_layers):
-        mlp = model._mlp_prefix(i)
-        if model.moe.sparse_layers[i]:
-            owners = [f"{mlp}.experts.{e}" for e in range(model.moe.num_experts)]
-            owners += [f"{mlp}.shared_expert"] if model.moe.shared_expert_intermediate_size else []
-        else:
-            owners = [mlp]
-        groups.extend(SmoothingGroup(f"{o}.up_proj", (f"{o}.down_proj",)) for o in owners)
-    return groups
-
-
-# Routers (mlp.gate) and shared-expert gates are deliberately not matched: they stay float.
-QWEN_MOE_LINEARS = layer_linear_pattern("layers", ATTENTION_LINEARS + tuple(
-    f"mlp.{owner}{proj}" for owner in ("", f"experts.{EXPERT}.", "shared_expert.") for proj in SWIGLU))
-
-
-def qwen_moe_architecture(family: str, hf_architecture: str, model: type[Qwen2MoeModel]) -> Architecture:
-    """A Qwen-MoE family's Architecture: its linears and smoothing groups come from `model`."""
-    return Architecture(
-        family=family,
-        hf_architectures=(hf_architecture,),
-        linear_pattern=QWEN_MOE_LINEARS,
-        smoothing_groups=lambda config: moe_smoothing_groups(model.from_config(config)),
-        default_alpha=0.85,
-        linear_smoothing_groups=lambda config: moe_linear_smoothing_groups(model.from_config(config), config),
-        # v_proj -> o_proj and up_proj -> down_proj (in every expert, the shared expert and dense MLPs).
-        remedy=LLAMA_REMEDY,
-        causal_lm=True,
-        model=model,
-    )
-
-
-QWEN2_MOE = qwen_moe_architecture("qwen2_moe", "Qwen2MoeForCausalLM", Qwen2MoeModel)

@@ -16,13 +16,13 @@ from qconvert.models.config_values import config_int
 from qconvert.models.decoder_shapes import (Shapes, attention_shapes, embed_and_head_shapes,
                                             layer_norm_shapes, swiglu_shapes)
 from qconvert.models.hooks import LinearHook
-from qconvert.models.family import Architecture
-from qconvert.models.llama import LLAMA, LlamaArgs, LlamaModel, rms_norm
+from qconvert.models.llama import LlamaModel, rms_norm
+from qconvert.models.qwen2 import qwen_args
 
 
 def qk_norm_names(model: LlamaModel, i: int) -> list[str]:
     """Layer i's per-head query and key norm weights."""
-    p = f"{model._layer_prefix(i)}.self_attn"
+    p = f"{model.layer_prefix(i)}.self_attn"
     return [f"{p}.q_norm.weight", f"{p}.k_norm.weight"]
 
 
@@ -55,12 +55,16 @@ def check_head_dim(config: dict[str, Any]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3Model(QkNormAttention, LlamaModel):
-    """Qwen3ForCausalLM as pure functions of `params` (see LlamaModel)."""
+    """Qwen3ForCausalLM as pure functions of `params` (see LlamaModel): Llama's linears, smoothing groups
+    and remedy, Qwen's sliding windows, no biases."""
+
+    family = "qwen3"
+    hf_architectures = ("Qwen3ForCausalLM",)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Qwen3Model":
         check_head_dim(config)
-        return cls(LlamaArgs.from_config(config))
+        return cls(qwen_args(config))
 
     def expected_shapes(self) -> Shapes:
         """Every tensor the forward reads, with the shape config.json implies."""
@@ -70,18 +74,5 @@ class Qwen3Model(QkNormAttention, LlamaModel):
             shapes.update(layer_norm_shapes(self, i))
             shapes.update(attention_shapes(self, i))
             shapes.update({name: (a.head_dim,) for name in qk_norm_names(self, i)})
-            shapes.update(swiglu_shapes(f"{self._layer_prefix(i)}.mlp", a.hidden_size, a.intermediate_size))
+            shapes.update(swiglu_shapes(f"{self.layer_prefix(i)}.mlp", a.hidden_size, a.intermediate_size))
         return shapes
-
-
-QWEN3 = Architecture(
-    family="qwen3",
-    hf_architectures=("Qwen3ForCausalLM",),
-    linear_pattern=LLAMA.linear_pattern,
-    smoothing_groups=LLAMA.smoothing_groups,
-    default_alpha=0.85,
-    linear_smoothing_groups=LLAMA.linear_smoothing_groups,
-    remedy=LLAMA.remedy,  # the same v_proj -> o_proj and up_proj -> down_proj groups
-    causal_lm=True,
-    model=Qwen3Model,
-)

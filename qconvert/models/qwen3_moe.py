@@ -11,8 +11,8 @@ from typing import Any
 
 from qconvert.models.config_values import config_bool
 from qconvert.models.decoder_shapes import Shapes
-from qconvert.models.llama import LlamaArgs
-from qconvert.models.qwen2_moe import QwenMoeArgs, Qwen2MoeModel, qwen_moe_architecture
+from qconvert.models.llama import ATTENTION_LINEARS, LlamaArgs
+from qconvert.models.qwen2_moe import ROUTED, ROUTER, QwenMoeArgs, Qwen2MoeModel
 from qconvert.models.qwen3 import QkNormAttention, check_head_dim, qk_norm_names
 
 
@@ -25,6 +25,11 @@ def qwen3_moe_windows(config: dict[str, Any], layers: int) -> tuple[int | None, 
 @dataclasses.dataclass(frozen=True)
 class Qwen3MoeModel(QkNormAttention, Qwen2MoeModel):
     """Qwen3MoeForCausalLM as pure functions of `params` (see LlamaModel)."""
+
+    family = "qwen3_moe"
+    hf_architectures = ("Qwen3MoeForCausalLM",)
+    LAYER_LINEARS = ATTENTION_LINEARS + (ROUTER,) + ROUTED  # no shared expert
+    FLOAT_LINEARS = (ROUTER,)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Qwen3MoeModel":
@@ -40,6 +45,3 @@ class Qwen3MoeModel(QkNormAttention, Qwen2MoeModel):
         for i in range(self.num_layers):
             shapes.update({name: (self.args.head_dim,) for name in qk_norm_names(self, i)})
         return shapes
-
-
-QWEN3_MOE = qwen_moe_architecture("qwen3_moe", "Qwen3MoeForCausalLM", Qwen3MoeModel)

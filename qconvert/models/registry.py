@@ -1,6 +1,6 @@
 """The registry of model families: decides from config.json alone whether a model is supported.
 
-Each family module defines its Architecture (names, linears, smoothing groups,
+Each family module defines its family class (names, linears, smoothing groups,
 remedy, default alpha, forward); this module only lists them and finds the one
 a config.json names.
 """
@@ -10,26 +10,28 @@ from __future__ import annotations
 from typing import Any
 
 from qconvert.formats.errors import InvalidCheckpointError, UnsupportedModelError
-from qconvert.models.bert import BERT
-from qconvert.models.family import Architecture, SmoothingGroup
-from qconvert.models.gemma import GEMMA
-from qconvert.models.llama import LLAMA
-from qconvert.models.mixtral import MIXTRAL
-from qconvert.models.phi3 import PHI3
-from qconvert.models.qwen2_moe import QWEN2_MOE
-from qconvert.models.qwen3 import QWEN3
-from qconvert.models.qwen3_moe import QWEN3_MOE
+from qconvert.models.bert import BertModel
+from qconvert.models.family import Family
+from qconvert.models.gemma import GemmaModel
+from qconvert.models.llama import LlamaModel
+from qconvert.models.mixtral import MixtralModel
+from qconvert.models.phi3 import Phi3Model
+from qconvert.models.qwen2 import Qwen2Model
+from qconvert.models.qwen2_moe import Qwen2MoeModel
+from qconvert.models.qwen3 import Qwen3Model
+from qconvert.models.qwen3_moe import Qwen3MoeModel
 
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, BERT, MIXTRAL, GEMMA, PHI3, QWEN2_MOE, QWEN3, QWEN3_MOE)
+FAMILIES: tuple[type[Family], ...] = (LlamaModel, Qwen2Model, BertModel, MixtralModel, GemmaModel, Phi3Model,
+                                      Qwen2MoeModel, Qwen3Model, Qwen3MoeModel)
 
 
 def supported_architectures() -> list[str]:
     """Every Hugging Face architecture name qconvert converts with a forward pass, sorted."""
-    return sorted(a for arch in ARCHITECTURES for a in arch.hf_architectures)
+    return sorted(a for family in FAMILIES for a in family.hf_architectures)
 
 
-def architecture_for(config: dict[str, Any]) -> Architecture:
-    """The Architecture for a parsed config.json, or UnsupportedModelError naming what is supported."""
+def family_for(config: dict[str, Any]) -> type[Family]:
+    """The family class for a parsed config.json, or UnsupportedModelError naming what is supported."""
     names = config.get("architectures") or []
     if isinstance(names, str) or (isinstance(names, list) and names and not isinstance(names[0], str)):
         raise InvalidCheckpointError(
@@ -40,12 +42,12 @@ def architecture_for(config: dict[str, Any]) -> Architecture:
             "config.json names no architecture (\"architectures\" is missing); supported: "
             + ", ".join(supported_architectures())
         )
-    for arch in ARCHITECTURES:
-        if names[0] in arch.hf_architectures:
-            return arch
+    for family in FAMILIES:
+        if names[0] in family.hf_architectures:
+            return family
     raise UnsupportedModelError(
         f"unsupported architecture {names[0]}; supported: " + ", ".join(supported_architectures())
     )
 
 
-__all__ = ["ARCHITECTURES", "Architecture", "SmoothingGroup", "architecture_for", "supported_architectures"]
+__all__ = ["FAMILIES", "family_for", "supported_architectures"]

@@ -114,7 +114,7 @@ class LayerPrograms:
 
     def __init__(self, model, share: bool):
         self.model = model
-        self.share = share and hasattr(model, "_layer_prefix")
+        self.share = share and hasattr(model, "layer_prefix")
         self.representatives: dict[Hashable, int] = {}
 
     def representative(self, i: int) -> int:
@@ -131,7 +131,7 @@ class LayerPrograms:
         """`name` of layer `src` as layer `dst` calls it."""
         if src == dst:
             return name
-        a, b = f"{self.model._layer_prefix(src)}.", f"{self.model._layer_prefix(dst)}."
+        a, b = f"{self.model.layer_prefix(src)}.", f"{self.model.layer_prefix(dst)}."
         return b + name[len(a):] if name.startswith(a) else name
 
 

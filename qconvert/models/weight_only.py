@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from qconvert.formats.errors import UnsupportedModelError
-from qconvert.models.registry import Architecture, architecture_for
+from qconvert.models.family import Family, FamilyFacts
+from qconvert.models.registry import family_for
 
 FAMILY = "weight-only"
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
@@ -30,13 +31,14 @@ def architecture_name(config: Mapping[str, Any]) -> str:
 
 
 def check_architecture(config: dict[str, Any], *, any_architecture: bool, scheme: str, weight_only: bool,
-                       weight_only_schemes: str) -> None:
-    """Refuse, before any weight is read, what cannot be converted: an unknown architecture
+                       weight_only_schemes: str) -> type[Family] | None:
+    """The known family of config.json, or None for an unknown one that --any-architecture lets through.
+
+    Refuses, before any weight is read, what cannot be converted: an unknown architecture
     without --any-architecture, or with it for a scheme that needs a forward pass (not `weight_only`).
     `weight_only_schemes` names the schemes that need none, as the message lists them."""
     try:
-        architecture_for(config)
-        return
+        return family_for(config)
     except UnsupportedModelError as err:
         if not any_architecture:
             raise UnsupportedModelError(
@@ -46,6 +48,7 @@ def check_architecture(config: dict[str, Any], *, any_architecture: bool, scheme
         raise UnsupportedModelError(
             f"--scheme {scheme} needs a known family (calibration runs its forward pass) and "
             f"{architecture_name(config)} is not one; --any-architecture converts with --scheme {weight_only_schemes}")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,34 +100,45 @@ def select_linears(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ..
     return WeightOnlySelection(architecture_name(config), prefix, len(layers), tuple(sorted(modules)))
 
 
-def weight_only_architecture(selection: WeightOnlySelection) -> Architecture:
-    """An Architecture whose linears are the selection's modules in every layer; nothing is smoothed."""
-    modules = "|".join(re.escape(m) for m in selection.modules)
-    return Architecture(
-        family=FAMILY,
-        hf_architectures=(selection.architecture,),
-        linear_pattern=re.compile(rf"^{re.escape(selection.layer_prefix)}\.\d+\.(?:{modules})$"),
-        causal_lm=False,  # no forward pass here, so no logits are judged
-        model=None,
-    )
+@dataclasses.dataclass(frozen=True)
+class WeightOnlyFamily:
+    """The family facts (family.FamilyFacts) of a decoder the layer-prefix rule chose linears for: its
+    linears are the selection's modules in every layer; nothing is smoothed and there is no forward."""
+
+    selection: WeightOnlySelection
+    family = FAMILY
+    default_alpha = 0.5
+    causal_lm = False  # no forward pass here, so no logits are judged
+    remedy = ""
+
+    @property
+    def hf_architectures(self) -> tuple[str, ...]:
+        return (self.selection.architecture,)
+
+    @property
+    def linear_pattern(self) -> re.Pattern:
+        modules = "|".join(re.escape(m) for m in self.selection.modules)
+        return re.compile(rf"^{re.escape(self.selection.layer_prefix)}\.\d+\.(?:{modules})$")
+
+    def linear_names(self, tensor_names) -> list[str]:
+        """Module names (sorted) of the selected linears among a checkpoint's tensor names."""
+        modules = [name[: -len(".weight")] for name in tensor_names if name.endswith(".weight")]
+        return sorted(m for m in modules if self.linear_pattern.search(m))
 
 
-def resolve_architecture(config: dict[str, Any], shapes: Mapping[str, tuple[int, ...]],
-                         dtypes: Mapping[str, str], *, any_architecture: bool
-                         ) -> tuple[Architecture, WeightOnlySelection | None]:
-    """The known family, or with any_architecture the weight-only rule's Architecture and selection."""
+def checkpoint_family(config: dict[str, Any], ckpt, *, any_architecture: bool,
+                      family: type[Family] | None = None) -> tuple[FamilyFacts, WeightOnlySelection | None]:
+    """config.json's family (`family` when the caller found it already), or for an unknown decoder with
+    any_architecture the layer-prefix rule's family and selection from a SafetensorsCheckpoint's header
+    (no tensor is read)."""
+    if family is not None:
+        return family, None
     try:
-        return architecture_for(config), None
+        return family_for(config), None
     except UnsupportedModelError:
         if not any_architecture:
             raise
-    selection = select_linears(config, shapes, dtypes)
-    return weight_only_architecture(selection), selection
-
-
-def checkpoint_architecture(config: dict[str, Any], ckpt, *, any_architecture: bool
-                            ) -> tuple[Architecture, WeightOnlySelection | None]:
-    """resolve_architecture on a SafetensorsCheckpoint's header (no tensor is read)."""
     names = ckpt.tensor_names
-    return resolve_architecture(config, {n: tuple(ckpt.shape(n)) for n in names},
-                                {n: ckpt.dtype(n).name for n in names}, any_architecture=any_architecture)
+    selection = select_linears(config, {n: tuple(ckpt.shape(n)) for n in names},
+                               {n: ckpt.dtype(n).name for n in names})
+    return WeightOnlyFamily(selection), selection
