@@ -131,9 +131,7 @@ def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, atte
         # A quantized head (--include lm_head) reads the final norm's output, after the layers.
         results += compare(head_observed(model, reference, final_hidden, attention_mask, head_wanted), head_wanted)
     missing = wanted - {r.name for r in results}
-    if missing:
-        # A quantized linear the float forward never called: the folder and the
-        # reference disagree on the architecture.
+    if missing:  # a quantized linear the float forward never called
         raise InvalidCheckpointError(
             f"no activations reached quantized linear {sorted(missing)[0]} in the reference forward pass; "
             "the folder and the reference disagree on the architecture")
