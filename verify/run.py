@@ -26,7 +26,7 @@ from qconvert.formats.errors import FormatError, UsageError
 from qconvert.formats.layouts import QuantizedCheckpoint, open_quantized
 from qconvert.formats.record import ConversionRecord
 from qconvert.formats.safetensors_io import sha256_file
-from qconvert.kernels.plan import platform
+from qconvert.kernels.plan import BACKENDS, platform
 from qconvert.models import read_tensors
 from qconvert.progress import Reporter, as_reporter
 from qconvert.schemes import scheme_named
@@ -117,8 +117,9 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions(), progress: Re
 def check_backend(backend: str) -> None:
     """--backend tpu/gpu needs that platform (cpu interprets the TPU kernels anywhere, xla runs anywhere);
     UsageError if absent."""
-    if backend not in (AUTO, "cpu", "xla", "tpu", "gpu"):
-        raise UsageError(f"unknown --backend {backend!r}; choose auto, tpu, gpu, cpu or xla")
+    choices = [name for name in BACKENDS if name != "reference"]  # the reference is no deployment kernel
+    if backend not in choices:
+        raise UsageError(f"unknown --backend {backend!r}; choose {', '.join(choices[:-1])} or {choices[-1]}")
     if backend in ("tpu", "gpu") and platform() != backend:
         raise UsageError(f"--backend {backend} needs a {backend.upper()}, but JAX runs on "
                          f"{jax.default_backend()}; use --backend auto, xla or cpu")
