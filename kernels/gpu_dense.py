@@ -41,9 +41,10 @@ def _col_vec(tiling: Tiling):
     return pl.BlockSpec((1, tiling.tn), lambda i, j: (0, j))
 
 
-def _launch(kernel, operands, in_specs, *, tiling: Tiling, mp: int, np_: int, out_dtype, interpret: bool):
+def _launch(kernel, operands, in_specs, *, tiling: Tiling, mp: int, np_: int, out_dtype, interpret: bool,
+            name: str | None = None):
     """The pallas_call of every dense kernel: grid (Mp/tm, Np/tn), a [tm, tn] output block; `in_specs` are the
-    operands' blocks."""
+    operands' blocks, `name` the kernel's name in the lowered module (the kernel function's own by default)."""
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
@@ -52,6 +53,7 @@ def _launch(kernel, operands, in_specs, *, tiling: Tiling, mp: int, np_: int, ou
         out_specs=pl.BlockSpec((tiling.tm, tiling.tn), lambda i, j: (i, j)),
         compiler_params=_compiler_params(tiling),
         interpret=interpret,
+        name=name,
     )(*operands)
 
 
@@ -120,14 +122,33 @@ def int8_weight_matmul_gpu(x, w_q, w_scale, bias, *, tiling: Tiling, out_dtype, 
                    tiling=tiling, mp=mp, np_=np_, out_dtype=out_dtype, interpret=interpret)
 
 
-def _packed4_call(kernel, x_even, x_odd, w_bytes, scales, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
-                  interpret: bool):
+def _packed4_kernel(xe_ref, xo_ref, w_ref, s_ref, b_ref, o_ref, *, step_dot, tk, has_bias):
+    """NF4 and int4: two codes a byte, x split into even and odd columns; each K step's tile decoded and
+    multiplied by `step_dot` with the step's scale columns (tk/64 absmax blocks, or its int4 groups)."""
+    half = tk // 2
+    steps = w_ref.shape[1] // half
+    groups = s_ref.shape[1] // steps  # scale columns per K step
+
+    def step(k, acc):
+        cols = pl.ds(pl.multiple_of(k * half, half), half)
+        scales = int4_step_scales(s_ref, k, groups)
+        return step_dot(acc, xe_ref[:, cols], xo_ref[:, cols], w_ref[:, cols].astype(jnp.int32), scales)
+
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, jnp.float32))
+    if has_bias:
+        acc = acc + b_ref[...]
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _packed4_call(name, step_dot, x_even, x_odd, w_bytes, scales, bias, *, tiling: Tiling, out_dtype,
+                  has_bias: bool, interpret: bool):
     # NF4 and int4: two codes a byte (Kp/2 byte columns), x split into even and odd columns, the scales' whole row.
     (mp, kp_half), np_ = x_even.shape, w_bytes.shape[0]
-    return _launch(functools.partial(kernel, tk=tiling.tk, has_bias=has_bias), (x_even, x_odd, w_bytes, scales, bias),
+    return _launch(functools.partial(_packed4_kernel, step_dot=step_dot, tk=tiling.tk, has_bias=has_bias),
+                   (x_even, x_odd, w_bytes, scales, bias),
                    [_rows(tiling, kp_half), _rows(tiling, kp_half), _cols(tiling, kp_half),
                     _cols(tiling, scales.shape[1]), _col_vec(tiling)],
-                   tiling=tiling, mp=mp, np_=np_, out_dtype=out_dtype, interpret=interpret)
+                   tiling=tiling, mp=mp, np_=np_, out_dtype=out_dtype, interpret=interpret, name=name)
 
 
 def nf4_step_dot(acc, xe, xo, packed, block_scales):
@@ -149,26 +170,12 @@ def nf4_step_dot(acc, xe, xo, packed, block_scales):
     return acc + jax.lax.dot_general(xo, w_low, NT_DIMS, preferred_element_type=jnp.float32, precision=HIGHEST)
 
 
-def _nf4_kernel(xe_ref, xo_ref, w_ref, a_ref, b_ref, o_ref, *, tk, has_bias):
-    half, blocks = tk // 2, tk // NF4_BLOCK_SIZE  # a K step is tk codes: tk/2 bytes, tk/64 absmax blocks
-
-    def step(k, acc):
-        cols = pl.ds(pl.multiple_of(k * half, half), half)
-        scales = [a_ref[:, pl.ds(k * blocks + b, 1)] for b in range(blocks)]
-        return nf4_step_dot(acc, xe_ref[:, cols], xo_ref[:, cols], w_ref[:, cols].astype(jnp.int32), scales)
-
-    acc = jax.lax.fori_loop(0, w_ref.shape[1] // half, step, jnp.zeros(o_ref.shape, jnp.float32))
-    if has_bias:
-        acc = acc + b_ref[...]
-    o_ref[...] = acc.astype(o_ref.dtype)
-
-
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
 def nf4_matmul_gpu(x_even, x_odd, w_bytes, absmax, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
                    interpret: bool = False):
     """Padded operands: x_even/x_odd [Mp, Kp/2], w_bytes [Np, Kp/2] u8, absmax [Np, Kp/64], bias [1, Np]."""
-    return _packed4_call(_nf4_kernel, x_even, x_odd, w_bytes, absmax, bias, tiling=tiling, out_dtype=out_dtype,
-                         has_bias=has_bias, interpret=interpret)
+    return _packed4_call("_nf4_kernel", nf4_step_dot, x_even, x_odd, w_bytes, absmax, bias, tiling=tiling,
+                         out_dtype=out_dtype, has_bias=has_bias, interpret=interpret)
 
 
 def int4_step_dot(acc, xe, xo, packed, group_scales):
@@ -194,26 +201,10 @@ def int4_step_scales(s_ref, k, groups: int, g=None):
     return [s_ref[g, :, pl.ds(k * groups + b, 1)] for b in range(groups)]
 
 
-def _int4_kernel(xe_ref, xo_ref, w_ref, s_ref, b_ref, o_ref, *, tk, has_bias):
-    half = tk // 2
-    steps = w_ref.shape[1] // half
-    groups = s_ref.shape[1] // steps  # scale groups per K step (1 for a per-channel scale)
-
-    def step(k, acc):
-        cols = pl.ds(pl.multiple_of(k * half, half), half)
-        return int4_step_dot(acc, xe_ref[:, cols], xo_ref[:, cols], w_ref[:, cols].astype(jnp.int32),
-                             int4_step_scales(s_ref, k, groups))
-
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, jnp.float32))
-    if has_bias:
-        acc = acc + b_ref[...]
-    o_ref[...] = acc.astype(o_ref.dtype)
-
-
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
 def int4_weight_matmul_gpu(x_even, x_odd, w_bytes, scales, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
                            interpret: bool = False):
     """Padded operands: x_even/x_odd [Mp, Kp/2], w_bytes [Np, Kp/2] i8 (int4_weight_operands),
     scales [Np, Kp/group] f32, bias [1, Np]."""
-    return _packed4_call(_int4_kernel, x_even, x_odd, w_bytes, scales, bias, tiling=tiling, out_dtype=out_dtype,
-                         has_bias=has_bias, interpret=interpret)
+    return _packed4_call("_int4_kernel", int4_step_dot, x_even, x_odd, w_bytes, scales, bias, tiling=tiling,
+                         out_dtype=out_dtype, has_bias=has_bias, interpret=interpret)
