@@ -97,8 +97,8 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
             message: Callable[[str], None] | None = None) -> ConvertResult:
     """`qconvert quantize`: MODEL (a folder or Hub id) into OUT, each step once.
 
-    Check OUT; resolve MODEL (one commit for a Hub branch); open its checkpoint
-    and find its architecture; plan every output tensor; for w8a8, calibrate and
+    Check OUT; resolve MODEL (one commit for a Hub branch) and find its family;
+    open its checkpoint (closed at the end); plan every output tensor; for w8a8, calibrate and
     smooth on that same checkpoint (qconvert.w8a8); stream-quantize into shards
     beside OUT; write config.json and qconvert.json; rename into place.
     `message` receives the w8a8 stage's progress lines.
@@ -107,41 +107,15 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
     out = Path(out)
     if not options.dry_run:
         check_output_target(model, out, options.overwrite)  # before any download
-    scheme = options.scheme_object
-    resolved = resolve_source(model, options.revision, scheme=scheme, any_architecture=options.any_architecture)
+    resolved = resolve_source(model, options.revision, scheme=options.scheme_object,
+                              any_architecture=options.any_architecture)
     if not options.dry_run and resolved.is_hub:
         check_output_location(out, resolved.folder)  # not inside the Hub cache either
-    phases: list[tuple[str, float]] = []
     try:
         with stage("planning"):
             source = open_source(resolved, any_architecture=options.any_architecture)
-        try:
-            with stage("planning"):
-                plan = plan_conversion(source, scheme=scheme,
-                                       include=options.include, exclude=options.exclude,
-                                       double_quant=options.double_quant, static_act=options.act == "static",
-                                       group_size=options.group_size, dry_run=options.dry_run)
-            for note in plan.notes:
-                if message is not None:
-                    message(note)
-            with contextlib.ExitStack() as scratch:
-                gptq = _sequential_gptq(source, plan, options, out, scratch)
-                w8a8 = W8A8Adjustments()
-                if (scheme.calibrates or gptq) and not (options.dry_run and (options.act == "dynamic" or plan.refusal)):
-                    calibration_started = time.perf_counter()
-                    with stage("calibration"):
-                        w8a8 = prepare_w8a8(source, options, message, plan.quantized_modules, gptq)
-                    if w8a8.calibration_record is not None:
-                        phases.append(("calibrated", time.perf_counter() - calibration_started))
-                if options.act == "static" and not plan.refusal:
-                    _check_input_scales(plan, w8a8.input_scales or {})
-                files: dict[str, str] = {}
-                if not options.dry_run:
-                    writing_started = time.perf_counter()
-                    files = write_output(source, out, plan, options, w8a8, progress)
-                    phases.append(("wrote", time.perf_counter() - writing_started))
-        finally:
-            source.close()
+        with source:
+            plan, w8a8, files, phases = _convert_source(source, out, options, progress, message)
     except FormatError as err:
         raise InvalidCheckpointError(f"{err}") from None
     ckpt = source.checkpoint
@@ -157,6 +131,39 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
         notes=tuple(n for n in (plan.server_note, gptq_data_note(w8a8, ckpt)) if n),
         refusal=plan.refusal, kept_float=plan.kept_float,
     )
+
+
+def _convert_source(source: SourceModel, out: Path, options: ConvertOptions, progress: Progress | None,
+                    message: Callable[[str], None] | None
+                    ) -> tuple[ConversionPlan, W8A8Adjustments, dict[str, str], list[tuple[str, float]]]:
+    """Plan, calibrate where the scheme or GPTQ needs it, and write OUT (not for a dry run): the plan, the w8a8
+    stage's adjustments, the output files' hashes and the seconds of each phase."""
+    scheme = options.scheme_object
+    with stage("planning"):
+        plan = plan_conversion(source, scheme=scheme, include=options.include, exclude=options.exclude,
+                               double_quant=options.double_quant, static_act=options.act == "static",
+                               group_size=options.group_size, dry_run=options.dry_run)
+    for note in plan.notes:
+        if message is not None:
+            message(note)
+    phases: list[tuple[str, float]] = []
+    files: dict[str, str] = {}
+    with contextlib.ExitStack() as scratch:
+        gptq = _sequential_gptq(source, plan, options, out, scratch)
+        w8a8 = W8A8Adjustments()
+        if (scheme.calibrates or gptq) and not (options.dry_run and (options.act == "dynamic" or plan.refusal)):
+            calibration_started = time.perf_counter()
+            with stage("calibration"):
+                w8a8 = prepare_w8a8(source, options, message, plan.quantized_modules, gptq)
+            if w8a8.calibration_record is not None:
+                phases.append(("calibrated", time.perf_counter() - calibration_started))
+        if options.act == "static" and not plan.refusal:
+            _check_input_scales(plan, w8a8.input_scales or {})
+        if not options.dry_run:
+            writing_started = time.perf_counter()
+            files = write_output(source, out, plan, options, w8a8, progress)
+            phases.append(("wrote", time.perf_counter() - writing_started))
+    return plan, w8a8, files, phases
 
 
 # GPTQ's Hessian needs many more calibration tokens than the linear's input width to stand for other text.
