@@ -99,21 +99,17 @@ def _calibrate(source: SourceModel, groups: list[SmoothingGroup], linears: list[
                options: ConvertOptions, progress: Reporter, gptq: SequentialGPTQ | None = None,
                rounded: Sequence[str] = ()) -> tuple[ActStats, dict[str, GroupScales], dict, dict]:
     """Run calibration; as each layer completes, choose its groups' smoothing, search its linears and, with
-    `gptq`, round the `rounded` linears among them (the layer then runs again on them).
-
-    Returns the statistics, every group's scales, the alpha search errors and
-    the per-linear searches (clip ratios, static input scales). `progress` hears
-    the layers calibrated, the groups whose alpha was searched and the linears
-    whose scales were searched.
-    """
+    `gptq`, round the `rounded` linears among them (the layer then runs again on them). Returns the statistics,
+    every group's scales, the alpha search errors and the per-linear searches (clip ratios, static input
+    scales); `progress` hears the layers calibrated, the groups and linears searched, the layers rounded."""
     calib, params, family, model = options.w8a8, source.params, source.family, source.model
     data = load_calibration(calib.calib or BUILTIN, source.folder, source.config,
                             samples=calib.calib_samples, seqlen=calib.calib_seqlen)
     progress(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
     static = options.act == "static"
     searches_on_rows = options.searches_scales and options.scheme_object.calibrates
-    keep = set(linears) if searches_on_rows else set()
-    keep |= {g.linears[0] for g in groups} if spec.auto else set()
+    # The rows kept: every linear's for the searches on rows, a group's first linear's for the alpha search.
+    keep = (set(linears) if searches_on_rows else set()) | ({g.linears[0] for g in groups} if spec.auto else set())
     act_absmax: dict[str, np.ndarray] = {}
     chosen: dict[str, GroupScales] = {}
     errors: dict[str, dict[float, float]] = {}
@@ -129,24 +125,18 @@ def _calibrate(source: SourceModel, groups: list[SmoothingGroup], linears: list[
         act_absmax.update(layer.act_absmax)
         for group in [g for g in pending if all(m in act_absmax for m in g.linears)]:
             pending.remove(group)
-            weights = read_group_weights(params, group)
-            absmax = group_act_absmax(act_absmax, group)
-            if spec.auto:
-                scales, errors[group.source] = search_alpha(
-                    group, absmax, weights, layer.input_samples[group.linears[0]], static=static)
-            else:
-                scales = group_scales(group, absmax, weights, spec.alpha_for(group.source, family.default_alpha))
-            # The scales the writer folds: the clip search and GPTQ round the weights the folder will hold.
-            chosen[group.source] = written_scales(scales, params)
+            chosen[group.source] = _group_smoothing(group, params, act_absmax, layer.input_samples, spec,
+                                                    family.default_alpha, static, errors)
             if spec.auto:
                 steps.alpha_searched(len(chosen))
         ready = [m for m in unsearched if m in act_absmax
                  and not any(m in g.linears or m == g.source for g in pending)]
         if searches_on_rows and ready:
-            searches.update(_search_linears(params, ready, chosen, act_absmax, layer.input_samples, options))
+            found = _search_linears(params, ready, chosen, act_absmax, layer.input_samples, options)
+            searches.update(found)
             steps.scales_searched(len(searches))
             if gptq is not None:  # GPTQ keeps the scales these clips give
-                gptq.searches.clip.update({m: searches[m].clip for m in ready if searches[m].clip is not None})
+                gptq.searches.clip.update({m: f.clip for m, f in found.items() if f.clip is not None})
         unsearched = [m for m in unsearched if m not in ready]
         if layer.index < model.num_layers:  # the last LayerStats holds the head's inputs
             steps.calibrated(layer.index + 1)
@@ -156,6 +146,22 @@ def _calibrate(source: SourceModel, groups: list[SmoothingGroup], linears: list[
             unrounded = [m for m in unrounded if m not in now]
             steps.rounded(min(layer.index + 1, model.num_layers))
     return ActStats(act_absmax, data.tokens, data.record()), chosen, errors, searches
+
+
+def _group_smoothing(group: SmoothingGroup, params: Mapping, act_absmax: Mapping[str, np.ndarray],
+                     samples: Mapping[str, np.ndarray], spec: AlphaSpec, family_alpha: float, static: bool,
+                     errors: dict[str, dict[float, float]]) -> GroupScales:
+    """A group's smoothing once its statistics are complete: alpha searched on its input rows (each alpha's
+    error recorded in `errors`) or given; as the folder carries it (`written_scales`), which is what the clip
+    search and GPTQ then round."""
+    weights = read_group_weights(params, group)
+    absmax = group_act_absmax(act_absmax, group)
+    if spec.auto:
+        scales, errors[group.source] = search_alpha(group, absmax, weights, samples[group.linears[0]],
+                                                    static=static)
+    else:
+        scales = group_scales(group, absmax, weights, spec.alpha_for(group.source, family_alpha))
+    return written_scales(scales, params)
 
 
 class _CalibrationSteps:
@@ -243,46 +249,65 @@ def prepare_w8a8(source: SourceModel, options: ConvertOptions,
     linears = family.linear_names(params)
     # Static scales for an included head (lm_head) too; any other included linear is refused here.
     head = head_linears_for_static(source, quantized_modules) if options.act == "static" else []
-    groups = smoothing_groups(source.model) if smooths else []
-    unknown = unmatched_alpha_keys(spec, [g.source for g in groups])
-    if unknown:
-        raise UsageError(f"--alpha names {', '.join(unknown)}, which matches no smoothing group of "
-                         f"this model; groups are e.g. {groups[0].source if groups else '(none)'}")
-    searched: dict[str, GroupScales] = {}
-    errors: dict[str, dict[float, float]] = {}
-    searches: dict[str, LinearSearch] = {}
+    groups = _checked_groups(source, spec) if smooths else []
     if calib.act_stats is not None:
-        stats = load_act_stats(calib.act_stats)
-        check_stats_cover(stats, {m: int(params.checkpoint.shape(f"{m}.weight")[1]) for m in [*linears, *head]},
-                          str(calib.act_stats))
-        calibration_record = dict(stats.calibration or {})
-        calibration_record["stats_file"] = {"name": Path(calib.act_stats).name,
-                                            "sha256": sha256_file(calib.act_stats)}
+        stats, searched, errors, searches = _loaded_stats(calib.act_stats, params, [*linears, *head]), {}, {}, {}
     else:
         stats, searched, errors, searches = _calibrate(source, groups, linears, spec, options, progress, gptq,
                                                        quantized_modules)
-        calibration_record = stats.calibration
     scales = [searched[group.source] if group.source in searched else
               written_scales(group_scales(group, group_act_absmax(stats.act_absmax, group),
                                           read_group_weights(params, group),
                                           spec.alpha_for(group.source, family.default_alpha)), params)
               for group in groups]
-    input_scales = None
-    if options.act == "static":
-        smoothed = {m: g.input_scales for g in scales for m in g.group.linears}
-        input_scales = {m: max(searches[m].input_scale, MIN_INPUT_SCALE)
-                        if m in searches and searches[m].input_scale is not None
-                        else static_input_scale(smoothed_input_absmax(stats.act_absmax[m], smoothed.get(m)))
-                        for m in [*linears, *head]}
-    clips = {m: f.clip for m, f in searches.items() if f.clip is not None}
-    records = {m: f.record for m, f in searches.items()}
-    if gptq is not None:  # the weight-only searches GPTQ ran (int8, nf4 with --scale-search)
-        clips, records = {**gptq.searches.clip, **clips}, {**gptq.searches.records, **records}
-    return W8A8Adjustments(tensor_folds(scales), input_scales, calibration_record,
+    input_scales = (_static_input_scales(scales, searches, stats, [*linears, *head]) if options.act == "static"
+                    else None)
+    clips, records = _search_results(searches, gptq)
+    return W8A8Adjustments(tensor_folds(scales), input_scales, stats.calibration,
                            _smoothing_record(scales, spec, family, errors, calib) if smooths else None,
                            weight_clip=clips, search_records=records,
                            quantized=gptq.store if gptq is not None else None,
                            rounding_record=gptq.record() if gptq is not None else None)
+
+
+def _search_results(searches: Mapping[str, LinearSearch], gptq: SequentialGPTQ | None
+                    ) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+    """The clip ratios and search records found on calibration rows, with the weight-only searches GPTQ ran
+    (int8, nf4 with --scale-search)."""
+    clips = {m: f.clip for m, f in searches.items() if f.clip is not None}
+    records = {m: f.record for m, f in searches.items()}
+    if gptq is not None:
+        clips, records = {**gptq.searches.clip, **clips}, {**gptq.searches.records, **records}
+    return clips, records
+
+
+def _checked_groups(source: SourceModel, spec: AlphaSpec) -> list[SmoothingGroup]:
+    """The model's smoothing groups; UsageError when --alpha names a group it does not have."""
+    groups = smoothing_groups(source.model)
+    unknown = unmatched_alpha_keys(spec, [g.source for g in groups])
+    if unknown:
+        raise UsageError(f"--alpha names {', '.join(unknown)}, which matches no smoothing group of "
+                         f"this model; groups are e.g. {groups[0].source if groups else '(none)'}")
+    return groups
+
+
+def _loaded_stats(path, params, modules: Sequence[str]) -> ActStats:
+    """--act-stats: the saved statistics, checked to cover every module at its input width; their calibration
+    record names the file and its sha256."""
+    stats = load_act_stats(path)
+    check_stats_cover(stats, {m: int(params.checkpoint.shape(f"{m}.weight")[1]) for m in modules}, str(path))
+    record = {**(stats.calibration or {}), "stats_file": {"name": Path(path).name, "sha256": sha256_file(path)}}
+    return dataclasses.replace(stats, calibration=record)
+
+
+def _static_input_scales(scales: Sequence[GroupScales], searches: Mapping[str, LinearSearch], stats: ActStats,
+                         modules: Sequence[str]) -> dict[str, float]:
+    """Each module's static input_scale: the searched one, else max|x / s| / 127 of the calibrated maxima."""
+    smoothed = {m: g.input_scales for g in scales for m in g.group.linears}
+    return {m: max(searches[m].input_scale, MIN_INPUT_SCALE)
+            if m in searches and searches[m].input_scale is not None
+            else static_input_scale(smoothed_input_absmax(stats.act_absmax[m], smoothed.get(m)))
+            for m in modules}
 
 
 def written_scales(scales: GroupScales, params: Mapping) -> GroupScales:
