@@ -65,6 +65,15 @@ def _object(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _object_or_none(value: Any) -> dict[str, Any] | None:
+    return value if isinstance(value, dict) else None
+
+
+def _number(value: Any, default, kind):
+    """`value` as `kind` (int or float) when it is a JSON number, else `default`."""
+    return kind(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
 @dataclasses.dataclass(frozen=True)
 class SourceRecord:
     """Where the conversion read from: a Hub id or folder, its revision and commit, and each input's sha256."""
@@ -94,11 +103,9 @@ class SourceRecord:
 
 @dataclasses.dataclass(frozen=True)
 class RecordedScales:
-    """One smoothing group's exact scales: `source` divides its rows (a norm: its gain) by `source_scales`
-    (from row `source_offset` on); each linear of `linears` multiplies its input columns by `input_scales`."""
+    """One smoothing group's exact scales: its source divides its rows (a norm: its gain) by `source_scales`
+    (from row `source_offset` on); each linear it feeds multiplies its input columns by `input_scales`."""
 
-    source: str
-    linears: tuple[str, ...]
     source_scales: np.ndarray
     input_scales: np.ndarray
     source_offset: int = 0
@@ -117,14 +124,14 @@ class RecordedScales:
         return out
 
     @classmethod
-    def from_json(cls, source: str, linears: tuple[str, ...], raw: Any) -> "RecordedScales | None":
+    def from_json(cls, raw: Any) -> "RecordedScales | None":
         raw = _object(raw)
         source_scales = decode_scales(raw.get("source_scales"))
         input_scales = decode_scales(raw.get("input_scales", raw.get("source_scales")))
         if source_scales is None or input_scales is None:
             return None
-        return cls(source, linears, source_scales, input_scales,
-                   int(raw.get("source_offset", 0)), float(raw.get("norm_offset", 0.0)))
+        return cls(source_scales, input_scales, _number(raw.get("source_offset"), 0, int),
+                   _number(raw.get("norm_offset"), 0.0, float))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +173,7 @@ class SmoothingRecord:
         groups = {source: tuple(str(m) for m in linears) for source, linears in _object(raw.get("groups")).items()
                   if isinstance(linears, list)}
         written = _object(raw.get("scales")) if raw.get("encoding") == SCALES_ENCODING else {}
-        scales = {source: RecordedScales.from_json(source, linears, written.get(source))
-                  for source, linears in groups.items()}
+        scales = {source: RecordedScales.from_json(written.get(source)) for source in groups}
         alpha = _object(raw.get("alpha"))
         return cls(str(raw.get("alpha_mode", "")), raw.get("family_default_alpha"), raw.get("min_scale"),
                    str(raw.get("remedy", "")), {k: v for k, v in alpha.items() if isinstance(v, (int, float))},
@@ -227,11 +233,9 @@ class ConversionRecord:
         scheme, version = raw.get("scheme"), raw.get("format_version", 1)
         return cls(scheme if isinstance(scheme, str) else None, dict(raw["files"]),
                    SourceRecord.from_json(raw.get("source")), raw.get("qconvert_version"),
-                   _object(raw.get("flags")), raw.get("calibration") if isinstance(raw.get("calibration"), dict)
-                   else None, SmoothingRecord.from_json(raw.get("smoothing")),
-                   raw.get("scale_search") if isinstance(raw.get("scale_search"), dict) else None,
-                   raw.get("rounding") if isinstance(raw.get("rounding"), dict) else None,
-                   raw.get("weight_only") if isinstance(raw.get("weight_only"), dict) else None,
+                   _object(raw.get("flags")), _object_or_none(raw.get("calibration")),
+                   SmoothingRecord.from_json(raw.get("smoothing")), _object_or_none(raw.get("scale_search")),
+                   _object_or_none(raw.get("rounding")), _object_or_none(raw.get("weight_only")),
                    version if isinstance(version, int) else 1)
 
 

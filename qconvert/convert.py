@@ -18,7 +18,6 @@ from qconvert.formats.errors import FormatError, InvalidCheckpointError, Invalid
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.record import ConversionRecord, SourceRecord, write_record
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, write_shards
-from qconvert.hub import ResolvedModel
 from qconvert.models.weight_only import WeightOnlySelection
 from qconvert.options import ConvertOptions, W8A8Options  # noqa: F401  (ConvertOptions' home; imported from here)
 from qconvert.output import (

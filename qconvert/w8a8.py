@@ -337,7 +337,6 @@ def _smoothing_record(scales: list[GroupScales], spec: AlphaSpec, family: Family
         alpha_mode=mode, family_default_alpha=family.default_alpha, min_scale=MIN_SCALE, remedy=family.remedy,
         alpha={g.group.source: g.alpha for g in scales},
         groups={g.group.source: tuple(g.group.linears) for g in scales},
-        scales={g.group.source: RecordedScales(g.group.source, tuple(g.group.linears), g.source_scales,
-                                               g.input_scales, g.group.source_offset, g.group.norm_offset)
-                for g in scales},
+        scales={g.group.source: RecordedScales(g.source_scales, g.input_scales, g.group.source_offset,
+                                               g.group.norm_offset) for g in scales},
         alpha_search=searched or None)

@@ -107,8 +107,8 @@ def test_smoothing_scales_are_written_exactly_and_a_format_1_record_reads_withou
     wide = np.repeat(source, 2)
     smoothing = record.SmoothingRecord("auto", 0.85, 1e-5, "remedy", {"n": 0.4, "v": 0.6},
                                        {"n": ("q", "k"), "v": ("o",)}, {
-                                           "n": record.RecordedScales("n", ("q", "k"), source, source.copy()),
-                                           "v": record.RecordedScales("v", ("o",), source, wide, 0, 0.0)})
+                                           "n": record.RecordedScales(source, source.copy()),
+                                           "v": record.RecordedScales(source, wide, 0, 0.0)})
     write_record(tmp_path, record.ConversionRecord("w8a8", {}, smoothing=smoothing))
     raw = json.loads((tmp_path / "qconvert.json").read_text())
     assert raw["format_version"] == 2 and raw["smoothing"]["encoding"] == "float32-le-base64"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np

@@ -24,17 +24,22 @@ class QuantizedParams(Mapping):
     def __init__(self, quantized):
         self.quantized = quantized
         self._weights = {f"{m}.weight": m for m in quantized.quantized_modules}
-        self._names = sorted(set(quantized.float_names) | set(self._weights))
+        self._floats = set(quantized.float_names)
+        self._names = sorted(self._floats | set(self._weights))
 
     def __getitem__(self, name: str):
         if name in self._weights:
             return self.quantized.qarray(self._weights[name])
-        if name not in self.quantized.float_names:
+        if name not in self._floats:
             raise KeyError(name)
         return self.quantized.get(name)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._weights or name in set(self.quantized.float_names)
+        return name in self._weights or name in self._floats
+
+    def is_quantized(self, name: str) -> bool:
+        """Whether `name` is a quantized linear's weight (a QArray here), without reading it."""
+        return name in self._weights
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

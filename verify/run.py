@@ -38,7 +38,6 @@ from qconvert.verify.integrity import (IntegrityResult, check_config, check_conf
 from qconvert.verify.kernel_path import KernelPath
 from qconvert.verify.layers import verify_layers
 from qconvert.verify.model import verify_model
-from qconvert.formats.checkpoint_params import CheckpointParams
 from qconvert.verify.params import QuantizedParams, check_tensors
 from qconvert.verify.report import versions
 from qconvert.verify.results import LayerResult, ModelResult, VerifyReport
@@ -84,8 +83,9 @@ class Run:
     problems: list[str] = dataclasses.field(default_factory=list)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     quantized: QuantizedCheckpoint | None = None
-    reference: dict[str, Any] = dataclasses.field(default_factory=dict)
+    converted: QuantizedParams | None = None  # the folder as params, and its kernels: once it opens
     kernels: KernelPath | None = None
+    reference: dict[str, Any] = dataclasses.field(default_factory=dict)
     layers: tuple[LayerResult, ...] = ()
     model: ModelResult | None = None
     evaluation: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -144,6 +144,7 @@ def check_folder(run: Run, progress: Reporter) -> bool:
     run.problems += check_loader_view(run.quantized) or check_activation_mode(run.record, run.quantized)
     if run.problems:
         return False
+    run.converted, run.kernels = QuantizedParams(run.quantized), KernelPath(run.quantized, run.options.backend)
     run.thresholds = thresholds_for(run.record.scheme, run.record.act, **dict(run.options.thresholds))
     return True
 
@@ -195,8 +196,7 @@ def check_against_reference(run: Run, source: SourceModel) -> bool:
     run.problems += check_config_matches_reference(run.config, source.config) + check_tensors(
         run.quantized, source.checkpoint, run.config, source.family)
     if not run.problems:
-        run.problems += check_smoothing(run.record.smoothing, source.params, QuantizedParams(run.quantized))
-    run.kernels = KernelPath(run.quantized, run.options.backend)
+        run.problems += check_smoothing(run.record.smoothing, source.params, run.converted)
     return not run.problems
 
 
@@ -210,8 +210,7 @@ def evaluation_tokens(options: VerifyOptions, reference_folder: Path, config: di
 
 def verify_on_text(run: Run, source: SourceModel, progress: Reporter) -> None:
     """Per linear on the float model's own activations, then the whole model, on held-out text."""
-    model = source.model  # the reference's forward; the folder's config was found equal to it
-    converted = QuantizedParams(run.quantized)
+    model, converted = source.model, run.converted  # the reference's forward: the configs were found equal
     held_out = evaluation_tokens(run.options, source.folder, source.config, run.record.calibration)
     ids = np.asarray(held_out.data.input_ids)
     mask = np.ones_like(ids)
@@ -235,7 +234,7 @@ def verify_weight_only(run: Run, source: SourceModel, progress: Reporter) -> Non
     """A family qconvert has no forward for: per linear on synthetic rows; no whole-model stage."""
     del progress
     run.layers = tuple(verify_linears_on_synthetic_inputs(
-        source.params, QuantizedParams(run.quantized), run.quantized.quantized_modules, run.kernels,
+        source.params, run.converted, run.quantized.quantized_modules, run.kernels,
         run.thresholds, folder_linear=make_folder_linear(run.quantized, run.record.scheme)))
     run.evaluation = {"source": "synthetic", "rows": SYNTHETIC_ROWS, "seed": SYNTHETIC_SEED,
                       "kernel_calls": len(run.kernels.choices)}

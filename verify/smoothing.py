@@ -16,11 +16,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from qconvert.formats import QArray
 from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.formats.record import RECORD_NAME, ConversionRecord, RecordedScales, SmoothingRecord
 from qconvert.models.family import SmoothingGroup
 from qconvert.smooth import GroupScales, apply_fold, tensor_folds
+from qconvert.verify.params import QuantizedParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,18 +46,19 @@ def check_record_has_scales(record: ConversionRecord) -> None:
 
 def _folds(smoothing: SmoothingRecord):
     """Tensor name -> the TensorFold the converter applied, rebuilt from the recorded scales."""
-    return tensor_folds([GroupScales(SmoothingGroup(g.source, g.linears, source_offset=g.source_offset,
+    return tensor_folds([GroupScales(SmoothingGroup(source, smoothing.groups[source], source_offset=g.source_offset,
                                                     norm_offset=g.norm_offset), 0.0, g.source_scales,
-                                     g.input_scales) for g in smoothing.scales.values()])
+                                     g.input_scales) for source, g in smoothing.scales.items()])
 
 
-def check_smoothing(smoothing: SmoothingRecord | None, reference: Mapping, converted: Mapping) -> list[str]:
+def check_smoothing(smoothing: SmoothingRecord | None, reference: Mapping, converted: QuantizedParams
+                    ) -> list[str]:
     """Each float tensor smoothing touched equals the reference's with the recorded scales folded in."""
     if smoothing is None:
         return []
     problems = []
     for name, fold in sorted(_folds(smoothing).items()):
-        if name not in reference or name not in converted or isinstance(converted[name], QArray):
+        if name not in reference or name not in converted or converted.is_quantized(name):
             continue  # an absent bias; a quantized weight (its rounding is verify's per-layer business)
         want, got = apply_fold(np.asarray(reference[name]), fold), np.asarray(converted[name])
         if want.shape != got.shape or not np.array_equal(want.view(np.uint8), got.view(np.uint8)):
@@ -67,9 +68,9 @@ def check_smoothing(smoothing: SmoothingRecord | None, reference: Mapping, conve
     return problems
 
 
-def _source_rows(reference: Mapping, g: RecordedScales) -> np.ndarray:
+def _source_rows(reference: Mapping, source: str, g: RecordedScales) -> np.ndarray:
     """The source linear's output factor over all its rows (1 outside the group's, for a fused source)."""
-    rows = np.ones(np.shape(reference[f"{g.source}.weight"])[0])
+    rows = np.ones(np.shape(reference[f"{source}.weight"])[0])
     rows[g.source_offset:g.source_offset + len(g.source_scales)] = g.source_scales
     return rows
 
@@ -81,16 +82,16 @@ def smoothing_factors(smoothing: SmoothingRecord | None, reference: Mapping, con
     A linear source: its recorded scales, on its output rows and its consumers' inputs."""
     inputs: dict[str, np.ndarray] = {}
     outputs: dict[str, np.ndarray] = {}
-    for g in (smoothing.scales.values() if smoothing is not None else ()):
-        name = f"{g.source}.weight"
+    for source, g in (smoothing.scales.items() if smoothing is not None else ()):
+        name = f"{source}.weight"
         if np.ndim(reference[name]) == 1:
             ref = np.asarray(reference[name], np.float64) + g.norm_offset
             conv = np.asarray(converted[name], np.float64) + g.norm_offset
             ok = (ref != 0) & (conv != 0)
             s = np.where(ok, ref / np.where(ok, conv, 1.0), 1.0)
         else:
-            outputs[g.source] = _source_rows(reference, g)
+            outputs[source] = _source_rows(reference, source, g)
             s = g.input_scales.astype(np.float64)
-        for linear in g.linears:
+        for linear in smoothing.groups[source]:
             inputs[linear] = s
     return SmoothingFactors(inputs, outputs)

@@ -109,10 +109,6 @@ class Scheme(abc.ABC):
         """`q` with GPTQ's codes [out, in] (the grid's) in place of round-to-nearest's: the same scales."""
         return dataclasses.replace(q, qvalue=np.asarray(codes).astype(np.asarray(q.qvalue).dtype))
 
-    def kernel_act(self, input_scale: float | None) -> str | None:
-        """The activation mode the deployment kernel runs with (None: float activations)."""
-        return None
-
     def verify_thresholds(self, act: str) -> Thresholds:
         """verify's default thresholds for a folder of this scheme and activation mode."""
         return self.static_thresholds if act == "static" and self.static_thresholds else self.thresholds

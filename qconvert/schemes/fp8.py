@@ -130,9 +130,6 @@ class FP8(Scheme):
     def clip_search(self, weight: np.ndarray, flags: LayoutFlags):
         return fp8_clip_search(weight)
 
-    def kernel_act(self, input_scale: float | None) -> str | None:
-        return "dynamic"
-
     def folder_activations(self, x: np.ndarray, input_scale: float | None) -> tuple[np.ndarray, np.ndarray]:
         # Per token: scale = max|x| / 448 (float32; 1 for a zero row), codes = e4m3(x / scale), round to
         # nearest even, saturated at +-448; each e4m3 value is exact in float64.

@@ -45,9 +45,6 @@ class W8A8(Int8):
                              "fused-MoE kernel takes only dynamic per-token activations; use --act dynamic "
                              "(the default) for a mixture-of-experts model")
 
-    def kernel_act(self, input_scale: float | None) -> str | None:
-        return "dynamic" if input_scale is None else "static"
-
     def folder_activations(self, x: np.ndarray, input_scale: float | None) -> tuple[np.ndarray, np.ndarray]:
         # FORMATS.md's rule: scale max|x| / 127 per token (float32; 1 for a zero row) or the static
         # input_scale, round half to even, clamp to +-127.
