@@ -58,7 +58,7 @@ def check_tensors(quantized, reference, config: dict[str, Any], arch: FamilyFact
     the config's known family (the weight-only rule's family is passed in).
     """
     arch = arch or family_for(config)
-    quantized_modules = set(quantized.quantized_modules)
+    quantized_modules, float_names = set(quantized.quantized_modules), set(quantized.float_names)
     # The family's linears, and any other reference linear the folder quantized (--include lm_head).
     ref_linears = list(arch.linear_names(reference.tensor_names))
     ref_linears += sorted(m for m in quantized_modules - set(ref_linears) if f"{m}.weight" in reference)
@@ -67,15 +67,15 @@ def check_tensors(quantized, reference, config: dict[str, Any], arch: FamilyFact
     for module in ref_linears:
         shape = tuple(reference.shape(f"{module}.weight"))
         problems += (_quantized_linear_problems(quantized, module, shape) if module in quantized_modules
-                     else _float_linear_problems(quantized, module, shape))
-    return problems + _other_tensor_problems(quantized, reference, config, ref_linears)
+                     else _float_linear_problems(quantized, module, shape, float_names))
+    return problems + _other_tensor_problems(quantized, reference, config, ref_linears, float_names)
 
 
-def _float_linear_problems(quantized, module: str, shape: tuple[int, ...]) -> list[str]:
+def _float_linear_problems(quantized, module: str, shape: tuple[int, ...], float_names: set[str]) -> list[str]:
     """A reference linear the folder did not quantize: its float weight, of the reference's shape."""
     weight, ckpt = f"{module}.weight", quantized.checkpoint
     # bf16 is kind "V" to numpy; an int8 .weight without its scale is not a float linear.
-    if (weight in set(quantized.float_names) and tuple(ckpt.shape(weight)) == shape
+    if (weight in float_names and tuple(ckpt.shape(weight)) == shape
             and np.dtype(ckpt.dtype(weight)).kind in "fV"):
         return []
     return [f"{quantized.folder.name}: quantized linear {module} is missing (no {module}.weight "
@@ -109,9 +109,10 @@ def _quantized_linear_problems(quantized, module: str, shape: tuple[int, ...]) -
     return problems
 
 
-def _other_tensor_problems(quantized, reference, config: dict[str, Any], ref_linears: list[str]) -> list[str]:
+def _other_tensor_problems(quantized, reference, config: dict[str, Any], ref_linears: list[str],
+                           float_names: set[str]) -> list[str]:
     """Every reference tensor that is no linear's weight: present in the folder with the reference's shape."""
-    ckpt, float_names, problems = quantized.checkpoint, set(quantized.float_names), []
+    ckpt, problems = quantized.checkpoint, []
     linear_tensors = {f"{m}.weight" for m in ref_linears}
     # A tied lm_head the reference also stores is the embedding table: the conversion does not write it again.
     if config.get("tie_word_embeddings") is True and "lm_head" not in quantized.quantized_modules:
