@@ -47,12 +47,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from qconvert.calibrate import open_params  # noqa: E402
+from qconvert.calibration.observer import open_params  # noqa: E402
 from qconvert.convert import ConvertOptions, convert  # noqa: E402
 from qconvert.formats.layouts import open_quantized  # noqa: E402
 from qconvert.formats.qarray import QArray  # noqa: E402
 from qconvert.models import build, dense_linear  # noqa: E402
-from qconvert.tokenizer import load_tokenizer  # noqa: E402
+from qconvert.calibration.tokenizer import load_tokenizer  # noqa: E402
 from qconvert.options import W8A8Options  # noqa: E402
 from qconvert.schemes.fp8 import FP8_MAX  # noqa: E402
 
@@ -96,7 +96,7 @@ for _act in ("static",):
                                                                   W8A8_SMOOTHING[_label])
 
 
-# Experiments on a search's internals: module attributes of qconvert.scale_search set for one conversion.
+# Experiments on a search's internals: module attributes of qconvert.schemes.int8 set for one conversion.
 SEARCH_PATCHES = {
     "w8a8-auto-scale-search-512rows": {"OUTPUT_ERROR_ROWS": 512},  # the clip search on all 512 sampled rows
 }
@@ -214,7 +214,7 @@ def run_convert(src: Path, out: Path, name: str, calib: str, samples: int, seqle
     started = time.perf_counter()
     if w8a8 is not None:
         extra = {**extra, "w8a8": W8A8Options(calib=calib, calib_samples=samples, calib_seqlen=seqlen, **w8a8)}
-    import qconvert.scale_search as search
+    import qconvert.schemes.int8 as search
 
     saved = {k: getattr(search, k) for k in SEARCH_PATCHES.get(name, {})}
     try:

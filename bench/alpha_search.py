@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from checkpoints import make_llama_checkpoint  # noqa: E402
 
 from qconvert.options import ConvertOptions, W8A8Options  # noqa: E402
-from qconvert.source import open_source, resolve_source  # noqa: E402
-from qconvert.w8a8 import prepare_w8a8  # noqa: E402
+from qconvert.source.resolve import open_source, resolve_source  # noqa: E402
+from qconvert.methods.adjustments import prepare_w8a8  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 MODES = {"family": {"alpha": "family", "scale_search": False},

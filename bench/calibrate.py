@@ -16,7 +16,7 @@ builders) and the real all-MiniLM-L6-v2 (BERT, hidden 384, 6 layers). For each:
 Each line: seconds, tokens/s (first run, compile included; and warm, a second
 run), the ratio of qconvert's warm tokens/s to transformers', and the peak RSS
 above the RSS at the phase's start (sampled every 5 ms), beside qconvert's own
-estimate of it (qconvert.calib_memory, arrays only, without XLA's runtime). torch is used here only,
+estimate of it (qconvert.calibration.memory, arrays only, without XLA's runtime). torch is used here only,
 as the baseline; qconvert itself never imports it.
 """
 
@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from checkpoints import make_llama_checkpoint, minilm_path  # noqa: E402
 
-from qconvert.calib_data import load_calibration  # noqa: E402
-from qconvert.calib_memory import checkpoint_shapes, estimate  # noqa: E402
-from qconvert.calibrate import collect_act_stats, open_params  # noqa: E402
+from qconvert.calibration.data import load_calibration  # noqa: E402
+from qconvert.calibration.memory import checkpoint_shapes, estimate  # noqa: E402
+from qconvert.calibration.observer import collect_act_stats, open_params  # noqa: E402
 from qconvert.models import build  # noqa: E402
 
 

@@ -39,7 +39,7 @@ def run_cli(tree: Path, model: Path, out: Path, samples: int, seqlen: int) -> tu
     in a fresh process. On a loaded machine the CPU seconds vary less than the wall time."""
     shutil.rmtree(out, ignore_errors=True)
     env = dict(os.environ, PYTHONPATH=str(tree))
-    code = ("import sys; from qconvert.cli import main; sys.argv=['qconvert']+sys.argv[1:]; main()")
+    code = ("import sys; from qconvert.cli.main import main; sys.argv=['qconvert']+sys.argv[1:]; main()")
     argv = [sys.executable, "-c", code, "quantize", str(model), "-o", str(out), "--scheme", "w8a8",
             "--calib", "random", "--calib-samples", str(samples), "--calib-seqlen", str(seqlen)]
     with tempfile.TemporaryFile() as err:

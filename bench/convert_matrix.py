@@ -7,7 +7,8 @@
 
 The sources are the tests' own tiny checkpoints (tests/checkpoints.py,
 tests/hf_checkpoints.py, tests/gemma_checkpoints.py: Llama in bfloat16 with
-outlier channels, Mixtral, Qwen3-MoE, Gemma 3 and BERT), built under OUT/../sources
+outlier channels and two shards, Llama bfloat16 with tied embeddings, Mixtral,
+Qwen3, Phi-3, Qwen3-MoE, Gemma 3 and BERT), built under OUT/../sources
 once and reused, so both sides convert the same bytes. Calibration uses random
 ids (no tokenizer needed). `--compare` lists, per conversion, every file whose
 bytes differ; qconvert.json and the model card (README.md) are compared apart,
@@ -52,7 +53,10 @@ def sources(root: Path) -> dict[str, Path]:
 
     makers = {
         "llama": lambda p: make_llama_checkpoint(p, dtype="bfloat16", outlier_channels=(3, 17), shards=2),
+        "llama-tied": lambda p: make_llama_checkpoint(p, dtype="bfloat16", tie=True),
         "mixtral": lambda p: make_hf_checkpoint(p, "mixtral"),
+        "qwen3": lambda p: make_hf_checkpoint(p, "qwen3"),
+        "phi3": lambda p: make_hf_checkpoint(p, "phi3"),
         "qwen3_moe": lambda p: make_hf_checkpoint(p, "qwen3_moe"),
         "gemma3": lambda p: make_gemma_checkpoint(p, GEMMA3),
         "bert": lambda p: make_bert_checkpoint(p),
@@ -67,7 +71,7 @@ def sources(root: Path) -> dict[str, Path]:
 
 
 def convert_all(out: Path) -> None:
-    from qconvert.cli import main
+    from qconvert.cli.main import main
 
     out.mkdir(parents=True, exist_ok=True)
     for name, src in sources(out.parent / "sources").items():

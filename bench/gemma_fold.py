@@ -1,5 +1,5 @@
 """The gain a Gemma norm applies after SmoothQuant's fold, against the one intended: before and after
-folding what the stored bf16 gain carries (qconvert.smooth.stored_gain_scales).
+folding what the stored bf16 gain carries (qconvert.methods.smooth.stored_gain_scales).
 
     python bench/gemma_fold.py
 
@@ -25,8 +25,8 @@ from gemma_checkpoints import GEMMA2, make_gemma_checkpoint, with_outlier_channe
 
 def gain_errors(source, options) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """{norm: relative error per channel} of the gain the smoothed float model applies, and {norm: max s}."""
-    from qconvert.smooth import apply_fold
-    from qconvert.w8a8 import prepare_w8a8
+    from qconvert.methods.smooth import apply_fold
+    from qconvert.methods.adjustments import prepare_w8a8
 
     adjustments = prepare_w8a8(source, options)
     errors, largest = {}, {}
@@ -43,9 +43,9 @@ def gain_errors(source, options) -> tuple[dict[str, np.ndarray], dict[str, float
 
 
 def main() -> None:
-    import qconvert.w8a8
+    import qconvert.methods.adjustments
     from qconvert.options import ConvertOptions, W8A8Options
-    from qconvert.source import open_source, resolve_source
+    from qconvert.source.resolve import open_source, resolve_source
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = with_outlier_channels(make_gemma_checkpoint(Path(tmp) / "gemma", GEMMA2))
@@ -53,12 +53,12 @@ def main() -> None:
                                                                   alpha="family"))
         source = open_source(resolve_source(str(folder)))
         after, _ = gain_errors(source, options)
-        fold_for_real = qconvert.w8a8.stored_gain_scales
-        qconvert.w8a8.stored_gain_scales = lambda scales, weight: scales  # s on both sides, as before
+        fold_for_real = qconvert.methods.adjustments.stored_gain_scales
+        qconvert.methods.adjustments.stored_gain_scales = lambda scales, weight: scales  # s on both sides, as before
         try:
             before, largest = gain_errors(source, options)
         finally:
-            qconvert.w8a8.stored_gain_scales = fold_for_real
+            qconvert.methods.adjustments.stored_gain_scales = fold_for_real
         source.close()
     print(f"{'norm':42} {'max s':>7} {'before: max':>12} {'median':>10} {'after: max':>12}")
     for name in sorted(before):

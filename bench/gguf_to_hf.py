@@ -77,7 +77,7 @@ def check_forward(folder: Path) -> None:
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    from qconvert.calibrate import open_params
+    from qconvert.calibration.observer import open_params
     from qconvert.models import build
 
     config = json.loads((folder / "config.json").read_text())

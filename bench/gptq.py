@@ -36,8 +36,8 @@ def calibrate_once(model: Path, gptq: bool, samples: int, seqlen: int) -> dict:
     """Seconds of one calibration phase in this process (with the scratch folder GPTQ spills into)."""
     from qconvert.convert import _sequential_gptq, plan_conversion
     from qconvert.options import ConvertOptions, W8A8Options
-    from qconvert.source import open_source, resolve_source
-    from qconvert.w8a8 import prepare_w8a8
+    from qconvert.source.resolve import open_source, resolve_source
+    from qconvert.methods.adjustments import prepare_w8a8
     import contextlib
 
     options = ConvertOptions(scheme="w8a8", gptq=gptq, w8a8=W8A8Options(calib="random", calib_samples=samples,

@@ -118,7 +118,7 @@ def run_child(argv: list[str]) -> tuple[float, int]:
 
 
 def qconvert(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from qconvert.entry import main; main()", *args]
+    return [sys.executable, "-c", "from qconvert.cli.entry import main; main()", *args]
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from qconvert.convert import ConvertOptions, convert  # noqa: E402
 from qconvert.options import W8A8Options  # noqa: E402
 from qconvert.formats.safetensors_io import open_checkpoint  # noqa: E402
-from qconvert.hub import resolve_model  # noqa: E402
+from qconvert.source.hub import resolve_model  # noqa: E402
 from qconvert.models import build, forward_layerwise  # noqa: E402
 from qconvert.formats.checkpoint_params import CheckpointParams  # noqa: E402
 from qconvert.verify.run import VerifyOptions, evaluation_tokens, verify_folder  # noqa: E402

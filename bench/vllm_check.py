@@ -85,7 +85,7 @@ def main() -> int:
         for scheme in args.schemes.split(","):
             out = args.out / f"{model.name}-{scheme}"
             subprocess.run(["rm", "-rf", str(out)], check=True)
-            done = subprocess.run([sys.executable, "-m", "qconvert.entry", "quantize", str(model), "-o", str(out),
+            done = subprocess.run([sys.executable, "-m", "qconvert.cli.entry", "quantize", str(model), "-o", str(out),
                                    "-q", *FLAGS[scheme]], capture_output=True, text=True)
             if done.returncode != 0:
                 refusal = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""

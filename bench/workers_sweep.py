@@ -3,7 +3,7 @@
     python bench/workers_sweep.py                   # the CLI (N above 4 per core is refused, exit 2)
     python bench/workers_sweep.py --uncapped 10000  # also convert() with the bound lifted, N up to 10000
 
-Each run is a child process (`python -m qconvert.cli quantize MODEL -o OUT
+Each run is a child process (`python -m qconvert.cli.main quantize MODEL -o OUT
 --workers N -q`); its own peak RSS is wait4's ru_maxrss, so this process's
 memory does not count. With --uncapped the child calls convert() directly with
 the bound lifted, to show what the refused counts would cost: every worker is a
@@ -29,10 +29,10 @@ COUNTS = (1, 2, 4, 8, 16, 100, 1_000, 10_000, 100_000, 1_000_000)
 UNCAPPED = """
 import sys
 from pathlib import Path
-import qconvert.prefetch
+import qconvert.write.prefetch
 from qconvert.convert import convert
 from qconvert.options import ConvertOptions
-qconvert.prefetch.max_workers = lambda: sys.maxsize
+qconvert.write.prefetch.max_workers = lambda: sys.maxsize
 convert(sys.argv[1], Path(sys.argv[2]), ConvertOptions(workers=int(sys.argv[3])))
 """
 
@@ -73,7 +73,7 @@ def main() -> None:
                     break
                 out = Path(tmp) / "out"
                 shutil.rmtree(out, ignore_errors=True)
-                argv = ([sys.executable, "-m", "qconvert.cli", "quantize", str(model), "-o", str(out),
+                argv = ([sys.executable, "-m", "qconvert.cli.main", "quantize", str(model), "-o", str(out),
                          "--workers", str(count), "-q"] if mode == "cli"
                         else [sys.executable, "-c", UNCAPPED, str(model), str(out), str(count)])
                 code, seconds, rss = run_child(argv)

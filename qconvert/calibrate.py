@@ -1,336 +1,29 @@
-"""Activation statistics: run calibration tokens through the float model one layer at a time and keep max|x| of every linear's input.
-
-For each linear, the running per-input-channel max|x| over all calibration
-tokens (float32 [in], what smoothing needs) and the per-tensor max (what static
-activation scales need). All samples' hidden states pass from layer i to layer
-i + 1, so only one layer's weights are in memory at a time, beside the
-activations. Statistics save to and load from a safetensors file.
-"""
+"""`qconvert calibrate`: activation statistics of MODEL on the calibration text, saved to a file that
+`quantize --act-stats` reads (formats/act_stats.py)."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-import re
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from safetensors import safe_open
-
-from qconvert import interrupts
-from qconvert.calib_memory import checkpoint_shapes, device_budget, fit_batch_size
-from qconvert.formats.errors import FormatError, InvalidCheckpointError, UsageError
-from qconvert.formats.checkpoint_params import CheckpointParams
-from qconvert.formats.safetensors_io import TensorSpec, encode_header, open_checkpoint
-from qconvert.models import iterate_layers, read_tensors
-from qconvert.models.runner import add_observed
-
-STATS_FORMAT = "qconvert-act-stats"
-STATS_VERSION = "1"
-DEFAULT_BATCH_SIZE = 8
-SAMPLE_ROWS = 512  # tokens kept per linear input for the alpha and scale searches
-HOST_BUDGET_BYTES = 4 * 2**30  # what calibration may use when the device (a CPU) states no limit
-CALIBRATING = "calibrating"  # the progress stage of the layers run through the float model
-
-
-def open_params(folder: Path, config: dict[str, Any] | None = None) -> CheckpointParams:
-    """A lazy params Mapping over a model folder's safetensors; with `config`, checked against it first."""
-    from qconvert.consistency import check_weights_match_config
-
-    try:
-        params = CheckpointParams(open_checkpoint(folder))
-    except FormatError as err:
-        raise InvalidCheckpointError(str(err)) from None
-    if config is not None:
-        check_weights_match_config(params.checkpoint, config)
-    return params
-
-
-@dataclasses.dataclass(frozen=True)
-class ActStats:
-    """max|x| of every linear's input over the calibration tokens."""
-
-    act_absmax: dict[str, np.ndarray]  # module name -> float32 [in], per input channel
-    tokens: int
-    calibration: dict[str, Any] | None = None  # what the tokens were (qconvert.json's record)
-
-    def tensor_absmax(self, module: str) -> float:
-        """Per-tensor max|x| of a linear's input (the max of its per-channel maxima)."""
-        return float(np.max(self.act_absmax[module]))
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerStats:
-    """One layer's statistics, complete once every sample has passed through it."""
-
-    index: int
-    act_absmax: dict[str, np.ndarray]      # module -> float32 [in]
-    input_samples: dict[str, np.ndarray]   # module -> float32 [rows, in], for the modules asked for
-    # module -> H = 2 X^T X / n, float32 [in, in] on the device, for the modules asked for; linears that
-    # read the same input (q/k/v, gate/up) hold the same array. n: the tokens each saw (0: none).
-    hessians: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
-    hessian_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
-
-
-def layer_relative(name: str) -> str:
-    """A module name with its layer index replaced by '#' (the first '.<digits>.' component).
-
-    Layers that share a compiled program see one representative layer's names;
-    what the observer keeps must be decided alike for every layer.
-    """
-    return _LAYER_INDEX.sub(".#.", name, count=1)
-
-
-_LAYER_INDEX = re.compile(r"\.\d+\.")
-
-
-class _HessianSharing:
-    """Which linears of a traced layer read the very same input (and validity) as an earlier one: they share
-    its Hessian, computed once. Filled while tracing, by layer-relative name."""
-
-    def __init__(self):
-        self.first: dict[tuple[int, int], tuple[str, Any, Any]] = {}
-        self.shares: dict[str, str] = {}  # layer-relative name -> the layer-relative name holding its H
-
-    def owner(self, relative: str, x, valid) -> str:
-        key = (id(x), id(valid))
-        seen = self.first.get(key)
-        if seen is not None and seen[1] is x and seen[2] is valid:  # held, so the ids are not reused
-            self.shares[relative] = seen[0]
-            return seen[0]
-        self.first[key] = (relative, x, valid)
-        return relative
-
-
-def _observer(keep_inputs: frozenset[str], rows_per_batch: int, hessians: frozenset[str] = frozenset(),
-              sharing: _HessianSharing | None = None):
-    keep_relative = frozenset(layer_relative(m) for m in keep_inputs)
-    hessian_relative = frozenset(layer_relative(m) for m in hessians)
-
-    def observe(name: str, x: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
-        flat = x.astype(jnp.float32).reshape(-1, x.shape[-1])
-        ok = valid.reshape(-1)
-        # Padding (and, for experts, tokens routed elsewhere) count as 0 in the max.
-        out = {"absmax": jnp.max(jnp.where(ok[:, None], jnp.abs(flat), 0.0), axis=0)}
-        relative = layer_relative(name)
-        if relative in hessian_relative and sharing.owner(relative, x, valid) == relative:
-            masked = jnp.where(ok[:, None], flat, 0.0)
-            out["hessian"] = jnp.einsum("ti,tj->ij", masked, masked, precision=jax.lax.Precision.HIGHEST)
-            out["count"] = jnp.sum(ok.astype(jnp.int32))
-        if layer_relative(name) in keep_relative:
-            # A spread subset of the tokens. The first ones alone over-represent
-            # position 0, whose activations are often atypically large; so does a
-            # stride that divides the window length (every row at position 0), so
-            # the step is one more than the even stride and the positions vary.
-            n = flat.shape[0]
-            step = n // rows_per_batch + 1 if n > rows_per_batch else 1
-            index = (np.arange(min(rows_per_batch, n)) * step) % n
-            out["rows"] = flat[index]
-            out["valid"] = ok[index]
-        return out
-
-    return observe
-
-
-def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_mask=None, *,
-                     batch_size: int = DEFAULT_BATCH_SIZE, keep_inputs=frozenset(),
-                     sample_rows: int = SAMPLE_ROWS, devices=None, hessians=frozenset(),
-                     replace=None) -> Iterator[LayerStats]:
-    """Yield each layer's LayerStats in order; `keep_inputs` modules also get up to `sample_rows` input rows,
-    `hessians` modules their input Hessian (for GPTQ).
-
-    replace(i): after layer i's statistics are used, the tensors (name -> array) layer i
-    is to run on from then on (its quantized weights), or None; the layer runs again on
-    them to give layer i + 1 its input (runner.iterate_layers).
-
-    devices: where the layers run; None: every visible device of jax's default
-    backend (with more than one, the batches are split across them and the
-    statistics are the same as on one). `batch_size` is lowered where the
-    estimate of calib_memory says it would not fit the device (its allocator's
-    limit; on a CPU, HOST_BUDGET_BYTES).
-    """
-    keep_inputs = frozenset(keep_inputs)
-    n, t = np.asarray(input_ids).shape
-    devices = jax.devices() if devices is None else devices
-    if hasattr(params, "checkpoint"):  # shapes from the index, no tensor read
-        budget = device_budget(devices[0]) or HOST_BUDGET_BYTES
-        batch_size = fit_batch_size(checkpoint_shapes(model, params), n, t, batch_size, budget,
-                                    hessians=bool(hessians), sequential=replace is not None)
-    batches = math.ceil(n / max(1, batch_size))
-    sharing = _HessianSharing()
-    observe = _observer(keep_inputs, max(1, math.ceil(sample_rows / batches)), frozenset(hessians), sharing)
-    result = None
-    for result in iterate_layers(model, params, input_ids, attention_mask, observe=observe,
-                                 batch_size=batch_size, devices=devices, replace=replace):
-        interrupts.check()  # between layers: a signal that a callee swallowed still stops calibration
-        yield _layer_stats(result.index, result.observed, keep_inputs, sample_rows, sharing)
-    if result is not None:  # the last layer's output, on its replaced weights where it had some
-        observed = _head_observed(model, params, result.hidden, attention_mask, observe, batch_size)
-        if observed:
-            yield _layer_stats(model.num_layers, observed, keep_inputs, sample_rows, sharing)
-
-
-def _layer_stats(index: int, observed: dict[str, list], keep_inputs: frozenset[str],
-                 sample_rows: int, sharing: _HessianSharing | None = None) -> LayerStats:
-    sums = {name: (per_batch[0].pop("hessian"), per_batch[0].pop("count"))
-            for name, per_batch in observed.items() if "hessian" in per_batch[0]}  # stay on the device
-    observed = jax.device_get(observed)  # the layer's statistics to the host in one transfer
-    absmax, samples = {}, {}
-    for name, per_batch in observed.items():
-        absmax[name] = np.max(np.stack([np.asarray(o["absmax"]) for o in per_batch]), axis=0)
-        if name in keep_inputs:
-            rows = np.concatenate([np.asarray(o["rows"])[np.asarray(o["valid"])] for o in per_batch])
-            samples[name] = rows[:sample_rows]
-    hessians, tokens = {}, {}
-    by_relative = {layer_relative(name): name for name in observed}
-    for name in observed:
-        owner = by_relative.get(sharing.shares.get(layer_relative(name), ""), name) if sharing else name
-        if owner in sums:
-            total, count = sums[owner]
-            tokens[name] = int(count)
-            if owner not in hessians:
-                hessians[owner] = total * (2.0 / max(tokens[name], 1))
-            hessians[name] = hessians[owner]
-    return LayerStats(index, absmax, samples, hessians, tokens)
-
-
-def _head_observed(model, params: Mapping, hidden: jax.Array, attention_mask, observe,
-                   batch_size: int) -> dict[str, list]:
-    """Observe the inputs of the head's linears (lm_head, for --include lm_head) without computing logits."""
-    head_params = read_tensors(params, model.head_tensor_names())
-
-    def run(head_params, hidden, mask):
-        sink = {}
-
-        def observe_only(name, x, weight, bias):
-            sink[name] = observe(name, x, mask > 0)
-            return jnp.zeros(x.shape[:-1] + (weight.shape[0],), jnp.float32)
-
-        model.head(head_params, hidden, mask, observe_only)
-        return sink
-
-    step = jax.jit(run)
-    n, t = hidden.shape[:2]
-    mask = jnp.ones((n, t), jnp.int32) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
-    observed: dict[str, list] = {}
-    for s in range(0, n, max(1, batch_size)):
-        for name, value in step(head_params, hidden[s:s + batch_size], mask[s:s + batch_size]).items():
-            add_observed(observed, name, value)
-    return observed
-
-
-def collect_act_stats(model, params: Mapping, input_ids: np.ndarray, attention_mask=None, *,
-                      batch_size: int = DEFAULT_BATCH_SIZE,
-                      calibration: dict[str, Any] | None = None, progress=None) -> ActStats:
-    """Per-channel max|x| of every linear's input over all samples, layer by layer (`progress` hears each)."""
-    from qconvert.progress import as_reporter
-
-    progress = as_reporter(progress)
-    act_absmax: dict[str, np.ndarray] = {}
-    progress.step(CALIBRATING, 0, model.num_layers)
-    for layer in iter_layer_stats(model, params, input_ids, attention_mask, batch_size=batch_size):
-        act_absmax.update(layer.act_absmax)
-        progress.step(CALIBRATING, min(layer.index + 1, model.num_layers), model.num_layers)
-    tokens = int(np.sum(attention_mask)) if attention_mask is not None else int(np.asarray(input_ids).size)
-    return ActStats(act_absmax, tokens, calibration)
+from qconvert.calibration.data import BUILTIN, load_calibration
+from qconvert.calibration.observer import DEFAULT_BATCH_SIZE, collect_act_stats
+from qconvert.formats.act_stats import ActStats, is_stats_file, write_act_stats
+from qconvert.source.resolve import open_source, resolve_source
+from qconvert.write.folder import check_file_output_free, check_output_location, write_file_atomically
 
 
 def save_act_stats(path: Path, stats: ActStats, model: str = "", recheck=None) -> None:
-    """Write the statistics as safetensors: <module>.act_absmax [in] and <module>.act_tensor_absmax [1].
-
-    The file is written beside `path` and renamed into place, so a failed write
-    never leaves a truncated file; `recheck()` runs just before the rename.
-    """
-    from qconvert.output import write_file_atomically
-
-    tensors = {}
-    for module, absmax in sorted(stats.act_absmax.items()):
-        tensors[f"{module}.act_absmax"] = np.ascontiguousarray(absmax, np.float32)
-        tensors[f"{module}.act_tensor_absmax"] = np.asarray([np.max(absmax)], np.float32)
-    metadata = {"format": STATS_FORMAT, "version": STATS_VERSION, "model": model,
-                "tokens": str(stats.tokens), "calibration": json.dumps(stats.calibration, sort_keys=True)}
-    # formats' header encoder sorts the metadata keys, so the same statistics give the same bytes.
-    specs = [TensorSpec(name, np.float32, tensors[name].shape) for name in sorted(tensors)]
-
-    def write(f) -> None:
-        f.write(encode_header(specs, metadata))
-        for spec in specs:
-            f.write(tensors[spec.name].astype("<f4").tobytes())
-
-    write_file_atomically(Path(path), write, recheck or (lambda: None))
-
-
-def is_stats_file(path: Path) -> bool:
-    """Whether `path` is a statistics file qconvert wrote (its safetensors metadata says so)."""
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            return (f.metadata() or {}).get("format") == STATS_FORMAT
-    except Exception:  # the safetensors binding raises its own error types: not a stats file
-        return False
+    """Write the statistics file (formats/act_stats.py) beside `path` and rename it into place, so a failed
+    write never leaves a truncated file; `recheck()` runs just before the rename."""
+    write_file_atomically(Path(path), lambda f: write_act_stats(f, stats, model), recheck or (lambda: None))
 
 
 def check_stats_target(out: Path, overwrite: bool, source: Path | None = None) -> None:
     """`calibrate -o`: quantize's OUT rules for a file (exit 2 for the input, the current folder or a path
     inside the input; exit 8 for an existing OUT unless --overwrite replaces a stats file qconvert wrote)."""
-    from qconvert.output import check_file_output_free, check_output_location
-
     check_output_location(out, source)
     check_file_output_free(out, overwrite, is_stats_file, "a statistics file")
-
-
-def _stats_error(path: Path, what: str) -> UsageError:
-    return UsageError(f"activation statistics {path}: {what}; write it again with `qconvert calibrate`")
-
-
-def load_act_stats(path: Path) -> ActStats:
-    """Read a statistics file written by save_act_stats (UsageError when it is not one)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"activation statistics file {path} does not exist; "
-                         "write one with `qconvert calibrate MODEL -o FILE`")
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            metadata = f.metadata() or {}
-            if metadata.get("format") != STATS_FORMAT:
-                raise UsageError(f"{path} is not a qconvert activation statistics file; "
-                                 "write one with `qconvert calibrate MODEL -o FILE`")
-            act_absmax = {name[: -len(".act_absmax")]: f.get_tensor(name).astype(np.float32)
-                          for name in f.keys() if name.endswith(".act_absmax")}
-    except UsageError:
-        raise
-    except Exception as err:  # the safetensors binding raises its own error types
-        raise UsageError(f"cannot read activation statistics {path} ({err}); "
-                         "write it again with `qconvert calibrate`") from None
-    for module, absmax in sorted(act_absmax.items()):
-        # A maximum of |x| is finite and >= 0; anything else would divide smoothing scales by nonsense.
-        if absmax.ndim != 1 or not np.all(np.isfinite(absmax)) or np.any(absmax < 0):
-            raise _stats_error(path, f"{module}.act_absmax is not a vector of finite maxima >= 0")
-    tokens = metadata.get("tokens", "0")
-    if not (tokens.isascii() and tokens.isdigit()):
-        raise _stats_error(path, f"metadata 'tokens' is {tokens!r}, not a count")
-    try:
-        calibration = json.loads(metadata.get("calibration", "null"))
-    except ValueError:
-        calibration = ""
-    if calibration is not None and not isinstance(calibration, dict):
-        raise _stats_error(path, "metadata 'calibration' is not a JSON object")
-    return ActStats(act_absmax, int(tokens), calibration)
-
-
-def check_stats_cover(stats: ActStats, in_features: Mapping[str, int], where: str) -> None:
-    """Raise UsageError unless `stats` has a vector of the right length for every module needed."""
-    for module, n in sorted(in_features.items()):
-        absmax = stats.act_absmax.get(module)
-        if absmax is None:
-            raise UsageError(f"{where} has no statistics for {module}; it was calibrated on another "
-                             "model: run `qconvert calibrate` on this one")
-        if absmax.shape != (n,):
-            raise UsageError(f"{where}: statistics of {module} have {absmax.shape[0]} channels, the "
-                             f"model's input has {n}; run `qconvert calibrate` on this model")
 
 
 def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples: int = 128,
@@ -341,9 +34,6 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
     OUT is checked before anything is calibrated, and again just before the file
     is renamed into place.
     """
-    from qconvert.calib_data import BUILTIN, load_calibration
-    from qconvert.source import open_source, resolve_source
-
     out = Path(out)
     check_stats_target(out, overwrite, Path(model) if Path(model).is_dir() else None)  # before any download
     resolved_source = resolve_source(model, revision)

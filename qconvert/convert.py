@@ -13,24 +13,24 @@ from typing import Any, Protocol
 import numpy as np
 
 from qconvert import __version__
-from qconvert.card import CARD_NAME, CardFacts, write_card
+from qconvert.write.card import CARD_NAME, CardFacts, write_card
 from qconvert.formats.errors import FormatError, InvalidCheckpointError, InvalidWeightError, QConvertError, UsageError
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.record import ConversionRecord, SourceRecord, write_record
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, write_shards
 from qconvert.models.weight_only import WeightOnlySelection
 from qconvert.options import ConvertOptions, W8A8Options  # noqa: F401  (ConvertOptions' home; imported from here)
-from qconvert.output import (
+from qconvert.write.folder import (
     check_output_free, check_output_location, copy_side_files, hash_in_background, scratch_folder, side_files,
     staged_output, write_json,
 )
 from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
-from qconvert.prefetch import available_cores, run_ahead
-from qconvert.scale_search import ScaleSearches
-from qconvert.source import SourceModel, open_source, resolve_source
+from qconvert.write.prefetch import available_cores, run_ahead
+from qconvert.methods.scale_search import ScaleSearches
+from qconvert.source.resolve import SourceModel, open_source, resolve_source
 from qconvert.stages import stage
-from qconvert.gptq_layers import RTN_RECORD, QuantizedStore, SequentialGPTQ
-from qconvert.w8a8 import W8A8Adjustments, prepare_w8a8
+from qconvert.methods.gptq import RTN_RECORD, QuantizedStore, SequentialGPTQ
+from qconvert.methods.adjustments import W8A8Adjustments, prepare_w8a8
 
 # The exponent bits of each float weight dtype: all ones exactly for NaN and Inf.
 EXPONENT_BITS = {"float32": (np.uint32, 0x7F800000), "float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80)}
@@ -98,7 +98,7 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
 
     Check OUT; resolve MODEL (one commit for a Hub branch) and find its family;
     open its checkpoint (closed at the end); plan every output tensor; for w8a8, calibrate and
-    smooth on that same checkpoint (qconvert.w8a8); stream-quantize into shards
+    smooth on that same checkpoint (qconvert.methods.adjustments); stream-quantize into shards
     beside OUT; write config.json and qconvert.json; rename into place.
     `message` receives the w8a8 stage's progress lines.
     """
@@ -320,7 +320,7 @@ def output_tensors(ckpt: SafetensorsCheckpoint, planned: PlannedTensor, options:
 
     A linear GPTQ rounded during calibration is taken from `quantized` as it is. An
     untransformed 2-D float linear whose scales are not searched is read a block of rows at a
-    time (qconvert.rowwise), so its source is never held whole beside its codes.
+    time (qconvert.schemes.rowwise), so its source is never held whole beside its codes.
     """
     if quantized is not None and planned.module in quantized:
         scheme = options.scheme_object

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
+from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
 from qconvert.formats.errors import UsageError
-from qconvert import prefetch
+from qconvert.write import prefetch
 from qconvert.schemes import scheme_named
 from qconvert.schemes.base import Scheme
 
@@ -34,12 +34,12 @@ class W8A8Options:
     batch_size: int | None = None     # calibration windows per forward; None: calibration's default
 
     def alpha_spec(self):
-        """The parsed --alpha (a qconvert.smooth.AlphaSpec) as calibration uses it.
+        """The parsed --alpha (a qconvert.methods.smooth.AlphaSpec) as calibration uses it.
 
         A statistics file holds no activation rows to search on, so with
         act_stats the default 'auto' becomes the family's alpha.
         """
-        from qconvert.smooth import AlphaSpec, parse_alpha
+        from qconvert.methods.smooth import AlphaSpec, parse_alpha
 
         spec = parse_alpha(self.alpha)
         if self.act_stats is not None and spec.auto:
@@ -83,10 +83,10 @@ class ConvertOptions:
     workers: int | None = None
     # Calibration and smoothing: w8a8's, and the calibration text of GPTQ (None there means the defaults).
     w8a8: W8A8Options | None = None
-    # GPTQ rounding (qconvert.gptq); None: the scheme's default (on for int4, unless activation statistics
+    # GPTQ rounding (qconvert.methods.gptq_core); None: the scheme's default (on for int4, unless activation statistics
     # replace calibration; opt-in for w8a8, where it cost real LLMs perplexity after smoothing).
     gptq: bool | None = None
-    gptq_damp: float | None = None    # None: qconvert.gptq.DEFAULT_DAMP
+    gptq_damp: float | None = None    # None: qconvert.methods.gptq_core.DEFAULT_DAMP
     gptq_act_order: bool = False
 
     def __post_init__(self):
@@ -147,8 +147,8 @@ class ConvertOptions:
 
     @property
     def gptq_config(self):
-        """The run's qconvert.gptq.GPTQConfig (dampening, block size, act order)."""
-        from qconvert.gptq import DEFAULT_DAMP, GPTQConfig
+        """The run's qconvert.methods.gptq_core.GPTQConfig (dampening, block size, act order)."""
+        from qconvert.methods.gptq_core import DEFAULT_DAMP, GPTQConfig
 
         return GPTQConfig(damp=DEFAULT_DAMP if self.gptq_damp is None else float(self.gptq_damp),
                           act_order=self.gptq_act_order)
@@ -188,7 +188,7 @@ def _default_gptq_schemes() -> str:
 
 def _check_w8a8(options: W8A8Options) -> None:
     """Refuse calibration and smoothing flags that do not fit together."""
-    from qconvert.smooth import parse_alpha
+    from qconvert.methods.smooth import parse_alpha
 
     spec = parse_alpha(options.alpha)
     if not options.smooth and options.alpha is not None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from qconvert.consistency import check_weights_match_config
+from qconvert.source.consistency import check_weights_match_config
 from qconvert.formats.errors import (
     InvalidWeightError,
     QConvertError,
@@ -30,7 +30,7 @@ from qconvert.models.family import FamilyFacts
 from qconvert.models.weight_only import architecture_name
 from qconvert.schemes.base import Scheme
 from qconvert.schemes.servers import family_of, scheme_key, tpu_note
-from qconvert.source import SourceModel
+from qconvert.source.resolve import SourceModel
 
 FLOAT_WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 # The kind of a tensor written as the source holds it (float or not: int64 position_ids too).

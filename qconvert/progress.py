@@ -1,7 +1,7 @@
 """How the pipeline reports what it is doing: lines, and counted steps of named stages.
 
 The math calls a Reporter and never draws anything: the CLI hands in a
-terminal one (qconvert.console.RichStages: a bar with an ETA per stage, on
+terminal one (qconvert.cli.console.RichStages: a bar with an ETA per stage, on
 stderr), a plain one for logs and pipes (Lines), or none (-q, --json). A stage
 is only a name: a new one (GPTQ, say) is one more `step` call in its loop, with
 no change here or in the CLI.

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from qconvert.cli import main
+from qconvert.cli.main import main
 
 
 def run(argv, capsys):

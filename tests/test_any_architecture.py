@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from checkpoints import make_mixtral_checkpoint  # noqa: E402
 from cli_helpers import run  # noqa: E402
-from qconvert.cli import main  # noqa: E402
+from qconvert.cli.main import main  # noqa: E402
 from qconvert.formats.errors import UnsupportedModelError  # noqa: E402
 from qconvert.models.weight_only import select_linears  # noqa: E402
 

@@ -86,7 +86,7 @@ def test_a_jax_platform_the_host_cannot_start_is_exit_2(model, tmp_path, platfor
     before = tree(tmp_path)
     out = tmp_path / ("stats.safetensors" if command[0] == "calibrate" else "out")
     argv = [command[0], str(model), "-o", str(out), *command[1:]]
-    result = subprocess.run([sys.executable, "-m", "qconvert.cli", *argv], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "qconvert.cli.main", *argv], capture_output=True, text=True,
                             env={**os.environ, "JAX_PLATFORMS": platform}, timeout=300)
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == (f"qconvert: error: JAX_PLATFORMS={platform} names a platform JAX cannot start on "

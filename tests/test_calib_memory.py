@@ -7,15 +7,15 @@ import textwrap
 
 from checkpoints import make_llama_checkpoint
 
-from qconvert.calib_memory import RUNTIME_BYTES, ModelShapes, checkpoint_shapes, estimate, fit_batch_size
-from qconvert.calibrate import open_params
+from qconvert.calibration.memory import RUNTIME_BYTES, ModelShapes, checkpoint_shapes, estimate, fit_batch_size
+from qconvert.calibration.observer import open_params
 from qconvert.models import build
 
 _MEASURE = textwrap.dedent("""
     import json, resource, sys
     import jax, jax.numpy as jnp, numpy as np
-    from qconvert.calib_data import random_windows
-    from qconvert.calibrate import iter_layer_stats, open_params
+    from qconvert.calibration.data import random_windows
+    from qconvert.calibration.observer import iter_layer_stats, open_params
     from qconvert.models import build
 
     folder, samples, seqlen, batch = sys.argv[1], *map(int, sys.argv[2:5])

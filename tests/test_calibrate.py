@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from checkpoints import make_llama_checkpoint, make_tokenizer
 
-from qconvert import calib_data
-from qconvert.calib_data import load_calibration, random_windows
-from qconvert.calibrate import (ActStats, check_stats_cover, collect_act_stats, load_act_stats,
-                                open_params, save_act_stats)
+from qconvert.calibration import data as calib_data
+from qconvert.calibration.data import load_calibration, random_windows
+from qconvert.calibrate import save_act_stats
+from qconvert.calibration.observer import collect_act_stats, open_params
+from qconvert.formats.act_stats import ActStats, check_stats_cover, load_act_stats
 from qconvert.formats.errors import UsageError
 from qconvert.models import build, dense_linear
 

@@ -5,7 +5,7 @@ import json
 import pytest
 from checkpoints import make_llama_checkpoint, make_tokenizer
 
-from qconvert.cli import main
+from qconvert.cli.main import main
 from qconvert.formats.layouts import open_quantized
 
 

@@ -7,7 +7,8 @@ from safetensors.numpy import save_file
 
 from cli_helpers import run, tree
 from checkpoints import make_llama_checkpoint
-from qconvert.calibrate import ActStats, save_act_stats
+from qconvert.formats.act_stats import ActStats
+from qconvert.calibrate import save_act_stats
 
 CALIB = ["--calib", "random", "--calib-samples", "2", "--calib-seqlen", "8"]
 
@@ -77,12 +78,12 @@ def test_calibrate_replaces_its_own_stats_file_only_with_overwrite(model, fresh_
 
 
 def test_a_failed_stats_write_leaves_the_old_file_and_no_temporary(model, fresh_stats, capsys, monkeypatch):
-    import qconvert.output
+    import qconvert.write.folder
 
     def full_disk(fd):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(qconvert.output.os, "fsync", full_disk)
+    monkeypatch.setattr(qconvert.write.folder.os, "fsync", full_disk)
     before = tree(fresh_stats.parent)
     exit_code, _, stderr = run(["calibrate", str(model), "-o", str(fresh_stats), *CALIB, "--overwrite"], capsys)
     assert (exit_code, stderr.splitlines()[-1] + "\n") == (9, f"qconvert: error: writing {fresh_stats} failed: No space left on device; "

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from checkpoints import make_llama_checkpoint, make_mixtral_checkpoint
 
-from qconvert.calib_data import random_windows
-from qconvert.calibrate import iter_layer_stats, open_params
+from qconvert.calibration.data import random_windows
+from qconvert.calibration.observer import iter_layer_stats, open_params
 from qconvert.models import build, iterate_layers
 from qconvert.models.runner import layer_signature
 
@@ -100,8 +100,8 @@ def test_a_family_without_signatures_compiles_each_layer(tmp_path):
 _DEVICES_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
-    from qconvert.calib_data import random_windows
-    from qconvert.calibrate import iter_layer_stats, open_params
+    from qconvert.calibration.data import random_windows
+    from qconvert.calibration.observer import iter_layer_stats, open_params
     from qconvert.models import build
 
     folder, samples = sys.argv[1], int(sys.argv[2])

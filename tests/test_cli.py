@@ -235,7 +235,7 @@ def test_dry_run_lists_modules_and_writes_nothing(source, tmp_path, capsys):
 
 
 def test_console_script_is_quiet_off_a_terminal(source, tmp_path):
-    done = subprocess.run([sys.executable, "-c", "from qconvert.cli import main; main()", "quantize",
+    done = subprocess.run([sys.executable, "-c", "from qconvert.cli.main import main; main()", "quantize",
                            str(source), "-o", str(tmp_path / "out")], capture_output=True, text=True)
     assert done.returncode == 0 and done.stderr == ""  # no progress bar when stderr is not a TTY
     assert done.stdout.startswith("wrote ") and (tmp_path / "out" / "qconvert.json").exists()

@@ -300,8 +300,8 @@ def test_overwrite_replaces_and_a_failed_overwrite_keeps_the_old_output(llama_bf
 
 def test_weight_transform_and_static_input_scales_reach_the_w8a8_folder(tmp_path, monkeypatch):
     from qconvert.formats.record import SmoothingRecord
-    from qconvert.smooth import TensorFold
-    from qconvert.w8a8 import W8A8Adjustments
+    from qconvert.methods.smooth import TensorFold
+    from qconvert.methods.adjustments import W8A8Adjustments
 
     src_folder = make_llama_checkpoint(tmp_path / "src", layers=1)
     src = read_folder(src_folder)

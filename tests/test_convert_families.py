@@ -16,7 +16,7 @@ from cli_helpers import run as run_cli
 import qconvert
 from hf_checkpoints import load_config, make_hf_checkpoint, reference_logits, token_batch
 from quantize_reference import numpy_int8
-from qconvert.cli import main
+from qconvert.cli.main import main
 from qconvert.models import build
 from qconvert.models.registry import family_for
 
@@ -115,8 +115,8 @@ def main_quantize(source, out) -> int:
 
 def test_w8a8_smoothing_keeps_the_float_model_and_smooths_fused_slices(source):
     from qconvert.options import ConvertOptions, W8A8Options
-    from qconvert.source import open_source, resolve_source
-    from qconvert.w8a8 import prepare_w8a8
+    from qconvert.source.resolve import open_source, resolve_source
+    from qconvert.methods.adjustments import prepare_w8a8
 
     config = load_config(source)
     raw = load_file(str(source / "model.safetensors"))

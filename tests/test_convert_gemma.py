@@ -16,7 +16,7 @@ from cli_helpers import run as run_cli
 import qconvert  # noqa: E402
 from gemma_checkpoints import GEMMA2, GEMMA3, make_gemma_checkpoint, reference_logits  # noqa: E402
 from qconvert import models, ops  # noqa: E402
-from qconvert.cli import main  # noqa: E402
+from qconvert.cli.main import main  # noqa: E402
 
 SCHEMES = ("int8", "nf4", "w8a8")
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

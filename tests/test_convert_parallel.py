@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-import qconvert.rowwise as rowwise
+import qconvert.schemes.rowwise as rowwise
 from checkpoints import make_llama_checkpoint
 from quantize_reference import numpy_int8, numpy_nf4, unpack_int32_words
 from qconvert.convert import ConvertOptions, convert
 from qconvert.options import W8A8Options
 from qconvert.formats.errors import UsageError
 from qconvert.formats.safetensors_io import TensorSpec, open_checkpoint, write_shards
-from qconvert.prefetch import available_cores, run_ahead
+from qconvert.write.prefetch import available_cores, run_ahead
 from qconvert.schemes import scheme_named
 
 
@@ -190,7 +190,7 @@ def test_workers_must_be_a_positive_count():
 
 
 def test_cli_workers_zero_is_a_usage_error_and_a_count_writes_the_default_bytes(sharded_llama, tmp_path, capsys):
-    from qconvert.cli import main
+    from qconvert.cli.main import main
 
     def run(argv):
         with pytest.raises(SystemExit) as exit_info:
@@ -225,9 +225,9 @@ def test_the_float_tensor_check_agrees_with_isfinite_on_every_kind_of_bit_patter
 def test_workers_above_four_per_core_exit_2_with_one_line(sharded_llama, tmp_path, capsys, monkeypatch, workers):
     from cli_helpers import run, tree
 
-    import qconvert.prefetch
+    import qconvert.write.prefetch
 
-    monkeypatch.setattr(qconvert.prefetch, "available_cores", lambda: 3)
+    monkeypatch.setattr(qconvert.write.prefetch, "available_cores", lambda: 3)
     before = tree(tmp_path)
     exit_code, stdout, stderr = run(["quantize", str(sharded_llama), "-o", str(tmp_path / "out"),
                                      "--workers", workers], capsys)
@@ -238,7 +238,7 @@ def test_workers_above_four_per_core_exit_2_with_one_line(sharded_llama, tmp_pat
 
 
 def test_workers_of_four_per_core_are_taken(monkeypatch):
-    import qconvert.prefetch
+    import qconvert.write.prefetch
 
-    monkeypatch.setattr(qconvert.prefetch, "available_cores", lambda: 3)
+    monkeypatch.setattr(qconvert.write.prefetch, "available_cores", lambda: 3)
     assert ConvertOptions(workers=12).workers == 12

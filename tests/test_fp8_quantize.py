@@ -12,7 +12,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 
-import qconvert.rowwise as rowwise
+import qconvert.schemes.rowwise as rowwise
 from checkpoints import make_llama_checkpoint
 from cli_helpers import run as run_cli
 from cli_helpers import tree

@@ -14,7 +14,7 @@ from checkpoints import make_llama_checkpoint
 from cli_helpers import quantize_quietly, run
 from rich.console import Console
 
-from qconvert.console import RichStages
+from qconvert.cli.console import RichStages
 from qconvert.progress import Lines
 
 REPO = Path(__file__).resolve().parents[1]

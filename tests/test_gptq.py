@@ -9,7 +9,7 @@ import pytest
 
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.qarray import NF4_LEVELS
-from qconvert.gptq import gptq_codes, output_error
+from qconvert.methods.gptq_core import gptq_codes, output_error
 from qconvert.schemes import scheme_named
 
 

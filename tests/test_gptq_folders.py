@@ -87,7 +87,7 @@ def test_hessians_are_two_xtx_over_n_shared_by_the_linears_of_one_input(tmp_path
     import jax
     import jax.numpy as jnp
 
-    from qconvert.calibrate import iter_layer_stats, open_params
+    from qconvert.calibration.observer import iter_layer_stats, open_params
     from qconvert.models import build, dense_linear
 
     src = make_llama_checkpoint(tmp_path / "src", layers=1)
@@ -117,7 +117,7 @@ def test_hessians_are_two_xtx_over_n_shared_by_the_linears_of_one_input(tmp_path
 def test_sequential_mode_runs_each_layer_again_on_the_weights_handed_in(tmp_path):
     import jax.numpy as jnp
 
-    from qconvert.calibrate import open_params
+    from qconvert.calibration.observer import open_params
     from qconvert.models import build, iterate_layers
 
     src = make_llama_checkpoint(tmp_path / "src", layers=2)

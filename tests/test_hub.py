@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from checkpoints import make_llama_checkpoint
-from qconvert import hub
+from qconvert.source import hub
 from qconvert.formats.errors import (
     HubUnavailableError,
     InvalidCheckpointError,

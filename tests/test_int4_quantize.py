@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-import qconvert.rowwise as rowwise
+import qconvert.schemes.rowwise as rowwise
 from cli_helpers import run as run_cli
 from checkpoints import make_llama_checkpoint
 from qconvert.formats.layouts import open_quantized

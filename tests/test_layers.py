@@ -33,7 +33,7 @@ def layer_of(module: str) -> str:
     for prefix in ("formats", "kernels", "verify", "models", "ops"):
         if module == f"qconvert.{prefix}" or module.startswith(f"qconvert.{prefix}."):
             return prefix
-    if module in ("qconvert.cli", "qconvert.entry"):
+    if module in ("qconvert.cli.main", "qconvert.cli.entry"):
         return "cli"
     return "pipeline"  # the rest of qconvert/, schemes/ among it
 
@@ -77,11 +77,11 @@ def test_no_module_imports_a_layer_above_its_own(path):
 def test_the_checker_catches_imports_from_above_lazy_ones_too(tmp_path):
     source = tmp_path / "bad.py"
     source.write_text("from qconvert.formats.qarray import QArray\n"
-                      "def f():\n    from qconvert.calibrate import iter_layer_stats\n"
+                      "def f():\n    from qconvert.calibration.observer import iter_layer_stats\n"
                       "    import qconvert.verify.run\n"
                       "from . import sibling\n")
     found = imports_of(source)
-    assert [t for _, t in found] == ["qconvert.formats.qarray.QArray", "qconvert.calibrate.iter_layer_stats",
+    assert [t for _, t in found] == ["qconvert.formats.qarray.QArray", "qconvert.calibration.observer.iter_layer_stats",
                                      "qconvert.verify.run", "<relative import>"]
     assert len(violations("models", found)) == 3  # the pipeline, verify and a relative import
     assert violations("formats", found[:1]) == []

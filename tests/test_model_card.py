@@ -12,7 +12,7 @@ from cli_helpers import quantize_quietly, run
 from safetensors.numpy import load_file
 
 from qconvert.formats.record import ConversionRecord, SourceRecord
-from qconvert.card import CardFacts, model_card
+from qconvert.write.card import CardFacts, model_card
 
 FOLDER = "path/to/this/folder"
 

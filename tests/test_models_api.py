@@ -15,7 +15,7 @@ from checkpoints import make_llama_checkpoint
 from qconvert.formats.errors import InvalidCheckpointError, UnsupportedModelError
 from qconvert.formats import QArray
 from qconvert.models import build, forward_layerwise, iterate_layers
-from qconvert.tokenizer import load_tokenizer
+from qconvert.calibration.tokenizer import load_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

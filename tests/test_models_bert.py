@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 
 from checkpoints import make_bert_checkpoint, make_tokenizer, minilm_path
 from qconvert.models import BertModel, build, forward_layerwise, mean_pool
-from qconvert.tokenizer import load_tokenizer
+from qconvert.calibration.tokenizer import load_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ from hf_checkpoints import TINY, load_config, make_hf_checkpoint, reference_logi
 from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.models import Phi3Model, Qwen2MoeModel, Qwen3Model, Qwen3MoeModel, build, forward_layerwise
 from qconvert.models.registry import family_for
-from qconvert.smooth import channel_map
+from qconvert.methods.smooth import channel_map
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

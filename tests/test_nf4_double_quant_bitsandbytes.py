@@ -9,7 +9,7 @@ import torch
 from checkpoints import make_llama_checkpoint
 from safetensors.torch import load_file, save_file
 
-from qconvert.cli import main
+from qconvert.cli.main import main
 
 STATE = "quant_state.bitsandbytes__nf4"
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from qconvert.prefetch import run_ahead
+from qconvert.write.prefetch import run_ahead
 
 
 def prefetch_threads() -> list[threading.Thread]:

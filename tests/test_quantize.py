@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from qconvert.formats.errors import InvalidWeightError
 from qconvert.formats.qarray import NF4_LEVELS
-from qconvert.quantizers import quantize_int8, quantize_nf4
+from qconvert.schemes.int8 import quantize_int8
+from qconvert.schemes.nf4 import quantize_nf4
 
 from quantize_reference import LEVELS, numpy_int8, numpy_nf4
 

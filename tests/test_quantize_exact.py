@@ -4,10 +4,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import qconvert.quantizers as quantize_module
+import qconvert.schemes.rowwise as quantize_module
 from qconvert.formats.errors import InvalidWeightError
 from qconvert.convert import all_finite
-from qconvert.quantizers import int8_codes_and_scales, nf4_codes_and_absmax, quantize_int8, quantize_nf4
+from qconvert.schemes.int8 import int8_codes_and_scales, quantize_int8
+from qconvert.schemes.nf4 import nf4_codes_and_absmax, quantize_nf4
 
 from quantize_reference import LEVELS, numpy_int8, numpy_nf4
 

@@ -9,10 +9,9 @@ from quantize_reference import LEVELS
 from safetensors.numpy import load_file
 
 from qconvert.convert import ConvertOptions, convert
-from qconvert.quantizers import NF4_THRESHOLDS, quantize_int8, quantize_nf4
-from qconvert.scale_search import (INT8_CLIP_GRID, NF4_CLIP_GRID, OUTPUT_ERROR_ROWS, STATIC_RATIO_GRID,
-                                   int8_clip_search,
-                                   nf4_clip_search, static_scale_search)
+from qconvert.schemes.int8 import INT8_CLIP_GRID, OUTPUT_ERROR_ROWS, int8_clip_search, quantize_int8
+from qconvert.schemes.nf4 import NF4_CLIP_GRID, NF4_THRESHOLDS, nf4_clip_search, quantize_nf4
+from qconvert.methods.scale_search import STATIC_RATIO_GRID, static_scale_search
 
 
 def heavy_tailed(shape, seed):

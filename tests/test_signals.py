@@ -132,7 +132,7 @@ def _dead_pid() -> int:
 
 
 def test_stale_temporaries_are_removed_by_name_and_marker_and_nothing_else(workdir, tmp_path):
-    from qconvert.output import TEMPORARY_MARKER
+    from qconvert.write.folder import TEMPORARY_MARKER
 
     parent = tmp_path / "parent"
     parent.mkdir()

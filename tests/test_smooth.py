@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from qconvert.formats.errors import UsageError
 from qconvert.models.family import SmoothingGroup
-from qconvert.smooth import (AlphaSpec, apply_fold, channel_map, tensor_folds, group_scales, parse_alpha,
+from qconvert.methods.smooth import (AlphaSpec, apply_fold, channel_map, tensor_folds, group_scales, parse_alpha,
                              search_alpha, smooth_scales)
 
 

@@ -12,7 +12,7 @@ from checkpoints import make_llama_checkpoint
 from cli_helpers import run
 from safetensors.numpy import load_file, save_file
 
-from qconvert.cli import main
+from qconvert.cli.main import main
 
 # FORMATS.md: the 16 NF4 levels, code 0..15.
 NF4 = np.array([

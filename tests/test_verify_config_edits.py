@@ -17,7 +17,7 @@ def llama_out(tmp_path_factory):
     src = make_llama_checkpoint(root / "model")
     out = root / "out"
     with pytest.raises(SystemExit) as exit_info:
-        from qconvert.cli import main
+        from qconvert.cli.main import main
 
         main(["quantize", str(src), "-o", str(out), "-q"])
     assert exit_info.value.code == 0
@@ -32,7 +32,7 @@ def gemma_out(tmp_path_factory):
     src = make_gemma_checkpoint(root / "model", GEMMA2)
     out = root / "out"
     with pytest.raises(SystemExit) as exit_info:
-        from qconvert.cli import main
+        from qconvert.cli.main import main
 
         main(["quantize", str(src), "-o", str(out), "-q"])
     assert exit_info.value.code == 0

@@ -11,7 +11,7 @@ from checkpoints import make_llama_checkpoint
 from safetensors.numpy import load_file, save_file
 
 from cli_helpers import run as run_cli
-from qconvert.cli import main
+from qconvert.cli.main import main
 
 TINY = dict(hidden=64, layers=1, heads=4, kv_heads=2, intermediate=64, vocab=128)
 LAYER = "model.layers.0.mlp.up_proj"

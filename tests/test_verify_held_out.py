@@ -8,7 +8,7 @@ import pytest
 from checkpoints import make_llama_checkpoint, make_tokenizer
 from cli_helpers import run
 
-from qconvert.cli import main
+from qconvert.cli.main import main
 
 VOCAB = 256
 TINY = {"hidden": 64, "layers": 1, "heads": 4, "kv_heads": 2, "intermediate": 64, "vocab": VOCAB}

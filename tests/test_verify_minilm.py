@@ -11,8 +11,8 @@ from safetensors.numpy import load_file
 from cli_helpers import run as run_cli
 from test_verify import dequantize_file, per_token_fake_quant
 
-from qconvert.calib_data import load_calibration
-from qconvert.cli import main
+from qconvert.calibration.data import load_calibration
+from qconvert.cli.main import main
 
 
 @pytest.fixture(scope="module")

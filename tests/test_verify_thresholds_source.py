@@ -14,7 +14,7 @@ CALIB = ["--calib", "random", "--calib-samples", "2", "--calib-seqlen", "16"]
 
 @pytest.fixture(scope="module")
 def static_out(tmp_path_factory):
-    from qconvert.cli import main
+    from qconvert.cli.main import main
 
     root = tmp_path_factory.mktemp("thresholds-source")
     src = make_llama_checkpoint(root / "model")

@@ -74,7 +74,7 @@ def w8a8_folder(tmp_path_factory):
     args = ["quantize", str(source), "-o", str(out), "--scheme", "w8a8", "--quiet",
             "--calib", "random", "--calib-samples", "4", "--calib-seqlen", "32"]
     with pytest.raises(SystemExit) as exc:
-        from qconvert.cli import main
+        from qconvert.cli.main import main
 
         main(args)
     assert exc.value.code == 0

@@ -9,15 +9,16 @@ import pytest
 from checkpoints import make_llama_checkpoint
 from safetensors.numpy import load_file, save_file
 
-from qconvert.calib_data import load_calibration
-from qconvert.calibrate import calibrate_model, open_params
+from qconvert.calibration.data import load_calibration
+from qconvert.calibration.observer import open_params
+from qconvert.calibrate import calibrate_model
 from qconvert.convert import ConvertOptions, convert
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.qarray import QArray
 from qconvert.models import build, dense_linear
 from qconvert.options import W8A8Options
-from qconvert.source import open_source, resolve_source
-from qconvert.w8a8 import prepare_w8a8
+from qconvert.source.resolve import open_source, resolve_source
+from qconvert.methods.adjustments import prepare_w8a8
 
 OUTLIERS = (3, 17)
 OUTLIER_SCALE = 100.0

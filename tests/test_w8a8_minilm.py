@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 from checkpoints import minilm_path
 
-from qconvert.calibrate import open_params
+from qconvert.calibration.observer import open_params
 from qconvert.convert import ConvertOptions
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.qarray import QArray
 from qconvert.models import build, dense_linear
-from qconvert.tokenizer import load_tokenizer
+from qconvert.calibration.tokenizer import load_tokenizer
 from qconvert.convert import convert
 from qconvert.options import W8A8Options
 

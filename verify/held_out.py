@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from qconvert.calib_data import (
+from qconvert.calibration.data import (
     DEFAULT_SAMPLES,
     DEFAULT_SEQLEN,
     HELD_OUT,

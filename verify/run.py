@@ -30,7 +30,7 @@ from qconvert.kernels.plan import BACKENDS, platform
 from qconvert.models import read_tensors
 from qconvert.progress import Reporter, as_reporter
 from qconvert.schemes import scheme_named
-from qconvert.source import SourceModel, open_source, resolve_source
+from qconvert.source.resolve import SourceModel, open_source, resolve_source
 from qconvert.verify.fidelity import make_folder_linear
 from qconvert.verify.held_out import AUTO, HeldOut, held_out_evaluation
 from qconvert.verify.integrity import (IntegrityResult, check_config, check_config_matches_reference,

@@ -18,7 +18,16 @@ import numpy as np
 from qconvert.formats.errors import UsageError
 from qconvert.formats.layout_base import Layout, LayoutFlags
 from qconvert.formats.qarray import QArray, group_scale
-from qconvert.rowwise import quantize_rows
+from qconvert.schemes.rowwise import quantize_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """What one search chose, and the error it reached against the plain (ratio 1) choice."""
+
+    ratios: np.ndarray      # float32: per row, per block, or one per tensor
+    error_plain: float      # summed squared error with ratio 1
+    error_searched: float   # summed squared error with the chosen ratios
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +103,7 @@ class Scheme(abc.ABC):
         """The per row/group/block ratios minimising the weight's squared error (a SearchResult)."""
 
     def gptq_grid(self):
-        """The grid GPTQ rounds each column onto (a qconvert.gptq grid); None: the scheme takes no --gptq."""
+        """The grid GPTQ rounds each column onto (a qconvert.methods.gptq_core grid); None: the scheme takes no --gptq."""
         return None
 
     def gptq_steps(self, q: QArray, flags: LayoutFlags) -> np.ndarray:

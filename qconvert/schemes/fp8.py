@@ -24,9 +24,9 @@ from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_fp8 import FloatQuantizedFP8
 from qconvert.formats.qarray import QArray
 from qconvert.formats.quotient import f32_quotient
-from qconvert.quantizers import _all_finite_hint, _host_weight, quantize_row_chunks
-from qconvert.scale_search import SearchResult
-from qconvert.schemes.base import ClipSearch, Scheme, Thresholds
+from qconvert.schemes.rowwise import all_finite_hint, host_weight, quantize_row_chunks
+from qconvert.schemes.base import ClipSearch, Scheme, SearchResult, Thresholds
+from qconvert.schemes.grids import FloatGrid
 from qconvert.schemes.int4 import in_dtype
 
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
@@ -50,7 +50,7 @@ def fp8_codes_and_scales(w: jax.Array, scale_dtype, clip: jax.Array | None = Non
     # compressed-tensors adds its (zero) zero point before the cast, which turns -0 into +0.
     quotient = jnp.where(quotient == 0, jnp.float32(0), quotient)
     codes = jnp.clip(quotient, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-    return codes, scale.astype(scale_dtype), _all_finite_hint(w)
+    return codes, scale.astype(scale_dtype), all_finite_hint(w)
 
 
 def quantize_fp8(w, *, scale_dtype=None, clip=None) -> QArray:
@@ -58,7 +58,7 @@ def quantize_fp8(w, *, scale_dtype=None, clip=None) -> QArray:
 
     Rows go through the kernel in chunks (quantize_row_chunks). InvalidWeightError for NaN/Inf.
     """
-    w = _host_weight(w)
+    w = host_weight(w)
     if w.ndim != 2:
         raise ValueError(f"fp8 quantization takes a 2-D [out, in] weight, got shape {tuple(w.shape)}")
     scale_dtype = jnp.dtype(scale_dtype if scale_dtype is not None else w.dtype)
@@ -123,8 +123,6 @@ class FP8(Scheme):
         return quantize_fp8(weight, scale_dtype=scale_dtype, clip=clip)
 
     def gptq_grid(self):
-        from qconvert.gptq import FloatGrid
-
         return FloatGrid(FP8_MAX)
 
     def clip_search(self, weight: np.ndarray, flags: LayoutFlags):

@@ -23,9 +23,9 @@ from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_int4 import PackQuantizedInt4
 from qconvert.formats.qarray import INT4_QMAX, INT4_QMIN, QArray
 from qconvert.formats.quotient import f32_quotient
-from qconvert.quantizers import _all_finite_hint, _host_weight, quantize_row_chunks
-from qconvert.scale_search import SearchResult
-from qconvert.schemes.base import ClipSearch, Scheme, Thresholds
+from qconvert.schemes.rowwise import all_finite_hint, host_weight, quantize_row_chunks
+from qconvert.schemes.base import ClipSearch, Scheme, SearchResult, Thresholds
+from qconvert.schemes.grids import IntegerGrid
 
 DEFAULT_GROUP_SIZE = 128
 GROUP_SIZES = (128, 64, 32)  # the default's fallbacks, largest first; then per channel
@@ -63,7 +63,7 @@ def int4_codes_and_scales(w: jax.Array, group: int, scale_dtype, clip: jax.Array
     scale = jnp.where(scale == 0, jnp.float32(jnp.finfo(scale_dtype).eps), scale)
     quotient = in_dtype(f32_quotient(groups.astype(jnp.float32), scale[..., None]), w.dtype)
     codes = jnp.round(jnp.clip(quotient, INT4_QMIN, INT4_QMAX))
-    return codes.astype(jnp.int8).reshape(rows, cols), scale.astype(scale_dtype), _all_finite_hint(w)
+    return codes.astype(jnp.int8).reshape(rows, cols), scale.astype(scale_dtype), all_finite_hint(w)
 
 
 def quantize_int4(w, group_size: int | None, *, scale_dtype=None, clip=None) -> QArray:
@@ -71,7 +71,7 @@ def quantize_int4(w, group_size: int | None, *, scale_dtype=None, clip=None) -> 
 
     Rows go through the kernel in chunks (quantize_row_chunks). InvalidWeightError for NaN/Inf.
     """
-    w = _host_weight(w)
+    w = host_weight(w)
     if w.ndim != 2:
         raise ValueError(f"int4 quantization takes a 2-D [out, in] weight, got shape {tuple(w.shape)}")
     rows, cols = w.shape
@@ -162,8 +162,6 @@ class Int4(Scheme):
         return quantize_int4(weight, flags.group_size, scale_dtype=scale_dtype, clip=clip)
 
     def gptq_grid(self):
-        from qconvert.gptq import IntegerGrid
-
         return IntegerGrid(INT4_QMIN, INT4_QMAX)
 
     def clip_search(self, weight: np.ndarray, flags: LayoutFlags):

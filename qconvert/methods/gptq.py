@@ -21,12 +21,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.calibrate import LayerStats
+from qconvert.calibration.observer import LayerStats
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.qarray import QArray
-from qconvert.gptq import GPTQConfig, hessian_factor, round_columns, row_output_errors
-from qconvert.scale_search import ScaleSearches
-from qconvert.smooth import TensorFold, apply_fold
+from qconvert.methods.gptq_core import GPTQConfig, hessian_factor, round_columns, row_output_errors
+from qconvert.methods.scale_search import ScaleSearches
+from qconvert.methods.smooth import TensorFold, apply_fold
 
 
 class QuantizedStore:

@@ -12,7 +12,7 @@ def main() -> None:
     """Install the SIGINT/SIGTERM/SIGHUP handlers, then run the CLI; an interruption ends the process at once."""
     try:
         interrupts.install()
-        from qconvert.cli import main as cli_main
+        from qconvert.cli.main import main as cli_main
 
         cli_main()
     except SystemExit as done:

@@ -15,7 +15,7 @@ from typing import Any
 
 from qconvert.formats.errors import FormatError, InvalidCheckpointError
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint
-from qconvert.hub import ResolvedModel, resolve_model
+from qconvert.source.hub import ResolvedModel, resolve_model
 from qconvert.models.family import Family, FamilyFacts
 from qconvert.models.registry import family_for
 from qconvert.models.weight_only import WeightOnlySelection, check_architecture, checkpoint_family
@@ -69,7 +69,7 @@ class SourceModel:
 
     def check_weights(self) -> None:
         """Raise InvalidCheckpointError when the weights do not fit config.json (shapes, names)."""
-        from qconvert.consistency import check_weights_match_config
+        from qconvert.source.consistency import check_weights_match_config
 
         check_weights_match_config(self.checkpoint, self.config, lambda: self.model)
 

@@ -126,7 +126,7 @@ def download_dataset_file(address: str) -> Path:
     import huggingface_hub
     from huggingface_hub import errors as hub_errors
 
-    from qconvert.hub import hub_unreachable_reason
+    from qconvert.source.hub import hub_unreachable_reason
 
     # One short probe instead of huggingface_hub's retries: unreachable means the cache alone.
     cache_only = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() not in {"1", "ON", "YES", "TRUE"} \
@@ -166,7 +166,7 @@ def load_tokenizer(model_folder: Path):
 
     UsageError when the folder has none (random ids need no tokenizer).
     """
-    from qconvert import tokenizer as model_tokenizer
+    from qconvert.calibration import tokenizer as model_tokenizer
 
     path = Path(model_folder) / "tokenizer.json"
     if not path.is_file():

@@ -201,7 +201,7 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
 
 def _w8a8_options_from(scheme: str, flags: dict):
     """The W8A8Options of a calibrating scheme; for another None, or the flags given (ConvertOptions refuses them)."""
-    from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
+    from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
     from qconvert.options import W8A8Options
     from qconvert.schemes import scheme_named
 
@@ -236,7 +236,7 @@ def calibrate(model: str, out: Path, revision: str | None, calib: str | None, ca
 
     _hub_messages(verbose)
     _check_jax_platforms()
-    from qconvert.calib_data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
+    from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
     from qconvert.calibrate import calibrate_model
 
     summary = _run_with_progress(
@@ -257,7 +257,7 @@ def _run_with_progress(run, silent: bool, write_bar: bool = False):
     bar); in a pipe or log, plain lines on stderr and no bar; nothing at all when `silent`."""
     from rich.console import Console
 
-    from qconvert.console import RichProgress, RichStages
+    from qconvert.cli.console import RichProgress, RichStages
     from qconvert.progress import SILENT, Lines
 
     console = Console(stderr=True)
@@ -278,7 +278,7 @@ def _run_with_progress(run, silent: bool, write_bar: bool = False):
 def _print_result(result, quiet: bool, as_json: bool) -> None:
     import json
 
-    from qconvert.console import print_convert_result, stdout_console
+    from qconvert.cli.console import print_convert_result, stdout_console
 
     if as_json:
         click.echo(json.dumps(result.summary(), indent=2))
@@ -299,7 +299,7 @@ def inspect_command(out: Path, as_json: bool) -> int:
     """
     import json
 
-    from qconvert.console import print_inspect_report, stdout_console
+    from qconvert.cli.console import print_inspect_report, stdout_console
     from qconvert.inspection import inspect_checkpoint
 
     report = inspect_checkpoint(out)
@@ -380,7 +380,7 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
 
 def _update_card(out: Path, report, quiet: bool) -> None:
     """verify --update-card: the verdict into the card, unless the folder's own files failed their check."""
-    from qconvert.card import CARD_NAME, update_card
+    from qconvert.write.card import CARD_NAME, update_card
     from qconvert.verify.report import to_record
 
     if not report.integrity.passed:
@@ -457,14 +457,14 @@ def _check_json_target(path: Path) -> None:
 
 
 def _check_jax_platforms() -> None:
-    from qconvert.jax_platform import check_jax_platforms
+    from qconvert.cli.jax_platform import check_jax_platforms
 
     check_jax_platforms()
 
 
 def _hub_messages(verbose: bool) -> None:
     """huggingface_hub's own retry lines and warnings stay off stderr unless --verbose."""
-    from qconvert.hub import quiet_hub_logging
+    from qconvert.source.hub import quiet_hub_logging
 
     quiet_hub_logging(not verbose)
 

@@ -1,6 +1,7 @@
-"""Scale searches: clipping ratios for int8 weight rows and NF4 blocks, and static activation scales.
+"""The scale search method: each linear's int8 weight clip on calibration rows, and static activation scales.
 
-Each search tries a fixed grid of candidates in one batched computation and
+The int8 and NF4 weight clip searches themselves are their schemes' (schemes/int8.py, schemes/nf4.py). Each
+search tries a fixed grid of candidates in one batched computation and
 keeps, per row / block / tensor, the candidate with the least squared error
 (ties go to the larger ratio, i.e. the round-to-nearest scale). Ratio 1.0 is
 always on the grid, so a search never does worse than the plain absmax scale
@@ -25,116 +26,12 @@ import numpy as np
 
 from qconvert.formats.qarray import INT8_QMAX
 from qconvert.formats.quotient import int8_round
-from qconvert.quantizers import pad_rows, quantize_int8
+from qconvert.schemes.base import SearchResult
+from qconvert.schemes.int8 import int8_clip_search, quantize_int8
 
-# Candidate clipping ratios, largest (plain absmax) first.
-# int8: fine steps near 1 (127 levels leave little to clip), coarser below 0.95.
-INT8_CLIP_GRID = (tuple(round(1.0 - 0.005 * k, 3) for k in range(10))
-                  + tuple(round(0.95 - 0.025 * k, 3) for k in range(11)))      # 1.000 .. 0.70
-NF4_CLIP_GRID = tuple(round(1.0 - 0.0125 * k, 4) for k in range(21))          # 1.00 .. 0.75
+# Candidate static input-scale ratios, largest (plain max) first.
 STATIC_RATIO_GRID = tuple(round(2.0 ** (-k / 4), 4) for k in range(17))       # 1.00 .. 0.0625
-OUTPUT_ERROR_ROWS = 64  # calibration rows the int8 output-error search uses (cost: rows x in x out per ratio)
 _HI = jax.lax.Precision.HIGHEST
-
-
-@dataclasses.dataclass(frozen=True)
-class SearchResult:
-    """What one search chose, and the error it reached against the plain (ratio 1) choice."""
-
-    ratios: np.ndarray      # float32: per row, per block, or one per tensor
-    error_plain: float      # summed squared error with ratio 1
-    error_searched: float   # summed squared error with the chosen ratios
-
-
-def _first_min(errors: jax.Array) -> jax.Array:
-    # argmin over the candidate axis 0; jnp.argmin returns the first minimum, i.e. the largest ratio.
-    return jnp.argmin(errors, axis=0)
-
-
-@jax.jit
-def _int8_row_errors(w: jax.Array, x: jax.Array, grid: jax.Array) -> jax.Array:
-    """[ratios, out] squared error of each row quantized with scale = c * absmax / 127.
-
-    x [rows, in] gives output errors; x with zero rows gives weight errors (see callers).
-    """
-    absmax = jnp.max(jnp.abs(w), axis=1, keepdims=True)
-
-    def one(c):
-        scale = jnp.maximum(c * absmax / INT8_QMAX, 1e-12)
-        d = w - int8_round(w, scale) * scale
-        return jnp.sum(jnp.matmul(x, d.T, precision=_HI) ** 2, axis=0)
-
-    return jax.lax.map(one, grid)
-
-
-@jax.jit
-def _int8_row_weight_errors(w: jax.Array, grid: jax.Array) -> jax.Array:
-    absmax = jnp.max(jnp.abs(w), axis=1, keepdims=True)
-
-    def one(c):
-        scale = jnp.maximum(c * absmax / INT8_QMAX, 1e-12)
-        return jnp.sum((w - int8_round(w, scale) * scale) ** 2, axis=1)
-
-    return jax.lax.map(one, grid)
-
-
-def int8_clip_search(w: np.ndarray, x: np.ndarray | None = None,
-                     grid: tuple[float, ...] = INT8_CLIP_GRID) -> SearchResult:
-    """Per output row of w [out, in], the clipping ratio c minimising the output (or weight) error.
-
-    With x [rows, in] (calibration activations, up to OUTPUT_ERROR_ROWS used) the
-    error is ||x (w_row - w_q_row)||^2; without, ||w_row - w_q_row||^2.
-    """
-    w32 = jnp.asarray(np.asarray(w, np.float32))
-    g = jnp.asarray(grid, jnp.float32)
-    if x is not None and len(x):
-        x = np.asarray(x, np.float32)
-        x = x[:: max(1, len(x) // OUTPUT_ERROR_ROWS)][:OUTPUT_ERROR_ROWS]
-        errors = _int8_row_errors(w32, jnp.asarray(x), g)
-    else:
-        errors = _int8_row_weight_errors(w32, g)
-    errors = np.asarray(errors, np.float64)
-    best = np.asarray(_first_min(jnp.asarray(errors)))
-    rows = np.arange(errors.shape[1])
-    return SearchResult(np.asarray(grid, np.float32)[best], float(errors[0].sum()),
-                        float(errors[best, rows].sum()))
-
-
-@jax.jit
-def _nf4_block_errors(blocks: jax.Array, levels: jax.Array, thresholds: jax.Array,
-                      grid: jax.Array) -> jax.Array:
-    """[ratios, blocks] squared error of each block with stored absmax = c * max|block|."""
-    absmax = jnp.max(jnp.abs(blocks), axis=1, keepdims=True)
-
-    def one(c):
-        stored = jnp.where(absmax == 0, 1.0, c * absmax)
-        codes = jnp.sum(blocks[..., None] / stored[..., None] > thresholds, axis=-1)
-        return jnp.sum((blocks - levels[codes] * stored) ** 2, axis=1)
-
-    return jax.lax.map(one, grid)
-
-
-def nf4_clip_search(flat: np.ndarray, block_size: int, levels: np.ndarray, thresholds: np.ndarray,
-                    grid: tuple[float, ...] = NF4_CLIP_GRID) -> SearchResult:
-    """Per block of `block_size` values of the flattened weight, the absmax ratio minimising the block's error.
-
-    The last block may be partial (zero padding changes neither its max nor its error).
-    """
-    flat = np.asarray(flat, np.float32).reshape(-1)
-    nblocks = -(-flat.size // block_size)
-    padded = np.zeros(nblocks * block_size, np.float32)
-    padded[: flat.size] = flat
-    blocks = padded.reshape(nblocks, block_size)
-    g = jnp.asarray(grid, jnp.float32)
-    lv, th = jnp.asarray(levels, jnp.float32), jnp.asarray(thresholds, jnp.float32)
-    # Chunks of blocks keep the [ratios, chunk, 64, 15] comparison small.
-    chunk = 4096
-    errors = np.concatenate([np.asarray(_nf4_block_errors(jnp.asarray(pad_rows(blocks[s:s + chunk], chunk)),
-                                                          lv, th, g))[:, : min(chunk, nblocks - s)]
-                             for s in range(0, nblocks, chunk)], axis=1).astype(np.float64)
-    best = np.argmin(errors, axis=0)
-    return SearchResult(np.asarray(grid, np.float32)[best], float(errors[0].sum()),
-                        float(errors[best, np.arange(nblocks)].sum()))
 
 
 @jax.jit

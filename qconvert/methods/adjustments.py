@@ -1,6 +1,6 @@
 """The w8a8 stage of the quantize pipeline: calibrate, choose alpha, compute smoothing folds and static input scales.
 
-`prepare_w8a8` takes the pipeline's already-opened source model (qconvert.source)
+`prepare_w8a8` takes the pipeline's already-opened source model (qconvert.source.resolve)
 and its options and returns W8A8Adjustments, whose parts the conversion takes as
 they are: `weight_transform(name, array)` hands out smoothed norms and linears,
 `input_scales` the static per-tensor activation scales, `weight_clip` the int8
@@ -21,20 +21,21 @@ from typing import Any, Callable, Mapping, Sequence
 import ml_dtypes
 import numpy as np
 
-from qconvert.calib_data import BUILTIN, load_calibration
-from qconvert.calibrate import CALIBRATING, ActStats, check_stats_cover, iter_layer_stats, load_act_stats
+from qconvert.calibration.data import BUILTIN, load_calibration
+from qconvert.calibration.observer import CALIBRATING, iter_layer_stats
+from qconvert.formats.act_stats import ActStats, check_stats_cover, load_act_stats
 from qconvert.formats.errors import UsageError
 from qconvert.formats.record import RecordedScales, SmoothingRecord
 from qconvert.formats.safetensors_io import sha256_file
-from qconvert.gptq_layers import QuantizedStore, SequentialGPTQ
+from qconvert.methods.gptq import QuantizedStore, SequentialGPTQ
 from qconvert.models.family import Family, FamilyFacts, SmoothingGroup
 from qconvert.options import ConvertOptions, W8A8Options
 from qconvert.progress import Reporter, as_reporter
-from qconvert.scale_search import LinearSearch, search_linear
-from qconvert.smooth import (INT8_QMAX, MIN_SCALE, AlphaSpec, GroupScales, TensorFold, apply_fold,
+from qconvert.methods.scale_search import LinearSearch, search_linear
+from qconvert.methods.smooth import (INT8_QMAX, MIN_SCALE, AlphaSpec, GroupScales, TensorFold, apply_fold,
                              group_scales, read_group_weights, search_alpha, smoothed_input_absmax,
                              stored_gain_scales, tensor_folds, unmatched_alpha_keys)
-from qconvert.source import SourceModel
+from qconvert.source.resolve import SourceModel
 
 # The smallest static input_scale written (float32); the weight scales have the same floor.
 MIN_INPUT_SCALE = 1e-8
