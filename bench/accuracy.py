@@ -53,13 +53,13 @@ from qconvert.formats.layouts import open_quantized  # noqa: E402
 from qconvert.formats.qarray import QArray  # noqa: E402
 from qconvert.models import build, dense_linear  # noqa: E402
 from qconvert.calibration.tokenizer import load_tokenizer  # noqa: E402
-from qconvert.options import W8A8Options  # noqa: E402
+from qconvert.options import CalibrationOptions  # noqa: E402
 from qconvert.schemes.fp8 import FP8_MAX  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 HI = jax.lax.Precision.HIGHEST
 
-# name -> (scheme, ConvertOptions extras, W8A8Options extras: calibration, smoothing); "family" and "auto
+# name -> (scheme, ConvertOptions extras, CalibrationOptions extras: calibration, smoothing); "family" and "auto
 # --no-scale-search" are the explicit flags a user had before the defaults changed. Every row but the
 # "-default" ones pins GPTQ (on: "-gptq"), so that a name keeps its meaning whatever the defaults.
 RTN, GPTQ = {"gptq": False}, {"gptq": True}
@@ -213,7 +213,7 @@ def run_convert(src: Path, out: Path, name: str, calib: str, samples: int, seqle
     shutil.rmtree(out, ignore_errors=True)
     started = time.perf_counter()
     if w8a8 is not None:
-        extra = {**extra, "w8a8": W8A8Options(calib=calib, calib_samples=samples, calib_seqlen=seqlen, **w8a8)}
+        extra = {**extra, "w8a8": CalibrationOptions(calib=calib, calib_samples=samples, calib_seqlen=seqlen, **w8a8)}
     import qconvert.schemes.int8 as search
 
     saved = {k: getattr(search, k) for k in SEARCH_PATCHES.get(name, {})}

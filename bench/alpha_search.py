@@ -3,7 +3,7 @@
     python bench/alpha_search.py                 # the trained byte Llama and a wider random Llama
     python bench/alpha_search.py --samples 16    # a quicker run
 
-For each model, in one process: `prepare_w8a8` (everything `quantize --scheme w8a8`
+For each model, in one process: `prepare_adjustments` (everything `quantize --scheme w8a8`
 does before it writes: calibration forward passes, the alpha grid per group,
 the weight clip and static scale searches) with
 
@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from checkpoints import make_llama_checkpoint  # noqa: E402
 
-from qconvert.options import ConvertOptions, W8A8Options  # noqa: E402
+from qconvert.options import ConvertOptions, CalibrationOptions  # noqa: E402
 from qconvert.source.resolve import open_source, resolve_source  # noqa: E402
-from qconvert.methods.adjustments import prepare_w8a8  # noqa: E402
+from qconvert.methods.recipe import prepare_adjustments  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 MODES = {"family": {"alpha": "family", "scale_search": False},
@@ -41,10 +41,10 @@ MODES = {"family": {"alpha": "family", "scale_search": False},
 
 def time_stage(folder: Path, calib: str, samples: int, seqlen: int, flags: dict) -> float:
     flags = dict(flags)
-    options = ConvertOptions(scheme="w8a8", scale_search=flags.pop("scale_search", None), w8a8=W8A8Options(
+    options = ConvertOptions(scheme="w8a8", scale_search=flags.pop("scale_search", None), calibration=CalibrationOptions(
         calib=calib, calib_samples=samples, calib_seqlen=seqlen, **flags))
     started = time.perf_counter()
-    prepare_w8a8(open_source(resolve_source(str(folder))), options)
+    prepare_adjustments(open_source(resolve_source(str(folder))), options)
     return time.perf_counter() - started
 
 

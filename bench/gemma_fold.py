@@ -26,9 +26,9 @@ from gemma_checkpoints import GEMMA2, make_gemma_checkpoint, with_outlier_channe
 def gain_errors(source, options) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """{norm: relative error per channel} of the gain the smoothed float model applies, and {norm: max s}."""
     from qconvert.methods.smooth import apply_fold
-    from qconvert.methods.adjustments import prepare_w8a8
+    from qconvert.methods.recipe import prepare_adjustments
 
-    adjustments = prepare_w8a8(source, options)
+    adjustments = prepare_adjustments(source, options)
     errors, largest = {}, {}
     for group in source.model.smoothing_groups():
         if not group.norm_offset:
@@ -43,22 +43,22 @@ def gain_errors(source, options) -> tuple[dict[str, np.ndarray], dict[str, float
 
 
 def main() -> None:
-    import qconvert.methods.adjustments
-    from qconvert.options import ConvertOptions, W8A8Options
+    import qconvert.methods.smoothquant
+    from qconvert.options import ConvertOptions, CalibrationOptions
     from qconvert.source.resolve import open_source, resolve_source
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = with_outlier_channels(make_gemma_checkpoint(Path(tmp) / "gemma", GEMMA2))
-        options = ConvertOptions(scheme="w8a8", w8a8=W8A8Options(calib="random", calib_samples=8, calib_seqlen=32,
+        options = ConvertOptions(scheme="w8a8", calibration=CalibrationOptions(calib="random", calib_samples=8, calib_seqlen=32,
                                                                   alpha="family"))
         source = open_source(resolve_source(str(folder)))
         after, _ = gain_errors(source, options)
-        fold_for_real = qconvert.methods.adjustments.stored_gain_scales
-        qconvert.methods.adjustments.stored_gain_scales = lambda scales, weight: scales  # s on both sides, as before
+        fold_for_real = qconvert.methods.smoothquant.stored_gain_scales
+        qconvert.methods.smoothquant.stored_gain_scales = lambda scales, weight: scales  # s on both sides, as before
         try:
             before, largest = gain_errors(source, options)
         finally:
-            qconvert.methods.adjustments.stored_gain_scales = fold_for_real
+            qconvert.methods.smoothquant.stored_gain_scales = fold_for_real
         source.close()
     print(f"{'norm':42} {'max s':>7} {'before: max':>12} {'median':>10} {'after: max':>12}")
     for name in sorted(before):

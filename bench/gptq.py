@@ -7,7 +7,7 @@
 The checkpoint is random (tests/checkpoints.py make_llama_checkpoint, bfloat16)
 with SmolLM-135M's shapes: hidden 576, intermediate 1536, 9 heads, 3 KV heads,
 vocab 49152. Calibration draws `--calib random` ids. Each side runs in a fresh
-process (compile included), one after the other: `prepare_w8a8` (forward,
+process (compile included), one after the other: `prepare_adjustments` (forward,
 statistics, alpha search, clip search) with --no-gptq, then with GPTQ
 (Hessians, the column loop, each layer run again on its rounded weights). It
 prints the seconds of each, their ratio, and what GPTQ adds as a multiple of
@@ -35,19 +35,19 @@ SHAPE_135M = dict(hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=4915
 def calibrate_once(model: Path, gptq: bool, samples: int, seqlen: int) -> dict:
     """Seconds of one calibration phase in this process (with the scratch folder GPTQ spills into)."""
     from qconvert.convert import _sequential_gptq, plan_conversion
-    from qconvert.options import ConvertOptions, W8A8Options
+    from qconvert.options import ConvertOptions, CalibrationOptions
     from qconvert.source.resolve import open_source, resolve_source
-    from qconvert.methods.adjustments import prepare_w8a8
+    from qconvert.methods.recipe import prepare_adjustments
     import contextlib
 
-    options = ConvertOptions(scheme="w8a8", gptq=gptq, w8a8=W8A8Options(calib="random", calib_samples=samples,
+    options = ConvertOptions(scheme="w8a8", gptq=gptq, calibration=CalibrationOptions(calib="random", calib_samples=samples,
                                                                          calib_seqlen=seqlen))
     source = open_source(resolve_source(str(model), None, scheme=options.scheme_object))
     plan = plan_conversion(source, scheme=options.scheme_object)
     with tempfile.TemporaryDirectory(prefix="qc-gptq-out-") as out, contextlib.ExitStack() as scratch:
         started = time.perf_counter()
         sequential = _sequential_gptq(source, plan, options, Path(out) / "out", scratch)
-        adjustments = prepare_w8a8(source, options, None, plan.quantized_modules, sequential)
+        adjustments = prepare_adjustments(source, options, None, plan.quantized_modules, sequential)
         seconds = time.perf_counter() - started
     rounding = adjustments.rounding_record or {"method": "rtn"}
     return {"seconds": seconds, "method": rounding["method"], "linears": len(rounding.get("modules", {}))}

@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from qconvert.convert import ConvertOptions, convert  # noqa: E402
-from qconvert.options import W8A8Options  # noqa: E402
+from qconvert.options import CalibrationOptions  # noqa: E402
 from qconvert.formats.safetensors_io import open_checkpoint  # noqa: E402
 from qconvert.source.hub import resolve_model  # noqa: E402
 from qconvert.models import build, forward_layerwise  # noqa: E402
@@ -99,7 +99,7 @@ def main() -> None:
     for scheme in args.schemes.split(","):
         out = work / scheme
         # w8a8 as plain per-token W8A8 (no calibration): what is timed is verify, not the conversion.
-        plain = {"scale_search": False, "w8a8": W8A8Options(smooth=False)} if scheme == "w8a8" else {}
+        plain = {"scale_search": False, "w8a8": CalibrationOptions(smooth=False)} if scheme == "w8a8" else {}
         convert(str(source), out, ConvertOptions(scheme=scheme, **plain))
         for backend in backends:
             options = VerifyOptions(quick=args.quick, backend=backend, calib="auto")

@@ -1,4 +1,4 @@
-"""The quantize pipeline: resolve MODEL once, plan, calibrate (w8a8), stream-quantize into packed shards, write OUT atomically."""
+"""The quantize pipeline: resolve MODEL once, plan, calibrate, stream-quantize into packed shards, write OUT atomically."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.record import ConversionRecord, SourceRecord, write_record
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, write_shards
 from qconvert.models.weight_only import WeightOnlySelection
-from qconvert.options import ConvertOptions, W8A8Options  # noqa: F401  (ConvertOptions' home; imported from here)
+from qconvert.options import ConvertOptions, CalibrationOptions  # noqa: F401  (ConvertOptions' home; imported from here)
 from qconvert.write.folder import (
     check_output_free, check_output_location, copy_side_files, hash_in_background, scratch_folder, side_files,
     staged_output, write_json,
@@ -29,8 +29,9 @@ from qconvert.write.prefetch import available_cores, run_ahead
 from qconvert.methods.scale_search import ScaleSearches
 from qconvert.source.resolve import SourceModel, open_source, resolve_source
 from qconvert.stages import stage
+from qconvert.methods.gptq_core import DEFAULT_DAMP, GPTQConfig
 from qconvert.methods.gptq import RTN_RECORD, QuantizedStore, SequentialGPTQ
-from qconvert.methods.adjustments import W8A8Adjustments, prepare_w8a8
+from qconvert.methods.recipe import Adjustments, prepare_adjustments
 
 # The exponent bits of each float weight dtype: all ones exactly for NaN and Inf.
 EXPONENT_BITS = {"float32": (np.uint32, 0x7F800000), "float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80)}
@@ -97,10 +98,10 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
     """`qconvert quantize`: MODEL (a folder or Hub id) into OUT, each step once.
 
     Check OUT; resolve MODEL (one commit for a Hub branch) and find its family;
-    open its checkpoint (closed at the end); plan every output tensor; for w8a8, calibrate and
-    smooth on that same checkpoint (qconvert.methods.adjustments); stream-quantize into shards
+    open its checkpoint (closed at the end); plan every output tensor; for adjustments, calibrate and
+    smooth on that same checkpoint (qconvert.methods.recipe); stream-quantize into shards
     beside OUT; write config.json and qconvert.json; rename into place.
-    `message` receives the w8a8 stage's progress lines.
+    `message` receives the adjustments stage's progress lines.
     """
     started = time.perf_counter()
     out = Path(out)
@@ -114,7 +115,7 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
         with stage("planning"):
             source = open_source(resolved, any_architecture=options.any_architecture)
         with source:
-            plan, w8a8, files, phases = _convert_source(source, out, options, progress, message)
+            plan, adjustments, files, phases = _convert_source(source, out, options, progress, message)
     except FormatError as err:
         raise InvalidCheckpointError(f"{err}") from None
     ckpt = source.checkpoint
@@ -127,20 +128,20 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
         output_bytes=sum(spec.nbytes for spec in plan.specs),
         seconds=time.perf_counter() - started, files=files, phases=tuple(phases),
         weight_only=source.weight_only,
-        notes=tuple(n for n in (plan.server_note, gptq_data_note(w8a8, ckpt)) if n),
+        notes=tuple(n for n in (plan.server_note, gptq_data_note(adjustments, ckpt)) if n),
         refusal=plan.refusal, kept_float=plan.kept_float,
     )
 
 
 def _convert_source(source: SourceModel, out: Path, options: ConvertOptions, progress: Progress | None,
                     message: Callable[[str], None] | None
-                    ) -> tuple[ConversionPlan, W8A8Adjustments, dict[str, str], list[tuple[str, float]]]:
-    """Plan, calibrate where the scheme or GPTQ needs it, and write OUT (not for a dry run): the plan, the w8a8
+                    ) -> tuple[ConversionPlan, Adjustments, dict[str, str], list[tuple[str, float]]]:
+    """Plan, calibrate where the scheme or GPTQ needs it, and write OUT (not for a dry run): the plan, the adjustments
     stage's adjustments, the output files' hashes and the seconds of each phase."""
     scheme = options.scheme_object
     with stage("planning"):
         plan = plan_conversion(source, scheme=scheme, include=options.include, exclude=options.exclude,
-                               double_quant=options.double_quant, static_act=options.act == "static",
+                               double_quant=options.double_quant, static_act=options.static_act,
                                group_size=options.group_size, dry_run=options.dry_run)
     for note in plan.notes:
         if message is not None:
@@ -149,30 +150,30 @@ def _convert_source(source: SourceModel, out: Path, options: ConvertOptions, pro
     files: dict[str, str] = {}
     with contextlib.ExitStack() as scratch:
         gptq = _sequential_gptq(source, plan, options, out, scratch)
-        w8a8 = W8A8Adjustments()
-        if (scheme.calibrates or gptq) and not (options.dry_run and (options.act == "dynamic" or plan.refusal)):
+        adjustments = Adjustments()
+        if (scheme.calibrates or gptq) and not (options.dry_run and (not options.static_act or plan.refusal)):
             calibration_started = time.perf_counter()
             with stage("calibration"):
-                w8a8 = prepare_w8a8(source, options, message, plan.quantized_modules, gptq)
-            if w8a8.calibration_record is not None:
+                adjustments = prepare_adjustments(source, options, message, plan.quantized_modules, gptq)
+            if adjustments.calibration_record is not None:
                 phases.append(("calibrated", time.perf_counter() - calibration_started))
-        if options.act == "static" and not plan.refusal:
-            _check_input_scales(plan, w8a8.input_scales or {})
+        if options.static_act and not plan.refusal:
+            _check_input_scales(plan, adjustments.input_scales or {})
         if not options.dry_run:
             writing_started = time.perf_counter()
-            files = write_output(source, out, plan, options, w8a8, progress)
+            files = write_output(source, out, plan, options, adjustments, progress)
             phases.append(("wrote", time.perf_counter() - writing_started))
-    return plan, w8a8, files, phases
+    return plan, adjustments, files, phases
 
 
 # GPTQ's Hessian needs many more calibration tokens than the linear's input width to stand for other text.
 GPTQ_TOKENS_PER_INPUT = 10
 
 
-def gptq_data_note(w8a8: W8A8Adjustments, ckpt) -> str | None:
+def gptq_data_note(adjustments: Adjustments, ckpt) -> str | None:
     """A line for the user when GPTQ rounded on fewer calibration tokens than GPTQ_TOKENS_PER_INPUT times the
     widest input it rounded: its codes then fit the calibration text more than text in general."""
-    rounding, calibration = w8a8.rounding_record, w8a8.calibration_record
+    rounding, calibration = adjustments.rounding_record, adjustments.calibration_record
     if not rounding or rounding.get("method") != "gptq" or not calibration:
         return None
     widths = [int(ckpt.shape(f"{m}.weight")[-1]) for m, e in rounding["modules"].items() if "error_gptq" in e]
@@ -200,20 +201,22 @@ def _sequential_gptq(source: SourceModel, plan: ConversionPlan, options: Convert
                              "does not have for this model; pass --no-gptq")
         return None
     folder = scratch.enter_context(scratch_folder(out))
-    return SequentialGPTQ(source.params, options.scheme_object, plan.flags, options.gptq_config,
+    config = GPTQConfig(damp=DEFAULT_DAMP if options.gptq_damp is None else float(options.gptq_damp),
+                        act_order=options.gptq_act_order)
+    return SequentialGPTQ(source.params, options.scheme_object, plan.flags, config,
                           QuantizedStore(folder), ScaleSearches(options.searches_scales, {}, {}))
 
 
 def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: ConvertOptions,
-                 w8a8: W8A8Adjustments, progress: Progress | None) -> dict[str, str]:
+                 adjustments: Adjustments, progress: Progress | None) -> dict[str, str]:
     """Write the planned tensors, config.json and qconvert.json beside OUT, then rename into place; the file hashes."""
     resolved, ckpt = source.resolved, source.checkpoint
     files: dict[str, str] = {}
-    searches = ScaleSearches(options.searches_scales, dict(w8a8.weight_clip), dict(w8a8.search_records))
+    searches = ScaleSearches(options.searches_scales, dict(adjustments.weight_clip), dict(adjustments.search_records))
     source_hashes = hash_in_background(resolved.folder, input_files(resolved.folder, ckpt))
     with stage("writing the output"), staged_output(out, options.overwrite) as staging:
-        stream = stream_tensors(ckpt, plan, options, w8a8.transform, w8a8.input_scales or {}, progress, searches,
-                                w8a8.quantized)
+        stream = stream_tensors(ckpt, plan, options, adjustments.transform, adjustments.input_scales or {}, progress, searches,
+                                adjustments.quantized)
         try:
             files.update(write_shards(staging, plan.specs, stream, options.max_shard_size))
         finally:
@@ -223,8 +226,8 @@ def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: 
         record = ConversionRecord(
             options.scheme, {}, SourceRecord(resolved.model_id, resolved.is_hub, resolved.revision, resolved.commit,
                                              source_hashes()),
-            __version__, options.recorded_flags(plan.flags), w8a8.calibration_record, w8a8.smoothing_record,
-            searches.record(options.scheme_object), w8a8.rounding_record or dict(RTN_RECORD),
+            __version__, options.recorded_flags(plan.flags), adjustments.calibration_record, adjustments.smoothing_record,
+            searches.record(options.scheme_object), adjustments.rounding_record or dict(RTN_RECORD),
             source.weight_only.record() if source.weight_only is not None else None)
         files[CARD_NAME] = write_card(staging, card_facts(source, plan, options, record))
         write_record(staging, dataclasses.replace(record, files=dict(sorted(files.items()))))

@@ -1,13 +1,14 @@
 """The choices of one `qconvert quantize` run, checked once, on construction.
 
 ConvertOptions holds everything a conversion takes, `act` included; its
-`w8a8` part (W8A8Options) holds calibration and smoothing. Every combination
+`w8a8` part (CalibrationOptions) holds calibration and smoothing. Every combination
 that does not fit is refused here and nowhere else.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
@@ -22,7 +23,70 @@ GROUP_SIZE_CHOICES = (32, 64, 128, "channel")
 
 
 @dataclasses.dataclass(frozen=True)
-class W8A8Options:
+class AlphaSpec:
+    """--alpha as given: 'auto' (the default), 'family', one value, or 'KEY=VALUE,...' per group."""
+
+    auto: bool = False
+    default: float | None = None
+    per_group: tuple[tuple[str, float], ...] = ()
+
+    def alpha_for(self, source: str, family_default: float) -> float:
+        """The alpha of the group whose source module is `source` (longest matching key wins)."""
+        best = None
+        for key, value in self.per_group:
+            if source == key or source.endswith("." + key):
+                if best is None or len(key) > len(best[0]):
+                    best = (key, value)
+        if best is not None:
+            return best[1]
+        return self.default if self.default is not None else family_default
+
+    def unmatched_keys(self, sources: Sequence[str]) -> list[str]:
+        """Per-group keys that match no group's source (a typo the user should hear about)."""
+        return [key for key, _ in self.per_group
+                if not any(s == key or s.endswith("." + key) for s in sources)]
+
+
+
+def _alpha_value(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"--alpha value {text!r} is not a number; write e.g. 0.85, "
+                         "'auto', 'family' or 'input_layernorm=0.8,post_attention_layernorm=0.6'") from None
+    if not 0.0 <= value <= 1.0:
+        raise UsageError(f"--alpha {value} is outside [0, 1]; SmoothQuant's alpha is a fraction")
+    return value
+
+
+
+def parse_alpha(text: str | None) -> AlphaSpec:
+    """Parse --alpha: None or 'auto' (search per group), 'family' (the family's value), '0.8',
+    or '0.8,post_attention_layernorm=0.6'."""
+    text = "auto" if text is None else text.strip()
+    if text == "auto":
+        return AlphaSpec(auto=True)
+    if text == "family":
+        return AlphaSpec()
+    default, per_group = None, []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if "=" in part:
+            key, value = (x.strip() for x in part.split("=", 1))
+            if not key:
+                raise UsageError(f"--alpha entry {part!r} names no group; write GROUP=VALUE")
+            per_group.append((key, _alpha_value(value)))
+        elif default is None:
+            default = _alpha_value(part)
+        else:
+            raise UsageError(f"--alpha {text!r} has two bare values; give one default and GROUP=VALUE pairs")
+    if default is None and not per_group:
+        raise UsageError("--alpha is empty; write e.g. 0.85 or 'auto'")
+    return AlphaSpec(default=default, per_group=tuple(per_group))
+
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationOptions:
     """Calibration and smoothing of --scheme w8a8 (its activation mode is ConvertOptions.act)."""
 
     calib: str | None = None          # None: the built-in corpus
@@ -33,18 +97,22 @@ class W8A8Options:
     act_stats: Path | None = None     # a `qconvert calibrate` file instead of calibrating
     batch_size: int | None = None     # calibration windows per forward; None: calibration's default
 
-    def alpha_spec(self):
-        """The parsed --alpha (a qconvert.methods.smooth.AlphaSpec) as calibration uses it.
+    def __post_init__(self):
+        # --alpha parsed once (UsageError here for a bad value), the parse carried.
+        object.__setattr__(self, "_alpha_spec", parse_alpha(self.alpha))
 
-        A statistics file holds no activation rows to search on, so with
-        act_stats the default 'auto' becomes the family's alpha.
-        """
-        from qconvert.methods.smooth import AlphaSpec, parse_alpha
+    @property
+    def given_alpha_spec(self) -> AlphaSpec:
+        """--alpha as parsed."""
+        return self._alpha_spec
 
-        spec = parse_alpha(self.alpha)
-        if self.act_stats is not None and spec.auto:
+    @property
+    def alpha_spec(self) -> AlphaSpec:
+        """--alpha as calibration uses it: a statistics file holds no activation rows to search on, so with
+        act_stats the default 'auto' becomes the family's alpha."""
+        if self.act_stats is not None and self._alpha_spec.auto:
             return AlphaSpec()
-        return spec
+        return self._alpha_spec
 
 
 # Options that change no output byte stay out of qconvert.json, so reruns with them stay identical.
@@ -53,7 +121,7 @@ class W8A8Options:
 PRESENTATION_OPTIONS = ("overwrite", "dry_run", "any_architecture", "workers")
 # The w8a8 calibration and smoothing choices are recorded in full as qconvert.json's
 # `calibration` and `smoothing`, not among the flags.
-RECORDED_ELSEWHERE = ("w8a8", "gptq", "gptq_damp", "gptq_act_order")  # GPTQ's: as `rounding`
+RECORDED_ELSEWHERE = ("calibration", "gptq", "gptq_damp", "gptq_act_order")  # GPTQ's: as `rounding`
 # Recorded only for the schemes that take them (so other schemes' records stay as they were).
 SCHEME_ONLY_OPTIONS = ("group_size",)
 
@@ -82,7 +150,7 @@ class ConvertOptions:
     # The output bytes are the same whatever the count.
     workers: int | None = None
     # Calibration and smoothing: w8a8's, and the calibration text of GPTQ (None there means the defaults).
-    w8a8: W8A8Options | None = None
+    calibration: CalibrationOptions | None = None
     # GPTQ rounding (qconvert.methods.gptq_core); None: the scheme's default (on for int4, unless activation statistics
     # replace calibration; opt-in for w8a8, where it cost real LLMs perplexity after smoothing).
     gptq: bool | None = None
@@ -93,10 +161,11 @@ class ConvertOptions:
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
         scheme = scheme_named(self.scheme)
+        object.__setattr__(self, "_scheme", scheme)  # looked up once, the Scheme carried
         _check_gptq(self, scheme)
-        text_only = self.w8a8 is not None and not _smoothing_given(self.w8a8) and self.act == "dynamic"
+        text_only = self.calibration is not None and not _smoothing_given(self.calibration) and not self.static_act
         scheme.check_options(act=self.act, double_quant=self.double_quant, group_size=self.group_size,
-                             calibrates=self.w8a8 is not None and not (self.uses_gptq and text_only))
+                             calibrates=self.calibration is not None and not (self.uses_gptq and text_only))
         if self.group_size is not None and self.group_size not in GROUP_SIZE_CHOICES:
             raise UsageError(f"--group-size must be 32, 64, 128 or channel, not {self.group_size!r}")
         if self.max_shard_size <= 0:
@@ -109,14 +178,19 @@ class ConvertOptions:
                              f"({prefetch.max_workers()} on this machine's {prefetch.available_cores()} cores); "
                              f"give at most {prefetch.max_workers()}")
         if scheme.calibrates or self.uses_gptq:
-            if self.w8a8 is None:
-                object.__setattr__(self, "w8a8", W8A8Options())
-            _check_w8a8(self.w8a8)
+            if self.calibration is None:
+                object.__setattr__(self, "calibration", CalibrationOptions())
+            _check_calibration(self.calibration)
 
     @property
     def scheme_object(self) -> Scheme:
         """The Scheme this run writes."""
-        return scheme_named(self.scheme)
+        return self._scheme
+
+    @property
+    def static_act(self) -> bool:
+        """Whether activations get static per-tensor scales from calibration (--act static)."""
+        return self.act == "static"
 
     def recorded_flags(self, layout_flags) -> dict:
         """qconvert.json's `flags`: every option that changes output bytes and is recorded nowhere else.
@@ -143,18 +217,10 @@ class ConvertOptions:
         statistics file replaces calibration: it holds no Hessians)."""
         if self.gptq is not None:
             return bool(self.gptq)
-        return self.scheme_object.default_gptq and (self.w8a8 is None or self.w8a8.act_stats is None)
-
-    @property
-    def gptq_config(self):
-        """The run's qconvert.methods.gptq_core.GPTQConfig (dampening, block size, act order)."""
-        from qconvert.methods.gptq_core import DEFAULT_DAMP, GPTQConfig
-
-        return GPTQConfig(damp=DEFAULT_DAMP if self.gptq_damp is None else float(self.gptq_damp),
-                          act_order=self.gptq_act_order)
+        return self.scheme_object.default_gptq and (self.calibration is None or self.calibration.act_stats is None)
 
 
-def _smoothing_given(options: W8A8Options) -> bool:
+def _smoothing_given(options: CalibrationOptions) -> bool:
     """Whether w8a8's own flags (not the calibration text's) were given."""
     return options.alpha is not None or not options.smooth or options.act_stats is not None
 
@@ -163,7 +229,7 @@ def _check_gptq(options: ConvertOptions, scheme: Scheme) -> None:
     """Refuse GPTQ flags that do not fit the scheme or each other."""
     if options.gptq and scheme.gptq_grid() is None:
         raise UsageError(f"--gptq applies to --scheme {_gptq_schemes()} only")
-    if options.gptq and options.w8a8 is not None and options.w8a8.act_stats is not None:
+    if options.gptq and options.calibration is not None and options.calibration.act_stats is not None:
         raise UsageError("--gptq needs calibration activations, which a statistics file does not hold; "
                          "drop --act-stats, or pass --no-gptq")
     damp = options.gptq_damp
@@ -186,11 +252,9 @@ def _default_gptq_schemes() -> str:
     return names_where(lambda s: s.default_gptq)
 
 
-def _check_w8a8(options: W8A8Options) -> None:
+def _check_calibration(options: CalibrationOptions) -> None:
     """Refuse calibration and smoothing flags that do not fit together."""
-    from qconvert.methods.smooth import parse_alpha
-
-    spec = parse_alpha(options.alpha)
+    spec = options.given_alpha_spec
     if not options.smooth and options.alpha is not None:
         raise UsageError("--alpha has no effect with --no-smooth; drop one of them")
     if options.act_stats is not None and options.calib is not None:

@@ -80,7 +80,7 @@ def test_alpha_auto_records_the_search(model, tmp_path):
     (["--scheme", "w8a8", "--act-stats", "missing.safetensors"], "does not exist"),
     (["--scheme", "w8a8", "--act-stats", "s.safetensors", "--calib", "random"], "drop --calib"),
 ])
-def test_bad_w8a8_flags_exit_2_with_one_line(model, tmp_path, capsys, argv, message):
+def test_bad_calibration_flags_exit_2_with_one_line(model, tmp_path, capsys, argv, message):
     assert run(["quantize", str(model), "-o", str(tmp_path / "o"), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1

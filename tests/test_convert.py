@@ -301,7 +301,7 @@ def test_overwrite_replaces_and_a_failed_overwrite_keeps_the_old_output(llama_bf
 def test_weight_transform_and_static_input_scales_reach_the_w8a8_folder(tmp_path, monkeypatch):
     from qconvert.formats.record import SmoothingRecord
     from qconvert.methods.smooth import TensorFold
-    from qconvert.methods.adjustments import W8A8Adjustments
+    from qconvert.methods.recipe import Adjustments
 
     src_folder = make_llama_checkpoint(tmp_path / "src", layers=1)
     src = read_folder(src_folder)
@@ -311,8 +311,8 @@ def test_weight_transform_and_static_input_scales_reach_the_w8a8_folder(tmp_path
     record = SmoothingRecord("given", 0.5, 1e-5, "", {norm[:-7]: 0.5}, {norm[:-7]: ("x",)}, {})
     # The w8a8 stage's result, given: the norm's rows divided by 1/2 (doubled), nothing else touched.
     halves = np.full(src[norm].shape[0], 0.5, np.float32)
-    given = W8A8Adjustments(folds={norm: TensorFold(halves, None)}, input_scales=scales, smoothing_record=record)
-    monkeypatch.setattr(convert_module, "prepare_w8a8",
+    given = Adjustments(folds={norm: TensorFold(halves, None)}, input_scales=scales, smoothing_record=record)
+    monkeypatch.setattr(convert_module, "prepare_adjustments",
                         lambda source, options, message=None, modules=(), gptq=None: given)
     convert(str(src_folder), tmp_path / "out", ConvertOptions(scheme="w8a8", act="static", scale_search=False,
                                                               gptq=False))

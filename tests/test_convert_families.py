@@ -114,14 +114,14 @@ def main_quantize(source, out) -> int:
 
 
 def test_w8a8_smoothing_keeps_the_float_model_and_smooths_fused_slices(source):
-    from qconvert.options import ConvertOptions, W8A8Options
+    from qconvert.options import ConvertOptions, CalibrationOptions
     from qconvert.source.resolve import open_source, resolve_source
-    from qconvert.methods.adjustments import prepare_w8a8
+    from qconvert.methods.recipe import prepare_adjustments
 
     config = load_config(source)
     raw = load_file(str(source / "model.safetensors"))
-    options = ConvertOptions(scheme="w8a8", w8a8=W8A8Options(calib="random", calib_samples=4, calib_seqlen=16))
-    adjustments = prepare_w8a8(open_source(resolve_source(str(source))), options)
+    options = ConvertOptions(scheme="w8a8", calibration=CalibrationOptions(calib="random", calib_samples=4, calib_seqlen=16))
+    adjustments = prepare_adjustments(open_source(resolve_source(str(source))), options)
     smoothed = {name: adjustments.weight_transform(name, array) for name, array in raw.items()}
     model = build(config)
     ids, mask = token_batch(config["vocab_size"])

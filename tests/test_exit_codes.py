@@ -68,12 +68,12 @@ def test_internal_errors_name_their_stage(source, tmp_path, capsys, monkeypatch)
 
 
 def test_internal_error_in_calibration_of_w8a8(source, tmp_path, capsys, monkeypatch):
-    import qconvert.methods.adjustments
+    import qconvert.methods.loop
 
     def broken(*args, **kwargs):
         raise ZeroDivisionError("float division by zero")
 
-    monkeypatch.setattr(qconvert.methods.adjustments, "tensor_folds", broken)  # every smoothed w8a8 run folds its scales
+    monkeypatch.setattr(qconvert.methods.loop, "tensor_folds", broken)  # every smoothed w8a8 run folds its scales
     before = tree(tmp_path)
     exit_code, _, stderr = run(["quantize", str(source), "-o", str(tmp_path / "out"), "--scheme", "w8a8",
                                 "--calib", "random", "--calib-samples", "2", "--calib-seqlen", "16", "-q"], capsys)

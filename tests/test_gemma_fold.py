@@ -21,21 +21,21 @@ def outlier_gemma(tmp_path_factory):
 
 
 def _options():
-    from qconvert.options import ConvertOptions, W8A8Options
+    from qconvert.options import ConvertOptions, CalibrationOptions
 
-    return ConvertOptions(scheme="w8a8", w8a8=W8A8Options(calib="random", calib_samples=4, calib_seqlen=16,
+    return ConvertOptions(scheme="w8a8", calibration=CalibrationOptions(calib="random", calib_samples=4, calib_seqlen=16,
                                                           alpha="family"))
 
 
 def test_the_smoothed_gemma_applies_the_source_gains_to_float32_rounding(outlier_gemma, monkeypatch):
-    import qconvert.methods.adjustments
+    import qconvert.methods.smoothquant
     from gemma_fold import gain_errors
     from qconvert.source.resolve import open_source, resolve_source
 
     source = open_source(resolve_source(str(outlier_gemma)))
     try:
         after, largest = gain_errors(source, _options())
-        monkeypatch.setattr(qconvert.methods.adjustments, "stored_gain_scales", lambda scales, weight: scales)
+        monkeypatch.setattr(qconvert.methods.smoothquant, "stored_gain_scales", lambda scales, weight: scales)
         before, _ = gain_errors(source, _options())
     finally:
         source.close()

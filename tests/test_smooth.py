@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 
 from qconvert.formats.errors import UsageError
 from qconvert.models.family import SmoothingGroup
-from qconvert.methods.smooth import (AlphaSpec, apply_fold, channel_map, tensor_folds, group_scales, parse_alpha,
-                             search_alpha, smooth_scales)
+from qconvert.methods.smooth import apply_fold, channel_map, group_scales, search_alpha, smooth_scales, tensor_folds
+from qconvert.options import AlphaSpec, parse_alpha
 
 
 def numpy_scales(act_absmax, weights, alpha):

@@ -53,12 +53,12 @@ def test_verify_passes_qconverts_own_output_of_a_tied_checkpoint_that_stores_lm_
 
 def test_static_activations_refuse_an_included_linear_outside_the_blocks_before_calibrating(tmp_path, capsys,
                                                                                           monkeypatch):
-    import qconvert.methods.adjustments
+    import qconvert.methods.loop
 
     def refused(*args, **kwargs):
         raise AssertionError("calibrated before the combination was checked")
 
-    monkeypatch.setattr(qconvert.methods.adjustments, "iter_layer_stats", refused)
+    monkeypatch.setattr(qconvert.methods.loop, "iter_layer_stats", refused)
     src = make_bert_checkpoint(tmp_path / "bert")
     tensors = load_file(str(src / "model.safetensors"))
     hidden = tensors["embeddings.LayerNorm.weight"].shape[0]
@@ -75,12 +75,12 @@ def test_static_activations_refuse_an_included_linear_outside_the_blocks_before_
 
 
 def test_static_activations_refuse_an_included_router_before_calibrating(tmp_path, capsys, monkeypatch):
-    import qconvert.methods.adjustments
+    import qconvert.methods.loop
 
     def refused(*args, **kwargs):
         raise AssertionError("calibrated before the combination was checked")
 
-    monkeypatch.setattr(qconvert.methods.adjustments, "iter_layer_stats", refused)
+    monkeypatch.setattr(qconvert.methods.loop, "iter_layer_stats", refused)
     src = make_mixtral_checkpoint(tmp_path / "mixtral")
     before = tree(tmp_path)
     exit_code, stdout, stderr = run(["quantize", str(src), "-o", str(tmp_path / "out"), "--scheme", "w8a8",

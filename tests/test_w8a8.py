@@ -16,9 +16,9 @@ from qconvert.convert import ConvertOptions, convert
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.qarray import QArray
 from qconvert.models import build, dense_linear
-from qconvert.options import W8A8Options
+from qconvert.options import CalibrationOptions
 from qconvert.source.resolve import open_source, resolve_source
-from qconvert.methods.adjustments import prepare_w8a8
+from qconvert.methods.recipe import prepare_adjustments
 
 OUTLIERS = (3, 17)
 OUTLIER_SCALE = 100.0
@@ -49,14 +49,14 @@ def quantized_params(folder):
 
 def convert_w8a8(src, out, *, act="dynamic", scale_search=None, gptq=False, **flags):
     # Round-to-nearest unless a test asks for GPTQ: these tests are about smoothing and the scales.
-    options = ConvertOptions(scheme="w8a8", act=act, scale_search=scale_search, gptq=gptq, w8a8=W8A8Options(**flags))
+    options = ConvertOptions(scheme="w8a8", act=act, scale_search=scale_search, gptq=gptq, calibration=CalibrationOptions(**flags))
     return convert(str(src), out, options)
 
 
 def w8a8_adjustments(folder, *, act="dynamic", **flags):
     """The w8a8 stage alone, on the folder opened as the pipeline opens it."""
-    options = ConvertOptions(scheme="w8a8", act=act, w8a8=W8A8Options(**flags))
-    return prepare_w8a8(open_source(resolve_source(str(folder))), options)
+    options = ConvertOptions(scheme="w8a8", act=act, calibration=CalibrationOptions(**flags))
+    return prepare_adjustments(open_source(resolve_source(str(folder))), options)
 
 
 @pytest.fixture(scope="module")

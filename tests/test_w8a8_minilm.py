@@ -14,7 +14,7 @@ from qconvert.formats.qarray import QArray
 from qconvert.models import build, dense_linear
 from qconvert.calibration.tokenizer import load_tokenizer
 from qconvert.convert import convert
-from qconvert.options import W8A8Options
+from qconvert.options import CalibrationOptions
 
 SENTENCES = [
     "A man is playing a guitar on the street.",
@@ -49,7 +49,7 @@ def test_minilm_w8a8_sentence_embeddings_match_float(tmp_path):
     folder = minilm_path()
     config = json.loads((folder / "config.json").read_text())
     out = tmp_path / "minilm-w8a8"
-    convert(str(folder), out, ConvertOptions(scheme="w8a8", w8a8=W8A8Options(
+    convert(str(folder), out, ConvertOptions(scheme="w8a8", calibration=CalibrationOptions(
         calib="builtin", calib_samples=4, calib_seqlen=128, alpha="family")))
     manifest = json.loads((out / "qconvert.json").read_text())
     assert manifest["calibration"]["source"] == "builtin"

@@ -114,10 +114,15 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions(), progress: Re
     return report(run)
 
 
+def backend_choices() -> list[str]:
+    """The kernel backends verify takes (--backend): every one but the reference, which is no deployment kernel."""
+    return [name for name in BACKENDS if name != "reference"]
+
+
 def check_backend(backend: str) -> None:
     """--backend tpu/gpu needs that platform (cpu interprets the TPU kernels anywhere, xla runs anywhere);
     UsageError if absent."""
-    choices = [name for name in BACKENDS if name != "reference"]  # the reference is no deployment kernel
+    choices = backend_choices()
     if backend not in choices:
         raise UsageError(f"unknown --backend {backend!r}; choose {', '.join(choices[:-1])} or {choices[-1]}")
     if backend in ("tpu", "gpu") and platform() != backend:

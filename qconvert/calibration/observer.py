@@ -22,7 +22,7 @@ import numpy as np
 from qconvert import interrupts
 from qconvert.calibration.memory import checkpoint_shapes, device_budget, fit_batch_size
 from qconvert.formats.act_stats import ActStats
-from qconvert.formats.errors import FormatError, InvalidCheckpointError, UsageError
+from qconvert.formats.errors import FormatError, InvalidCheckpointError
 from qconvert.formats.checkpoint_params import CheckpointParams
 from qconvert.formats.safetensors_io import open_checkpoint
 from qconvert.models import iterate_layers, read_tensors

@@ -1,4 +1,4 @@
-"""Sequential GPTQ inside calibration: each layer's linears rounded on their Hessians, spilled to disk, run again.
+"""GPTQ as a step: each layer's linears rounded on their Hessians, spilled to disk, the layer run again on them.
 
 As soon as a layer's statistics are complete, each of its quantized linears is
 rounded: round-to-nearest first (the scheme's own quantizer, with the searched
@@ -14,7 +14,7 @@ they were), and the next layer is calibrated on those outputs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,11 @@ from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.qarray import QArray
 from qconvert.methods.gptq_core import GPTQConfig, hessian_factor, round_columns, row_output_errors
 from qconvert.methods.scale_search import ScaleSearches
+from qconvert.methods.loop import Results
 from qconvert.methods.smooth import TensorFold, apply_fold
+from qconvert.progress import Reporter
+
+GPTQ_ROUNDING = "GPTQ"  # the step's progress stage
 
 
 class QuantizedStore:
@@ -138,6 +142,44 @@ class SequentialGPTQ:
         """qconvert.json's `rounding`: GPTQ's settings and, per linear, its relative output error on the
         calibration inputs against round-to-nearest's (tr(D H D^T) / tr(W H W^T))."""
         return {**self.config.record(), "modules": {m: self.errors[m] for m in sorted(self.errors)}}
+
+
+class GPTQ:
+    """The step: the quantized linears rounded by `SequentialGPTQ` as each layer's Hessians are complete, on their
+    weights as the steps before it left them (smoothed, with the searched clips), the layer then run again."""
+
+    rewrites = True
+
+    def __init__(self, gptq: SequentialGPTQ, modules: Sequence[str], layers: int):
+        self.gptq, self.modules, self.layers = gptq, list(modules), layers
+        self._unrounded = list(modules)
+        self._progress: Reporter | None = None
+
+    def kept_rows(self) -> set[str]:
+        return set()
+
+    def hessians(self) -> frozenset[str]:
+        return frozenset(self.modules)
+
+    def start(self, progress: Reporter) -> None:
+        self._progress = progress
+        if self.modules:
+            progress.step(GPTQ_ROUNDING, 0, self.layers)
+
+    def layer(self, stats: LayerStats, results: Results) -> None:
+        now = [m for m in self._unrounded if m in stats.hessians]
+        if not now:
+            return
+        self.gptq.searches.clip.update(results.clips)  # GPTQ keeps the scales the clip search found
+        self.gptq.layer(stats, now, results.folds())
+        self._unrounded = [m for m in self._unrounded if m not in now]
+        self._progress.step(GPTQ_ROUNDING, min(stats.index + 1, self.layers), self.layers)
+
+    def finish(self, results: Results) -> None:
+        del results  # a linear calibration never reached is quantized by the writer, to nearest
+
+    def replacement(self, index: int) -> dict[str, np.ndarray] | None:
+        return self.gptq.replacement(index)
 
 
 def _sharing_groups(modules: list[str], stats: LayerStats, folds: Mapping[str, TensorFold]) -> list[list[str]]:

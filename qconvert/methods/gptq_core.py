@@ -23,7 +23,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from qconvert.schemes.grids import RoundingGrid
 

@@ -1,4 +1,5 @@
-"""The scale search method: each linear's int8 weight clip on calibration rows, and static activation scales.
+"""The scale search method: each linear's int8 weight clip on calibration rows, and static activation scales;
+as a step of the calibration loop (`ScaleSearch`), and for the writer (`ScaleSearches`, the weight-only clips).
 
 The int8 and NF4 weight clip searches themselves are their schemes' (schemes/int8.py, schemes/nf4.py). Each
 search tries a fixed grid of candidates in one batched computation and
@@ -19,16 +20,24 @@ and nothing is random.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qconvert.calibration.observer import LayerStats
 from qconvert.formats.qarray import INT8_QMAX
 from qconvert.formats.quotient import int8_round
+from qconvert.methods.loop import Results
+from qconvert.methods.smooth import apply_fold, smoothed_input_absmax
+from qconvert.progress import Reporter
 from qconvert.schemes.base import SearchResult
 from qconvert.schemes.int8 import int8_clip_search, quantize_int8
 
+SCALE_SEARCH = "scale search"  # the step's progress stage
+# The smallest static input_scale written (float32); the weight scales have the same floor.
+MIN_INPUT_SCALE = 1e-8
 # Candidate static input-scale ratios, largest (plain max) first.
 STATIC_RATIO_GRID = tuple(round(2.0 ** (-k / 4), 4) for k in range(17))       # 1.00 .. 0.0625
 _HI = jax.lax.Precision.HIGHEST
@@ -145,3 +154,78 @@ class ScaleSearches:
                                      "grid": list(STATIC_RATIO_GRID),
                                      "objective": "squared output error of the quantized layer"}
         return record
+
+
+class ScaleSearch:
+    """The step: each linear's int8 weight clip, and with static activations its input scale, searched on its
+    input rows once its weight is final (smoothed); the clips go to the steps after it (GPTQ keeps their scales)."""
+
+    rewrites = False
+
+    def __init__(self, linears: Sequence[str], static: bool):
+        self.linears, self.static = list(linears), static
+        self._unsearched = list(linears)
+        self._progress: Reporter | None = None
+
+    def kept_rows(self) -> set[str]:
+        return set(self.linears)
+
+    def hessians(self) -> frozenset[str]:
+        return frozenset()
+
+    def start(self, progress: Reporter) -> None:
+        self._progress = progress
+        if self.linears:
+            progress.step(SCALE_SEARCH, 0, len(self.linears), "linears")
+
+    def layer(self, stats: LayerStats, results: Results) -> None:
+        ready = [m for m in self._unsearched if m in results.act_absmax and m not in results.unsmoothed]
+        if not ready:
+            return
+        self._unsearched = [m for m in self._unsearched if m not in ready]
+        found = self._search(ready, results, stats.input_samples)
+        results.searches.update(found)
+        results.clips.update({m: f.clip for m, f in found.items() if f.clip is not None})
+        self._progress.step(SCALE_SEARCH, min(len(results.searches), len(self.linears)), len(self.linears),
+                            "linears")
+
+    def finish(self, results: Results) -> None:
+        del results  # a linear calibration never reached keeps its plain absmax scales
+
+    def replacement(self, index: int) -> None:
+        return None
+
+    def _search(self, modules: list[str], results: Results, samples: Mapping[str, np.ndarray]
+                ) -> dict[str, LinearSearch]:
+        """The searches of `modules`, on their weights and inputs as smoothed."""
+        folds = results.folds()
+        col_scales = {m: g.input_scales for g in results.smoothing.values() for m in g.group.linears}
+        found = {}
+        for m in modules:
+            raw = results.params[f"{m}.weight"]
+            fold = folds.get(f"{m}.weight")
+            weight = np.asarray(raw, np.float32) if fold is None else apply_fold(np.asarray(raw, np.float32), fold)
+            x = samples.get(m)
+            s = col_scales.get(m)
+            if x is not None and s is not None:
+                x = x / s[None, :]
+            static_absmax = smoothed_input_absmax(results.act_absmax[m], s) if self.static else None
+            found[m] = search_linear(weight, x, scale_dtype=np.dtype(np.asarray(raw).dtype), clip_weights=True,
+                                     static_absmax=static_absmax)
+        return found
+
+
+def static_input_scales(results: Results, modules: Sequence[str]) -> dict[str, float]:
+    """Each module's static input_scale: the searched one, else max|x / s| / 127 of the calibrated maxima."""
+    searches = results.searches
+    smoothed = {m: g.input_scales for g in results.smoothing.values() for m in g.group.linears}
+    return {m: max(searches[m].input_scale, MIN_INPUT_SCALE)
+            if m in searches and searches[m].input_scale is not None
+            else static_input_scale(smoothed_input_absmax(results.act_absmax[m], smoothed.get(m)))
+            for m in modules}
+
+
+def static_input_scale(act_absmax: float) -> float:
+    """The per-tensor input_scale max|x| / 127, clamped away from zero as the weight scales are (an input that
+    was all zeros in calibration must not make a loader divide by zero)."""
+    return max(float(act_absmax) / INT8_QMAX, MIN_INPUT_SCALE)

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.formats.errors import UsageError
 from qconvert.formats.qarray import INT8_QMAX
 from qconvert.formats.quotient import int8_round
 from qconvert.models.family import SmoothingGroup
@@ -168,69 +167,6 @@ def smoothed_input_absmax(act_absmax: np.ndarray, input_scales: np.ndarray | Non
     if input_scales is not None:
         act = act / input_scales
     return float(np.max(act))
-
-
-# -- --alpha -----------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class AlphaSpec:
-    """--alpha as given: 'auto' (the default), 'family', one value, or 'KEY=VALUE,...' per group."""
-
-    auto: bool = False
-    default: float | None = None
-    per_group: tuple[tuple[str, float], ...] = ()
-
-    def alpha_for(self, source: str, family_default: float) -> float:
-        """The alpha of the group whose source module is `source` (longest matching key wins)."""
-        best = None
-        for key, value in self.per_group:
-            if source == key or source.endswith("." + key):
-                if best is None or len(key) > len(best[0]):
-                    best = (key, value)
-        if best is not None:
-            return best[1]
-        return self.default if self.default is not None else family_default
-
-
-def _alpha_value(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise UsageError(f"--alpha value {text!r} is not a number; write e.g. 0.85, "
-                         "'auto', 'family' or 'input_layernorm=0.8,post_attention_layernorm=0.6'") from None
-    if not 0.0 <= value <= 1.0:
-        raise UsageError(f"--alpha {value} is outside [0, 1]; SmoothQuant's alpha is a fraction")
-    return value
-
-
-def parse_alpha(text: str | None) -> AlphaSpec:
-    """Parse --alpha: None or 'auto' (search per group), 'family' (the family's value), '0.8',
-    or '0.8,post_attention_layernorm=0.6'."""
-    text = "auto" if text is None else text.strip()
-    if text == "auto":
-        return AlphaSpec(auto=True)
-    if text == "family":
-        return AlphaSpec()
-    default, per_group = None, []
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        if "=" in part:
-            key, value = (x.strip() for x in part.split("=", 1))
-            if not key:
-                raise UsageError(f"--alpha entry {part!r} names no group; write GROUP=VALUE")
-            per_group.append((key, _alpha_value(value)))
-        elif default is None:
-            default = _alpha_value(part)
-        else:
-            raise UsageError(f"--alpha {text!r} has two bare values; give one default and GROUP=VALUE pairs")
-    if default is None and not per_group:
-        raise UsageError("--alpha is empty; write e.g. 0.85 or 'auto'")
-    return AlphaSpec(default=default, per_group=tuple(per_group))
-
-
-def unmatched_alpha_keys(spec: AlphaSpec, sources: Sequence[str]) -> list[str]:
-    """Per-group keys of --alpha that match no group's source (a typo the user should hear about)."""
-    return [key for key, _ in spec.per_group
-            if not any(s == key or s.endswith("." + key) for s in sources)]
 
 
 def read_group_weights(params: Mapping, group: SmoothingGroup) -> list[np.ndarray]:

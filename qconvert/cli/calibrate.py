@@ -1,0 +1,49 @@
+"""`qconvert calibrate`: activation statistics of MODEL saved to a file that `quantize --act-stats` reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, hub_messages,
+                                 out_path, run_with_progress, verbose_option)
+
+
+@click.command(epilog=EXIT_CODES_EPILOG,
+             short_help="Save every linear input's max|x| over calibration text to a file.")
+@click.argument("model")
+@click.option("-o", "--out", "out", required=True, callback=out_path,
+              help="The statistics file to write (safetensors).")
+@click.option("--revision", default=None, help="Hub branch, tag or commit (Hub ids only).")
+@calibration_options
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT if it is a statistics file qconvert wrote; anything else is never replaced.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress and no summary.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
+@verbose_option
+def calibrate(model: str, out: Path, revision: str | None, calib: str | None, calib_samples: int | None,
+              calib_seqlen: int | None, overwrite: bool, quiet: bool, as_json: bool, verbose: bool) -> int:
+    """Run calibration text through MODEL and save every linear input's max|x| to OUT.
+
+    `qconvert quantize MODEL --scheme w8a8 --act-stats OUT` reuses the file.
+    """
+    import json
+
+    hub_messages(verbose)
+    check_jax_platforms()
+    from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
+    from qconvert.calibrate import calibrate_model
+
+    summary = run_with_progress(
+        lambda stages, _: calibrate_model(model, out, calib=calib, samples=calib_samples or DEFAULT_SAMPLES,
+                                          seqlen=calib_seqlen or DEFAULT_SEQLEN, revision=revision,
+                                          overwrite=overwrite, message=stages),
+        silent=quiet or as_json)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    elif not quiet:
+        click.echo(f"wrote {out}: {summary['linears']} linears, {summary['calibration']['tokens']} tokens "
+                   f"({summary['calibration']['description']})")
+    return 0
+

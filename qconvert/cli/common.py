@@ -1,0 +1,124 @@
+"""What the commands share: the exit-code epilog, the output and calibration flags, progress on stderr, the
+one-line failure, and the checks every command makes before it starts JAX or the Hub."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from qconvert.formats.errors import EXIT_CODES
+
+# Every command's --help ends with the same exit-code table as the README.
+EXIT_CODES_EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES)
+
+
+
+def out_path(ctx, param, value):
+    """-o must name something: an empty string would silently mean the current folder."""
+    del ctx
+    if value is not None and not str(value).strip():
+        raise click.BadParameter("is empty; name the output to write", param=param)
+    return None if value is None else Path(value)
+
+
+
+def verbose_option(command):
+    return click.option("--verbose", is_flag=True,
+                        help="Also show huggingface_hub's own messages (retries, warnings) on stderr.")(command)
+
+
+
+def fail(message: str, exit_code: int) -> None:
+    """Print one line on stderr and exit."""
+    click.echo(f"qconvert: error: {message}", err=True)
+    sys.exit(exit_code)
+
+
+
+def with_options(command, options):
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+
+def calibration_options(command):
+    """The calibration text flags, the same on `quantize` (w8a8) and `calibrate`."""
+    return with_options(command, [
+        click.option("--calib", default=None, metavar="SOURCE",
+                     help="Calibration text: builtin (the default: a small English corpus shipped with "
+                          "qconvert, works offline), FILE.txt, FILE.jsonl (a \"text\" field), "
+                          "hf://datasets/OWNER/NAME[@REV]/FILE, or random (random token ids)."),
+        click.option("--calib-samples", type=click.IntRange(min=1), default=None,
+                     help="Calibration windows (default 128; fewer when the text runs out)."),
+        click.option("--calib-seqlen", type=click.IntRange(min=2), default=None,
+                     help="Tokens per window (default 512, capped at the model's positions)."),
+    ])
+
+
+
+def run_with_progress(run, silent: bool, write_bar: bool = False):
+    """Run `run(stages, write_progress)`: on a terminal, rich bars on stderr (a bar per stage, and the write
+    bar); in a pipe or log, plain lines on stderr and no bar; nothing at all when `silent`."""
+    from rich.console import Console
+
+    from qconvert.cli.console import RichProgress, RichStages
+    from qconvert.progress import SILENT, Lines
+
+    console = Console(stderr=True)
+    if silent:
+        return run(SILENT, None)
+    if not console.is_terminal:
+        return run(Lines(lambda text: click.echo(f"qconvert: {text}", err=True)), None)
+    stages = RichStages(console)
+    progress = RichProgress(console, stages) if write_bar else None
+    try:
+        return run(stages, progress)
+    finally:
+        stages.stop()
+        if progress is not None:
+            progress.stop()
+
+
+
+def check_jax_platforms() -> None:
+    """Refuse a JAX_PLATFORMS this machine cannot start, before anything is read or written."""
+    from qconvert.cli import jax_platform
+
+    jax_platform.check_jax_platforms()
+
+
+def hub_messages(verbose: bool) -> None:
+    """huggingface_hub's own retry lines and warnings stay off stderr unless --verbose."""
+    from qconvert.source.hub import quiet_hub_logging
+
+    quiet_hub_logging(not verbose)
+
+
+
+class RegistryChoice(click.Choice):
+    """A choice among a registry's names, read when click first needs them (the registry imports JAX, which a
+    bare `qconvert` or `qconvert quantize --help` does not start for it)."""
+
+    def __init__(self, load):
+        self._load = load
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self._load())
+
+    @choices.setter
+    def choices(self, value) -> None:
+        del value  # the registry is the one list
+
+
+def _backend_choices() -> list[str]:
+    from qconvert.verify.run import backend_choices
+
+    return backend_choices()
+
+
+BACKEND_CHOICE = RegistryChoice(_backend_choices)

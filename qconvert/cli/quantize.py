@@ -1,0 +1,179 @@
+"""`qconvert quantize`: its flags, the ConvertOptions they make, and the summary it prints."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import click
+
+from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, hub_messages,
+                                 out_path, run_with_progress, verbose_option, with_options)
+from qconvert.schemes import NAMES as SCHEME_NAMES
+
+
+def smoothing_options(command):
+    """The smoothing and activation flags of `quantize --scheme w8a8`, after its calibration flags."""
+    return calibration_options(with_options(command, [
+        click.option("--alpha", default=None, metavar="ALPHA", cls=_AlphaOption),
+        click.option("--no-smooth", is_flag=True, default=False,
+                     help="Plain W8A8 without smoothing (a baseline)."),
+        click.option("--act", type=click.Choice(["dynamic", "static"]), default="dynamic",
+                     show_default=True,
+                     help="w8a8 activations: per-token scales at run time, or per-tensor from calibration."),
+        click.option("--act-stats", type=click.Path(path_type=Path), default=None,
+                     help="Reuse activation statistics from `qconvert calibrate` instead of calibrating."),
+    ]))
+
+
+
+class _AlphaOption(click.Option):
+    """--alpha, whose help gives each family's own default alpha (from the family registry, when help is shown)."""
+
+    def get_help_record(self, ctx):
+        self.help = ("SmoothQuant migration strength: 'auto' (the default: per group, the grid alpha with the "
+                     "least simulated W8A8 output error on calibration rows), 'family' (the family's value: "
+                     f"{family_alphas()}), a number in [0, 1], or per group, e.g. "
+                     "'0.8,post_attention_layernorm=0.6'. With --act-stats the default is 'family'.")
+        return super().get_help_record(ctx)
+
+
+def family_alphas() -> str:
+    """Each default alpha and the families that have it, from the registry: '0.85 Llama/Mistral/..., 0.5 Bert'."""
+    from qconvert.models.registry import FAMILIES
+
+    by_alpha: dict[float, list[str]] = {}
+    for family in FAMILIES:
+        by_alpha.setdefault(family.default_alpha, []).extend(
+            name.removesuffix("ForCausalLM").removesuffix("Model") for name in family.hf_architectures)
+    return ", ".join(f"{alpha:g} {'/'.join(names)}" for alpha, names in sorted(by_alpha.items(), reverse=True))
+
+
+class _SchemeOption(click.Option):
+    """--scheme, whose help lists each scheme's own summary and loaders (read when help is shown)."""
+
+    def get_help_record(self, ctx):
+        from qconvert.schemes import SCHEMES
+
+        self.help = "; ".join(f"{s.name}: {s.summary}, loads in {s.loads_in}" for s in SCHEMES.values()) + "."
+        return super().get_help_record(ctx)
+
+
+
+def _group_size(ctx, param, value):
+    if value is None or value == "channel":
+        return value
+    if value.isdigit():
+        return int(value)
+    raise click.BadParameter(f"{value!r} is not 32, 64, 128 or channel")
+
+
+
+@click.command(epilog=EXIT_CODES_EPILOG)
+@click.argument("model")
+@click.option("-o", "--out", "out", required=True, callback=out_path,
+              help="Output folder (written beside, then renamed into place).")
+@click.option("--scheme", type=click.Choice(SCHEME_NAMES), default="int8", show_default=True, cls=_SchemeOption)
+@click.option("--revision", default=None, help="Hub branch, tag or commit (Hub ids only).")
+@click.option("--include", multiple=True, metavar="PATTERN",
+              help="Also quantize modules matching a glob or re:REGEX (repeatable), e.g. lm_head.")
+@click.option("--exclude", multiple=True, metavar="PATTERN",
+              help="Keep modules matching a glob or re:REGEX in float (repeatable).")
+@click.option("--max-shard-size", default="5GiB", show_default=True, help="Largest shard, e.g. 5GiB, 500MB.")
+@click.option("--double-quant", is_flag=True, help="NF4: quantize the absmax values too (bitsandbytes).")
+@click.option("--group-size", default=None, metavar="32|64|128|channel", callback=_group_size,
+              help="int4: input columns per weight scale [default: 128, else the largest of 64 and 32 that "
+                   "divides every quantized linear's input width, else channel].")
+@click.option("--scale-search/--no-scale-search", default=None,
+              help="Search each scale's clipping ratio instead of using the plain absmax (same layout, "
+                   "recorded in qconvert.json): int8 per output channel, nf4 per block of 64, w8a8 on "
+                   "calibration activations (and the static input_scale with --act static). Default: off "
+                   "for every scheme (on real trained LLMs the clipped scales cost w8a8 perplexity); int8 "
+                   "and nf4 then stay byte-identical to plain round-to-nearest (compressed-tensors) and to "
+                   "bitsandbytes.")
+@click.option("--gptq/--no-gptq", default=None,
+              help="Round weights by GPTQ (error-compensated, on each linear's input Hessian from calibration, "
+                   "layer after layer on the quantized layers' outputs) instead of round-to-nearest; same layout "
+                   "and scales, other codes. Default: on for int4 (off with --act-stats); w8a8 takes it on its "
+                   "calibration (off by default: it cost real LLMs perplexity after smoothing); int8, nf4 and fp8 "
+                   "take it with calibration text (--calib, default builtin) and stay byte-identical to "
+                   "round-to-nearest without it.")
+@click.option("--gptq-damp", type=float, default=None, metavar="FRACTION",
+              help="GPTQ dampening: this fraction of the mean Hessian diagonal is added to it [default: 0.1].")
+@click.option("--gptq-act-order", is_flag=True,
+              help="GPTQ rounds columns in order of decreasing Hessian diagonal; the scales stay fixed per group "
+                   "(static groups), so no permutation is written.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Threads reading and quantizing ahead of the writer [default: one per core; at most 4 per "
+                   "core]; same output bytes.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT if it is an empty folder or one qconvert wrote (its qconvert.json lists every "
+                   "file in it); anything else is never replaced.")
+@click.option("--dry-run", is_flag=True, help="List what would be quantized and the expected size; write nothing.")
+@click.option("--any-architecture", is_flag=True,
+              help="int8/int4/nf4: convert a decoder of no known family weight-only, taking every 2-D weight "
+                   "under its numbered layers (model.layers.N.) as a linear. A known family keeps its own list.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
+@verbose_option
+@smoothing_options
+def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
+             exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, group_size, scale_search: bool | None,
+             gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool, workers: int | None,
+             overwrite: bool, dry_run: bool, any_architecture: bool, quiet: bool, as_json: bool, verbose: bool,
+             **calibration_flags) -> int:
+    """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
+    started = time.perf_counter()
+    hub_messages(verbose)
+    check_jax_platforms()
+    from qconvert.convert import convert
+    from qconvert.options import ConvertOptions
+    from qconvert.plan import parse_size
+
+    options = ConvertOptions(scheme=scheme, revision=revision, include=include, exclude=exclude,
+                             max_shard_size=parse_size(max_shard_size), double_quant=double_quant,
+                             group_size=group_size, scale_search=scale_search, overwrite=overwrite, dry_run=dry_run,
+                             act=calibration_flags["act"], any_architecture=any_architecture, workers=workers,
+                             calibration=_calibration_options_from(scheme, calibration_flags), gptq=gptq, gptq_damp=gptq_damp,
+                             gptq_act_order=gptq_act_order)
+    result = run_with_progress(
+        lambda stages, progress: convert(model, out, options, progress=progress, message=stages),
+        silent=quiet or as_json, write_bar=not dry_run)
+    # The whole command, imports and model resolution included, not only the conversion.
+    result = dataclasses.replace(result, seconds=time.perf_counter() - started)
+    _print_result(result, quiet, as_json)
+    if result.refusal is not None:  # a dry run lists first, then refuses as the real run would
+        raise result.refusal
+    return 0
+
+
+
+def _calibration_options_from(scheme: str, flags: dict):
+    """The CalibrationOptions of a calibrating scheme; for another None, or the flags given (ConvertOptions refuses them)."""
+    from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
+    from qconvert.options import CalibrationOptions
+    from qconvert.schemes import scheme_named
+
+    if not scheme_named(scheme).calibrates and flags["act"] == "dynamic" and all(
+            flags[k] in (None, False) for k in ("calib", "calib_samples", "calib_seqlen", "alpha", "no_smooth",
+                                                "act_stats")):
+        return None
+    return CalibrationOptions(calib=flags["calib"], calib_samples=flags["calib_samples"] or DEFAULT_SAMPLES,
+                       calib_seqlen=flags["calib_seqlen"] or DEFAULT_SEQLEN, alpha=flags["alpha"],
+                       smooth=not flags["no_smooth"], act_stats=flags["act_stats"])
+
+
+
+def _print_result(result, quiet: bool, as_json: bool) -> None:
+    import json
+
+    from qconvert.cli.console import print_convert_result, stdout_console
+
+    if as_json:
+        click.echo(json.dumps(result.summary(), indent=2))
+    elif not quiet:
+        print_convert_result(result, stdout_console())
+        for note in result.notes:  # with the summary on stdout: they describe the folder written
+            click.echo(f"note: {note}")
+

@@ -1,0 +1,146 @@
+"""`qconvert verify`: its flags, the report on stdout (or stderr under --json), and the model card's section."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from qconvert.cli.common import (BACKEND_CHOICE, EXIT_CODES_EPILOG, check_jax_platforms, fail, hub_messages, run_with_progress,
+                                 verbose_option)
+from qconvert.formats.errors import QConvertError, UsageError
+
+
+@click.command(name="verify", epilog=EXIT_CODES_EPILOG,
+             short_help="Prove a converted folder: integrity, each quantized linear, the whole model.")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--reference", default=None, metavar="MODEL",
+              help="Float model to compare against (folder or Hub id); default: the source in qconvert.json.")
+@click.option("--revision", default=None, help="Hub branch, tag or commit of --reference.")
+@click.option("--calib", default="auto", show_default=True, metavar="SOURCE",
+              help="Evaluation text: held-out | builtin | random | FILE.txt | FILE.jsonl | hf://datasets/...; "
+                   "auto = text calibration did not read: qconvert's held-out prose, or random ids from "
+                   "another seed after random calibration or when the reference has no tokenizer. Text "
+                   "that shares a run of 16 tokens with the calibration text is refused.")
+@click.option("--samples", type=click.IntRange(min=1), default=None, help="Evaluation sequences (default 8; 2 with --quick).")
+@click.option("--seqlen", type=click.IntRange(min=2), default=None, help="Tokens per sequence (default 64; 32 with --quick).")
+@click.option("--quick", is_flag=True, help="A small evaluation sample: a fast smoke check.")
+@click.option("--backend", type=BACKEND_CHOICE, default="auto", show_default=True,
+              help="Kernel backend; auto: tpu or gpu kernels, xla on a CPU host; cpu runs the TPU kernels in "
+                   "interpret mode.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the full record as JSON on stdout (also when a check fails or the input is bad); the "
+                   "table then goes to stderr.")
+@click.option("--json-file", "json_file", type=click.Path(path_type=Path), default=None, metavar="FILE",
+              help="Also write the full record as JSON to FILE.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress and no table: the verdict line only.")
+@click.option("--update-card", is_flag=True,
+              help="Write the verdict and figures into OUT/README.md (the model card) and its sha256 into "
+                   "qconvert.json; not when integrity fails.")
+@click.option("--strict", is_flag=True, help="Also fail when a layer fell back from the Pallas kernel to the reference.")
+@click.option("--min-sqnr", type=float, default=None, metavar="DB", help="Per-layer SQNR floor (dB).")
+@click.option("--min-cosine", type=float, default=None, help="Per-layer cosine similarity floor.")
+@click.option("--min-fidelity-sqnr", type=float, default=None, metavar="DB",
+              help="Per-layer floor (dB) of the kernel against the folder's own dequantized weights.")
+@click.option("--max-kl", type=float, default=None, help="Whole-model mean next-token KL ceiling (nats).")
+@click.option("--min-top1", type=float, default=None, help="Whole-model top-1 agreement floor (0..1).")
+@click.option("--max-ppl-ratio", type=float, default=None, help="Quantized/float perplexity ceiling.")
+@click.option("--min-pooled-cosine", type=float, default=None, help="Encoders: pooled-output cosine floor.")
+@verbose_option
+def verify_command(out: Path, reference: str | None, revision: str | None, calib: str, samples: int | None,
+                   seqlen: int | None, quick: bool, backend: str, as_json: bool, json_file: Path | None, quiet: bool,
+                   update_card: bool, strict: bool, min_sqnr: float | None, min_cosine: float | None, min_fidelity_sqnr: float | None,
+                   max_kl: float | None,
+                   min_top1: float | None, max_ppl_ratio: float | None,
+                   min_pooled_cosine: float | None, verbose: bool) -> int:
+    """Prove a converted folder: hashes, then every quantized linear and the whole model through the kernels.
+
+    Per layer, fidelity (the kernel against the folder's own dequantized
+    weights: only a wrong kernel fails it) and quality (against the float layer:
+    what the quantization costs). Exits 0 when every check passes, 1 when any
+    fails (integrity, fidelity or quality), 2 on usage or input errors.
+    """
+    hub_messages(verbose)
+    if json_file is not None:
+        _check_json_target(json_file)  # before the check runs, not after
+    check_jax_platforms()
+    from qconvert.verify.run import VerifyOptions
+
+    thresholds = {"min_layer_sqnr_db": min_sqnr, "min_layer_cosine": min_cosine,
+                  "min_fidelity_sqnr_db": min_fidelity_sqnr, "max_mean_kl": max_kl,
+                  "min_top1_agreement": min_top1, "max_perplexity_ratio": max_ppl_ratio,
+                  "min_pooled_cosine": min_pooled_cosine}
+    options = VerifyOptions(reference=reference, revision=revision, calib=calib, samples=samples, seqlen=seqlen,
+                            quick=quick, backend=backend, strict=strict, thresholds=thresholds)
+    report = _run_verify(out, options, as_json, json_file, quiet)
+    _show_verify_report(report, as_json, json_file, quiet)
+    if update_card:
+        _update_card(out, report, quiet)
+    return 0 if report.passed else 1
+
+
+
+def _update_card(out: Path, report, quiet: bool) -> None:
+    """verify --update-card: the verdict into the card, unless the folder's own files failed their check."""
+    from qconvert.write.card import CARD_NAME, update_card
+    from qconvert.verify.report import to_record
+
+    if not report.integrity.passed:
+        click.echo(f"qconvert: {out / CARD_NAME} not updated: the folder failed its integrity check", err=True)
+        return
+    update_card(out, to_record(report))
+    if not quiet:
+        click.echo(f"qconvert: wrote the verification section of {out / CARD_NAME}", err=True)
+
+
+
+def _run_verify(out: Path, options, as_json: bool, json_file: Path | None, quiet: bool):
+    """verify_folder with progress on stderr; on bad input the JSON record of the error, then one line, exit 2."""
+    from qconvert.formats.errors import FormatError
+    from qconvert.verify.report import error_json
+    from qconvert.verify.run import verify_folder
+
+    try:
+        return run_with_progress(lambda stages, _: verify_folder(out, options, progress=stages),
+                                  silent=quiet or as_json)
+    except (QConvertError, FormatError) as err:
+        # Bad input, not a failed check: exit 2 whatever the error's own code.
+        if as_json or json_file is not None:
+            _emit_json(error_json(out, str(err), 2), as_json, json_file)
+        fail(str(err), 2)
+
+
+
+def _show_verify_report(report, as_json: bool, json_file: Path | None, quiet: bool) -> None:
+    """The table and verdict (stderr under --json), then the JSON on stdout and/or in the file."""
+    from rich.console import Console
+
+    from qconvert.verify.report import render, render_verdict, to_json
+
+    stream = sys.stderr if as_json else sys.stdout
+    # Not a terminal (a pipe, a CI log): no width limit, so names are whole and the verdict stays one line.
+    console = Console(stderr=as_json, width=None if stream.isatty() else 100_000)
+    if quiet:
+        render_verdict(report, console)
+    else:
+        render(report, console)
+    _emit_json(to_json(report), as_json, json_file)
+
+
+
+def _emit_json(text: str, as_json: bool, json_file: Path | None) -> None:
+    if as_json:
+        click.echo(text)
+    if json_file is not None:
+        json_file.write_text(text + "\n", encoding="utf-8")
+
+
+
+def _check_json_target(path: Path) -> None:
+    if not path.parent.is_dir():
+        raise UsageError(f"--json-file {path}: the folder {path.parent} does not exist; create it or choose "
+                         "another path")
+    if path.is_dir():
+        raise UsageError(f"--json-file {path} is a folder; give a file name")
+

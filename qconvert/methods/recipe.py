@@ -1,0 +1,151 @@
+"""The calibration stage of the quantize pipeline: the steps a run takes, chosen here, run by the per-layer loop,
+and what they hand the writer (`Adjustments`).
+
+`prepare_adjustments` takes the pipeline's already-opened source model (qconvert.source) and its options,
+calibrates (or loads statistics) and returns Adjustments, whose parts the conversion takes as they are:
+`weight_transform(name, array)` hands out smoothed norms and linears, `input_scales` the static per-tensor
+activation scales, `weight_clip` the clipping ratios searched on calibration rows, `quantized` GPTQ's QArrays,
+and the records go into qconvert.json. No more than one layer's rows are held at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from qconvert.calibration.data import BUILTIN, load_calibration
+from qconvert.formats.act_stats import ActStats, check_stats_cover, load_act_stats
+from qconvert.formats.errors import UsageError
+from qconvert.formats.record import SmoothingRecord
+from qconvert.formats.safetensors_io import sha256_file
+from qconvert.methods.gptq import GPTQ, QuantizedStore, SequentialGPTQ
+from qconvert.methods.loop import Calibration, Results, Step, run_layers
+from qconvert.methods.scale_search import LinearSearch, ScaleSearch, static_input_scales
+from qconvert.methods.smooth import TensorFold, apply_fold
+from qconvert.methods.smoothquant import SmoothQuant
+from qconvert.options import ConvertOptions
+from qconvert.progress import Reporter, as_reporter
+from qconvert.source.resolve import SourceModel
+
+
+@dataclasses.dataclass(frozen=True)
+class Adjustments:
+    """What the calibration stage hands the conversion: smoothing folds, static input scales, clips, GPTQ's
+    QArrays, and the records."""
+
+    folds: dict[str, TensorFold] = dataclasses.field(default_factory=dict)
+    input_scales: dict[str, float] | None = None
+    calibration_record: dict[str, Any] | None = None
+    smoothing_record: SmoothingRecord | None = None
+    weight_clip: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    search_records: dict[str, dict] = dataclasses.field(default_factory=dict)
+    # GPTQ's QArrays by module (read back from the scratch folder), which the writer takes as they are.
+    quantized: QuantizedStore | None = None
+    rounding_record: dict[str, Any] | None = None
+
+    def weight_transform(self, name: str, array: np.ndarray) -> np.ndarray:
+        """The tensor as the converter should quantize or copy it (smoothed where a group touches it)."""
+        fold = self.folds.get(name)
+        return array if fold is None else apply_fold(array, fold)
+
+    @property
+    def transform(self) -> Callable[[str, np.ndarray], np.ndarray] | None:
+        """`weight_transform`, or None when nothing is smoothed (linears then stream row block by row block)."""
+        return self.weight_transform if self.folds else None
+
+
+def choose_steps(source: SourceModel, options: ConvertOptions, linears: Sequence[str],
+                 quantized_modules: Sequence[str], gptq: SequentialGPTQ | None) -> list[Step]:
+    """The run's methods, in the order they see each layer: a method is one line here."""
+    scheme, calib, static = options.scheme_object, options.calibration, options.static_act
+    steps: list[Step] = []
+    if scheme.calibrates and calib.smooth:
+        steps.append(SmoothQuant(source.model, source.family, calib, static))
+    if scheme.calibrates and options.searches_scales and calib.act_stats is None:
+        steps.append(ScaleSearch(linears, static))
+    if gptq is not None:
+        steps.append(GPTQ(gptq, quantized_modules, source.model.num_layers))
+    return steps
+
+
+def prepare_adjustments(source: SourceModel, options: ConvertOptions,
+                        progress: Reporter | Callable[[str], None] | None = None,
+                        quantized_modules: Sequence[str] = (), gptq: SequentialGPTQ | None = None) -> Adjustments:
+    """Calibrate (or load statistics) and run the chosen steps on `source`; with `gptq`, round the quantized
+    modules by GPTQ during calibration (any scheme).
+
+    `source` is the pipeline's opened model: calibration reads the very weights
+    that are then written. Plain per-token W8A8 (no smoothing, dynamic) without
+    GPTQ needs no statistics and gets no adjustments.
+    """
+    calib, scheme, static = options.calibration, options.scheme_object, options.static_act
+    if gptq is None and (not scheme.calibrates or not (calib.smooth or static)):
+        return Adjustments()
+    progress = as_reporter(progress)
+    params = source.params
+    linears = source.family.linear_names(params)
+    # Static scales for an included head (lm_head) too; any other included linear is refused here.
+    head = head_linears_for_static(source, quantized_modules) if static else []
+    steps = choose_steps(source, options, linears, quantized_modules, gptq)
+    results = Results(params)
+    if calib.act_stats is not None:
+        stats = _loaded_stats(calib.act_stats, params, [*linears, *head])
+        results.act_absmax.update(stats.act_absmax)
+    else:
+        data = load_calibration(calib.calib or BUILTIN, source.folder, source.config,
+                                samples=calib.calib_samples, seqlen=calib.calib_seqlen)
+        progress(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
+        run_layers(source.model, Calibration(data.input_ids, calib.batch_size), steps, results, progress)
+        stats = ActStats(results.act_absmax, data.tokens, data.record())
+    for step in steps:
+        step.finish(results)
+    return _adjustments(results, stats, options, [*linears, *head], gptq)
+
+
+def _adjustments(results: Results, stats: ActStats, options: ConvertOptions, static_modules: Sequence[str],
+                 gptq: SequentialGPTQ | None) -> Adjustments:
+    """What the finished steps hand the writer."""
+    input_scales = static_input_scales(results, static_modules) if options.static_act else None
+    clips, records = _search_results(results.searches, gptq)
+    return Adjustments(results.folds(), input_scales, stats.calibration, results.smoothing_record,
+                       weight_clip=clips, search_records=records,
+                       quantized=gptq.store if gptq is not None else None,
+                       rounding_record=gptq.record() if gptq is not None else None)
+
+
+def _search_results(searches: Mapping[str, LinearSearch], gptq: SequentialGPTQ | None
+                    ) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+    """The clip ratios and search records found on calibration rows, with the weight-only searches GPTQ ran
+    (int8, nf4 with --scale-search)."""
+    clips = {m: f.clip for m, f in searches.items() if f.clip is not None}
+    records = {m: f.record for m, f in searches.items()}
+    if gptq is not None:
+        clips, records = {**gptq.searches.clip, **clips}, {**gptq.searches.records, **records}
+    return clips, records
+
+
+def head_linears_for_static(source: SourceModel, quantized_modules: Sequence[str]) -> list[str]:
+    """The quantized modules outside the family's block linears that get a static input scale (the head's
+    lm_head); UsageError, before anything is calibrated, for any other, which would get none."""
+    block = set(source.family.linear_names(source.params))
+    extra = sorted(set(quantized_modules) - block)
+    head = {name[: -len(".weight")] for name in source.model.head_tensor_names()
+            if name.endswith(".weight")}
+    for module in extra:
+        if module not in head:
+            raise UsageError(f"--act static writes input scales only for the block linears and lm_head; "
+                             f"{module} (from --include) is neither: leave it out of --include, or use "
+                             "--act dynamic")
+    return extra
+
+
+def _loaded_stats(path, params, modules: Sequence[str]) -> ActStats:
+    """--act-stats: the saved statistics, checked to cover every module at its input width; their calibration
+    record names the file and its sha256."""
+    stats = load_act_stats(path)
+    check_stats_cover(stats, {m: int(params.checkpoint.shape(f"{m}.weight")[1]) for m in modules}, str(path))
+    record = {**(stats.calibration or {}), "stats_file": {"name": Path(path).name, "sha256": sha256_file(path)}}
+    return dataclasses.replace(stats, calibration=record)
