@@ -213,7 +213,7 @@ def run_convert(src: Path, out: Path, name: str, calib: str, samples: int, seqle
     shutil.rmtree(out, ignore_errors=True)
     started = time.perf_counter()
     if w8a8 is not None:
-        extra = {**extra, "w8a8": CalibrationOptions(calib=calib, calib_samples=samples, calib_seqlen=seqlen, **w8a8)}
+        extra = {**extra, "calibration": CalibrationOptions(calib=calib, calib_samples=samples, calib_seqlen=seqlen, **w8a8)}
     import qconvert.schemes.int8 as search
 
     saved = {k: getattr(search, k) for k in SEARCH_PATCHES.get(name, {})}

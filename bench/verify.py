@@ -99,7 +99,7 @@ def main() -> None:
     for scheme in args.schemes.split(","):
         out = work / scheme
         # w8a8 as plain per-token W8A8 (no calibration): what is timed is verify, not the conversion.
-        plain = {"scale_search": False, "w8a8": CalibrationOptions(smooth=False)} if scheme == "w8a8" else {}
+        plain = {"scale_search": False, "calibration": CalibrationOptions(smooth=False)} if scheme == "w8a8" else {}
         convert(str(source), out, ConvertOptions(scheme=scheme, **plain))
         for backend in backends:
             options = VerifyOptions(quick=args.quick, backend=backend, calib="auto")

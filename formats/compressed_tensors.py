@@ -115,6 +115,19 @@ def weight_scale(source: TensorSource, module: str) -> np.ndarray:
     return source.tensor(f"{module}.weight_scale", FLOAT_DTYPES, 2)
 
 
+def packed_weight(source: TensorSource, module: str, codes_per_word: int
+                  ) -> tuple[np.ndarray, tuple[int, int], np.ndarray]:
+    """(weight_scale, weight_shape, weight_packed) of a pack-quantized `module`, the packed int32 words checked
+    to hold `codes_per_word` codes of each row of weight_shape [out, in]."""
+    scale = weight_scale(source, module)
+    shape = tuple(int(d) for d in source.tensor(f"{module}.weight_shape", [np.int64, np.int32], 1))
+    packed = source.tensor(f"{module}.weight_packed", [np.int32], 2)
+    if len(shape) != 2 or packed.shape != (shape[0], -(-shape[1] // codes_per_word)):
+        raise FormatError(f"{source.file_of(module + '.weight_packed')}: {module} "
+                          f"weight_packed {list(packed.shape)} does not fit weight_shape {list(shape)}")
+    return scale, shape, packed
+
+
 def int8_qarray(source: TensorSource, module: str, codes: np.ndarray, scale: np.ndarray) -> QArray:
     """The int8 QArray of `module` from its codes [out, in] and its weight_scale, which must be [out, 1]."""
     if scale.shape != (codes.shape[0], 1):

@@ -50,12 +50,7 @@ class PackQuantizedInt4(Layout):
         }
 
     def read_qarray(self, source: TensorSource, module: str) -> QArray:
-        scale = ct.weight_scale(source, module)
-        shape = tuple(int(d) for d in source.tensor(f"{module}.weight_shape", [np.int64, np.int32], 1))
-        packed = source.tensor(f"{module}.weight_packed", [np.int32], 2)
-        if len(shape) != 2 or packed.shape != (shape[0], -(-shape[1] // 8)):
-            raise FormatError(f"{source.file_of(module + '.weight_packed')}: {module} "
-                              f"weight_packed {list(packed.shape)} does not fit weight_shape {list(shape)}")
+        scale, shape, packed = ct.packed_weight(source, module, 8)
         groups = scale.shape[1]
         if scale.shape[0] != shape[0] or groups < 1 or shape[1] % groups:
             raise FormatError(f"{source.file_of(module + '.weight_scale')}: {module} weight_scale "

@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 
 from qconvert.formats import compressed_tensors as ct
-from qconvert.formats.errors import FormatError
 from qconvert.formats.layout_base import LayoutFlags, TensorSource
 from qconvert.formats.packing import pack_int8_to_int32, unpack_int32_to_int8
 from qconvert.formats.qarray import QArray
@@ -51,12 +50,7 @@ class PackQuantizedInt8(ct.CompressedTensorsInt8):
         }
 
     def read_qarray(self, source: TensorSource, module: str) -> QArray:
-        scale = ct.weight_scale(source, module)
-        shape = tuple(int(d) for d in source.tensor(f"{module}.weight_shape", [np.int64, np.int32], 1))
-        packed = source.tensor(f"{module}.weight_packed", [np.int32], 2)
-        if len(shape) != 2 or packed.shape != (shape[0], -(-shape[1] // 4)):
-            raise FormatError(f"{source.file_of(module + '.weight_packed')}: {module} "
-                              f"weight_packed {list(packed.shape)} does not fit weight_shape {list(shape)}")
+        scale, shape, packed = ct.packed_weight(source, module, 4)
         return ct.int8_qarray(source, module, unpack_int32_to_int8(packed, shape[1]), scale)
 
     def quantization_config(self, flags: LayoutFlags, ignore: tuple[str, ...], compute_dtype: str) -> dict:

@@ -55,24 +55,20 @@ def require_vector(op: str, name: str, a, sizes: tuple[int, ...], hint: str) -> 
 
 def check_int8_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype) -> tuple[int, int, int]:
     """Check W8A8 arguments; returns (M, K, N)."""
-    op = "int8_matmul"
-    m, k = require_matrix(op, "x_q", x_q, (jnp.int8,), "[M, K]")
-    n, k_w = require_matrix(op, "w_q", w_q, (jnp.int8,), "[N, K] (the nn.Linear layout)")
-    if k != k_w:
-        raise KernelArgumentError(f"{op}: x_q has K={k} but w_q has K={k_w}; w_q must be [N, K] (nn.Linear layout)")
-    require_vector(op, "x_scale", x_scale, (m, 1), f"[{m}] (per token) or [1] (per tensor)")
-    require_vector(op, "w_scale", w_scale, (n,), f"[{n}] or [{n}, 1] (per output channel)")
-    if bias is not None:
-        require_vector(op, "bias", bias, (n,), f"[{n}]")
-    require_floatdtype_of(op, out_dtype)
-    return m, k, n
+    return _check_scaled_codes("int8_matmul", jnp.int8, "[M, K]", x_q, w_q, x_scale, w_scale, bias, out_dtype)
 
 
 def check_fp8_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype) -> tuple[int, int, int]:
     """Check FP8 W8A8 arguments (float8_e4m3fn codes, per-token and per-channel scales); returns (M, K, N)."""
-    op = "fp8_matmul"
-    m, k = require_matrix(op, "x_q", x_q, (jnp.float8_e4m3fn,), "[M, K] (quantize_fp8_activations gives it)")
-    n, k_w = require_matrix(op, "w_q", w_q, (jnp.float8_e4m3fn,), "[N, K] (the nn.Linear layout)")
+    return _check_scaled_codes("fp8_matmul", jnp.float8_e4m3fn, "[M, K] (quantize_fp8_activations gives it)",
+                               x_q, w_q, x_scale, w_scale, bias, out_dtype)
+
+
+def _check_scaled_codes(op: str, dtype, x_hint: str, x_q, w_q, x_scale, w_scale, bias,
+                        out_dtype) -> tuple[int, int, int]:
+    """Codes of `dtype` on both sides, per-token (or per-tensor) and per-channel scales; returns (M, K, N)."""
+    m, k = require_matrix(op, "x_q", x_q, (dtype,), x_hint)
+    n, k_w = require_matrix(op, "w_q", w_q, (dtype,), "[N, K] (the nn.Linear layout)")
     if k != k_w:
         raise KernelArgumentError(f"{op}: x_q has K={k} but w_q has K={k_w}; w_q must be [N, K] (nn.Linear layout)")
     require_vector(op, "x_scale", x_scale, (m, 1), f"[{m}] (per token) or [1] (per tensor)")

@@ -35,24 +35,14 @@ def _col_vector(v, n: int, np_: int) -> jax.Array:
 # the argument checks, a cached plan lookup and one dispatch, and a call inside
 # a caller's jit adds nothing beyond the kernel.
 
-@functools.partial(jax.jit, static_argnames=("plan", "out_dtype"))
-def _int8_matmul_launch(x_q, w_q, x_scale, w_scale, bias, *, plan: KernelPlan, out_dtype):
+@functools.partial(jax.jit, static_argnames=("plan", "out_dtype", "codes"))
+def _scaled_codes_launch(x_q, w_q, x_scale, w_scale, bias, *, plan: KernelPlan, out_dtype, codes: str):
+    """int8 or fp8 (`codes`) codes on both sides, each side's scales applied in the kernel's epilogue."""
     (m, k), n = x_q.shape, w_q.shape[0]
     mp, kp, np_ = _padded(plan, m, k, n)
     x_scale = jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,)).reshape(m, 1)
-    kernel = gpu_dense.int8_matmul_gpu if plan.backend == "gpu" else tpu_dense.int8_matmul_tpu
-    y = kernel(pad2d(x_q, mp, kp), pad2d(w_q, np_, kp), pad2d(x_scale, mp, 1), _col_vector(w_scale, n, np_),
-               _col_vector(bias, n, np_), tiling=plan.tiling, out_dtype=out_dtype, has_bias=bias is not None,
-               interpret=plan.interpret)
-    return y[:m, :n]
-
-
-@functools.partial(jax.jit, static_argnames=("plan", "out_dtype"))
-def _fp8_matmul_launch(x_q, w_q, x_scale, w_scale, bias, *, plan: KernelPlan, out_dtype):
-    (m, k), n = x_q.shape, w_q.shape[0]
-    mp, kp, np_ = _padded(plan, m, k, n)
-    x_scale = jnp.broadcast_to(jnp.asarray(x_scale, jnp.float32).reshape(-1), (m,)).reshape(m, 1)
-    kernel = gpu_dense.fp8_matmul_gpu if plan.backend == "gpu" else tpu_dense.fp8_matmul_tpu
+    module, suffix = (gpu_dense, "gpu") if plan.backend == "gpu" else (tpu_dense, "tpu")
+    kernel = getattr(module, f"{codes}_matmul_{suffix}")  # int8_matmul_gpu, fp8_matmul_tpu, ...
     y = kernel(pad2d(x_q, mp, kp), pad2d(w_q, np_, kp), pad2d(x_scale, mp, 1), _col_vector(w_scale, n, np_),
                _col_vector(bias, n, np_), tiling=plan.tiling, out_dtype=out_dtype, has_bias=bias is not None,
                interpret=plan.interpret)
@@ -107,7 +97,8 @@ def int8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32,
     if plan.is_reference:
         return plan_result(reference.int8_matmul_reference(x_q, w_q, x_scale, w_scale, bias=bias, out_dtype=out_dtype),
                        plan, return_plan)
-    y = _int8_matmul_launch(x_q, w_q, x_scale, w_scale, bias, plan=plan, out_dtype=jnp.dtype(out_dtype))
+    y = _scaled_codes_launch(x_q, w_q, x_scale, w_scale, bias, plan=plan, out_dtype=jnp.dtype(out_dtype),
+                             codes="int8")
     return plan_result(y, plan, return_plan)
 
 
@@ -129,7 +120,8 @@ def fp8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32, 
     if plan.is_reference:
         return plan_result(reference.fp8_matmul_reference(x_q, w_q, x_scale, w_scale, bias=bias, out_dtype=out_dtype),
                            plan, return_plan)
-    y = _fp8_matmul_launch(x_q, w_q, x_scale, w_scale, bias, plan=plan, out_dtype=jnp.dtype(out_dtype))
+    y = _scaled_codes_launch(x_q, w_q, x_scale, w_scale, bias, plan=plan, out_dtype=jnp.dtype(out_dtype),
+                             codes="fp8")
     return plan_result(y, plan, return_plan)
 
 

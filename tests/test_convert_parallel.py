@@ -46,7 +46,7 @@ def test_one_worker_and_many_write_the_same_bytes(sharded_llama, tmp_path, monke
     # Blocks of a few rows, so every linear is read and quantized in many pieces on the threads.
     monkeypatch.setattr(rowwise, "BLOCK_BYTES", 20_000)
     # w8a8 without smoothing or searches: its linears take the same row-block path as int8's.
-    plain = {"scale_search": False, "gptq": False, "w8a8": CalibrationOptions(smooth=False)} if scheme == "w8a8" else {}
+    plain = {"scale_search": False, "gptq": False, "calibration": CalibrationOptions(smooth=False)} if scheme == "w8a8" else {}
     outs = {}
     for workers in (1, 4):
         outs[workers] = tmp_path / f"out{workers}"

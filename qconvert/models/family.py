@@ -142,13 +142,18 @@ class Family(FamilyFacts, Protocol):
 class DecoderHooks(Protocol):
     """What a subclass of a decoder family (LlamaModel, GemmaModel) overrides to change one part of a layer.
 
-    The layer calls these; everything else (norms, RoPE, attention, residuals) it keeps.
+    The layer calls these; everything else (norms, the projections around attention, residuals) it keeps.
     """
 
     def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
                   linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Layer i's queries [B, H, T, d], keys and values [B, KV, T, d] before RoPE (fused: Phi-3;
         normed per head: Qwen3)."""
+
+    def attend(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array,
+               attention_mask: jax.Array | None) -> jax.Array:
+        """RoPE and attention of layer i's heads, [B, H, T, d] out (Gemma: its own RoPE per layer, query
+        scale and logit cap)."""
 
     def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask: jax.Array | None,
             linear: LinearHook, grouped_linear: GroupedLinearHook) -> jax.Array:

@@ -18,8 +18,8 @@ from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, de
                                    dense_linear)
 from qconvert.models.activations import check_activation
 from qconvert.models.family import LayerStack, SmoothingGroup
-from qconvert.models.llama import (LAYER_LINEARS, LLAMA_REMEDY, UP_DOWN_GROUP, DecoderArgs, attention_bias,
-                                   gated_mlp, rms_norm, value_output_group)
+from qconvert.models.llama import (LAYER_LINEARS, LLAMA_REMEDY, UP_DOWN_GROUP, DecoderArgs, DecoderAttention,
+                                   attention_bias, gated_mlp, rms_norm, value_output_group)
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -153,7 +153,7 @@ def gemma_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, s
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmaModel(LayerStack):
+class GemmaModel(DecoderAttention, LayerStack):
     """Gemma2ForCausalLM and Gemma3ForCausalLM as pure functions of `params` (see LlamaModel)."""
 
     family = "gemma"
@@ -232,10 +232,6 @@ class GemmaModel(LayerStack):
                     shapes[f"{module}.bias"] = (shape[0],)
         return shapes
 
-    def _linear(self, linear: LinearHook, params: Mapping, module: str, x: jax.Array) -> jax.Array:
-        bias = params[f"{module}.bias"] if self.biased(module.rsplit(".", 1)[1]) else None
-        return linear(module, x, params[f"{module}.weight"], bias)
-
     def embed(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
         """Token embeddings times sqrt(hidden_size), float32 [B, T, hidden].
 
@@ -254,33 +250,21 @@ class GemmaModel(LayerStack):
                   linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Layer i's queries [B, H, T, d], keys and values [B, KV, T, d] before RoPE (Gemma 3: each query
         and key head RMS-normed)."""
+        q, k, v = super().qkv_heads(i, params, x, linear)
         a, p = self.args, f"{self.layer_prefix(i)}.self_attn"
-        b, t, _ = x.shape
-
-        def heads(module: str, n: int) -> jax.Array:
-            y = self._linear(linear, params, f"{p}.{module}", x)
-            return y.reshape(b, t, n, a.head_dim).transpose(0, 2, 1, 3)
-
-        q = heads("q_proj", a.num_attention_heads)
-        k = heads("k_proj", a.num_key_value_heads)
-        v = heads("v_proj", a.num_key_value_heads)
         if a.qk_norm:
             q = gemma_rms_norm(q, params[f"{p}.q_norm.weight"], a.rms_norm_eps)
             k = gemma_rms_norm(k, params[f"{p}.k_norm.weight"], a.rms_norm_eps)
         return q, k, v
 
-    def attention(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook) -> jax.Array:
-        """Self-attention of layer i on the normed hidden states x [B, T, hidden]."""
-        a, p = self.args, f"{self.layer_prefix(i)}.self_attn"
-        b, t, _ = x.shape
-        q, k, v = self.qkv_heads(i, params, x, linear)
+    def attend(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array, attention_mask) -> jax.Array:
+        """RoPE (the layer's own: local or global), then attention with Gemma's query scale and logit cap."""
+        a, t = self.args, q.shape[2]
         cos, sin = rope_angles(a.ropes[i], a.head_dim, t)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         window = a.sliding_window if a.layer_types[i] == SLIDING else None
-        out = gemma_attention(q, k, v, attention_bias(t, attention_mask, window),
-                              a.query_pre_attn_scalar ** -0.5, a.attn_logit_softcapping)
-        out = out.transpose(0, 2, 1, 3).reshape(b, t, a.num_attention_heads * a.head_dim)
-        return self._linear(linear, params, f"{p}.o_proj", out)
+        return gemma_attention(q, k, v, attention_bias(t, attention_mask, window),
+                               a.query_pre_attn_scalar ** -0.5, a.attn_logit_softcapping)
 
     def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook,
             grouped_linear: GroupedLinearHook) -> jax.Array:

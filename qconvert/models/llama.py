@@ -141,8 +141,38 @@ VALUE_OUTPUT_REMEDY = ("v_proj rows -> o_proj columns "
 LLAMA_REMEDY = f"{REMEDY_LEAD}{VALUE_OUTPUT_REMEDY}, up_proj rows -> down_proj columns"
 
 
+class DecoderAttention:
+    """The attention block the decoder families share: q/k/v projected into heads (`qkv_heads`), `attend`
+    (RoPE and the attention itself, the family's own), the heads merged and projected by o_proj."""
+
+    def _linear(self, linear: LinearHook, params: Mapping, module: str, x: jax.Array) -> jax.Array:
+        bias = params[f"{module}.bias"] if self.biased(module.rsplit(".", 1)[1]) else None
+        return linear(module, x, params[f"{module}.weight"], bias)
+
+    def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
+                  linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Layer i's queries [B, H, T, d], keys and values [B, KV, T, d] before RoPE."""
+        a, p = self.args, f"{self.layer_prefix(i)}.self_attn"
+        b, t, _ = x.shape
+
+        def heads(module: str, n: int) -> jax.Array:
+            y = self._linear(linear, params, f"{p}.{module}", x)
+            return y.reshape(b, t, n, a.head_dim).transpose(0, 2, 1, 3)
+
+        return (heads("q_proj", a.num_attention_heads), heads("k_proj", a.num_key_value_heads),
+                heads("v_proj", a.num_key_value_heads))
+
+    def attention(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook) -> jax.Array:
+        """Self-attention of layer i on the normed hidden states x [B, T, hidden]."""
+        q, k, v = self.qkv_heads(i, params, x, linear)
+        out = self.attend(i, q, k, v, attention_mask)
+        b, heads, t, head_dim = out.shape
+        out = out.transpose(0, 2, 1, 3).reshape(b, t, heads * head_dim)
+        return self._linear(linear, params, f"{self.layer_prefix(i)}.self_attn.o_proj", out)
+
+
 @dataclasses.dataclass(frozen=True)
-class LlamaModel(LayerStack):
+class LlamaModel(DecoderAttention, LayerStack):
     """LlamaForCausalLM and MistralForCausalLM as pure functions of `params`.
 
     `params` maps checkpoint tensor names to arrays (lazily read ones too; linear
@@ -214,10 +244,6 @@ class LlamaModel(LayerStack):
                 names.append(f"{module}.bias")
         return names
 
-    def _linear(self, linear: LinearHook, params: Mapping, module: str, x: jax.Array) -> jax.Array:
-        bias = params[f"{module}.bias"] if self.biased(module.rsplit(".", 1)[1]) else None
-        return linear(module, x, params[f"{module}.weight"], bias)
-
     def embed_tensor_names(self) -> list[str]:
         """Tensor names the embedding reads."""
         return [f"{self.prefix}.embed_tokens.weight"]
@@ -232,29 +258,12 @@ class LlamaModel(LayerStack):
         """How many leading channels of each head RoPE rotates (all of them here)."""
         return self.args.head_dim
 
-    def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
-                  linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Layer i's queries [B, H, T, d], keys and values [B, KV, T, d] before RoPE."""
-        a, p = self.args, f"{self.layer_prefix(i)}.self_attn"
-        b, t, _ = x.shape
-
-        def heads(module: str, n: int) -> jax.Array:
-            y = self._linear(linear, params, f"{p}.{module}", x)
-            return y.reshape(b, t, n, a.head_dim).transpose(0, 2, 1, 3)
-
-        return (heads("q_proj", a.num_attention_heads), heads("k_proj", a.num_key_value_heads),
-                heads("v_proj", a.num_key_value_heads))
-
-    def attention(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook) -> jax.Array:
-        """Self-attention of layer i on the normed hidden states x [B, T, hidden]."""
-        a, p = self.args, f"{self.layer_prefix(i)}.self_attn"
-        b, t, _ = x.shape
-        q, k, v = self.qkv_heads(i, params, x, linear)
-        cos, sin = rope_angles(a.rope, self.rotary_dim, t)
+    def attend(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array, attention_mask) -> jax.Array:
+        """RoPE on layer i's heads, then grouped-query attention (a sliding window where the layer has one)."""
+        t = q.shape[2]
+        cos, sin = rope_angles(self.args.rope, self.rotary_dim, t)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = grouped_query_attention(q, k, v, attention_bias(t, attention_mask, a.sliding_windows[i]))
-        out = out.transpose(0, 2, 1, 3).reshape(b, t, a.num_attention_heads * a.head_dim)
-        return self._linear(linear, params, f"{p}.o_proj", out)
+        return grouped_query_attention(q, k, v, attention_bias(t, attention_mask, self.args.sliding_windows[i]))
 
     def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook,
             grouped_linear: GroupedLinearHook) -> jax.Array:

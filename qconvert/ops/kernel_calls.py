@@ -137,32 +137,25 @@ def _with_dequantized_grad(kernel_fn, lhs, rhs: QArray):
 
 def int8_weight_matmul(lhs, rhs: QArray, out_dtype) -> jax.Array:
     """Float lhs [..., K] times an int8 weight [N, K] with per-channel scale through the W8A16 kernel."""
-    backend, _ = kernel_backend()
-
-    def run(x, qvalue, scale):
-        weight = QArray(qvalue, scale, kind="int8", shape=rhs.shape, dtype=rhs.dtype)
-        return _kernels().qlinear(x, weight, out_dtype=out_dtype, backend=backend)
-
-    return _with_dequantized_grad(run, lhs, rhs)
+    return _weight_only_matmul(lhs, rhs, out_dtype)
 
 
 def nf4_matmul(lhs, rhs: QArray, out_dtype) -> jax.Array:
     """Float lhs [..., K] times an NF4 weight [N, K] through the NF4 kernel."""
-    backend, _ = kernel_backend()
-
-    def run(x, qvalue, scale):
-        weight = QArray(qvalue, scale, kind="nf4", block_size=rhs.block_size, shape=rhs.shape, dtype=rhs.dtype)
-        return _kernels().qlinear(x, weight, out_dtype=out_dtype, backend=backend)
-
-    return _with_dequantized_grad(run, lhs, rhs)
+    return _weight_only_matmul(lhs, rhs, out_dtype)
 
 
 def int4_weight_matmul(lhs, rhs: QArray, out_dtype) -> jax.Array:
     """Float lhs [..., K] times an int4 weight [N, K] (group or per-channel scales) through the W4A16 kernel."""
+    return _weight_only_matmul(lhs, rhs, out_dtype)
+
+
+def _weight_only_matmul(lhs, rhs: QArray, out_dtype) -> jax.Array:
+    """Float lhs [..., K] times a quantized weight [N, K] through its kind's kernel (kernels.qlinear routes it)."""
     backend, _ = kernel_backend()
 
     def run(x, qvalue, scale):
-        weight = QArray(qvalue, scale, kind="int4", block_size=rhs.block_size, shape=rhs.shape, dtype=rhs.dtype)
+        weight = QArray(qvalue, scale, kind=rhs.kind, block_size=rhs.block_size, shape=rhs.shape, dtype=rhs.dtype)
         return _kernels().qlinear(x, weight, out_dtype=out_dtype, backend=backend)
 
     return _with_dequantized_grad(run, lhs, rhs)

@@ -24,7 +24,7 @@ from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_fp8 import FloatQuantizedFP8
 from qconvert.formats.qarray import QArray
 from qconvert.formats.quotient import f32_quotient
-from qconvert.schemes.rowwise import all_finite_hint, host_weight, quantize_row_chunks
+from qconvert.schemes.rowwise import all_finite_hint, quantize_per_row
 from qconvert.schemes.base import ClipSearch, Scheme, SearchResult, Thresholds
 from qconvert.schemes.grids import FloatGrid
 from qconvert.schemes.int4 import in_dtype
@@ -56,14 +56,10 @@ def fp8_codes_and_scales(w: jax.Array, scale_dtype, clip: jax.Array | None = Non
 def quantize_fp8(w, *, scale_dtype=None, clip=None) -> QArray:
     """FP8 E4M3 of a [out, in] weight with one scale per output row; scale_dtype defaults to w's dtype.
 
-    Rows go through the kernel in chunks (quantize_row_chunks). InvalidWeightError for NaN/Inf.
+    Rows go through the kernel in chunks (rowwise.quantize_per_row). InvalidWeightError for NaN/Inf.
     """
-    w = host_weight(w)
-    if w.ndim != 2:
-        raise ValueError(f"fp8 quantization takes a 2-D [out, in] weight, got shape {tuple(w.shape)}")
-    scale_dtype = jnp.dtype(scale_dtype if scale_dtype is not None else w.dtype)
-    codes, scale = quantize_row_chunks(w, fp8_codes_and_scales, ml_dtypes.float8_e4m3fn, 1, scale_dtype, clip)
-    return QArray(qvalue=codes, scale=scale, kind="fp8", shape=w.shape, dtype=w.dtype)
+    return quantize_per_row(w, fp8_codes_and_scales, ml_dtypes.float8_e4m3fn, "fp8", scale_dtype=scale_dtype,
+                            clip=clip)
 
 
 @jax.jit

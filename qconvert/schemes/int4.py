@@ -23,7 +23,7 @@ from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_int4 import PackQuantizedInt4
 from qconvert.formats.qarray import INT4_QMAX, INT4_QMIN, QArray
 from qconvert.formats.quotient import f32_quotient
-from qconvert.schemes.rowwise import all_finite_hint, host_weight, quantize_row_chunks
+from qconvert.schemes.rowwise import all_finite_hint, quantize_per_row
 from qconvert.schemes.base import ClipSearch, Scheme, SearchResult, Thresholds
 from qconvert.schemes.grids import IntegerGrid
 
@@ -69,19 +69,12 @@ def int4_codes_and_scales(w: jax.Array, group: int, scale_dtype, clip: jax.Array
 def quantize_int4(w, group_size: int | None, *, scale_dtype=None, clip=None) -> QArray:
     """Symmetric int4 of a [out, in] weight per output row and group of input columns (None: per channel).
 
-    Rows go through the kernel in chunks (quantize_row_chunks). InvalidWeightError for NaN/Inf.
+    Rows go through the kernel in chunks (rowwise.quantize_per_row). InvalidWeightError for NaN/Inf.
     """
-    w = host_weight(w)
-    if w.ndim != 2:
-        raise ValueError(f"int4 quantization takes a 2-D [out, in] weight, got shape {tuple(w.shape)}")
-    rows, cols = w.shape
-    group = group_size or cols
-    if cols % group:
-        raise ValueError(f"int4 group size {group} does not divide the input width {cols}")
-    scale_dtype = jnp.dtype(scale_dtype if scale_dtype is not None else w.dtype)
-    codes, scale = quantize_row_chunks(w, lambda part, dtype, ratios: int4_codes_and_scales(part, group, dtype, ratios),
-                                       np.int8, cols // group, scale_dtype, clip)
-    return QArray(qvalue=codes, scale=scale, kind="int4", block_size=group_size, shape=w.shape, dtype=w.dtype)
+    def kernel(part, dtype, ratios):
+        return int4_codes_and_scales(part, group_size or part.shape[1], dtype, ratios)
+
+    return quantize_per_row(w, kernel, np.int8, "int4", scale_dtype=scale_dtype, clip=clip, group_size=group_size)
 
 
 @functools.partial(jax.jit, static_argnames=("group",))

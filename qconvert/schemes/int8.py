@@ -20,7 +20,7 @@ from qconvert.formats.qarray import INT8_QMAX, QArray
 from qconvert.formats.quotient import f32_quotient, int8_round
 from qconvert.schemes.grids import IntegerGrid
 from qconvert.schemes.base import ClipSearch, Scheme, SearchResult, Thresholds
-from qconvert.schemes.rowwise import all_finite_hint, host_weight, quantize_row_chunks, scale_floor
+from qconvert.schemes.rowwise import all_finite_hint, quantize_per_row, scale_floor
 
 # Candidate clipping ratios, largest (plain absmax) first.
 # int8: fine steps near 1 (127 levels leave little to clip), coarser below 0.95.
@@ -62,18 +62,9 @@ def quantize_int8(w, *, scale_dtype=None, clip=None) -> QArray:
     """Symmetric per-output-channel int8 of a [out, in] weight; scale_dtype defaults to w's dtype.
 
     `clip` (float32 [out], optional): per-row clipping ratios from a scale
-    search; the scale is then clip * absmax / 127.
-
-    Rows go through the kernel in chunks of a power-of-two row count (about
-    CHUNK_ELEMENTS values); a tail chunk is padded with zero rows, whose codes are dropped.
-    Raises InvalidWeightError for NaN/Inf values.
+    search; the scale is then clip * absmax / 127. Raises InvalidWeightError for NaN/Inf values.
     """
-    w = host_weight(w)
-    if w.ndim != 2:
-        raise ValueError(f"int8 quantization takes a 2-D [out, in] weight, got shape {tuple(w.shape)}")
-    scale_dtype = jnp.dtype(scale_dtype if scale_dtype is not None else w.dtype)
-    q, scale = quantize_row_chunks(w, int8_codes_and_scales, np.int8, 1, scale_dtype, clip)
-    return QArray(qvalue=q, scale=scale, kind="int8", shape=w.shape, dtype=w.dtype)
+    return quantize_per_row(w, int8_codes_and_scales, np.int8, "int8", scale_dtype=scale_dtype, clip=clip)
 
 
 @jax.jit

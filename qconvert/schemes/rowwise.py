@@ -182,3 +182,23 @@ def quantize_row_chunks(w: np.ndarray, kernel, codes_dtype, scale_cols: int, sca
             scale[start:start + count] = np.asarray(scale_part)[:count]
         check_finite(w, [hint for _, _, (_, _, hint) in pending])
     return codes, scale
+
+
+def quantize_per_row(w, kernel, codes_dtype, kind: str, *, scale_dtype=None, clip=None,
+                     group_size: int | None = None) -> QArray:
+    """The QArray of a [out, in] weight from a per-row jitted `kernel` (quantize_row_chunks'): one scale per
+    output row, or per row and group of `group_size` input columns; scale_dtype defaults to w's dtype.
+
+    `clip` ([out] or [out, groups] ratios, optional) comes from a scale search. ValueError for a weight
+    that is not 2-D or a group that does not divide its width; InvalidWeightError for NaN/Inf values.
+    """
+    w = host_weight(w)
+    if w.ndim != 2:
+        raise ValueError(f"{kind} quantization takes a 2-D [out, in] weight, got shape {tuple(w.shape)}")
+    cols = w.shape[1]
+    if group_size is not None and cols % group_size:
+        raise ValueError(f"{kind} group size {group_size} does not divide the input width {cols}")
+    scale_cols = 1 if group_size is None else cols // group_size
+    scale_dtype = jnp.dtype(scale_dtype if scale_dtype is not None else w.dtype)
+    codes, scale = quantize_row_chunks(w, kernel, codes_dtype, scale_cols, scale_dtype, clip)
+    return QArray(qvalue=codes, scale=scale, kind=kind, block_size=group_size, shape=w.shape, dtype=w.dtype)
