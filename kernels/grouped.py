@@ -144,13 +144,10 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
     if not 0 <= offset <= num_groups - g_local:
         raise KernelArgumentError(f"{OP}: group_offset={offset} with {g_local} local groups does not fit in "
                                   f"{num_groups} groups")
-    requested, declined = _resolve_tiling(tiling, m, k, n)
     problem = KernelProblem(OP, m, k, n, dtype_name(lhs.dtype), dtype_name(preferred_element_type),
                             blocksize if rhs_kind.flat_blocks else NF4_BLOCK_SIZE, num_groups, rhs_kind,
                             blocksize if rhs_kind.column_groups else None)
-    plan = select_kernel(problem, "cpu" if interpret else backend, requested)
-    if declined:
-        plan = KernelPlan(OP, f"{OP}_reference", "reference", None, plan.guarantee, fallback_reason=declined)
+    plan = _grouped_plan(problem, tiling, interpret, backend)
     if plan.is_reference:
         y = _grouped_reference(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, g_local, k, n, blocksize,
                                preferred_element_type, offset, transpose_rhs)
@@ -243,12 +240,9 @@ def transposed_grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=j
     if count <= 0 or offset < 0 or offset + count > num_groups:
         raise KernelArgumentError(f"{op}: group_offset={offset}, num_actual_groups={count} do not fit in "
                                   f"{num_groups} groups")
-    requested, declined = _resolve_tiling(tiling, m, k, n)
     problem = KernelProblem(op, m, k, n, dtype_name(lhs.dtype), dtype_name(preferred_element_type),
                             num_groups=num_groups)
-    plan = select_kernel(problem, "cpu" if interpret else backend, requested)
-    if declined:
-        plan = KernelPlan(op, f"{op}_reference", "reference", None, plan.guarantee, fallback_reason=declined)
+    plan = _grouped_plan(problem, tiling, interpret, backend)
     if plan.is_reference:
         y = reference.transposed_grouped_matmul_reference(lhs, rhs, group_sizes,
                                                           preferred_element_type=preferred_element_type,
@@ -258,11 +252,28 @@ def transposed_grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=j
         y = gpu_grouped.run_transposed_grouped_matmul(lhs, rhs, group_sizes, offset=offset, num_local=count,
                                                       tiling=plan.tiling, out_dtype=preferred_element_type)
         return plan_result(y, plan, return_plan)
-    t = plan.tiling
+    y = _transposed_tpu(lhs, rhs, group_sizes, plan, offset, count, preferred_element_type)
+    return plan_result(y, plan, return_plan)
+
+
+def _transposed_tpu(lhs, rhs, group_sizes, plan: KernelPlan, offset: int, count: int, out_dtype) -> jax.Array:
+    """transposed_grouped_matmul through the TPU kernel: operands padded to the tiling, the result cut back."""
+    (k, m), n, t = lhs.shape, rhs.shape[1], plan.tiling
     mp, kp, np_ = round_up(m, t.tm), round_up(k, t.tk), round_up(n, t.tn)
     metadata, num_tiles = make_group_metadata(group_sizes=group_sizes, m=mp, tm=t.tm, start_group=offset,
                                               num_nonzero_groups=count, visit_empty_groups=True)
     y = tpu_grouped.transposed_grouped_matmul_tpu(
         metadata, jnp.full((1,), offset, jnp.int32), num_tiles.reshape(1), _pad(lhs, (kp, mp)), _pad(rhs, (mp, np_)),
-        tiling=t, out_dtype=jnp.dtype(preferred_element_type), num_local=count, interpret=plan.interpret)
-    return plan_result(y[:, :k, :n], plan, return_plan)
+        tiling=t, out_dtype=jnp.dtype(out_dtype), num_local=count, interpret=plan.interpret)
+    return y[:, :k, :n]
+
+
+def _grouped_plan(problem: KernelProblem, tiling, interpret: bool, backend: str) -> KernelPlan:
+    """The plan of a grouped problem under `tiling` (see grouped_matmul); the reference where a tiling
+    function declined the shape."""
+    requested, declined = _resolve_tiling(tiling, problem.m, problem.k, problem.n)
+    plan = select_kernel(problem, "cpu" if interpret else backend, requested)
+    if declined:
+        plan = KernelPlan(problem.op, f"{problem.op}_reference", "reference", None, plan.guarantee,
+                          fallback_reason=declined)
+    return plan

@@ -82,51 +82,61 @@ def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None
     if len(q.shape) != 2:
         raise KernelArgumentError(f"qlinear: the weight must be [out, in], got a QArray of shape {q.shape}")
     if isinstance(x, QArray):
-        lead = x.shape[:-1]
-        x_q, x_scale = _int8_rows(x)
+        lead, lhs = x.shape[:-1], _int8_rows(x)  # (codes, scales): already int8
         out_dtype = jnp.float32 if out_dtype is None else out_dtype
     else:
         x = jnp.asarray(x)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
+        lead, lhs = x.shape[:-1], x.reshape(-1, x.shape[-1])
         out_dtype = x.dtype if out_dtype is None else out_dtype
-    if q.kind.flat_blocks:
-        if act is not None or isinstance(x, QArray):
-            raise KernelArgumentError("qlinear: NF4 weights take float activations; drop act")
-        result = nf4_matmul(x2, q.qvalue, q.scale, shape=q.shape, blocksize=q.block_size, bias=bias,
-                            out_dtype=out_dtype, backend=backend, return_plan=True)
-    elif q.kind.float_codes:
-        if act is None or isinstance(x, QArray):
-            raise KernelArgumentError("qlinear: fp8 weights quantize float activations to E4M3 first: pass "
-                                      "act='dynamic' (per token) or act='static' with input_scale")
-        if q.zero_point is not None:
-            raise KernelArgumentError("qlinear: fp8 weights must be symmetric (no zero point)")
-        w_scale = _channel_scale(q)
-        x_q, x_scale = quantize_fp8_activations(x2, input_scale)
-        result = fp8_matmul(x_q, q.qvalue, x_scale, w_scale, bias=bias, out_dtype=out_dtype, backend=backend,
-                            return_plan=True)
-    elif q.kind.column_groups:
-        if act is not None or isinstance(x, QArray):
-            raise KernelArgumentError("qlinear: int4 weights take float activations (W4A16); drop act")
-        if q.zero_point is not None:
-            raise KernelArgumentError("qlinear: int4 weights must be symmetric (no zero point)")
-        result = int4_weight_matmul(x2, q.qvalue, q.scale, group_size=q.block_size, bias=bias, out_dtype=out_dtype,
-                                    backend=backend, return_plan=True)
-    else:
-        if q.zero_point is not None:
-            raise KernelArgumentError("qlinear: int8 weights must be symmetric (no zero point)")
-        w_scale = _channel_scale(q)
-        if act is None and not isinstance(x, QArray):
-            result = int8_weight_matmul(x2, q.qvalue, w_scale, bias=bias, out_dtype=out_dtype, backend=backend,
-                                        return_plan=True)
-        else:
-            if not isinstance(x, QArray):
-                x_q, x_scale = quantize_activations(x2, input_scale)
-            result = int8_matmul(x_q, q.qvalue, x_scale, w_scale, bias=bias, out_dtype=out_dtype, backend=backend,
-                                 return_plan=True)
-    y, plan = result
+    route = (_nf4_linear if q.kind.flat_blocks else _fp8_linear if q.kind.float_codes
+             else _int4_linear if q.kind.column_groups else _int8_linear)
+    y, plan = route(lhs, q, bias, act, input_scale, out_dtype=out_dtype, backend=backend)
     y = y.reshape(*lead, q.shape[0])
     return (y, plan) if return_plan else y
+
+
+# One route per kind of weight: lhs is float [M, K], or (codes, scales) of int8 activations.
+
+def _nf4_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
+    if act is not None or isinstance(lhs, tuple):
+        raise KernelArgumentError("qlinear: NF4 weights take float activations; drop act")
+    return nf4_matmul(lhs, q.qvalue, q.scale, shape=q.shape, blocksize=q.block_size, bias=bias,
+                      out_dtype=out_dtype, backend=backend, return_plan=True)
+
+
+def _fp8_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
+    if act is None or isinstance(lhs, tuple):
+        raise KernelArgumentError("qlinear: fp8 weights quantize float activations to E4M3 first: pass "
+                                  "act='dynamic' (per token) or act='static' with input_scale")
+    _check_symmetric(q, "fp8")
+    w_scale = _channel_scale(q)
+    x_q, x_scale = quantize_fp8_activations(lhs, input_scale)
+    return fp8_matmul(x_q, q.qvalue, x_scale, w_scale, bias=bias, out_dtype=out_dtype, backend=backend,
+                      return_plan=True)
+
+
+def _int4_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
+    if act is not None or isinstance(lhs, tuple):
+        raise KernelArgumentError("qlinear: int4 weights take float activations (W4A16); drop act")
+    _check_symmetric(q, "int4")
+    return int4_weight_matmul(lhs, q.qvalue, q.scale, group_size=q.block_size, bias=bias, out_dtype=out_dtype,
+                              backend=backend, return_plan=True)
+
+
+def _int8_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
+    _check_symmetric(q, "int8")
+    w_scale = _channel_scale(q)
+    if act is None and not isinstance(lhs, tuple):
+        return int8_weight_matmul(lhs, q.qvalue, w_scale, bias=bias, out_dtype=out_dtype, backend=backend,
+                                  return_plan=True)
+    x_q, x_scale = lhs if isinstance(lhs, tuple) else quantize_activations(lhs, input_scale)
+    return int8_matmul(x_q, q.qvalue, x_scale, w_scale, bias=bias, out_dtype=out_dtype, backend=backend,
+                       return_plan=True)
+
+
+def _check_symmetric(q: QArray, kind: str) -> None:
+    if q.zero_point is not None:
+        raise KernelArgumentError(f"qlinear: {kind} weights must be symmetric (no zero point)")
 
 
 def stack_experts(qs: Sequence[QArray]) -> QArray:

@@ -73,6 +73,38 @@ def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *
         o_ref[...] = jnp.where(mask, y.astype(o_ref.dtype), o_ref[...])
 
 
+def _gmm_in_specs(rhs_kind, tiling: Tiling, transpose_rhs: bool, num_local: int, int4_groups: int) -> list:
+    """grouped_matmul_tpu's input BlockSpecs: lhs tiles by the row tile's id; the rhs (and its scales) of the
+    tile's group, local to the shard."""
+    tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
+
+    def lhs_map(n, i, k, go, gi, mt, goff, nt):
+        return mt[i], k
+
+    def rhs_map(n, i, k, go, gi, mt, goff, nt):
+        g = _local_group(gi, i, goff, num_local)
+        return (g, n, k) if (transpose_rhs or rhs_kind.packs_nibbles) else (g, k, n)
+
+    def scale_map(n, i, k, go, gi, mt, goff, nt):
+        return _local_group(gi, i, goff, num_local), 0, n
+
+    def int4_scale_map(n, i, k, go, gi, mt, goff, nt):
+        return _local_group(gi, i, goff, num_local), k, n, 0
+
+    if rhs_kind.flat_blocks:
+        return [pl.BlockSpec((tm, tk // 2), lhs_map)] * 2 + [
+            pl.BlockSpec((None, tn, tk // 2), rhs_map), pl.BlockSpec((None, tn, tk // 64), rhs_map)]
+    if rhs_kind.column_groups:
+        return [pl.BlockSpec((tm, tk // 2), lhs_map)] * 2 + [
+            pl.BlockSpec((None, tn, tk // 2), rhs_map),
+            pl.BlockSpec((None, None, tn, int4_groups), int4_scale_map)]
+    block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+    in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(block, rhs_map)]
+    if rhs_kind.channel_scaled:
+        in_specs.append(pl.BlockSpec((None, 1, tn), scale_map))
+    return in_specs
+
+
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "rhs_kind", "transpose_rhs", "interpret"))
 def grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs_operands, rhs_operands, *, tiling: Tiling, out_dtype,
                        rhs_kind: str, transpose_rhs: bool, interpret: bool):
@@ -92,32 +124,8 @@ def grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs_operands, rhs_oper
     else:
         kp, np_ = rhs_operands[0].shape[1:]
     grid = (np_ // tn, group_ids.shape[0], kp // tk)
-
-    def lhs_map(n, i, k, go, gi, mt, goff, nt):
-        return mt[i], k
-
-    def rhs_map(n, i, k, go, gi, mt, goff, nt):
-        g = _local_group(gi, i, goff, num_local)
-        return (g, n, k) if (transpose_rhs or rhs_kind.packs_nibbles) else (g, k, n)
-
-    def scale_map(n, i, k, go, gi, mt, goff, nt):
-        return _local_group(gi, i, goff, num_local), 0, n
-
-    def int4_scale_map(n, i, k, go, gi, mt, goff, nt):
-        return _local_group(gi, i, goff, num_local), k, n, 0
-
-    if rhs_kind.flat_blocks:
-        in_specs = [pl.BlockSpec((tm, tk // 2), lhs_map)] * 2 + [
-            pl.BlockSpec((None, tn, tk // 2), rhs_map), pl.BlockSpec((None, tn, tk // 64), rhs_map)]
-    elif rhs_kind.column_groups:
-        in_specs = [pl.BlockSpec((tm, tk // 2), lhs_map)] * 2 + [
-            pl.BlockSpec((None, tn, tk // 2), rhs_map),
-            pl.BlockSpec((None, None, tn, rhs_operands[1].shape[3]), int4_scale_map)]
-    else:
-        block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
-        in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(block, rhs_map)]
-        if rhs_kind.channel_scaled:
-            in_specs.append(pl.BlockSpec((None, 1, tn), scale_map))
+    in_specs = _gmm_in_specs(rhs_kind, tiling, transpose_rhs, num_local,
+                             rhs_operands[1].shape[3] if rhs_kind.column_groups else 0)
     return pl.pallas_call(
         functools.partial(_gmm_kernel, rhs_kind=rhs_kind, transpose_rhs=transpose_rhs, tm=tm),
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),

@@ -14,7 +14,7 @@ import mlir_verify
 from qconvert.formats import QArray
 from qconvert.kernels import (fp8_matmul, grouped_matmul, int4_weight_matmul, int8_matmul, int8_weight_matmul,
                               nf4_matmul, transposed_grouped_matmul)
-from qconvert.kernels.plan import REGIMES, TILE_TABLES
+from qconvert.kernels.tile_tables import REGIMES, TILE_TABLES
 
 S = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16

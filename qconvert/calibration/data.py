@@ -207,6 +207,18 @@ def random_windows(vocab_size: int, samples: int, seqlen: int, seed: int = RANDO
     return rng.integers(0, vocab_size, size=(samples, seqlen), dtype=np.int64).astype(np.int32)
 
 
+def _calibration_texts(calib: str) -> tuple[list[str], str, str | None]:
+    """The texts of a text --calib, what they are, and the sha256 of the file they came from (None: built in)."""
+    if calib == BUILTIN:
+        return [builtin_corpus_text()], "qconvert's built-in English prose corpus", None
+    if calib == HELD_OUT:
+        return [held_out_text()], "qconvert's built-in held-out English prose (never calibrated on)", None
+    local = download_dataset_file(calib) if calib.startswith("hf://") else Path(calib)
+    texts = read_texts(local)
+    description = f"Hub dataset file {calib}" if calib.startswith("hf://") else f"local file {local.name}"
+    return texts, description, hashlib.sha256(local.read_bytes()).hexdigest()
+
+
 def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
                      samples: int = DEFAULT_SAMPLES, seqlen: int = DEFAULT_SEQLEN,
                      seed: int = RANDOM_SEED) -> CalibrationData:
@@ -227,16 +239,7 @@ def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
         description = (f"random token ids, uniform over the vocabulary of {vocab}, seed {seed}: "
                        "not real text")
         return CalibrationData(ids, RANDOM, description, samples, seqlen, seed=seed)
-    digest = None
-    if calib == BUILTIN:
-        texts, description = [builtin_corpus_text()], "qconvert's built-in English prose corpus"
-    elif calib == HELD_OUT:
-        texts, description = [held_out_text()], "qconvert's built-in held-out English prose (never calibrated on)"
-    else:
-        local = download_dataset_file(calib) if calib.startswith("hf://") else Path(calib)
-        texts = read_texts(local)
-        description = f"Hub dataset file {calib}" if calib.startswith("hf://") else f"local file {local.name}"
-        digest = hashlib.sha256(local.read_bytes()).hexdigest()
+    texts, description, digest = _calibration_texts(calib)
     tokenizer = load_tokenizer(model_folder)
     try:
         ids = token_windows(tokenizer, texts, samples, effective_seqlen)

@@ -33,16 +33,7 @@ class RopeConfig:
         Every value is checked (InvalidCheckpointError, exit 6, naming the key): a
         base or factor that is not a positive finite number would give NaN angles.
         """
-        params: dict[str, Any] = {}
-        where: dict[str, str] = {}
-        for key in ("rope_parameters", "rope_scaling"):
-            block = config.get(key)
-            if block is None:
-                continue
-            if not isinstance(block, dict):
-                raise InvalidCheckpointError(f"config.json: {key} is {block!r}; it must be an object")
-            params.update(block)
-            where.update({name: f"{key}.{name}" for name in block})
+        params, where = _rope_blocks(config)
 
         def positive(name: str, default: float, fallback_key: str | None = None) -> float:
             if name in params and params[name] is not None:
@@ -52,26 +43,13 @@ class RopeConfig:
             return default
 
         theta = positive("rope_theta", 10000.0, theta_key)
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if not isinstance(rope_type, str):
-            key = where.get("rope_type", where.get("type"))
-            raise InvalidCheckpointError(f"config.json: {key} is {rope_type!r}; it must be a string")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"RoPE scaling type {rope_type!r} is not supported; supported: "
-                + ", ".join(SUPPORTED_ROPE_TYPES))
+        rope_type = _rope_type(params, where)
         low, high = positive("low_freq_factor", 1.0), positive("high_freq_factor", 4.0)
         if rope_type == "llama3" and not high > low:
             raise InvalidCheckpointError(
                 f"config.json: {where.get('high_freq_factor', 'high_freq_factor')} = {high} is not above "
                 f"low_freq_factor = {low}; the llama3 RoPE scaling needs high > low")
-        original = params.get("original_max_position_embeddings")
-        original_key = where.get("original_max_position_embeddings", "original_max_position_embeddings")
-        if original is None:
-            original, original_key = config.get("max_position_embeddings", 8192), "max_position_embeddings"
-        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
-            raise InvalidCheckpointError(f"config.json: {original_key} is {original!r}; it must be a whole "
-                                         "number of at least 1")
+        original = _original_positions(config, params, where)
         return cls(theta=theta, rope_type=rope_type, factor=positive("factor", 1.0),
                    low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=original)
 
@@ -119,3 +97,41 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     rot, rest = x[..., :r], x[..., r:]
     rotated = jnp.concatenate([-rot[..., r // 2:], rot[..., : r // 2]], axis=-1)
     return jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1)
+
+
+def _rope_blocks(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The RoPE fields of `rope_parameters` and `rope_scaling` merged, and the key each came from."""
+    params: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        block = config.get(key)
+        if block is None:
+            continue
+        if not isinstance(block, dict):
+            raise InvalidCheckpointError(f"config.json: {key} is {block!r}; it must be an object")
+        params.update(block)
+        where.update({name: f"{key}.{name}" for name in block})
+    return params, where
+
+
+def _rope_type(params: dict[str, Any], where: dict[str, str]) -> str:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if not isinstance(rope_type, str):
+        key = where.get("rope_type", where.get("type"))
+        raise InvalidCheckpointError(f"config.json: {key} is {rope_type!r}; it must be a string")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"RoPE scaling type {rope_type!r} is not supported; supported: " + ", ".join(SUPPORTED_ROPE_TYPES))
+    return rope_type
+
+
+def _original_positions(config: dict[str, Any], params: dict[str, Any], where: dict[str, str]) -> int:
+    """original_max_position_embeddings of the scaling, else the model's max_position_embeddings."""
+    original = params.get("original_max_position_embeddings")
+    original_key = where.get("original_max_position_embeddings", "original_max_position_embeddings")
+    if original is None:
+        original, original_key = config.get("max_position_embeddings", 8192), "max_position_embeddings"
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise InvalidCheckpointError(f"config.json: {original_key} is {original!r}; it must be a whole "
+                                     "number of at least 1")
+    return original

@@ -147,104 +147,117 @@ def iterate_layers(model, params: Mapping, input_ids, attention_mask=None, *,
                    jit: bool = True, share_programs: bool | None = None,
                    devices: Sequence[jax.Device] | None = None,
                    replace: Callable[[int], Mapping[str, Any] | None] | None = None) -> Iterator[LayerResult]:
-    """Embed `input_ids` [N, T], then yield each layer's LayerResult in order.
+    """Embed `input_ids` [N, T], then yield each layer's LayerResult in order, reading layer i's weights only
+    when the caller asks for layer i.
 
-    The hidden states of all N samples pass from one layer to the next on the
-    device; a layer runs over them `batch_size` samples at a time (all at once
-    when None), which bounds the attention scores' memory. The hooks must be
-    traceable when `jit` is true (the float defaults and the kernels are); pass
-    jit=False to run hooks with Python side effects eagerly. The generator reads
-    layer i's weights only when the caller asks for layer i.
-
-    share_programs: layers of equal `layer_signature` run one compiled program
-    (traced with the first of them). The hooks and `observe` then see that
-    layer's module names, so they must treat every layer alike; the observed
-    values come back under the real names. Default: on with the float hooks
-    (which ignore names), off with others.
-
-    devices: with more than one, the batches are split across them (a Mesh
-    with one `data` axis): each device runs whole batches of `batch_size`
-    samples, the same program as one device would, with the weights
-    replicated; what `observe` returns is gathered, one entry per batch, in
-    sample order, as on one device. Batches left over (fewer than one per
-    device) run on the first device.
-
-    replace: called with i once the caller is done with layer i's result; the
-    tensors it returns (name -> array) take the place of layer i's own, and the
-    layer runs again on them, without observing, to give the next layer its
-    input (and the result its `hidden`): GPTQ's sequential mode, where layer i
-    is calibrated on the outputs of layers 0..i-1 already quantized.
+    All N samples' hidden states pass from layer to layer on the device, `batch_size` samples at a time (all
+    at once when None), which bounds the attention scores' memory. With `jit`, the hooks must be traceable.
+    share_programs: layers of equal `layer_signature` run one program, traced with the first of them, whose
+    module names the hooks and `observe` then see (default: on with the float hooks, which ignore names).
+    devices: with more than one, the batches are split across them (_LayerRunner). replace(i): once the
+    caller is done with layer i, tensors that take the place of its own; the layer runs again on them to give
+    the next its input (GPTQ's sequential mode: layer i calibrated on layers 0..i-1 as quantized).
     """
     input_ids = jnp.asarray(input_ids, jnp.int32)
     n, t = input_ids.shape
     mask = jnp.ones((n, t), jnp.int32) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
-    batch_size = n if batch_size is None else max(1, int(batch_size))
-    observe = observe or (lambda name, x, valid: None)
     if share_programs is None:
         share_programs = linear is dense_linear and grouped_linear is dense_grouped_linear
-    programs = LayerPrograms(model, share_programs and jit)
-    mesh = _data_mesh(devices) if jit else None
-
-    def run_layer(i, layer_params, hidden, mask):
-        sink: dict[str, Any] = {}
-        hooks = _observing_hooks(linear, grouped_linear, observe, mask > 0, sink)
-        out = model.layer(i, layer_params, hidden, mask, *hooks)
-        return out, sink
-
-    def run_plain(i, layer_params, hidden, mask):
-        return model.layer(i, layer_params, hidden, mask, linear, grouped_linear)
-
-    step = jax.jit(run_layer, static_argnums=0) if jit else run_layer
-    plain_step = jax.jit(run_plain, static_argnums=0) if jit else run_plain
-    sharded_step = _sharded_step(run_layer, mesh) if mesh is not None else None
-    embed = jax.jit(model.embed) if jit else model.embed
-    embed_params = read_tensors(params, model.embed_tensor_names())
-    hidden = jnp.concatenate([embed(embed_params, input_ids[s:s + batch_size], mask[s:s + batch_size])
-                              for s in range(0, n, batch_size)])
-    del embed_params
-    group = batch_size * (mesh.size if mesh is not None else 1)
-    split = n - n % group if mesh is not None and n >= batch_size * mesh.size else 0
+    runner = _LayerRunner(model, linear, grouped_linear, observe or (lambda name, x, valid: None), jit,
+                          LayerPrograms(model, share_programs and jit), _data_mesh(devices) if jit else None,
+                          n if batch_size is None else max(1, int(batch_size)), n)
+    hidden = runner.embed(params, input_ids, mask)
     for i in range(model.num_layers):
-        rep = programs.representative(i)
-        layer_params = {programs.rename(name, i, rep): value
-                        for name, value in read_tensors(params, model.layer_tensor_names(i)).items()}
+        layer_params = runner.read_layer(params, i)
+        layer_input = hidden if replace is not None else None  # kept only to run the layer again
+        hidden, observed = runner.forward(i, layer_params, hidden, mask)
+        result = LayerResult(i, hidden, observed)
+        yield result
+        new = replace(i) if replace is not None else None
+        if new:
+            hidden = result.hidden = runner.rerun(i, layer_params, new, layer_input, mask)
+        del layer_params, layer_input
+
+
+class _LayerRunner:
+    """One calibration pass's compiled layer programs and how the samples go through them.
+
+    With a Mesh (more than one device), the batches are split across the
+    devices (one `data` axis): each device runs whole batches of `batch_size`
+    samples, the same program as one device would, with the weights
+    replicated; what `observe` returns is gathered, one entry per batch, in
+    sample order, as on one device. Batches left over (fewer than one per
+    device) run on the first device.
+    """
+
+    def __init__(self, model, linear, grouped_linear, observe: Observer, jit: bool, programs: LayerPrograms,
+                 mesh: Mesh | None, batch_size: int, samples: int):
+        self.model, self.programs, self.mesh, self.batch_size, self.jit = model, programs, mesh, batch_size, jit
+
+        def run_layer(i, layer_params, hidden, mask):
+            sink: dict[str, Any] = {}
+            hooks = _observing_hooks(linear, grouped_linear, observe, mask > 0, sink)
+            return model.layer(i, layer_params, hidden, mask, *hooks), sink
+
+        def run_plain(i, layer_params, hidden, mask):
+            return model.layer(i, layer_params, hidden, mask, linear, grouped_linear)
+
+        self.step = jax.jit(run_layer, static_argnums=0) if jit else run_layer
+        self.plain_step = jax.jit(run_plain, static_argnums=0) if jit else run_plain
+        self.sharded_step = _sharded_step(run_layer, mesh) if mesh is not None else None
+        self.group = batch_size * (mesh.size if mesh is not None else 1)
+        self.split = samples - samples % self.group if mesh is not None and samples >= self.group else 0
+
+    def embed(self, params: Mapping, input_ids: jax.Array, mask: jax.Array) -> jax.Array:
+        """The embedded samples [N, T, hidden], `batch_size` at a time."""
+        embed = jax.jit(self.model.embed) if self.jit else self.model.embed
+        embed_params = read_tensors(params, self.model.embed_tensor_names())
+        b = self.batch_size
+        return jnp.concatenate([embed(embed_params, input_ids[s:s + b], mask[s:s + b])
+                                for s in range(0, input_ids.shape[0], b)])
+
+    def read_layer(self, params: Mapping, i: int) -> dict[str, Any]:
+        """Layer i's tensors under the names its program was traced with."""
+        rep = self.programs.representative(i)
+        return {self.programs.rename(name, i, rep): value
+                for name, value in read_tensors(params, self.model.layer_tensor_names(i)).items()}
+
+    def forward(self, i: int, layer_params, hidden: jax.Array, mask: jax.Array
+                ) -> tuple[jax.Array, dict[str, list[Any]]]:
+        """Layer i over every sample: its output and what `observe` returned, one entry per batch."""
+        rep, group, b = self.programs.representative(i), self.group, self.batch_size
         outs, observed, sinks = [], {}, []
-        for s in range(0, split, group):  # whole groups: one batch per device
-            out, sink = sharded_step(rep, layer_params, hidden[s:s + group], mask[s:s + group])
+        for s in range(0, self.split, group):  # whole groups: one batch per device
+            out, sink = self.sharded_step(rep, layer_params, hidden[s:s + group], mask[s:s + group])
             outs.append(out)
             sinks.append(sink)
             _bound_in_flight(outs)
         # One transfer for all groups, once they are all dispatched; then one entry per batch.
         for sink in jax.device_get(sinks):
             for name, value in sink.items():
-                for d in range(mesh.size):
-                    add_observed(observed, programs.rename(name, rep, i), jax.tree.map(lambda a, d=d: a[d], value))
-        for s in range(split, n, batch_size):
-            out, sink = step(rep, layer_params, hidden[s:s + batch_size], mask[s:s + batch_size])
+                for d in range(self.mesh.size):
+                    add_observed(observed, self.programs.rename(name, rep, i),
+                                 jax.tree.map(lambda a, d=d: a[d], value))
+        for s in range(self.split, hidden.shape[0], b):
+            out, sink = self.step(rep, layer_params, hidden[s:s + b], mask[s:s + b])
             outs.append(out)
             _bound_in_flight(outs)
             for name, value in sink.items():
-                add_observed(observed, programs.rename(name, rep, i), value)
-        layer_input = hidden if replace is not None else None  # kept only to run the layer again
-        hidden = jnp.concatenate(outs) if len(outs) > 1 else outs[0]
-        del outs
-        result = LayerResult(i, hidden, observed)
-        yield result
-        new = replace(i) if replace is not None else None
-        if new:
-            layer_params.update({programs.rename(name, i, rep): jnp.asarray(value) for name, value in new.items()})
-            hidden = _rerun(plain_step, rep, layer_params, layer_input, mask, batch_size)
-            result.hidden = hidden
-        del layer_params, layer_input
+                add_observed(observed, self.programs.rename(name, rep, i), value)
+        return (jnp.concatenate(outs) if len(outs) > 1 else outs[0]), observed
 
-
-def _rerun(step, rep: int, layer_params, hidden: jax.Array, mask: jax.Array, batch_size: int) -> jax.Array:
-    """The layer's output over every sample again, `batch_size` at a time, on the first device."""
-    outs = []
-    for s in range(0, hidden.shape[0], batch_size):
-        outs.append(step(rep, layer_params, hidden[s:s + batch_size], mask[s:s + batch_size]))
-        _bound_in_flight(outs)
-    return jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+    def rerun(self, i: int, layer_params: dict, new: Mapping[str, Any], hidden: jax.Array,
+              mask: jax.Array) -> jax.Array:
+        """Layer i's output over every sample again with `new` tensors in place of its own, on the first
+        device."""
+        rep = self.programs.representative(i)
+        layer_params.update({self.programs.rename(name, i, rep): jnp.asarray(value) for name, value in new.items()})
+        outs = []
+        for s in range(0, hidden.shape[0], self.batch_size):
+            outs.append(self.plain_step(rep, layer_params, hidden[s:s + self.batch_size],
+                                        mask[s:s + self.batch_size]))
+            _bound_in_flight(outs)
+        return jnp.concatenate(outs) if len(outs) > 1 else outs[0]
 
 
 def _bound_in_flight(outs: list) -> None:

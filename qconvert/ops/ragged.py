@@ -82,9 +82,16 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
         return op(as_float(lhs), as_float(rhs), group_sizes, precision=precision,
                   preferred_element_type=preferred_element_type)
     acc = op(lhs.qvalue, rhs.qvalue, group_sizes, preferred_element_type=jnp.int32)
+    lhs_factor, rhs_factor = _int8_scale_factors(lhs, rhs, group_sizes, dims, per_group_scale, mode)
+    return apply_scales(acc, lhs_factor, rhs_factor, out.dtype)
+
+
+def _int8_scale_factors(lhs: QArray, rhs: QArray, group_sizes, dims, per_group_scale: bool, mode: str):
+    """The lhs and rhs scales laid out along the int32 accumulator's dims (rhs per row where its scale is per
+    group)."""
     dn = dims.dot_dimension_numbers
     group_dims = list(dims.rhs_group_dimensions)
-    (_, rc), (lb, rb) = dn
+    (lhs_contracting, rc), (lb, rb) = dn
     rhs_free = len(free_dims(rhs.qvalue.ndim, list(rc) + group_dims, rb))
     lhs_free = len(free_dims(lhs.qvalue.ndim, lhs_contracting, lb))
     lhs_factor = lhs_scale_in_output(lhs.scale, dn, rhs_free)
@@ -96,7 +103,7 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
     if mode == "contracting":
         # The output gains a leading group dim that neither scale varies along.
         lhs_factor, rhs_factor = lhs_factor[None], rhs_factor[None]
-    return apply_scales(acc, lhs_factor, rhs_factor, out.dtype)
+    return lhs_factor, rhs_factor
 
 
 def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None) -> jax.Array:

@@ -186,14 +186,7 @@ def _resolve_hub(model_id: str, revision: str | None, check_architecture=family_
     family = check_architecture(config)  # unsupported -> error before a single weight byte moves
     try:
         if not offline:
-            remote_files = HfApi().list_repo_files(model_id, revision=commit)
-            if not any(f.endswith(".safetensors") for f in remote_files):
-                pickles = sorted(f for f in remote_files if f.endswith(PICKLE_SUFFIXES))
-                if pickles:
-                    raise UnsupportedModelError(
-                        f"Hub model {model_id} has only pickled weights ({', '.join(pickles[:3])}); "
-                        "qconvert reads safetensors only"
-                    )
+            _refuse_pickles_only(model_id, HfApi().list_repo_files(model_id, revision=commit))
         folder = Path(snapshot_download(model_id, revision=commit, cache_dir=cache_dir,
                                         allow_patterns=list(ALLOW_PATTERNS), local_files_only=offline))
     except hub_failures as err:
@@ -201,6 +194,17 @@ def _resolve_hub(model_id: str, revision: str | None, check_architecture=family_
     check_weights_are_safetensors(folder, f"Hub model {model_id}")
     return ResolvedModel(folder=folder, model_id=model_id, revision=revision, commit=commit,
                          is_hub=True, config=config, family=family)
+
+
+def _refuse_pickles_only(model_id: str, remote_files: list[str]) -> None:
+    """UnsupportedModelError for a Hub model whose weights are only pickles (never downloaded, never loaded)."""
+    if not any(f.endswith(".safetensors") for f in remote_files):
+        pickles = sorted(f for f in remote_files if f.endswith(PICKLE_SUFFIXES))
+        if pickles:
+            raise UnsupportedModelError(
+                f"Hub model {model_id} has only pickled weights ({', '.join(pickles[:3])}); "
+                "qconvert reads safetensors only"
+            )
 
 
 def _resolve_cached(model_id: str, revision: str | None, cache_dir: str | None,

@@ -114,38 +114,9 @@ def run_ahead(tasks: Iterable[tuple[int, Callable[[], list[T]]]], limit_bytes: i
     current tasks.
     """
     window: _Window[T] = _Window(limit_bytes, max(1, workers))
-    source = enumerate(tasks)
-    source_lock = threading.Lock()  # taking the next task and reserving its bytes happen in task order
-
-    def work() -> None:
-        try:
-            while True:
-                with source_lock:
-                    item = next(source, None)
-                    if item is None:
-                        window.exhausted(_count[0])
-                        return
-                    index, (cost, fn) = item
-                    _count[0] = index + 1
-                    window.reserve(cost)
-                try:
-                    results, error = fn(), None
-                except BaseException as err:  # handed to the consumer, which raises it
-                    results, error = None, err
-                window.put(index, cost, results, error)
-                del results
-                if error is not None:
-                    return
-        except _Cancelled:
-            pass
-        except BaseException as err:  # the task source itself failed: the consumer raises it in order
-            with source_lock:
-                window.put(_count[0], 0, None, err)
-        finally:
-            window.worker_done()
-
-    _count = [0]
-    threads = [threading.Thread(target=work, name="qconvert-prefetch", daemon=True) for _ in range(max(1, workers))]
+    source = _TaskSource(tasks, window)
+    threads = [threading.Thread(target=source.work, name="qconvert-prefetch", daemon=True)
+               for _ in range(max(1, workers))]
     for thread in threads:
         thread.start()
     try:
@@ -164,3 +135,46 @@ def run_ahead(tasks: Iterable[tuple[int, Callable[[], list[T]]]], limit_bytes: i
         window.cancel()
         for thread in threads:
             thread.join()
+
+
+class _TaskSource:
+    """run_ahead's tasks, taken in order by the worker threads: taking the next task and reserving its bytes
+    happen under one lock, in task order."""
+
+    def __init__(self, tasks: Iterable[tuple[int, Callable[[], list]]], window: "_Window"):
+        self._tasks, self._window = enumerate(tasks), window
+        self._lock = threading.Lock()
+        self._taken = 0
+
+    def work(self) -> None:
+        """One worker thread: run tasks until none is left, one fails, or the consumer cancels."""
+        window = self._window
+        try:
+            while (task := self._next()) is not None:
+                index, cost, fn = task
+                try:
+                    results, error = fn(), None
+                except BaseException as err:  # handed to the consumer, which raises it
+                    results, error = None, err
+                window.put(index, cost, results, error)
+                del results
+                if error is not None:
+                    return
+        except _Cancelled:
+            pass
+        except BaseException as err:  # the task source itself failed: the consumer raises it in order
+            with self._lock:
+                window.put(self._taken, 0, None, err)
+        finally:
+            window.worker_done()
+
+    def _next(self) -> tuple[int, int, Callable[[], list]] | None:
+        with self._lock:
+            item = next(self._tasks, None)
+            if item is None:
+                self._window.exhausted(self._taken)
+                return None
+            index, (cost, fn) = item
+            self._taken = index + 1
+            self._window.reserve(cost)
+            return index, cost, fn
