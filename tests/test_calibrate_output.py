@@ -116,3 +116,23 @@ def test_a_stats_file_with_bad_maxima_or_metadata_is_refused_with_exit_2(model, 
     assert (exit_code, stderr) == (2, f"qconvert: error: activation statistics {stats}: {what}; write it again "
                                       "with `qconvert calibrate`\n")
     assert tree(tmp_path) == before
+
+
+def test_calibrate_closes_the_checkpoint_it_opened(model, tmp_path, capsys, monkeypatch):
+    from qconvert.formats.safetensors_io import SafetensorsCheckpoint
+
+    opened, closed = [], []
+    real_init, real_close = SafetensorsCheckpoint.__init__, SafetensorsCheckpoint.close
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        opened.append(self)
+
+    def close(self):
+        closed.append(self)
+        real_close(self)
+
+    monkeypatch.setattr(SafetensorsCheckpoint, "__init__", init)
+    monkeypatch.setattr(SafetensorsCheckpoint, "close", close)
+    assert run(["calibrate", str(model), "-o", str(tmp_path / "stats.safetensors"), *CALIB], capsys)[0] == 0
+    assert opened and all(any(c is o for c in closed) for o in opened)
