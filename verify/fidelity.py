@@ -51,13 +51,14 @@ def folder_linear_output(x: np.ndarray, q: QArray, bias, scheme: str,
                          input_scale: float | None = None) -> np.ndarray:
     """The layer as the folder's tensors define it (float64 [M, out]); see the module docstring."""
     x = np.asarray(x).astype(_model_dtype(q)).astype(np.float64)
-    if scheme_named(scheme).act_modes:
-        codes, x_scale = scheme_named(scheme).folder_activations(x, input_scale)
+    folder_scheme = scheme_named(scheme)
+    if folder_scheme.act_modes:
+        codes, x_scale = folder_scheme.folder_activations(x, input_scale)
         w_codes = np.asarray(q.qvalue).astype(np.float64)
         w_scale = np.asarray(q.scale, np.float32).astype(np.float64).reshape(1, -1)
         y = matmul_nt_f64(codes, w_codes) * x_scale * w_scale
     else:
-        y = matmul_nt_f64(x, scheme_named(scheme).folder_weight(q))
+        y = matmul_nt_f64(x, folder_scheme.folder_weight(q))
     if bias is not None:
         y = y + np.asarray(bias, np.float32).astype(np.float64)[None, :]
     return y

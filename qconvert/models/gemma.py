@@ -18,7 +18,7 @@ from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, de
                                    dense_linear)
 from qconvert.models.activations import check_activation
 from qconvert.models.family import LayerStack, SmoothingGroup
-from qconvert.models.llama import (LAYER_LINEARS, LLAMA_REMEDY, UP_DOWN_GROUP, DecoderArgs, DecoderAttention,
+from qconvert.models.llama import (LAYER_LINEARS, LLAMA_REMEDY, UP_DOWN_GROUP, DecoderArgs, DecoderBlock,
                                    attention_bias, gated_mlp, rms_norm, value_output_group)
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
 
@@ -153,7 +153,7 @@ def gemma_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, s
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmaModel(DecoderAttention, LayerStack):
+class GemmaModel(DecoderBlock, LayerStack):
     """Gemma2ForCausalLM and Gemma3ForCausalLM as pure functions of `params` (see LlamaModel)."""
 
     family = "gemma"
@@ -168,11 +168,6 @@ class GemmaModel(DecoderAttention, LayerStack):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "GemmaModel":
         return cls(GemmaArgs.from_config(config))
-
-    @property
-    def layers_prefix(self) -> str:
-        """What every decoder layer's tensor names start with (then the layer index)."""
-        return f"{self.prefix}.{self.LAYER_STACK}."
 
     def layer_signature(self, i: int) -> tuple:
         """What besides the weights sets layer i's program (layers with equal signatures share one)."""

@@ -141,9 +141,15 @@ VALUE_OUTPUT_REMEDY = ("v_proj rows -> o_proj columns "
 LLAMA_REMEDY = f"{REMEDY_LEAD}{VALUE_OUTPUT_REMEDY}, up_proj rows -> down_proj columns"
 
 
-class DecoderAttention:
-    """The attention block the decoder families share: q/k/v projected into heads (`qkv_heads`), `attend`
-    (RoPE and the attention itself, the family's own), the heads merged and projected by o_proj."""
+class DecoderBlock:
+    """What the decoder families (Llama's, Gemma's) share: the layer stack under `prefix`, and the attention
+    block: q/k/v projected into heads (`qkv_heads`), `attend` (RoPE and the attention itself, the family's
+    own), the heads merged and projected by o_proj."""
+
+    @property
+    def layers_prefix(self) -> str:
+        """What every decoder layer's tensor names start with (then the layer index)."""
+        return f"{self.prefix}.{self.LAYER_STACK}."
 
     def _linear(self, linear: LinearHook, params: Mapping, module: str, x: jax.Array) -> jax.Array:
         bias = params[f"{module}.bias"] if self.biased(module.rsplit(".", 1)[1]) else None
@@ -172,7 +178,7 @@ class DecoderAttention:
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaModel(DecoderAttention, LayerStack):
+class LlamaModel(DecoderBlock, LayerStack):
     """LlamaForCausalLM and MistralForCausalLM as pure functions of `params`.
 
     `params` maps checkpoint tensor names to arrays (lazily read ones too; linear
@@ -191,11 +197,6 @@ class LlamaModel(DecoderAttention, LayerStack):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "LlamaModel":
         return cls(LlamaArgs.from_config(config))
-
-    @property
-    def layers_prefix(self) -> str:
-        """What every decoder layer's tensor names start with (then the layer index)."""
-        return f"{self.prefix}.{self.LAYER_STACK}."
 
     def layer_signature(self, i: int) -> tuple:
         """What besides the weights sets layer i's program (layers with equal signatures share one)."""
