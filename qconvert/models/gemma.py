@@ -5,7 +5,6 @@ and a local RoPE base (Gemma 3)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Mapping
 
 import jax
@@ -19,7 +18,7 @@ from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, de
 from qconvert.models.activations import check_activation
 from qconvert.models.family import LayerStack, SmoothingGroup
 from qconvert.models.llama import (LAYER_LINEARS, LLAMA_REMEDY, UP_DOWN_GROUP, DecoderArgs, DecoderBlock,
-                                   attention_bias, gated_mlp, rms_norm, value_output_group)
+                                   attention_bias, rms_norm, value_output_group)
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -261,11 +260,10 @@ class GemmaModel(DecoderBlock, LayerStack):
         return gemma_attention(q, k, v, attention_bias(t, attention_mask, window),
                                a.query_pre_attn_scalar ** -0.5, a.attn_logit_softcapping)
 
-    def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook,
-            grouped_linear: GroupedLinearHook) -> jax.Array:
-        """Gated feed-forward: down(act(gate(x)) * up(x)), act gelu-tanh."""
-        project = functools.partial(self._linear, linear, params)
-        return gated_mlp(project, f"{self.layer_prefix(i)}.mlp", x, self.args.hidden_activation)
+    @property
+    def activation(self) -> str:
+        """The gated MLP's activation (config.json's hidden_activation: gelu-tanh)."""
+        return self.args.hidden_activation
 
     def layer(self, i: int, params: Mapping, hidden: jax.Array, attention_mask: jax.Array | None = None,
               linear: LinearHook = dense_linear,

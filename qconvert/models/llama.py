@@ -168,6 +168,12 @@ class DecoderBlock:
         return (heads("q_proj", a.num_attention_heads), heads("k_proj", a.num_key_value_heads),
                 heads("v_proj", a.num_key_value_heads))
 
+    def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook,
+            grouped_linear: GroupedLinearHook) -> jax.Array:
+        """Gated feed-forward: down(act(gate(x)) * up(x)), act the family's `activation`."""
+        project = functools.partial(self._linear, linear, params)
+        return gated_mlp(project, f"{self.layer_prefix(i)}.mlp", x, self.activation)
+
     def attention(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook) -> jax.Array:
         """Self-attention of layer i on the normed hidden states x [B, T, hidden]."""
         q, k, v = self.qkv_heads(i, params, x, linear)
@@ -266,11 +272,10 @@ class LlamaModel(DecoderBlock, LayerStack):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return grouped_query_attention(q, k, v, attention_bias(t, attention_mask, self.args.sliding_windows[i]))
 
-    def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook,
-            grouped_linear: GroupedLinearHook) -> jax.Array:
-        """SwiGLU feed-forward: down(act(gate(x)) * up(x))."""
-        project = functools.partial(self._linear, linear, params)
-        return gated_mlp(project, f"{self.layer_prefix(i)}.mlp", x, self.args.hidden_act)
+    @property
+    def activation(self) -> str:
+        """The gated MLP's activation (config.json's hidden_act)."""
+        return self.args.hidden_act
 
     def layer(self, i: int, params: Mapping, hidden: jax.Array, attention_mask: jax.Array | None = None,
               linear: LinearHook = dense_linear,
