@@ -72,5 +72,9 @@ def test_minilm_conversion_passes_and_pooled_cosine_matches_transformers(scheme,
     cosines = (ref * quant).sum(1) / np.linalg.norm(ref, axis=1) / np.linalg.norm(quant, axis=1)
     model = record["model"]
     assert model["kind"] == "encoder"
-    assert model["pooled_cosine_min"] == pytest.approx(cosines.min(), abs=2e-4)
-    assert model["pooled_cosine_mean"] == pytest.approx(cosines.mean(), abs=2e-4)
+    # w8a8 rounds every linear's input to int8 per token: a float32 difference between the two frameworks'
+    # forwards (summation order, the CPU's own kernels) that lands on a rounding boundary flips a code, so
+    # the two agree less closely than the weight-only schemes (2.8e-4 on one window, on a 2-core x86 host).
+    tolerance = 5e-4 if scheme == "w8a8" else 2e-4
+    assert model["pooled_cosine_min"] == pytest.approx(cosines.min(), abs=tolerance)
+    assert model["pooled_cosine_mean"] == pytest.approx(cosines.mean(), abs=tolerance)
