@@ -16,6 +16,7 @@ from qconvert.cli.calibrate import calibrate
 from qconvert.cli.common import EXIT_CODES_EPILOG, fail
 from qconvert.cli.inspect import example_model, inspect_command
 from qconvert.cli.quantize import quantize
+from qconvert.cli.streams import guard_stdout
 from qconvert.cli.verify import verify_command
 from qconvert.formats.errors import QConvertError, kernel_error_exit_code
 from qconvert.stages import DEBUG_VARIABLE, INTERNAL_ERROR_EXIT_CODE, internal_error_line, stage
@@ -99,6 +100,7 @@ def legacy_json_dash(args: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: every known failure becomes one line and an exit code."""
+    guard_stdout()
     argv = legacy_json_dash(sys.argv[1:] if argv is None else list(argv))
     command = _command_name(argv)
     try:
