@@ -9,17 +9,18 @@ padding and every token counts in the statistics.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import itertools
 import json
 import os
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
 from qconvert.formats.errors import HubUnavailableError, InvalidCheckpointError, ModelNotFoundError, UsageError
+from qconvert.formats.safetensors_io import sha256_file
 
 BUILTIN = "builtin"
 RANDOM = "random"
@@ -85,24 +86,62 @@ def held_out_text() -> str:
     return resources.files("qconvert").joinpath("data/evaluation.txt").read_text(encoding="utf-8")
 
 
-def read_texts(path: Path) -> list[str]:
-    """Documents of a local .txt (the whole file) or .jsonl (each line's "text" field)."""
+# Bytes of a .txt read at first: about CHARS_PER_TOKEN_READ characters a token asked for (more than any
+# tokenizer's average), doubled while the text read gives too few tokens.
+CHARS_PER_TOKEN_READ = 8
+# Tokens past those asked for that a .txt prefix must give, so the tokens taken lie far from where it was cut.
+PREFIX_MARGIN_TOKENS = 64
+READ_CHUNK_BYTES = 1 << 20
+
+
+def check_text_file(path: Path) -> None:
+    """UsageError unless `path` is a .txt or .jsonl file."""
     if not path.is_file():
         raise UsageError(f"calibration file {path} does not exist; pass a .txt or .jsonl file, "
                          f"'{BUILTIN}' or '{RANDOM}' to --calib")
-    suffix = path.suffix.lower()
-    if suffix not in (".txt", ".jsonl"):
+    if path.suffix.lower() not in (".txt", ".jsonl"):
         raise UsageError(f"calibration file {path} must end in .txt or .jsonl")
+
+
+def _decoded(path: Path, data: bytes, offset: int, decoder, final: bool) -> str:
+    """`data` (the bytes at `offset` of the file) decoded; UsageError naming the first byte that is not UTF-8."""
+    pending = len(decoder.getstate()[0])
     try:
-        text = path.read_text(encoding="utf-8")
+        return decoder.decode(data, final=final)
     except UnicodeDecodeError as err:
-        raise UsageError(f"calibration file {path} is not UTF-8 text (byte {err.start}: "
+        start = offset - pending + err.start
+        raise UsageError(f"calibration file {path} is not UTF-8 text (byte {start}: "
                          f"{err.object[err.start:err.start + 1]!r}); convert it to UTF-8") from None
-    if suffix == ".txt":
-        return [text]
-    if suffix == ".jsonl":
-        texts = []
-        for lineno, line in enumerate(text.splitlines(), 1):
+
+
+def read_text_prefix(path: Path, chars: int) -> tuple[str, bool]:
+    """The first `chars` characters of a UTF-8 file (or all of it), and whether that is all of it."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    parts, have, offset = [], 0, 0
+    with open(path, "rb") as f:
+        while have <= chars:
+            data = f.read(READ_CHUNK_BYTES)
+            text = _decoded(path, data, offset, decoder, final=not data)
+            offset += len(data)
+            parts.append(text)
+            have += len(text)
+            if not data:
+                return "".join(parts), True
+    text = "".join(parts)
+    return text[:chars], False
+
+
+def iter_jsonl_texts(path: Path) -> Iterator[str]:
+    """Each line's "text" field of a .jsonl file, read a line at a time."""
+    import codecs
+
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _decoded(path, raw, offset, codecs.getincrementaldecoder("utf-8")(), final=True)
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -113,8 +152,15 @@ def read_texts(path: Path) -> list[str]:
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                 raise UsageError(f"{path} line {lineno} has no string \"text\" field; "
                                  "each line must be an object with a \"text\" field")
-            texts.append(row["text"])
-    return texts
+            yield row["text"]
+
+
+def read_texts(path: Path) -> list[str]:
+    """Documents of a local .txt (the whole file) or .jsonl (each line's "text" field), all of them."""
+    check_text_file(path)
+    if path.suffix.lower() == ".txt":
+        return [read_text_prefix(path, os.path.getsize(path))[0]]
+    return list(iter_jsonl_texts(path))
 
 
 def download_dataset_file(address: str) -> Path:
@@ -180,18 +226,16 @@ def load_tokenizer(model_folder: Path):
     return tokenizer
 
 
-def token_windows(tokenizer, texts: list[str], samples: int, seqlen: int) -> np.ndarray:
-    """Concatenated tokens of `texts` cut into up to `samples` windows of `seqlen` (specials included)."""
+def token_windows(tokenizer, texts: Iterable[str] | Path, samples: int, seqlen: int) -> np.ndarray:
+    """Concatenated tokens of `texts` (documents, or a .txt file) cut into up to `samples` windows of `seqlen`
+    (specials included). Only as much text is read and tokenized as the windows need."""
     prefix, suffix = _special_ends(tokenizer)
     body = seqlen - len(prefix) - len(suffix)
     if body < 1:
         raise UsageError(f"--calib-seqlen {seqlen} leaves no room besides the model's "
                          f"{len(prefix) + len(suffix)} special tokens; pass a larger one")
-    stream: list[int] = []
-    for encoding in tokenizer.encode_batch([t for t in texts if t.strip()], add_special_tokens=False):
-        stream.extend(encoding.ids)
-        if len(stream) >= samples * body:
-            break
+    needed = samples * body
+    stream = _file_tokens(tokenizer, texts, needed) if isinstance(texts, Path) else _stream(tokenizer, texts, needed)
     if not stream:
         raise UsageError("the calibration text is empty; pass a file with text in it")
     count = max(1, min(samples, len(stream) // body))
@@ -201,22 +245,61 @@ def token_windows(tokenizer, texts: list[str], samples: int, seqlen: int) -> np.
     return np.asarray(windows, dtype=np.int32)
 
 
+def _stream(tokenizer, texts: Iterable[str], needed: int, batch_size: int = 64) -> list[int]:
+    """The documents' tokens concatenated, a batch of documents encoded at a time until `needed` are there."""
+    stream: list[int] = []
+    documents = (text for text in texts if text.strip())
+    while len(stream) < needed and (batch := list(itertools.islice(documents, batch_size))):
+        for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
+            stream.extend(encoding.ids)
+            if len(stream) >= needed:
+                break
+    return stream
+
+
+def _file_tokens(tokenizer, path: Path, needed: int) -> list[int]:
+    """At least `needed` tokens of a .txt file (all of them if it has fewer), the same as the whole file's first
+    ones: its prefixes are tokenized, growing, each cut where a word ends, until one gives `needed` tokens and
+    PREFIX_MARGIN_TOKENS more (a tokenizer joins nothing across a word's end, and the margin keeps the tokens
+    taken clear of the cut)."""
+    chars = max(needed, 1) * CHARS_PER_TOKEN_READ
+    while True:
+        text, whole = read_text_prefix(path, chars)
+        if not whole:
+            text = text[:_last_word_end(text)]
+        ids = list(tokenizer.encode(text, add_special_tokens=False).ids) if text.strip() else []
+        if whole or len(ids) >= needed + PREFIX_MARGIN_TOKENS:
+            return ids
+        chars *= 2
+
+
+def _last_word_end(text: str) -> int:
+    """Where the last run of whitespace in `text` begins (0 where there is none): the end of a whole word."""
+    match = _LAST_SPACE_RUN.search(text)
+    return match.start() if match else 0
+
+
+_LAST_SPACE_RUN = re.compile(r"\s+(?=\S*\Z)")
+
+
 def random_windows(vocab_size: int, samples: int, seqlen: int, seed: int = RANDOM_SEED) -> np.ndarray:
     """Uniform random token ids int32 [samples, seqlen] from a fixed seed (reproducible)."""
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab_size, size=(samples, seqlen), dtype=np.int64).astype(np.int32)
 
 
-def _calibration_texts(calib: str) -> tuple[list[str], str, str | None]:
-    """The texts of a text --calib, what they are, and the sha256 of the file they came from (None: built in)."""
+def _calibration_texts(calib: str) -> tuple[Iterable[str] | Path, str, str | None]:
+    """The documents of a text --calib (a .txt file as its path: read as far as needed), what they are, and the
+    sha256 of the file they come from (None: built in)."""
     if calib == BUILTIN:
         return [builtin_corpus_text()], "qconvert's built-in English prose corpus", None
     if calib == HELD_OUT:
         return [held_out_text()], "qconvert's built-in held-out English prose (never calibrated on)", None
     local = download_dataset_file(calib) if calib.startswith("hf://") else Path(calib)
-    texts = read_texts(local)
+    check_text_file(local)
+    texts = local if local.suffix.lower() == ".txt" else iter_jsonl_texts(local)
     description = f"Hub dataset file {calib}" if calib.startswith("hf://") else f"local file {local.name}"
-    return texts, description, hashlib.sha256(local.read_bytes()).hexdigest()
+    return texts, description, sha256_file(local)
 
 
 def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
