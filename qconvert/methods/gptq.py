@@ -110,7 +110,8 @@ class SequentialGPTQ:
 
     def _weight(self, module: str, fold: TensorFold | None) -> tuple[np.ndarray, np.dtype]:
         raw = np.asarray(self.params[f"{module}.weight"])
-        return (raw if fold is None else apply_fold(raw, fold)), raw.dtype  # as the writer would quantize it
+        weight = raw if fold is None else apply_fold(raw, fold, f"{module}.weight")
+        return weight, raw.dtype  # as the writer would quantize it
 
     def _clip(self, module: str, weight: np.ndarray):
         return self.searches.clip_for(module, weight, self.scheme, self.flags) if self.searches.enabled else None

@@ -49,7 +49,7 @@ class Adjustments:
     def weight_transform(self, name: str, array: np.ndarray) -> np.ndarray:
         """The tensor as the converter should quantize or copy it (smoothed where a group touches it)."""
         fold = self.folds.get(name)
-        return array if fold is None else apply_fold(array, fold)
+        return array if fold is None else apply_fold(array, fold, name)
 
     @property
     def transform(self) -> Callable[[str, np.ndarray], np.ndarray] | None:

@@ -17,8 +17,10 @@ from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
+from qconvert.formats.errors import UsageError
 from qconvert.formats.qarray import INT8_QMAX
 from qconvert.formats.quotient import int8_round
 from qconvert.models.family import SmoothingGroup
@@ -145,8 +147,12 @@ def tensor_folds(scales: Sequence[GroupScales]) -> dict[str, TensorFold]:
     return folds
 
 
-def apply_fold(array: np.ndarray, fold: TensorFold) -> np.ndarray:
-    """The smoothed tensor, computed in float32 and cast back to the tensor's dtype."""
+def apply_fold(array: np.ndarray, fold: TensorFold, name: str | None = None) -> np.ndarray:
+    """The smoothed tensor, computed in float32 and cast back to the tensor's dtype.
+
+    UsageError, naming the tensor (`name`), when the smoothing takes finite values beyond what that dtype holds
+    (float16 tops out at 65504): the source is fine, the scales are too large for it.
+    """
     out = np.asarray(array).astype(np.float32)
     if fold.col_multiplier is not None:
         out = out * fold.col_multiplier[None, :]
@@ -158,7 +164,23 @@ def apply_fold(array: np.ndarray, fold: TensorFold) -> np.ndarray:
             out[rows] = (out[rows] + gain) / divisor - gain
         else:
             out[rows] = out[rows] / divisor
-    return out.astype(np.asarray(array).dtype)
+    dtype = np.asarray(array).dtype
+    with np.errstate(over="ignore"):  # an overflow is checked for just below
+        smoothed = out.astype(dtype)
+    if dtype != np.float32 and not np.all(np.isfinite(smoothed)):
+        _check_fold_fits(out, dtype, name)
+    return smoothed
+
+
+def _check_fold_fits(smoothed: np.ndarray, dtype: np.dtype, name: str | None) -> None:
+    """UsageError when float32 values the smoothing gave are finite but overflow `dtype` (non-finite values
+    that were there before smoothing are the checkpoint's, and the writer's NaN check names them)."""
+    finite = np.isfinite(smoothed)
+    largest = float(np.max(np.abs(smoothed[finite]))) if finite.any() else 0.0
+    if finite.all() and largest > float(ml_dtypes.finfo(dtype).max):
+        raise UsageError(f"{name or 'a tensor'}: SmoothQuant's scales (--alpha) make it {largest:.3g} in magnitude, "
+                         f"beyond {dtype.name}'s largest {float(ml_dtypes.finfo(dtype).max):.6g}; give a smaller --alpha "
+                         "(for its group alone: --alpha GROUP=VALUE), or convert a float32 copy of the model")
 
 
 def smoothed_input_absmax(act_absmax: np.ndarray, input_scales: np.ndarray | None) -> float:
