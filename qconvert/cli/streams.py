@@ -50,7 +50,12 @@ class ReaderGuardedStdout:
 
 
 def guard_stdout() -> None:
-    """Put stdout behind ReaderGuardedStdout, or the null device where there is none (closed at start)."""
+    """Put stdout behind ReaderGuardedStdout, or the null device where there is none (closed at start); on both
+    stdout and stderr, a character their encoding lacks (PYTHONIOENCODING=ascii and a folder named 'été')
+    is written as an escape instead of failing."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            stream.reconfigure(errors="backslashreplace")
     if sys.stdout is None:
         sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the process
     elif not isinstance(sys.stdout, ReaderGuardedStdout):

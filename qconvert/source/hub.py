@@ -232,7 +232,13 @@ def resolve_model(model: str, revision: str | None = None, *,
     weight is fetched (default: the architecture must be a known family); what it returns
     (the family) is kept as the ResolvedModel's `family`.
     """
+    if not model.strip():
+        raise UsageError("MODEL is empty; give a folder holding config.json and the safetensors, or a Hub id "
+                         "(owner/name)")
     path = Path(model).expanduser()
+    if path.is_symlink() and not path.exists():
+        raise ModelNotFoundError(f"{model} is a symbolic link that leads nowhere (a loop, or a target that does "
+                                 "not exist); give the model's folder itself")
     if path.exists():
         if not path.is_dir():
             raise ModelNotFoundError(f"{model} is a file; give the folder that holds config.json and the safetensors")

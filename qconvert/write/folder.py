@@ -40,6 +40,7 @@ def check_output_location(out: Path, source: Path | None = None) -> None:
     if not str(out).strip():
         raise UsageError("-o is empty; name the output folder to write")
     target = Path(os.path.abspath(out))
+    _check_name_length(out, target)
     real = target.resolve()
     cwd = Path.cwd().resolve()
     if real == cwd or real in cwd.parents:
@@ -53,6 +54,27 @@ def check_output_location(out: Path, source: Path | None = None) -> None:
         raise UsageError(f"-o {out} holds the input model ({source}); write the output to a new folder")
     if src in real.parents:
         raise UsageError(f"-o {out} lies inside the input model's folder ({source}); write the output elsewhere")
+
+
+# A temporary beside OUT is named ".<name>.<8 random characters><suffix>" (tempfile.mkdtemp's).
+TEMPORARY_NAME_EXTRA = len("..") + 8 + max(map(len, TEMPORARY_SUFFIXES))
+
+
+def _check_name_length(out: Path, target: Path) -> None:
+    """UsageError when OUT's name, or the temporary name it is staged under, is longer than its file system
+    takes (it would fail only once the work is done)."""
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        name_max = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        name_max = 255
+    length = len(os.fsencode(target.name))
+    if length + TEMPORARY_NAME_EXTRA > name_max:
+        raise UsageError(f"-o {out}: its name is {length} bytes, and qconvert writes it first under a name "
+                         f"{TEMPORARY_NAME_EXTRA} bytes longer, beyond the {name_max} this file system takes; choose "
+                         f"a name of at most {name_max - TEMPORARY_NAME_EXTRA} bytes")
 
 
 def check_output_free(out: Path, overwrite: bool) -> None:
