@@ -1,8 +1,10 @@
 """The choices of one `qconvert quantize` run, checked once, on construction.
 
 ConvertOptions holds everything a conversion takes, `act` included; its
-`w8a8` part (CalibrationOptions) holds calibration and smoothing. Every combination
-that does not fit is refused here and nowhere else.
+`calibration` part (CalibrationOptions) holds the calibration text and smoothing, for every
+scheme that calibrates or rounds by GPTQ. Values are parsed once here and the parse is
+carried (the Scheme, the AlphaSpec). Every combination that does not fit is refused here and
+nowhere else.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ def parse_alpha(text: str | None) -> AlphaSpec:
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationOptions:
-    """Calibration and smoothing of --scheme w8a8 (its activation mode is ConvertOptions.act)."""
+    """The calibration text (any scheme that calibrates or rounds by GPTQ) and w8a8's smoothing (its activation
+    mode is ConvertOptions.act)."""
 
     calib: str | None = None          # None: the built-in corpus
     calib_samples: int = DEFAULT_SAMPLES
@@ -119,7 +122,7 @@ class CalibrationOptions:
 # (--any-architecture changes nothing for a known family; where it applies, qconvert.json
 # records the weight-only selection itself.)
 PRESENTATION_OPTIONS = ("overwrite", "dry_run", "any_architecture", "workers")
-# The w8a8 calibration and smoothing choices are recorded in full as qconvert.json's
+# The calibration and smoothing choices are recorded in full as qconvert.json's
 # `calibration` and `smoothing`, not among the flags.
 RECORDED_ELSEWHERE = ("calibration", "gptq", "gptq_damp", "gptq_act_order")  # GPTQ's: as `rounding`
 # Recorded only for the schemes that take them (so other schemes' records stay as they were).
@@ -149,7 +152,7 @@ class ConvertOptions:
     # Threads that read and quantize tensors ahead of the writer; None: one per available core.
     # The output bytes are the same whatever the count.
     workers: int | None = None
-    # Calibration and smoothing: w8a8's, and the calibration text of GPTQ (None there means the defaults).
+    # The calibration text and smoothing: w8a8's, and GPTQ's text for any scheme (None: the defaults).
     calibration: CalibrationOptions | None = None
     # GPTQ rounding (qconvert.methods.gptq_core); None: the scheme's default (on for int4, unless activation statistics
     # replace calibration; opt-in for w8a8, where it cost real LLMs perplexity after smoothing).
