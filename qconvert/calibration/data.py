@@ -8,6 +8,7 @@ padding and every token counts in the statistics.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import itertools
 import json
@@ -116,8 +117,6 @@ def _decoded(path: Path, data: bytes, offset: int, decoder, final: bool) -> str:
 
 def read_text_prefix(path: Path, chars: int) -> tuple[str, bool]:
     """The first `chars` characters of a UTF-8 file (or all of it), and whether that is all of it."""
-    import codecs
-
     decoder = codecs.getincrementaldecoder("utf-8")()
     parts, have, offset = [], 0, 0
     with open(path, "rb") as f:
@@ -135,8 +134,6 @@ def read_text_prefix(path: Path, chars: int) -> tuple[str, bool]:
 
 def iter_jsonl_texts(path: Path) -> Iterator[str]:
     """Each line's "text" field of a .jsonl file, read a line at a time."""
-    import codecs
-
     offset = 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -153,14 +150,6 @@ def iter_jsonl_texts(path: Path) -> Iterator[str]:
                 raise UsageError(f"{path} line {lineno} has no string \"text\" field; "
                                  "each line must be an object with a \"text\" field")
             yield row["text"]
-
-
-def read_texts(path: Path) -> list[str]:
-    """Documents of a local .txt (the whole file) or .jsonl (each line's "text" field), all of them."""
-    check_text_file(path)
-    if path.suffix.lower() == ".txt":
-        return [read_text_prefix(path, os.path.getsize(path))[0]]
-    return list(iter_jsonl_texts(path))
 
 
 def download_dataset_file(address: str) -> Path:

@@ -171,7 +171,8 @@ class GPTQ:
         now = [m for m in self._unrounded if m in stats.hessians]
         if not now:
             return
-        self.gptq.searches.clip.update(results.clips)  # GPTQ keeps the scales the clip search found
+        # GPTQ keeps the scales the clip search found for the linears it rounds now.
+        self.gptq.searches.clip.update({m: results.clips[m] for m in now if m in results.clips})
         self.gptq.layer(stats, now, results.folds())
         self._unrounded = [m for m in self._unrounded if m not in now]
         self._progress.step(GPTQ_ROUNDING, min(stats.index + 1, self.layers), self.layers)

@@ -88,7 +88,7 @@ def prepare_adjustments(source: SourceModel, options: ConvertOptions,
     params = source.params
     linears = source.family.linear_names(params)
     # Static scales for an included head (lm_head) too; any other included linear is refused here.
-    head = head_linears_for_static(source, quantized_modules) if static else []
+    head = head_linears_for_static(source, linears, quantized_modules) if static else []
     steps = choose_steps(source, options, linears, quantized_modules, gptq)
     results = Results(params)
     if calib.act_stats is not None:
@@ -127,11 +127,11 @@ def _search_results(searches: Mapping[str, LinearSearch], gptq: SequentialGPTQ |
     return clips, records
 
 
-def head_linears_for_static(source: SourceModel, quantized_modules: Sequence[str]) -> list[str]:
-    """The quantized modules outside the family's block linears that get a static input scale (the head's
+def head_linears_for_static(source: SourceModel, linears: Sequence[str], quantized_modules: Sequence[str]
+                            ) -> list[str]:
+    """The quantized modules outside the family's block `linears` that get a static input scale (the head's
     lm_head); UsageError, before anything is calibrated, for any other, which would get none."""
-    block = set(source.family.linear_names(source.params))
-    extra = sorted(set(quantized_modules) - block)
+    extra = sorted(set(quantized_modules) - set(linears))
     head = {name[: -len(".weight")] for name in source.model.head_tensor_names()
             if name.endswith(".weight")}
     for module in extra:

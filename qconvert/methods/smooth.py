@@ -167,7 +167,8 @@ def apply_fold(array: np.ndarray, fold: TensorFold, name: str | None = None) -> 
     dtype = np.asarray(array).dtype
     with np.errstate(over="ignore"):  # an overflow is checked for just below
         smoothed = out.astype(dtype)
-    if dtype != np.float32 and not np.all(np.isfinite(smoothed)):
+    # Only a dtype whose range is below float32's (float16, bfloat16) can overflow where float32 did not.
+    if ml_dtypes.finfo(dtype).max < np.finfo(np.float32).max and not np.all(np.isfinite(smoothed)):
         _check_fold_fits(out, dtype, name)
     return smoothed
 
