@@ -63,6 +63,12 @@ class OutputWriteError(QConvertError):
     exit_code = 9
 
 
+class ClusterError(QConvertError):
+    """Another process of a run of several failed or vanished, or the processes could not join."""
+
+    exit_code = 10
+
+
 class VerificationFailed(QConvertError):
     """A converted folder did not pass verify's checks."""
 
@@ -83,6 +89,7 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
     (7, "a weight with NaN/Inf or a shape the scheme cannot take"),
     (8, "OUT exists (and is not a folder qconvert wrote, or --overwrite was not given)"),
     (9, "writing the output failed (e.g. a full disk)"),
+    (10, "a run of several processes: the processes could not join, or one stopped without a word (the line names it)"),
     (70, "internal error: a bug in qconvert (QCONVERT_DEBUG=1 shows the traceback)"),
     (129, "interrupted by SIGHUP"),
     (130, "interrupted (Ctrl-C, SIGINT)"),

@@ -35,18 +35,26 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
     is renamed into place.
     """
     out = Path(out)
-    check_stats_target(out, overwrite, Path(model) if Path(model).is_dir() else None)  # before any download
+    from qconvert.cluster import is_leader
+    from qconvert.convert import agree_source
+
+    writes = is_leader()  # of several processes, process 0 writes
+    if writes:
+        check_stats_target(out, overwrite, Path(model) if Path(model).is_dir() else None)  # before any download
     resolved_source = resolve_source(model, revision)
-    check_stats_target(out, overwrite, resolved_source.folder)
+    if writes:
+        check_stats_target(out, overwrite, resolved_source.folder)
     with open_source(resolved_source) as source:  # as `quantize` resolves and opens; closed at the end
         source.check_weights()
+        agree_source(source)  # of several processes, every one reads what process 0 reads
         resolved, params = source.resolved, source.params
         data = load_calibration(calib or BUILTIN, resolved.folder, resolved.config, samples=samples, seqlen=seqlen)
         if message is not None:
             message(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
         stats = collect_act_stats(source.model, params, data.input_ids,
                                   batch_size=batch_size, calibration=data.record(), progress=message)
-    save_act_stats(out, stats, model=resolved.model_id,
-                   recheck=lambda: check_stats_target(out, overwrite, resolved.folder))
+    if writes:
+        save_act_stats(out, stats, model=resolved.model_id,
+                       recheck=lambda: check_stats_target(out, overwrite, resolved.folder))
     return {"out": str(out), "model": resolved.model_id, "linears": len(stats.act_absmax),
             "calibration": data.record()}

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from qconvert import __version__
+from qconvert import __version__, cluster
 from qconvert.write.card import CARD_NAME, CardFacts, write_card
 from qconvert.formats.errors import FormatError, InvalidCheckpointError, InvalidWeightError, QConvertError, UsageError
 from qconvert.formats.layout_base import LayoutFlags
@@ -30,7 +30,7 @@ from qconvert.methods.scale_search import ScaleSearches
 from qconvert.source.resolve import SourceModel, open_source, resolve_source
 from qconvert.stages import stage
 from qconvert.methods.gptq_core import DEFAULT_DAMP, GPTQConfig
-from qconvert.methods.gptq import RTN_RECORD, QuantizedStore, SequentialGPTQ
+from qconvert.methods.gptq import RTN_RECORD, DiscardedStore, QuantizedStore, SequentialGPTQ
 from qconvert.methods.recipe import Adjustments, prepare_adjustments
 
 # The exponent bits of each float weight dtype: all ones exactly for NaN and Inf.
@@ -105,11 +105,12 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
     """
     started = time.perf_counter()
     out = Path(out)
-    if not options.dry_run:
+    writes = not options.dry_run and cluster.is_leader()  # of several processes, process 0 writes
+    if writes:
         check_output_target(model, out, options.overwrite)  # before any download
     resolved = resolve_source(model, options.revision, scheme=options.scheme_object,
                               any_architecture=options.any_architecture)
-    if not options.dry_run and resolved.is_hub:
+    if writes and resolved.is_hub:
         check_output_location(out, resolved.folder)  # not inside the Hub cache either
     try:
         with stage("planning"):
@@ -153,13 +154,14 @@ def _convert_source(source: SourceModel, out: Path, options: ConvertOptions, pro
         adjustments = Adjustments()
         if (scheme.calibrates or gptq) and not (options.dry_run and (not options.static_act or plan.refusal)):
             calibration_started = time.perf_counter()
+            agree_source(source)
             with stage("calibration"):
                 adjustments = prepare_adjustments(source, options, message, plan.quantized_modules, gptq)
             if adjustments.calibration_record is not None:
                 phases.append(("calibrated", time.perf_counter() - calibration_started))
         if options.static_act and not plan.refusal:
             _check_input_scales(plan, adjustments.input_scales or {})
-        if not options.dry_run:
+        if not options.dry_run and cluster.is_leader():
             writing_started = time.perf_counter()
             files = write_output(source, out, plan, options, adjustments, progress)
             phases.append(("wrote", time.perf_counter() - writing_started))
@@ -200,11 +202,20 @@ def _sequential_gptq(source: SourceModel, plan: ConversionPlan, options: Convert
             raise UsageError("--gptq needs the model's forward pass for calibration, which --any-architecture "
                              "does not have for this model; pass --no-gptq")
         return None
-    folder = scratch.enter_context(scratch_folder(out))
+    # Of several processes, only process 0 keeps the codes (it writes them).
+    store = QuantizedStore(scratch.enter_context(scratch_folder(out))) if cluster.is_leader() else DiscardedStore()
     config = GPTQConfig(damp=DEFAULT_DAMP if options.gptq_damp is None else float(options.gptq_damp),
                         act_order=options.gptq_act_order)
     return SequentialGPTQ(source.params, options.scheme_object, plan.flags, config,
-                          QuantizedStore(folder), ScaleSearches(options.searches_scales, {}, {}))
+                          store, ScaleSearches(options.searches_scales, {}, {}))
+
+
+def agree_source(source: SourceModel) -> None:
+    """In a run of several processes, before calibrating: every process's copy of the source has process 0's
+    sha256, file for file (exit 6 when one differs). Nothing for one process."""
+    if cluster.active():
+        folder = source.resolved.folder
+        cluster.agree_source(hash_in_background(folder, input_files(folder, source.checkpoint))())
 
 
 def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: ConvertOptions,

@@ -20,17 +20,18 @@ ALLOWED = {
     "ops": {"formats", "kernels"},
     "schemes": {"formats", "models"},
     "base": set(),  # progress, interrupts, stages: how every stage reports, stops and names itself
+    "cluster": {"formats", "base"},  # a run of several processes: joining, the watch, what they share
     "source": {"formats", "models", "schemes", "base"},
     "calibration": {"formats", "models", "source", "base"},
     "write": {"formats", "base"},
     "options": {"formats", "schemes", "calibration", "write"},
-    "methods": {"formats", "models", "schemes", "base", "source", "calibration", "options"},
-    "pipeline": {"formats", "kernels", "models", "ops", "schemes", "base", "source", "calibration", "write",
-                 "options", "methods"},
+    "methods": {"formats", "models", "schemes", "base", "cluster", "source", "calibration", "options"},
+    "pipeline": {"formats", "kernels", "models", "ops", "schemes", "base", "cluster", "source", "calibration",
+                 "write", "options", "methods"},
     "verify": {"formats", "kernels", "models", "ops", "schemes", "base", "source", "calibration", "methods",
                "pipeline"},
-    "cli": {"formats", "kernels", "models", "ops", "schemes", "base", "source", "calibration", "write", "options",
-            "methods", "pipeline", "verify"},
+    "cli": {"formats", "kernels", "models", "ops", "schemes", "base", "cluster", "source", "calibration", "write",
+            "options", "methods", "pipeline", "verify"},
 }
 # qconvert/'s own top-level modules, each named: a new one has to say where it stands.
 TOP_LEVEL = {"qconvert": "base", "qconvert.progress": "base", "qconvert.interrupts": "base",
@@ -38,7 +39,7 @@ TOP_LEVEL = {"qconvert": "base", "qconvert.progress": "base", "qconvert.interrup
              "qconvert.calibrate": "pipeline", "qconvert.plan": "pipeline", "qconvert.inspection": "pipeline",
              "qconvert.loading": "pipeline"}
 FOLDERS = ("formats", "kernels", "verify", "models", "ops", "schemes", "source", "calibration", "methods", "write",
-           "cli")
+           "cli", "cluster")
 
 
 def module_name(path: Path) -> str:

@@ -132,8 +132,8 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
     them to give layer i + 1 its input (runner.iterate_layers).
 
     devices: where the layers run; None: every visible device of jax's default
-    backend (with more than one, the batches are split across them and the
-    statistics are the same as on one). `batch_size` is lowered where the
+    backend, every process's in a run of several (with more than one, the
+    batches are split across them and the statistics are the same as on one). `batch_size` is lowered where the
     estimate of calib_memory says it would not fit the device (its allocator's
     limit; on a CPU, HOST_BUDGET_BYTES).
     """
@@ -141,7 +141,8 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
     n, t = np.asarray(input_ids).shape
     devices = jax.devices() if devices is None else devices
     if hasattr(params, "checkpoint"):  # shapes from the index, no tensor read
-        budget = device_budget(devices[0]) or HOST_BUDGET_BYTES
+        local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+        budget = device_budget(local[0]) or HOST_BUDGET_BYTES
         batch_size = fit_batch_size(checkpoint_shapes(model, params), n, t, batch_size, budget,
                                     hessians=bool(hessians), sequential=replace is not None)
     batches = math.ceil(n / max(1, batch_size))

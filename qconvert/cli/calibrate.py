@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, hub_messages,
-                                 out_path, run_with_progress, verbose_option)
+from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, cluster_options,
+                                 hub_messages, is_leader, join_cluster, out_path, run_with_progress, verbose_option)
 
 
 @click.command(epilog=EXIT_CODES_EPILOG,
@@ -22,8 +22,10 @@ from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_j
 @click.option("--quiet", "-q", is_flag=True, help="No progress and no summary.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @verbose_option
+@cluster_options
 def calibrate(model: str, out: Path, revision: str | None, calib: str | None, calib_samples: int | None,
-              calib_seqlen: int | None, overwrite: bool, quiet: bool, as_json: bool, verbose: bool) -> int:
+              calib_seqlen: int | None, overwrite: bool, quiet: bool, as_json: bool, verbose: bool,
+              **cluster_flags) -> int:
     """Run calibration text through MODEL and save every linear input's max|x| to OUT.
 
     `qconvert quantize MODEL --scheme w8a8 --act-stats OUT` reuses the file.
@@ -31,6 +33,7 @@ def calibrate(model: str, out: Path, revision: str | None, calib: str | None, ca
     import json
 
     hub_messages(verbose)
+    join_cluster(cluster_flags)
     check_jax_platforms()
     from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
     from qconvert.calibrate import calibrate_model
@@ -39,7 +42,9 @@ def calibrate(model: str, out: Path, revision: str | None, calib: str | None, ca
         lambda stages, _: calibrate_model(model, out, calib=calib, samples=calib_samples or DEFAULT_SAMPLES,
                                           seqlen=calib_seqlen or DEFAULT_SEQLEN, revision=revision,
                                           overwrite=overwrite, message=stages),
-        silent=quiet or as_json)
+        silent=quiet or as_json or not is_leader())
+    if not is_leader():  # one of several processes: process 0 writes and speaks for the run
+        return 0
     if as_json:
         click.echo(json.dumps(summary, indent=2))
     elif not quiet:

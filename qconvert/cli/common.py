@@ -31,7 +31,13 @@ def verbose_option(command):
 
 
 def fail(message: str, exit_code: int) -> None:
-    """Print one line on stderr and exit."""
+    """Print one line on stderr and exit (in a run of several processes, after the watch has had its say: a
+    failure here that is the echo of another process's ends this process with that one's line)."""
+    from qconvert import cluster
+
+    if cluster.active():
+        cluster.settle()
+        cluster.note_failure(message)
     click.echo(f"qconvert: error: {message}", err=True)
     sys.exit(exit_code)
 
@@ -57,6 +63,34 @@ def calibration_options(command):
                      help="Tokens per window (default 512, capped at the model's positions)."),
     ])
 
+
+
+def cluster_options(command):
+    """The flags of a plain launch of several processes (launchers that set JAX's environment need none)."""
+    return with_options(command, [
+        click.option("--coordinator", default=None, metavar="HOST:PORT",
+                     help="A run of several processes: process 0's host and a free port, the same on every process."),
+        click.option("--num-processes", type=int, default=None, metavar="N",
+                     help="A run of several processes: how many."),
+        click.option("--process-id", type=int, default=None, metavar="I",
+                     help="A run of several processes: this one's index, 0..N-1 (0 writes the output)."),
+    ])
+
+
+def join_cluster(flags: dict) -> None:
+    """Join the run's other processes where launched as several (before JAX starts): from the flags, or from the
+    launcher's environment (a TPU pod slice, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS). One process: nothing."""
+    from qconvert import cluster
+
+    cluster.start(cluster.Launch(flags.pop("coordinator", None), flags.pop("num_processes", None),
+                                 flags.pop("process_id", None)))
+
+
+def is_leader() -> bool:
+    """Whether this process prints and writes (the only one, or process 0 of several)."""
+    from qconvert import cluster
+
+    return cluster.is_leader()
 
 
 def run_with_progress(run, silent: bool, write_bar: bool = False):

@@ -53,6 +53,12 @@ for _command in (quantize, calibrate, inspect_command, verify_command, example_m
 def _internal_error(err: Exception, command: str | None) -> None:
     import os
 
+    from qconvert import cluster
+
+    if cluster.active():
+        cluster.settle()
+        cluster.note_failure(internal_error_line(err, command or "qconvert").removeprefix("qconvert: "))
+
     if os.environ.get(DEBUG_VARIABLE, "").strip() not in ("", "0"):
         import traceback
 
@@ -103,6 +109,19 @@ def main(argv: list[str] | None = None) -> None:
     guard_stdout()
     argv = legacy_json_dash(sys.argv[1:] if argv is None else list(argv))
     command = _command_name(argv)
+    try:
+        _run(argv, command)
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        from qconvert import cluster
+
+        if cluster.active():  # one of several processes: all leave with the run's code
+            cluster.leave(code)
+        raise
+
+
+def _run(argv: list[str], command: str | None) -> None:
+    """Run the command; always ends in SystemExit with its exit code."""
     try:
         with stage(command or "qconvert"):
             exit_code = cli.main(args=argv, prog_name="qconvert", standalone_mode=False)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import click
 
-from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, hub_messages,
-                                 out_path, run_with_progress, verbose_option, with_options)
+from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, cluster_options,
+                                 hub_messages, is_leader, join_cluster, out_path, run_with_progress, verbose_option,
+                                 with_options)
 from qconvert.schemes import NAMES as SCHEME_NAMES
 
 
@@ -118,6 +119,7 @@ def _group_size(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @verbose_option
 @smoothing_options
+@cluster_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
              exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, group_size, scale_search: bool | None,
              gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool, workers: int | None,
@@ -126,6 +128,7 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
     started = time.perf_counter()
     hub_messages(verbose)
+    join_cluster(calibration_flags)
     check_jax_platforms()
     from qconvert.convert import convert
     from qconvert.options import ConvertOptions
@@ -139,10 +142,11 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
                              gptq_act_order=gptq_act_order)
     result = run_with_progress(
         lambda stages, progress: convert(model, out, options, progress=progress, message=stages),
-        silent=quiet or as_json, write_bar=not dry_run)
+        silent=quiet or as_json or not is_leader(), write_bar=not dry_run)
     # The whole command, imports and model resolution included, not only the conversion.
     result = dataclasses.replace(result, seconds=time.perf_counter() - started)
-    _print_result(result, quiet, as_json)
+    if is_leader():  # one of several processes: process 0 speaks for the run
+        _print_result(result, quiet, as_json)
     if result.refusal is not None:  # a dry run lists first, then refuses as the real run would
         raise result.refusal
     return 0

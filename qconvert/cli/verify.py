@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from qconvert.cli.common import (BACKEND_CHOICE, EXIT_CODES_EPILOG, check_jax_platforms, fail, hub_messages, run_with_progress,
-                                 verbose_option)
+from qconvert.cli.common import (BACKEND_CHOICE, EXIT_CODES_EPILOG, check_jax_platforms, cluster_options, fail,
+                                 hub_messages, is_leader, join_cluster, run_with_progress, verbose_option)
 from qconvert.formats.errors import QConvertError, UsageError
 
 
@@ -48,12 +48,13 @@ from qconvert.formats.errors import QConvertError, UsageError
 @click.option("--max-ppl-ratio", type=float, default=None, help="Quantized/float perplexity ceiling.")
 @click.option("--min-pooled-cosine", type=float, default=None, help="Encoders: pooled-output cosine floor.")
 @verbose_option
+@cluster_options
 def verify_command(out: Path, reference: str | None, revision: str | None, calib: str, samples: int | None,
                    seqlen: int | None, quick: bool, backend: str, as_json: bool, json_file: Path | None, quiet: bool,
                    update_card: bool, strict: bool, min_sqnr: float | None, min_cosine: float | None, min_fidelity_sqnr: float | None,
                    max_kl: float | None,
                    min_top1: float | None, max_ppl_ratio: float | None,
-                   min_pooled_cosine: float | None, verbose: bool) -> int:
+                   min_pooled_cosine: float | None, verbose: bool, **cluster_flags) -> int:
     """Prove a converted folder: hashes, then every quantized linear and the whole model through the kernels.
 
     Per layer, fidelity (the kernel against the folder's own dequantized
@@ -64,6 +65,7 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
     hub_messages(verbose)
     if json_file is not None:
         _check_json_target(json_file)  # before the check runs, not after
+    join_cluster(cluster_flags)
     check_jax_platforms()
     from qconvert.verify.run import VerifyOptions
 
@@ -73,7 +75,9 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
                   "min_pooled_cosine": min_pooled_cosine}
     options = VerifyOptions(reference=reference, revision=revision, calib=calib, samples=samples, seqlen=seqlen,
                             quick=quick, backend=backend, strict=strict, thresholds=thresholds)
-    report = _run_verify(out, options, as_json, json_file, quiet)
+    report = _run_verify(out, options, as_json, json_file, quiet or not is_leader())
+    if not is_leader():  # one of several processes: process 0 reports and writes for the run
+        return 0 if report.passed else 1
     _show_verify_report(report, as_json, json_file, quiet)
     if update_card:
         _update_card(out, report, quiet)
@@ -106,7 +110,7 @@ def _run_verify(out: Path, options, as_json: bool, json_file: Path | None, quiet
                                   silent=quiet or as_json)
     except (QConvertError, FormatError) as err:
         # Bad input, not a failed check: exit 2 whatever the error's own code.
-        if as_json or json_file is not None:
+        if (as_json or json_file is not None) and is_leader():
             _emit_json(error_json(out, str(err), 2), as_json, json_file)
         fail(str(err), 2)
 

@@ -18,9 +18,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qconvert import cluster
+from qconvert.cluster.share import owners, share
 from qconvert.calibration.observer import LayerStats
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.qarray import QArray
@@ -62,6 +65,19 @@ class QuantizedStore:
         return QArray(**arrays, **meta)
 
 
+class DiscardedStore:
+    """The store of a process that writes nothing (one of several, not process 0): it keeps no codes."""
+
+    def put(self, module: str, q: QArray) -> None:
+        del module, q
+
+    def __contains__(self, module: object) -> bool:
+        return False
+
+    def get(self, module: str) -> QArray | None:
+        return None
+
+
 @dataclasses.dataclass
 class SequentialGPTQ:
     """GPTQ over a calibration run: `layer(...)` rounds a layer's linears, `replacement(i)` hands the runner
@@ -81,28 +97,69 @@ class SequentialGPTQ:
 
         Linears that read one input (q/k/v, gate/up) share one Hessian factorization and are rounded as one
         matrix of their stacked rows (GPTQ treats every row alike), so each layer runs the same few programs.
+        The groups are spread over the devices (every process's, in a run of several): each is solved on the
+        device `owners` gives it, and what the processes solved is shared, so every process holds every
+        group's result (the same bytes whichever device solved it).
         """
         effective = {}
-        for group in _sharing_groups([m for m in modules if m in stats.hessians], stats, folds):
-            tokens = stats.hessian_tokens[group[0]]
-            weights = {m: self._weight(m, folds.get(f"{m}.weight")) for m in group}
-            rtn = {m: self.scheme.quantize(w, self.flags, scale_dtype=raw_dtype, clip=self._clip(m, w))
-                   for m, (w, raw_dtype) in weights.items()}
-            if tokens == 0 or not float(jnp.max(jnp.diagonal(stats.hessians[group[0]]))) > 0:
-                # An expert no calibration token reached, or an input that was all zeros: nothing to round on.
-                chosen = rtn
-                values = {m: np.asarray(q.dequantize(np.float32)) for m, q in rtn.items()}
-                self.errors.update({m: {"tokens": tokens, "method": "rtn"} for m in group})
-            else:
-                fold = folds.get(f"{group[0]}.weight")
-                h = stats.hessians[group[0]]
-                if fold is not None and fold.col_multiplier is not None:
-                    h = _smoothed_hessian(h, fold.col_multiplier)
-                chosen, values = self._round_group(group, {m: w for m, (w, _) in weights.items()}, rtn, h, tokens)
+        groups = _sharing_groups([m for m in modules if m in stats.hessians], stats, folds)
+        devices = jax.devices()
+        owner = owners([_cost(group, self.params) for group in groups], len(devices))
+        here = jax.process_index()
+        solved: dict[str, tuple[QArray, np.ndarray, np.dtype]] = {}
+        for g, group in enumerate(groups):
+            device = devices[owner[g]]
+            if device.process_index != here:
+                continue  # another process solves it
+            with jax.default_device(device):
+                solved.update(self._round(stats, group, folds, device))
+        if cluster.active():
+            solved = self._shared(solved)
+        for group in groups:
             for m in group:
-                self.store.put(m, chosen[m])
-                effective[f"{m}.weight"] = _unfolded(values[m], folds.get(f"{m}.weight")).astype(weights[m][1])
+                q, values, dtype = solved[m]
+                self.store.put(m, q)
+                effective[f"{m}.weight"] = _unfolded(values, folds.get(f"{m}.weight")).astype(dtype)
         self._pending[stats.index] = effective
+
+    def _round(self, stats: LayerStats, group: list[str], folds: Mapping[str, TensorFold], device
+               ) -> dict[str, tuple[QArray, np.ndarray, np.dtype]]:
+        """One sharing group rounded: per linear its QArray, its float32 values and the source's dtype."""
+        tokens = stats.hessian_tokens[group[0]]
+        weights = {m: self._weight(m, folds.get(f"{m}.weight")) for m in group}
+        rtn = {m: self.scheme.quantize(w, self.flags, scale_dtype=raw_dtype, clip=self._clip(m, w))
+               for m, (w, raw_dtype) in weights.items()}
+        h = jax.device_put(stats.hessians[group[0]], device)
+        if tokens == 0 or not float(jnp.max(jnp.diagonal(h))) > 0:
+            # An expert no calibration token reached, or an input that was all zeros: nothing to round on.
+            chosen = rtn
+            values = {m: np.asarray(q.dequantize(np.float32)) for m, q in rtn.items()}
+            self.errors.update({m: {"tokens": tokens, "method": "rtn"} for m in group})
+        else:
+            fold = folds.get(f"{group[0]}.weight")
+            if fold is not None and fold.col_multiplier is not None:
+                h = _smoothed_hessian(h, fold.col_multiplier)
+            chosen, values = self._round_group(group, {m: w for m, (w, _) in weights.items()}, rtn, h, tokens)
+        return {m: (chosen[m], np.asarray(values[m]), np.dtype(weights[m][1])) for m in group}
+
+    def _shared(self, solved: dict[str, tuple[QArray, np.ndarray, np.dtype]]
+                ) -> dict[str, tuple[QArray, np.ndarray, np.dtype]]:
+        """What every process solved, on every process (its error records too)."""
+        arrays, meta = {}, {}
+        for m, (q, values, dtype) in solved.items():
+            arrays.update({f"{m}:qvalue": np.asarray(q.qvalue), f"{m}:scale": np.asarray(q.scale),
+                           f"{m}:values": values})
+            meta[m] = {"kind": str(q.kind), "block_size": q.block_size, "shape": list(q.shape),
+                       "dtype": q.dtype,
+                       "source_dtype": np.dtype(dtype).name, "errors": self.errors[m]}
+        everything = {}
+        for theirs, their_meta in share(arrays, meta):
+            for m, info in their_meta.items():
+                self.errors[m] = info["errors"]
+                q = QArray(qvalue=theirs[f"{m}:qvalue"], scale=theirs[f"{m}:scale"], kind=info["kind"],
+                           block_size=info["block_size"], shape=tuple(info["shape"]), dtype=info["dtype"])
+                everything[m] = (q, theirs[f"{m}:values"], jnp.dtype(info["source_dtype"]))
+        return everything
 
     def replacement(self, index: int) -> dict[str, np.ndarray] | None:
         """Layer `index`'s weights as GPTQ rounded them (None when it rounded none)."""
@@ -192,6 +249,16 @@ def _sharing_groups(modules: list[str], stats: LayerStats, folds: Mapping[str, T
         multiplier = None if fold is None or fold.col_multiplier is None else fold.col_multiplier.tobytes()
         groups.setdefault((id(stats.hessians[m]), multiplier), []).append(m)
     return list(groups.values())
+
+
+def _cost(group: list[str], params: Mapping) -> float:
+    """A sharing group's share of GPTQ's work: its rows times the input width squared (the column loop), plus
+    the width cubed (the factorization)."""
+    checkpoint = getattr(params, "checkpoint", None)
+    shapes = [tuple(checkpoint.shape(f"{m}.weight")) if checkpoint is not None else tuple(params[f"{m}.weight"].shape)
+              for m in group]
+    width = shapes[0][-1]
+    return float(sum(s[0] for s in shapes) * width * width + width ** 3)
 
 
 def _smoothed_hessian(h, col_multiplier: np.ndarray):

@@ -205,6 +205,7 @@ class _LayerRunner:
         self.step = jax.jit(run_layer, static_argnums=0) if jit else run_layer
         self.plain_step = jax.jit(run_plain, static_argnums=0) if jit else run_plain
         self.sharded_step = _sharded_step(run_layer, mesh) if mesh is not None else None
+        self.sharded_plain = _sharded_step(run_plain, mesh, observes=False) if mesh is not None else None
         self.group = batch_size * (mesh.size if mesh is not None else 1)
         self.split = samples - samples % self.group if mesh is not None and samples >= self.group else 0
 
@@ -233,12 +234,13 @@ class _LayerRunner:
             sinks.append(sink)
             _bound_in_flight(outs)
         # One transfer for all groups, once they are all dispatched; then one entry per batch.
-        for sink in jax.device_get(sinks):
+        outs, sinks = _gathered(outs), _to_host(sinks)
+        for sink in sinks:
             for name, value in sink.items():
                 for d in range(self.mesh.size):
                     add_observed(observed, self.programs.rename(name, rep, i),
                                  jax.tree.map(lambda a, d=d: a[d], value))
-        for s in range(self.split, hidden.shape[0], b):
+        for s in range(self.split, hidden.shape[0], b):  # the rest: on this process's first device
             out, sink = self.step(rep, layer_params, hidden[s:s + b], mask[s:s + b])
             outs.append(out)
             _bound_in_flight(outs)
@@ -248,16 +250,38 @@ class _LayerRunner:
 
     def rerun(self, i: int, layer_params: dict, new: Mapping[str, Any], hidden: jax.Array,
               mask: jax.Array) -> jax.Array:
-        """Layer i's output over every sample again with `new` tensors in place of its own, on the first
-        device."""
-        rep = self.programs.representative(i)
+        """Layer i's output over every sample again with `new` tensors in place of its own, the batches split
+        over the devices as in `forward`."""
+        rep, group, b = self.programs.representative(i), self.group, self.batch_size
         layer_params.update({self.programs.rename(name, i, rep): jnp.asarray(value) for name, value in new.items()})
         outs = []
-        for s in range(0, hidden.shape[0], self.batch_size):
-            outs.append(self.plain_step(rep, layer_params, hidden[s:s + self.batch_size],
-                                        mask[s:s + self.batch_size]))
+        for s in range(0, self.split, group):
+            outs.append(self.sharded_plain(rep, layer_params, hidden[s:s + group], mask[s:s + group]))
+            _bound_in_flight(outs)
+        outs = _gathered(outs)
+        for s in range(self.split, hidden.shape[0], b):
+            outs.append(self.plain_step(rep, layer_params, hidden[s:s + b], mask[s:s + b]))
             _bound_in_flight(outs)
         return jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+
+
+def _gathered(outs: list) -> list:
+    """Outputs of the sharded steps as arrays of this process: as they are with one process; with several,
+    every process gathers every device's rows (each process runs the next layer's batches from them)."""
+    if not outs or jax.process_count() == 1:
+        return outs
+    from jax.experimental import multihost_utils
+
+    return [jnp.asarray(a) for a in multihost_utils.process_allgather(outs, tiled=True)]
+
+
+def _to_host(tree):
+    """A pytree of the sharded steps' results as numpy arrays: every device's, on every process."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def _bound_in_flight(outs: list) -> None:
@@ -267,21 +291,27 @@ def _bound_in_flight(outs: list) -> None:
         outs[-2].block_until_ready()
 
 
-def _sharded_step(run_layer, mesh: Mesh):
-    """run_layer over a [devices * batch] group: each device runs its own batch, weights replicated."""
+def _sharded_step(run_layer, mesh: Mesh, observes: bool = True):
+    """run_layer over a [devices * batch] group: each device runs its own batch, weights replicated. The mesh may
+    span several processes (each then hands in the same group; the results are sharded over all devices)."""
     data, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    out_specs = (P("data"), P("data")) if observes else P("data")
 
     @functools.partial(jax.jit, static_argnums=0)
     def step(i, layer_params, hidden, mask):
         def local(layer_params, hidden, mask):
+            if not observes:
+                return run_layer(i, layer_params, hidden, mask)
             out, sink = run_layer(i, layer_params, hidden, mask)
             # One leading entry per device: gathered along the data axis.
             return out, jax.tree.map(lambda a: a[None], sink)
 
         return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
-                             out_specs=(P("data"), P("data")), check_vma=False)(layer_params, hidden, mask)
+                             out_specs=out_specs, check_vma=False)(layer_params, hidden, mask)
 
     def run(i, layer_params, hidden, mask):
+        if jax.process_count() > 1:  # arrays of this process become the global ones through the host
+            layer_params, hidden, mask = jax.tree.map(np.asarray, (layer_params, hidden, mask))
         layer_params = jax.device_put(layer_params, replicated)
         return step(i, layer_params, jax.device_put(hidden, data), jax.device_put(mask, data))
 

@@ -1,0 +1,224 @@
+"""The run's watch: every process knows within a bounded time when another has failed or vanished, and all end
+with one exit code.
+
+Process 0 listens on a TCP port (published through jax.distributed's key-value store); every other process
+keeps one connection to it. Each side pings every PING_S seconds. A process that ends (success or failure)
+says `done` with its exit code and its line, then waits for process 0's `end`: the run's exit code, that of the
+first process (in process order) that failed, or 0. A connection that closes without `done` (a process killed,
+out of memory, its host gone) or stays silent for PEER_TIMEOUT_S, and a `done` with a failure while the others
+still work, end the run at once: each process removes its temporaries (interrupts' registry), prints one line
+naming the process, and exits with the run's code. A process blocked inside a collective is ended from the
+watch's thread; jax.distributed's own, later, heartbeat timeout never has to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+from qconvert import interrupts
+from qconvert.formats.errors import ClusterError
+
+PING_S = 5.0
+PEER_TIMEOUT_S = 60.0   # a process silent this long is taken as gone
+FAREWELL_S = 5.0        # how long process 0 waits for the others to leave after `end`
+_KEY = "qconvert/watch"
+
+
+class Watch:
+    """This process's side of the watch (see the module's doc)."""
+
+    def __init__(self, index: int, count: int):
+        self.index, self.count = index, count
+        self.lock = threading.Condition()
+        self.peers: dict[int, socket.socket] = {}   # process 0: each other process; others: {0: process 0}
+        self.outcomes: dict[int, tuple[int, str]] = {}
+        self.final: tuple[int, int, str] | None = None  # (exit code, process, line)
+        self.finishing = False
+        self.sending = threading.Lock()  # the ping thread and the main thread share each connection
+
+    # -- joining ---------------------------------------------------------------------------------------------
+
+    @classmethod
+    def join(cls, index: int, count: int, host: str) -> "Watch":
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        watch = cls(index, count)
+        if index == 0:
+            server = socket.create_server(("", 0), family=socket.AF_INET)
+            client.key_value_set(_KEY, f"{host}:{server.getsockname()[1]}")
+            server.settimeout(PEER_TIMEOUT_S)
+            try:
+                while len(watch.peers) < count - 1:
+                    conn, _ = server.accept()
+                    conn.settimeout(PEER_TIMEOUT_S)
+                    hello = _read_line(conn.makefile("rb"))
+                    watch.peers[int(hello["process"])] = conn
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                raise ClusterError(f"the run's processes did not all report to process 0 ({err})") from None
+            finally:
+                server.close()
+        else:
+            address = client.blocking_key_value_get(_KEY, int(PEER_TIMEOUT_S * 1000))
+            peer_host, _, port = address.rpartition(":")
+            try:
+                conn = socket.create_connection((peer_host, int(port)), timeout=PEER_TIMEOUT_S)
+                conn.sendall(json.dumps({"kind": "hello", "process": index}).encode() + b"\n")
+            except OSError as err:
+                raise ClusterError(f"cannot reach process 0 at {address}: {err.strerror or err}") from None
+            watch.peers[0] = conn
+        for peer, conn in watch.peers.items():
+            threading.Thread(target=watch._listen, args=(peer, conn), daemon=True,
+                             name=f"qconvert-watch-{peer}").start()
+        threading.Thread(target=watch._ping, daemon=True, name="qconvert-watch-ping").start()
+        return watch
+
+    # -- the threads -----------------------------------------------------------------------------------------
+
+    def _ping(self) -> None:
+        while True:
+            time.sleep(PING_S)
+            for conn in list(self.peers.values()):
+                try:
+                    self._send(conn, {"kind": "ping"})
+                except OSError:
+                    pass  # the listener sees the connection end
+
+    def _listen(self, peer: int, conn: socket.socket) -> None:
+        stream = conn.makefile("rb")
+        while True:
+            try:
+                message = _read_line(stream)
+            except (OSError, ValueError):
+                message = None
+            if message is None:
+                break
+            kind = message.get("kind")
+            if kind == "done" and self.index == 0:
+                self._done(peer, int(message["code"]), str(message.get("line", "")))
+            elif kind == "end" and self.index != 0:
+                self._decided((int(message["code"]), int(message["process"]), str(message.get("line", ""))))
+                return
+        # The connection ended (or was silent PEER_TIMEOUT_S) before the run's end.
+        with self.lock:
+            said = peer in self.outcomes or self.final is not None
+        if not said:
+            self._decided((ClusterError.exit_code, peer,
+                           f"process {peer} of {self.count} stopped without a word (killed, out of memory, or its "
+                           "host gone)"))
+
+    def _done(self, peer: int, code: int, line: str) -> None:
+        """Process 0 hears that `peer` ended with `code`."""
+        with self.lock:
+            self.outcomes[peer] = (code, line)
+            self.lock.notify_all()
+        if code != 0:
+            self._decided((code, peer, line))
+
+    def _decided(self, final: tuple[int, int, str]) -> None:
+        """The run's outcome is known: tell the others (process 0), and end this process unless it is itself
+        finishing (its main thread then reports it)."""
+        with self.lock:
+            if self.final is not None:
+                return
+            self.final = final
+            finishing = self.finishing
+            self.lock.notify_all()
+        if self.index == 0:
+            self._broadcast_end()
+        if not finishing:
+            _abort(final, self.index)
+
+    def _broadcast_end(self) -> None:
+        code, process, line = self.final
+        for conn in self.peers.values():
+            try:
+                self._send(conn, {"kind": "end", "code": code, "process": process, "line": line})
+            except OSError:
+                pass
+
+    def _send(self, conn: socket.socket, message: dict) -> None:
+        with self.sending:
+            conn.sendall(json.dumps(message).encode() + b"\n")
+
+    # -- the main thread -------------------------------------------------------------------------------------
+
+    def finish(self, code: int, line: str) -> tuple[int, int, str]:
+        """This process ended with `code` (and `line`, its error line): the run's (code, process, line)."""
+        with self.lock:
+            self.finishing = True
+            if self.final is not None:
+                return self.final
+        if self.index == 0:
+            self._done(0, code, line)
+            with self.lock:
+                while self.final is None and len(self.outcomes) < self.count:
+                    self.lock.wait(1.0)
+                decided_here = self.final is None
+                if decided_here:
+                    self.final = (0, 0, "")
+            if decided_here:
+                self._broadcast_end()
+            self._farewell()
+            return self.final
+        try:
+            self._send(self.peers[0], {"kind": "done", "code": code, "line": line})
+        except OSError:
+            pass  # the listener sees process 0 gone
+        with self.lock:
+            while self.final is None:
+                self.lock.wait(1.0)
+            return self.final
+
+    def _farewell(self) -> None:
+        """Process 0 leaves last: the others' jax.distributed clients end before its service does."""
+        deadline = time.monotonic() + FAREWELL_S
+        for conn in self.peers.values():
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                while conn.recv(4096):
+                    pass
+            except OSError:
+                pass
+
+    def failed_elsewhere(self, wait_s: float) -> bool:
+        """Whether another process's failure decides the run (waiting up to `wait_s` for the watch to hear of
+        one): a collective that failed here is then its echo, and the watch ends this process."""
+        deadline = time.monotonic() + wait_s
+        with self.lock:
+            while self.final is None and time.monotonic() < deadline:
+                self.lock.wait(0.1)
+            return self.final is not None and self.final[1] != self.index
+
+
+def _abort(final: tuple[int, int, str], index: int) -> None:
+    """End this process from the watch's thread: temporaries removed, one line, the run's exit code."""
+    code, process, line = final
+    if not interrupts.claim_exit():
+        return  # a signal's exit is under way
+    interrupts.remove_temporaries()
+    text = line if line.startswith(f"process {process} ") else f"process {process} failed: {line}"
+    try:
+        os.write(2, f"qconvert: error: {text}\n".encode(errors="backslashreplace"))
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - leaving regardless
+                pass
+        os._exit(code)
+
+
+def _read_line(stream) -> dict | None:
+    line = stream.readline()
+    if not line:
+        return None
+    message = json.loads(line)
+    if not isinstance(message, dict):
+        raise ValueError("not a message")
+    return message
