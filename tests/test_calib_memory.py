@@ -97,3 +97,27 @@ def test_a_70b_down_proj_hessian_lowers_the_batch():
     budget = estimate(shapes, 128, 512, 8).device_bytes
     assert fit_batch_size(shapes, 128, 512, 8, budget) == 8
     assert fit_batch_size(shapes, 128, 512, 8, budget, hessians=True, sequential=True) < 8
+
+
+def test_a_device_that_cannot_hold_even_one_window_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    """A device that states its memory (a GPU, a TPU) and cannot hold the calibration at batch size 1: one line,
+    exit 2, nothing written (a CPU states none and is never refused here)."""
+    from cli_helpers import run, tree
+    from qconvert.calibration import observer
+
+    folder = make_llama_checkpoint(tmp_path / "src")
+    shapes = checkpoint_shapes(build(json.loads((folder / "config.json").read_text())), open_params(folder))
+    need = estimate(shapes, 16, 32, 1, hessians=True, sequential=True).device_bytes
+    monkeypatch.setattr(observer, "device_budget", lambda device: need - 1)
+    before = tree(tmp_path)
+    code, out, err = run(["quantize", str(folder), "-o", str(tmp_path / "out"), "--scheme", "int4", "--calib",
+                          "random", "--calib-samples", "16", "--calib-seqlen", "32"], capsys)
+    assert code == 2
+    (line,) = err.strip().splitlines()[-1:]
+    assert line.startswith("qconvert: error: calibration needs about ") and "on each device even one window" in line
+    assert "--calib-samples" in line
+    assert tree(tmp_path) == before
+    monkeypatch.setattr(observer, "device_budget", lambda device: need)  # exactly enough: it runs
+    code, _, err = run(["quantize", str(folder), "-o", str(tmp_path / "out"), "--scheme", "int4", "--calib",
+                        "random", "--calib-samples", "16", "--calib-seqlen", "32", "-q"], capsys)
+    assert code == 0, err

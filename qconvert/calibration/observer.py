@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert import interrupts
-from qconvert.calibration.memory import checkpoint_shapes, device_budget, fit_batch_size
+from qconvert.calibration.memory import checkpoint_shapes, device_budget, estimate, fit_batch_size
 from qconvert.formats.act_stats import ActStats
-from qconvert.formats.errors import FormatError, InvalidCheckpointError
+from qconvert.formats.errors import FormatError, InvalidCheckpointError, UsageError
 from qconvert.formats.checkpoint_params import CheckpointParams
 from qconvert.formats.safetensors_io import open_checkpoint
 from qconvert.models import iterate_layers, read_tensors
@@ -142,9 +142,20 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
     devices = jax.devices() if devices is None else devices
     if hasattr(params, "checkpoint"):  # shapes from the index, no tensor read
         local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
-        budget = device_budget(local[0]) or HOST_BUDGET_BYTES
-        batch_size = fit_batch_size(checkpoint_shapes(model, params), n, t, batch_size, budget,
+        stated = device_budget(local[0])
+        shapes = checkpoint_shapes(model, params)
+        batch_size = fit_batch_size(shapes, n, t, batch_size, stated or HOST_BUDGET_BYTES,
                                     hessians=bool(hessians), sequential=replace is not None)
+        if stated is not None:  # a device that states its memory: refuse what cannot fit it, before any work
+            need = estimate(shapes, n, t, batch_size, hessians=bool(hessians),
+                            sequential=replace is not None).device_bytes
+            if need > stated:
+                raise UsageError(
+                    f"calibration needs about {need / 2**30:.1f} GiB on each device even one window at a time "
+                    f"({n} x {t} tokens: every window's hidden states, one layer's weights"
+                    f"{' and Hessians' if hessians else ''}), more than {local[0].device_kind}'s "
+                    f"{stated / 2**30:.1f} GiB; fewer --calib-samples or a shorter --calib-seqlen, or a device "
+                    "with more memory")
     batches = math.ceil(n / max(1, batch_size))
     sharing = _HessianSharing()
     observe = _observer(keep_inputs, max(1, math.ceil(sample_rows / batches)), frozenset(hessians), sharing)

@@ -81,9 +81,10 @@ def join_cluster(flags: dict) -> None:
     """Join the run's other processes where launched as several (before JAX starts): from the flags, or from the
     launcher's environment (a TPU pod slice, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS). One process: nothing."""
     from qconvert import cluster
+    from qconvert.cli.streams import native_stdout_silenced
 
     cluster.start(cluster.Launch(flags.pop("coordinator", None), flags.pop("num_processes", None),
-                                 flags.pop("process_id", None)))
+                                 flags.pop("process_id", None)), before_joining=native_stdout_silenced)
 
 
 def is_leader() -> bool:

@@ -60,3 +60,27 @@ def guard_stdout() -> None:
         sys.stdout = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the process
     elif not isinstance(sys.stdout, ReaderGuardedStdout):
         sys.stdout = ReaderGuardedStdout(sys.stdout)
+
+
+def native_stdout_silenced() -> None:
+    """Point descriptor 1 at the null device for native code, Python's stdout keeping the reader's stdout.
+
+    A run of several processes starts gloo (JAX's CPU collectives), whose C++ prints its connection lines with
+    std::cout, into the JSON or the summary a pipeline reads. Python's own output goes on to where stdout went.
+    """
+    with contextlib.suppress(AttributeError, ValueError, OSError):
+        sys.stdout.flush()
+        guarded = isinstance(sys.stdout, ReaderGuardedStdout)
+        inner = sys.stdout._stream if guarded else sys.stdout
+        kept = os.dup(inner.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+        import io
+
+        stream = io.TextIOWrapper(io.FileIO(kept, "w", closefd=True), encoding=inner.encoding,
+                                  errors="backslashreplace", line_buffering=inner.line_buffering)
+        if guarded:
+            sys.stdout._stream = stream
+        else:
+            sys.stdout = stream

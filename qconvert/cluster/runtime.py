@@ -111,8 +111,10 @@ def check_launch(launch: Launch) -> None:
         raise UsageError(f"--process-id {launch.process_id} is not in 0..{launch.num_processes - 1}")
 
 
-def start(launch: Launch) -> None:
-    """Join the run's other processes (call before JAX starts a backend); one process: nothing happens."""
+def start(launch: Launch, before_joining=None) -> None:
+    """Join the run's other processes (call before JAX starts a backend); one process: nothing happens.
+
+    `before_joining()` runs first when there is a run to join (the CLI keeps native chatter off stdout)."""
     check_launch(launch)
     if launch.flagged:
         if launch.num_processes == 1:
@@ -122,6 +124,8 @@ def start(launch: Launch) -> None:
         where = launched_by_cluster()
         if where is None:
             return
+    if before_joining is not None:
+        before_joining()
     import jax
 
     from qconvert.cluster.watch import Watch

@@ -100,3 +100,39 @@ def share(arrays: Mapping[str, np.ndarray], meta: Any) -> list[tuple[dict[str, n
     if not active():
         return [(dict(arrays), meta)]
     return [unpack(p) for p in gather_bytes(pack(arrays, meta))]
+
+
+def spread(keys: Sequence[str], costs: Sequence[float], compute, encode, decode) -> dict[str, Any]:
+    """compute(key, device) for every key, each on the device `owners` gives it (every device of every process),
+    which is also the default device while it runs.
+
+    One process: each key computed on its owner device, the values as compute returns them. Several: each
+    process computes its own keys, and every process receives every key's value, as decode(*encode(value))
+    (encode: value -> (arrays, JSON-able meta); decode: (key, arrays, meta) -> value), its own included, so
+    every process holds the same bytes.
+    """
+    import jax
+
+    devices = jax.devices()
+    owner = owners(costs, len(devices))
+    mine = {}
+    for k, key in enumerate(keys):
+        device = devices[owner[k]]
+        if device.process_index == jax.process_index():
+            with jax.default_device(device):
+                mine[key] = compute(key, device)
+    if not active():
+        return {key: mine[key] for key in keys}
+    arrays, meta = {}, {}
+    for k, key in enumerate(keys):
+        if key in mine:
+            their_arrays, their_meta = encode(mine[key])
+            arrays.update({f"{k}/{name}": array for name, array in their_arrays.items()})
+            meta[str(k)] = their_meta
+    values = {}
+    for their_arrays, their_meta in share(arrays, meta):
+        for k, value_meta in their_meta.items():
+            prefix = f"{k}/"
+            values[keys[int(k)]] = decode(keys[int(k)], {name[len(prefix):]: a for name, a in their_arrays.items()
+                                                        if name.startswith(prefix)}, value_meta)
+    return {key: values[key] for key in keys}

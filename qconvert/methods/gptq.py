@@ -22,14 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert import cluster
-from qconvert.cluster.share import owners, share
+from qconvert.cluster.share import spread
 from qconvert.calibration.observer import LayerStats
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.qarray import QArray
 from qconvert.methods.gptq_core import GPTQConfig, hessian_factor, round_columns, row_output_errors
 from qconvert.methods.scale_search import ScaleSearches
-from qconvert.methods.loop import Results
+from qconvert.methods.loop import Results, weight_elements
 from qconvert.methods.smooth import TensorFold, apply_fold
 from qconvert.progress import Reporter
 
@@ -102,22 +101,14 @@ class SequentialGPTQ:
         group's result (the same bytes whichever device solved it).
         """
         effective = {}
-        groups = _sharing_groups([m for m in modules if m in stats.hessians], stats, folds)
-        devices = jax.devices()
-        owner = owners([_cost(group, self.params) for group in groups], len(devices))
-        here = jax.process_index()
-        solved: dict[str, tuple[QArray, np.ndarray, np.dtype]] = {}
-        for g, group in enumerate(groups):
-            device = devices[owner[g]]
-            if device.process_index != here:
-                continue  # another process solves it
-            with jax.default_device(device):
-                solved.update(self._round(stats, group, folds, device))
-        if cluster.active():
-            solved = self._shared(solved)
-        for group in groups:
+        groups = {group[0]: group for group in _sharing_groups([m for m in modules if m in stats.hessians], stats,
+                                                               folds)}
+        solved = spread(list(groups), [_cost(group, self.params) for group in groups.values()],
+                        lambda key, device: self._round(stats, groups[key], folds, device),
+                        self._encoded, self._decoded)
+        for key, group in groups.items():
             for m in group:
-                q, values, dtype = solved[m]
+                q, values, dtype = solved[key][m]
                 self.store.put(m, q)
                 effective[f"{m}.weight"] = _unfolded(values, folds.get(f"{m}.weight")).astype(dtype)
         self._pending[stats.index] = effective
@@ -142,24 +133,28 @@ class SequentialGPTQ:
             chosen, values = self._round_group(group, {m: w for m, (w, _) in weights.items()}, rtn, h, tokens)
         return {m: (chosen[m], np.asarray(values[m]), np.dtype(weights[m][1])) for m in group}
 
-    def _shared(self, solved: dict[str, tuple[QArray, np.ndarray, np.dtype]]
-                ) -> dict[str, tuple[QArray, np.ndarray, np.dtype]]:
-        """What every process solved, on every process (its error records too)."""
+    def _encoded(self, solved: dict[str, tuple[QArray, np.ndarray, np.dtype]]) -> tuple[dict, dict]:
+        """A group's results as arrays and JSON (for the other processes), its error records included."""
         arrays, meta = {}, {}
         for m, (q, values, dtype) in solved.items():
             arrays.update({f"{m}:qvalue": np.asarray(q.qvalue), f"{m}:scale": np.asarray(q.scale),
                            f"{m}:values": values})
-            meta[m] = {"kind": str(q.kind), "block_size": q.block_size, "shape": list(q.shape),
-                       "dtype": q.dtype,
-                       "source_dtype": np.dtype(dtype).name, "errors": self.errors[m]}
-        everything = {}
-        for theirs, their_meta in share(arrays, meta):
-            for m, info in their_meta.items():
-                self.errors[m] = info["errors"]
-                q = QArray(qvalue=theirs[f"{m}:qvalue"], scale=theirs[f"{m}:scale"], kind=info["kind"],
-                           block_size=info["block_size"], shape=tuple(info["shape"]), dtype=info["dtype"])
-                everything[m] = (q, theirs[f"{m}:values"], jnp.dtype(info["source_dtype"]))
-        return everything
+            meta[m] = {"kind": str(q.kind), "block_size": q.block_size, "shape": list(q.shape), "dtype": q.dtype,
+                       "source_dtype": np.dtype(dtype).name, "errors": self.errors[m],
+                       "search": self.searches.records.get(m)}  # a clip searched on the weight here
+        return arrays, meta
+
+    def _decoded(self, key: str, arrays: dict, meta: dict) -> dict[str, tuple[QArray, np.ndarray, np.dtype]]:
+        del key
+        solved = {}
+        for m, info in meta.items():
+            self.errors[m] = info["errors"]
+            if info["search"] is not None:
+                self.searches.records[m] = info["search"]
+            q = QArray(qvalue=arrays[f"{m}:qvalue"], scale=arrays[f"{m}:scale"], kind=info["kind"],
+                       block_size=info["block_size"], shape=tuple(info["shape"]), dtype=info["dtype"])
+            solved[m] = (q, arrays[f"{m}:values"], jnp.dtype(info["source_dtype"]))
+        return solved
 
     def replacement(self, index: int) -> dict[str, np.ndarray] | None:
         """Layer `index`'s weights as GPTQ rounded them (None when it rounded none)."""
@@ -254,11 +249,10 @@ def _sharing_groups(modules: list[str], stats: LayerStats, folds: Mapping[str, T
 def _cost(group: list[str], params: Mapping) -> float:
     """A sharing group's share of GPTQ's work: its rows times the input width squared (the column loop), plus
     the width cubed (the factorization)."""
-    checkpoint = getattr(params, "checkpoint", None)
-    shapes = [tuple(checkpoint.shape(f"{m}.weight")) if checkpoint is not None else tuple(params[f"{m}.weight"].shape)
-              for m in group]
-    width = shapes[0][-1]
-    return float(sum(s[0] for s in shapes) * width * width + width ** 3)
+    width = int(np.shape(params[f"{group[0]}.weight"])[-1]) if getattr(params, "checkpoint", None) is None else \
+        int(params.checkpoint.shape(f"{group[0]}.weight")[-1])
+    rows = sum(weight_elements(params, m) for m in group) / width
+    return float(rows * width * width + width ** 3)
 
 
 def _smoothed_hessian(h, col_multiplier: np.ndarray):

@@ -39,6 +39,14 @@ class Results:
         return tensor_folds(list(self.smoothing.values()))
 
 
+def weight_elements(params: Mapping, module: str) -> int:
+    """The element count of a linear's weight, from the checkpoint's index where there is one (nothing read): what
+    the steps weigh their work by when they spread it over the devices."""
+    checkpoint = getattr(params, "checkpoint", None)
+    name = f"{module}.weight"
+    return int(np.prod(checkpoint.shape(name) if checkpoint is not None else np.shape(params[name])))
+
+
 class Step(Protocol):
     """One method of the calibration stage, run on each layer once that layer's statistics are complete."""
 

@@ -27,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert.calibration.observer import LayerStats
+from qconvert.cluster.share import spread
 from qconvert.formats.qarray import INT8_QMAX
 from qconvert.formats.quotient import int8_round
-from qconvert.methods.loop import Results
+from qconvert.methods.loop import Results, weight_elements
 from qconvert.methods.smooth import apply_fold, smoothed_input_absmax
 from qconvert.progress import Reporter
 from qconvert.schemes.base import SearchResult
@@ -200,8 +201,9 @@ class ScaleSearch:
         """The searches of `modules`, on their weights and inputs as smoothed."""
         folds = results.folds()
         col_scales = {m: g.input_scales for g in results.smoothing.values() for m in g.group.linears}
-        found = {}
-        for m in modules:
+
+        def search(m: str, device) -> LinearSearch:
+            del device  # the default device while it runs
             raw = results.params[f"{m}.weight"]
             fold = folds.get(f"{m}.weight")
             weight = np.asarray(raw, np.float32) if fold is None else apply_fold(np.asarray(raw, np.float32), fold)
@@ -210,9 +212,22 @@ class ScaleSearch:
             if x is not None and s is not None:
                 x = x / s[None, :]
             static_absmax = smoothed_input_absmax(results.act_absmax[m], s) if self.static else None
-            found[m] = search_linear(weight, x, scale_dtype=np.dtype(np.asarray(raw).dtype), clip_weights=True,
-                                     static_absmax=static_absmax)
-        return found
+            return search_linear(weight, x, scale_dtype=np.dtype(np.asarray(raw).dtype), clip_weights=True,
+                                 static_absmax=static_absmax)
+
+        # Spread over the devices (every process's in a run of several), the largest weights first.
+        return spread(modules, [float(weight_elements(results.params, m)) for m in modules], search,
+                      _encoded_search, _decoded_search)
+
+
+def _encoded_search(found: LinearSearch) -> tuple[dict, dict]:
+    return ({} if found.clip is None else {"clip": found.clip}), {"input_scale": found.input_scale,
+                                                                   "record": found.record}
+
+
+def _decoded_search(module: str, arrays: dict, meta: dict) -> LinearSearch:
+    del module
+    return LinearSearch(arrays.get("clip"), meta["input_scale"], meta["record"])
 
 
 def static_input_scales(results: Results, modules: Sequence[str]) -> dict[str, float]:

@@ -9,9 +9,10 @@ import ml_dtypes
 import numpy as np
 
 from qconvert.calibration.observer import LayerStats
+from qconvert.cluster.share import spread
 from qconvert.formats.errors import UsageError
 from qconvert.formats.record import RecordedScales, SmoothingRecord
-from qconvert.methods.loop import Results
+from qconvert.methods.loop import Results, weight_elements
 from qconvert.methods.smooth import (MIN_SCALE, GroupScales, group_scales, read_group_weights, search_alpha,
                                      stored_gain_scales)
 from qconvert.models.family import Family, FamilyFacts, SmoothingGroup
@@ -46,9 +47,18 @@ class SmoothQuant:
             progress.step(ALPHA_SEARCH, 0, len(self.groups), "groups")
 
     def layer(self, stats: LayerStats, results: Results) -> None:
-        for group in [g for g in self._pending if all(m in results.act_absmax for m in g.linears)]:
+        ready = {g.source: g for g in self._pending if all(m in results.act_absmax for m in g.linears)}
+        # The groups' searches spread over the devices (every process's in a run of several).
+        found = spread(list(ready), [float(sum(weight_elements(results.params, m) for m in g.linears))
+                                     for g in ready.values()],
+                       lambda source, device: self._searched(ready[source], results, stats.input_samples),
+                       _encoded_smoothing,
+                       lambda source, arrays, meta: _decoded_smoothing(ready[source], arrays, meta))
+        for source, group in ready.items():
             self._pending.remove(group)
-            results.smoothing[group.source] = self._smoothing(group, results, stats.input_samples)
+            results.smoothing[source], errors = found[source]
+            if errors is not None:
+                self.errors[source] = errors
             if self.spec.auto:
                 self._progress.step(ALPHA_SEARCH, len(results.smoothing), len(self.groups), "groups")
         results.unsmoothed = {m for g in self._pending for m in (*g.linears, g.source)}
@@ -64,6 +74,12 @@ class SmoothQuant:
 
     def replacement(self, index: int) -> None:
         return None
+
+    def _searched(self, group: SmoothingGroup, results: Results, samples: Mapping[str, np.ndarray] | None
+                  ) -> tuple[GroupScales, dict[float, float] | None]:
+        """`_smoothing` of one group, and each alpha's error where it searched (None where not)."""
+        scales = self._smoothing(group, results, samples)
+        return scales, self.errors.pop(group.source, None)
 
     def _smoothing(self, group: SmoothingGroup, results: Results, samples: Mapping[str, np.ndarray] | None
                    ) -> GroupScales:
@@ -95,6 +111,18 @@ class SmoothQuant:
             scales={g.group.source: RecordedScales(g.source_scales, g.input_scales, g.group.source_offset,
                                                    g.group.norm_offset) for g in scales},
             alpha_search=searched or None)
+
+
+def _encoded_smoothing(found: tuple[GroupScales, dict[float, float] | None]) -> tuple[dict, dict]:
+    scales, errors = found
+    return ({"source_scales": scales.source_scales, "input_scales": scales.input_scales},
+            {"alpha": scales.alpha, "errors": None if errors is None else [[a, e] for a, e in errors.items()]})
+
+
+def _decoded_smoothing(group: SmoothingGroup, arrays: dict, meta: dict
+                       ) -> tuple[GroupScales, dict[float, float] | None]:
+    errors = None if meta["errors"] is None else {float(a): float(e) for a, e in meta["errors"]}
+    return GroupScales(group, meta["alpha"], arrays["source_scales"], arrays["input_scales"]), errors
 
 
 def smoothing_groups(model: Family) -> list[SmoothingGroup]:

@@ -1,0 +1,169 @@
+"""The time and memory model of a calibrating conversion (docs/SCALING.md), as a table.
+
+    python bench/scaling_model.py [--check]
+
+Per layer, a conversion with GPTQ does (T calibration tokens, D devices over p processes):
+
+  forward    2 P T FLOP (P: the layer's linear parameters; for MoE, the active ones per token), twice with GPTQ
+             (the float pass that observes, and the re-run on the rounded weights): split over the D devices
+  Hessians   2 T sum(in^2) FLOP over the distinct inputs (q/k/v, o, gate/up, down; per expert its routed
+             tokens): split over the D devices
+  GPTQ       per group of linears sharing an input, 2 rows in^2 (the column loop) + 4/3 in^3 (factor and
+             inverse): groups spread over the devices, the largest first, so the layer waits for the largest
+  gathers    every process receives the layer's outputs (T h 4 bytes, twice with GPTQ), every batch's Hessian
+             (b sum(in^2) 4 bytes, b batches) and every rounded weight (5 bytes a parameter)
+  read       every process reads the whole checkpoint; write: process 0 writes the output
+
+The device rates are the ones measured: `--check` prints the model's figures beside the measured ones
+(docs/BENCHMARKS.md: the 8B shape on an H200, and bench/distributed.py on the 2-core CPU host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    name: str
+    layers: int
+    hidden: int
+    intermediate: int          # dense MLP width (MoE: each expert's)
+    kv: int                    # k/v projection width
+    experts: int = 0           # routed experts per MoE layer (0: dense)
+    active: int = 0            # experts per token
+    shared: int = 0            # shared experts' total width
+    dense_layers: int = 0      # MoE models: leading dense layers
+    dense_intermediate: int = 0
+    params_b: float = 0.0      # total parameters (billions), for the read and write terms
+
+
+MODELS = [
+    Model("Llama-3-8B", 32, 4096, 14336, 1024, params_b=8.0),
+    Model("Llama-3-70B", 80, 8192, 28672, 1024, params_b=70.6),
+    Model("Llama-3.1-405B", 126, 16384, 53248, 1024, params_b=405.8),
+    # DeepSeek-V3: MLA attention approximated as q/k/v/o of widths 7168 -> (1536 + 24576), 512 + 64 -> 32768.
+    Model("DeepSeek-V3-671B", 61, 7168, 2048, 1024, experts=256, active=8, shared=2048, dense_layers=3,
+          dense_intermediate=18432, params_b=671.0),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    name: str
+    flops: float        # effective float32 rate of the calibration's forward and Hessians (FLOP/s)
+    solve_flops: float  # effective rate of GPTQ's column loop and factorization (FLOP/s)
+    memory: float       # bytes
+    link: float         # bytes/s a process receives in the gathers (between hosts)
+
+
+# Rates from the H200 measurements (docs/BENCHMARKS.md, "The 8B shape on an H200": 3.2 s a layer of forward and
+# statistics, 8.2 s a layer of GPTQ with its re-run); the H100 scaled by its memory bandwidth (3.35 / 4.8 TB/s),
+# the v5e by its float32 matrix rate (about 1/3 of the H100's effective one through bf16 passes).
+H200 = Device("H200", 19.4e12, 1.05e12, 141e9, 50e9)
+DEVICES = [Device("H100", 13.5e12, 0.73e12, 80e9, 50e9), Device("TPU v5e", 4.5e12, 0.35e12, 16e9, 25e9)]
+TOKENS, SEQLEN, BATCH = 128 * 512, 512, 8
+READ_BPS, WRITE_BPS = 2e9, 1e9  # a process's checkpoint read, process 0's write (bytes/s)
+
+
+def layer_work(m: Model, moe: bool) -> tuple[float, float, list[float], float]:
+    """(forward FLOP, Hessian FLOP, GPTQ FLOP per group, weight parameters) of one layer."""
+    h, t = m.hidden, TOKENS
+    attention = h * (h + 2 * m.kv) + h * h
+    hess = 2 * t * (3 * h * h)                    # q/k/v's, o's and gate/up's inputs (width h)
+    groups = [2 * (h + 2 * m.kv) * h * h + 4 / 3 * h ** 3, 2 * h * h * h + 4 / 3 * h ** 3]
+    if moe:
+        f, e = m.intermediate, m.experts
+        routed = t * m.active / e                 # tokens per expert
+        active = attention + 3 * h * (m.active * f + m.shared)
+        weights = attention + 3 * h * (e * f + m.shared)
+        hess = 2 * t * 2 * h * h + e * 2 * routed * (h * h + f * f) + 2 * t * (h * h + m.shared ** 2)
+        groups += [2 * 2 * f * h * h + 4 / 3 * h ** 3] * e + [2 * h * f * f + 4 / 3 * f ** 3] * e
+        groups += [2 * 2 * m.shared * h * h + 4 / 3 * h ** 3, 2 * h * m.shared ** 2 + 4 / 3 * m.shared ** 3]
+        forward = 2 * active * t
+    else:
+        f = m.dense_intermediate or m.intermediate
+        weights = attention + 3 * h * f
+        hess += 2 * t * f * f
+        groups += [2 * 2 * f * h * h + 4 / 3 * h ** 3, 2 * h * f * f + 4 / 3 * f ** 3]
+        forward = 2 * weights * t
+    return forward, hess, groups, weights
+
+
+def hessian_bytes(m: Model, moe: bool) -> float:
+    h = m.hidden
+    if moe:
+        return 4 * (2 * h * h + m.experts * (h * h + m.intermediate ** 2) + h * h + m.shared ** 2)
+    f = m.dense_intermediate or m.intermediate
+    return 4 * (3 * h * h + f * f)
+
+
+def spread(costs: list[float], devices: int) -> float:
+    """The largest device's load when `costs` are bin-packed the largest first."""
+    load = [0.0] * devices
+    for c in sorted(costs, reverse=True):
+        load[load.index(min(load))] += c
+    return max(load)
+
+
+def predict(m: Model, dev: Device, devices: int, per_host: int = 8) -> dict[str, float]:
+    processes = max(1, devices // per_host)
+    seconds = {"forward": 0.0, "gptq": 0.0, "gathers": 0.0}
+    peak = 0.0
+    for moe, count in ((False, m.dense_layers if m.experts else m.layers), (True, m.layers - m.dense_layers
+                                                                            if m.experts else 0)):
+        if not count:
+            continue
+        forward, hess, groups, weights = layer_work(m, moe)
+        seconds["forward"] += count * (2 * forward + hess) / (devices * dev.flops)
+        seconds["gptq"] += count * spread(groups, devices) / dev.solve_flops
+        batches = TOKENS // (SEQLEN * BATCH)
+        gathered = 2 * TOKENS * m.hidden * 4 + batches * hessian_bytes(m, moe) + 5 * weights
+        if devices > 1:
+            link = dev.link if processes > 1 else 25e9  # one host: device to host
+            seconds["gathers"] += count * gathered / link
+        peak = max(peak, 2 * weights + 2 * TOKENS * m.hidden * 4 + hessian_bytes(m, moe) / (1 if not moe else 1))
+    seconds["read"] = m.params_b * 2e9 / READ_BPS
+    seconds["write"] = m.params_b * 0.6e9 / WRITE_BPS  # int4 with scales, about 0.6 bytes a parameter
+    seconds["total"] = sum(seconds.values())
+    seconds["peak_gb"] = peak / 1e9
+    return seconds
+
+
+def table() -> str:
+    lines = ["| model | device | devices | forward | GPTQ | gathers | read + write | total | one device / this |"
+             " peak per device |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for m in MODELS:
+        for dev in DEVICES:
+            one = predict(m, dev, 1)["total"]
+            for devices in (1, 8, 32):
+                p = predict(m, dev, devices)
+                fits = "" if p["peak_gb"] * 1e9 <= dev.memory else " (does not fit)"
+                lines.append(f"| {m.name} | {dev.name} | {devices} | {p['forward'] / 60:.0f} min | "
+                             f"{p['gptq'] / 60:.0f} min | {p['gathers'] / 60:.0f} min | "
+                             f"{(p['read'] + p['write']) / 60:.0f} min | {p['total'] / 60:.0f} min | "
+                             f"{one / p['total']:.1f}x | {p['peak_gb']:.0f} GB{fits} |")
+    return "\n".join(lines)
+
+
+def check() -> str:
+    """The model's per-layer figures for the 8B shape on the H200 beside the measured ones."""
+    m = MODELS[0]
+    forward, hess, groups, _ = layer_work(m, False)
+    observe = (forward + hess) / H200.flops
+    gptq = sum(groups) / H200.solve_flops + forward / H200.flops
+    return (f"8B shape, one H200, a layer: forward + statistics {observe:.1f} s (measured 3.2 s: w8a8 without "
+            f"GPTQ, 70.6 s fixed part apart); GPTQ with its re-run {gptq:.1f} s (measured 8.2 s: int4 with GPTQ "
+            f"11.4 s a layer minus 3.2 s); down_proj's group is {max(groups) / sum(groups):.0%} of GPTQ's solve")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true")
+    opts = parser.parse_args()
+    print(check() if opts.check else table())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""A run of several processes is one conversion (jax.distributed): the real runtime, 2 processes on 127.0.0.1 with
+2 forced CPU devices each, against the same conversion in one process on one device (and on 4), byte for byte;
+and what happens when one process dies, fails, or reads other files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from checkpoints import make_llama_checkpoint
+from cli_helpers import tree
+from hf_checkpoints import make_hf_checkpoint
+
+# Enough windows that the batches fill whole groups of 4 devices (8 per batch) and leave some over.
+CALIB = ["--calib", "random", "--calib-samples", "40", "--calib-seqlen", "32"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(devices: int) -> dict[str, str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "SLURM_", "OMPI_"))}
+    environ.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    if devices > 1:
+        environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return environ
+
+
+def command(args: list[str]) -> list[str]:
+    return [sys.executable, "-c", "from qconvert.cli.entry import main; main()", *args]
+
+
+def run_one(args: list[str], devices: int = 1) -> subprocess.CompletedProcess:
+    return subprocess.run(command(args), env=env(devices), capture_output=True, text=True, timeout=300)
+
+
+def start_run(args_of, processes: int = 2, devices: int = 2) -> list[subprocess.Popen]:
+    """`args_of(i)`: process i's arguments; each process is given the run's flags."""
+    port = free_port()
+    return [subprocess.Popen(command([*args_of(i), "--coordinator", f"127.0.0.1:{port}", "--num-processes",
+                                      str(processes), "--process-id", str(i)]),
+                             env=env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(processes)]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, str, str]]:
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        results.append((p.returncode, out, err))
+    return results
+
+
+def errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("qconvert: error:")]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sources")
+    make_llama_checkpoint(root / "llama", dtype="bfloat16", outlier_channels=(3, 17), shards=2)
+    make_hf_checkpoint(root / "qwen3_moe", "qwen3_moe")
+    return {"llama": root / "llama", "qwen3_moe": root / "qwen3_moe"}
+
+
+CASES = {
+    "llama-int4-gptq": ("llama", ["--scheme", "int4"]),
+    "llama-w8a8-alpha-search-gptq": ("llama", ["--scheme", "w8a8", "--gptq"]),
+    "qwen3_moe-int4-gptq": ("qwen3_moe", ["--scheme", "int4"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_processes_of_two_devices_write_the_bytes_of_one_device(case, sources, tmp_path):
+    source, flags = CASES[case]
+    args = ["quantize", str(sources[source]), *flags, *CALIB, "-q"]
+    alone = run_one([*args, "-o", str(tmp_path / "one")])
+    assert alone.returncode == 0, alone.stderr
+    results = finish(start_run(lambda i: [*args, "-o", str(tmp_path / "two")]))
+    assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
+    assert tree(tmp_path / "two") == tree(tmp_path / "one")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]  # process 1 wrote nothing, no debris
+    if case == "llama-w8a8-alpha-search-gptq":  # and four devices of one process, the same again
+        four = run_one([*args, "-o", str(tmp_path / "four")], devices=4)
+        assert four.returncode == 0, four.stderr
+        assert tree(tmp_path / "four") == tree(tmp_path / "one")
+
+
+def test_calibrate_and_verify_run_as_several_processes(sources, tmp_path):
+    stats_args = ["calibrate", str(sources["llama"]), *CALIB, "-q"]
+    alone = run_one([*stats_args, "-o", str(tmp_path / "one.safetensors")])
+    assert alone.returncode == 0, alone.stderr
+    results = finish(start_run(lambda i: [*stats_args, "-o", str(tmp_path / "two.safetensors")]))
+    assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
+    assert (tmp_path / "two.safetensors").read_bytes() == (tmp_path / "one.safetensors").read_bytes()
+
+    folder = tmp_path / "int8"
+    assert run_one(["quantize", str(sources["llama"]), "-o", str(folder), "-q"]).returncode == 0
+    results = finish(start_run(lambda i: ["verify", str(folder), "--quick", "--backend", "xla", "--json"]))
+    assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
+    assert json.loads(results[0][1])["passed"] is True  # stdout holds the JSON alone (no native chatter)
+    assert results[1][1] == ""  # process 0 speaks for the run
+
+
+def test_a_killed_process_ends_the_run_within_the_bound(sources, tmp_path):
+    source = tmp_path / "llama"
+    shutil.copytree(sources["llama"], source)
+    before = tree(tmp_path)
+    args = ["quantize", str(source), "--scheme", "int4", "--calib", "random", "--calib-samples", "4000",
+            "--calib-seqlen", "32", "-o", str(tmp_path / "out")]
+    procs = start_run(lambda i: args)
+    # Kill process 1 once calibration has begun (process 0's line says so; its scratch folder exists).
+    line, started = "", time.monotonic()
+    while "calibrating on" not in line and time.monotonic() - started < 120:
+        line = procs[0].stderr.readline()
+        assert line or procs[0].poll() is None, "process 0 ended before calibrating"
+    time.sleep(2)
+    procs[1].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    out, err = procs[0].communicate(timeout=90)
+    waited = time.monotonic() - killed
+    procs[1].communicate()
+    assert waited < 60
+    assert procs[0].returncode == 10
+    assert errors(err) == ["qconvert: error: process 1 of 2 stopped without a word (killed, out of memory, or its "
+                           "host gone)"]
+    assert tree(tmp_path) == before  # no OUT, no staging or scratch folder, the source untouched
+
+
+def test_copies_that_differ_are_refused_by_every_process(sources, tmp_path):
+    copies = [tmp_path / "a", tmp_path / "b"]
+    for copy in copies:
+        shutil.copytree(sources["llama"], copy)
+    config = copies[1] / "generation_config.json"
+    config.write_text(config.read_text().replace("}", ', "note": 1}', 1))
+    results = finish(start_run(lambda i: ["quantize", str(copies[i]), "--scheme", "int4", *CALIB,
+                                          "-o", str(tmp_path / "out")]))
+    assert [code for code, _, _ in results] == [6, 6]
+    for _, _, err in results:
+        (line,) = errors(err)
+        assert "process 1's copy of the model differs from process 0's at generation_config.json" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_refusal_of_process_0_ends_every_process_with_its_code(sources, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("not qconvert's")
+    results = finish(start_run(lambda i: ["quantize", str(sources["llama"]), "--scheme", "int4", *CALIB,
+                                          "-o", str(tmp_path / "out")]))
+    assert [code for code, _, _ in results] == [8, 8]
+    (line,) = errors(results[1][2])
+    assert line.startswith("qconvert: error: process 0 failed: ") and "already exists" in line
+    assert (tmp_path / "out" / "mine.txt").read_text() == "not qconvert's"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-processes", "2", "--process-id", "0"], "--coordinator missing"),
+    (["--coordinator", "127.0.0.1", "--num-processes", "2", "--process-id", "0"], "is not HOST:PORT"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"], "is not in 0..1"),
+])
+def test_launch_flags_that_cannot_describe_a_run_are_one_line(flags, message, sources, tmp_path):
+    result = run_one(["quantize", str(sources["llama"]), "-o", str(tmp_path / "out"), *flags])
+    assert result.returncode == 2
+    (line,) = errors(result.stderr)
+    assert message in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_launchers_that_start_several_processes_are_recognized():
+    from qconvert.cluster.runtime import launched_by_cluster
+
+    assert launched_by_cluster({}) is None
+    assert launched_by_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}) is None
+    assert launched_by_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}) == "SLURM"
+    assert launched_by_cluster({"OMPI_COMM_WORLD_SIZE": "2"}) == "Open MPI"
+    assert launched_by_cluster({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3"}) == "a TPU pod slice"
+    assert launched_by_cluster({"TPU_WORKER_HOSTNAMES": "t0"}) is None
+    assert launched_by_cluster({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}) == "JAX_COORDINATOR_ADDRESS"
+
+
+def test_owners_spread_the_largest_first_and_agree_everywhere():
+    from qconvert.cluster.share import owners
+
+    # By hand: 9 -> d0 (a tie goes low); 4 -> d1; 4 -> d1 (4 < 9); 2 -> d1 (8 < 9); 1 -> d0 (9 < 10).
+    assert owners([1.0, 9.0, 4.0, 4.0, 2.0], 2) == [0, 0, 1, 1, 1]
+    assert owners([5.0], 4) == [0]
+    assert owners([], 3) == []
+
+
+def test_packed_arrays_come_back_as_they_were():
+    import numpy as np
+    import jax.numpy as jnp
+
+    from qconvert.cluster.share import pack, unpack
+
+    arrays = {"a:qvalue": np.arange(12, dtype=np.int8).reshape(3, 4),
+              "a:scale": np.asarray([0.5, -0.0, 3e-8], dtype=jnp.bfloat16),
+              "b": np.zeros((0, 2), np.float32)}
+    back, meta = unpack(pack(arrays, {"x": [1, "y"]}))
+    assert meta == {"x": [1, "y"]}
+    for name, array in arrays.items():
+        assert back[name].dtype == array.dtype and back[name].shape == array.shape
+        assert back[name].tobytes() == array.tobytes()
