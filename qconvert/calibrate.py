@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from qconvert.calibration.data import BUILTIN, load_calibration
+from qconvert.cluster.share import agree_settings, same_windows
 from qconvert.calibration.observer import DEFAULT_BATCH_SIZE, collect_act_stats
 from qconvert.formats.act_stats import ActStats, is_stats_file, write_act_stats
 from qconvert.source.resolve import open_source, resolve_source
@@ -49,6 +50,7 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
         agree_source(source)  # of several processes, every one reads what process 0 reads
         resolved, params = source.resolved, source.params
         data = load_calibration(calib or BUILTIN, resolved.folder, resolved.config, samples=samples, seqlen=seqlen)
+        agree_settings(same_windows(data.record()), "calibration")  # several processes: the same windows
         if message is not None:
             message(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
         stats = collect_act_stats(source.model, params, data.input_ids,

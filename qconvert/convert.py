@@ -154,7 +154,7 @@ def _convert_source(source: SourceModel, out: Path, options: ConvertOptions, pro
         adjustments = Adjustments()
         if (scheme.calibrates or gptq) and not (options.dry_run and (not options.static_act or plan.refusal)):
             calibration_started = time.perf_counter()
-            agree_source(source)
+            agree_run(source, options, plan)
             with stage("calibration"):
                 adjustments = prepare_adjustments(source, options, message, plan.quantized_modules, gptq)
             if adjustments.calibration_record is not None:
@@ -216,6 +216,20 @@ def agree_source(source: SourceModel) -> None:
     if cluster.active():
         folder = source.resolved.folder
         cluster.agree_source(hash_in_background(folder, input_files(folder, source.checkpoint))())
+
+
+def agree_run(source: SourceModel, options: ConvertOptions, plan: ConversionPlan) -> None:
+    """In a run of several processes, before calibrating: the same settings (exit 2 when a process was started
+    with others: its collectives would not match) and the same source files (exit 6) on every process."""
+    if not cluster.active():
+        return
+    calib = options.calibration
+    cluster.agree_settings({
+        "--scheme": options.scheme, "flags": options.recorded_flags(plan.flags), "--gptq": options.uses_gptq,
+        "--gptq-damp": options.gptq_damp, "--gptq-act-order": options.gptq_act_order,
+        "--calib-samples": calib.calib_samples if calib else None, "--calib-seqlen": calib.calib_seqlen if calib else None,
+        "--alpha": calib.alpha if calib else None, "--no-smooth": (not calib.smooth) if calib else None})
+    agree_source(source)
 
 
 def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: ConvertOptions,

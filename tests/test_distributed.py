@@ -154,6 +154,17 @@ def test_copies_that_differ_are_refused_by_every_process(sources, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_processes_started_with_other_flags_are_refused_by_every_process(sources, tmp_path):
+    results = finish(start_run(lambda i: ["quantize", str(sources["llama"]), "--scheme", "int4", *CALIB,
+                                          *(["--gptq-damp", "0.05"] if i else []), "-o", str(tmp_path / "out")]))
+    assert [code for code, _, _ in results] == [2, 2]
+    for _, _, err in results:
+        (line,) = errors(err)
+        assert line == ("qconvert: error: process 1 was started with --gptq-damp 0.05, process 0 with None; start "
+                        "every process with the same flags")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_refusal_of_process_0_ends_every_process_with_its_code(sources, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("not qconvert's")
@@ -175,6 +186,14 @@ def test_launch_flags_that_cannot_describe_a_run_are_one_line(flags, message, so
     assert result.returncode == 2
     (line,) = errors(result.stderr)
     assert message in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_cluster_where_no_launcher_started_several_processes_is_one_line(sources, tmp_path):
+    result = run_one(["quantize", str(sources["llama"]), "-o", str(tmp_path / "out"), "--cluster"])
+    assert result.returncode == 10
+    (line,) = errors(result.stderr)
+    assert line.startswith("qconvert: error: cannot join the run's processes (the environment, as JAX detects it)")
     assert not (tmp_path / "out").exists()
 
 

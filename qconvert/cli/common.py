@@ -74,6 +74,10 @@ def cluster_options(command):
                      help="A run of several processes: how many."),
         click.option("--process-id", type=int, default=None, metavar="I",
                      help="A run of several processes: this one's index, 0..N-1 (0 writes the output)."),
+        click.option("--cluster", "detect_cluster", is_flag=True,
+                     help="A run of several processes launched by a TPU pod slice, SLURM, MPI or Kubernetes: "
+                          "join as JAX detects them (without it, qconvert joins where the launcher's environment "
+                          "says there are several processes)."),
     ])
 
 
@@ -84,7 +88,8 @@ def join_cluster(flags: dict) -> None:
     from qconvert.cli.streams import native_stdout_silenced
 
     cluster.start(cluster.Launch(flags.pop("coordinator", None), flags.pop("num_processes", None),
-                                 flags.pop("process_id", None)), before_joining=native_stdout_silenced)
+                                 flags.pop("process_id", None), flags.pop("detect_cluster", False)),
+                  before_joining=native_stdout_silenced)
 
 
 def is_leader() -> bool:

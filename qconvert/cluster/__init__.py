@@ -7,7 +7,7 @@ the identity.
 
 from qconvert.cluster.runtime import (Launch, active, is_leader, leave, note_failure, process_count, process_index,
                                       settle, start)
-from qconvert.cluster.share import agree_source
+from qconvert.cluster.share import agree_settings, agree_source
 
-__all__ = ["Launch", "agree_source", "active", "is_leader", "leave", "note_failure", "process_count", "process_index", "settle",
+__all__ = ["Launch", "agree_settings", "agree_source", "active", "is_leader", "leave", "note_failure", "process_count", "process_index", "settle",
            "start"]

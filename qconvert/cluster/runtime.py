@@ -27,6 +27,7 @@ class Launch:
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    detect: bool = False  # --cluster: join as JAX's own detection finds the run (TPU pod, SLURM, MPI, Kubernetes)
 
     @property
     def flagged(self) -> bool:
@@ -120,6 +121,8 @@ def start(launch: Launch, before_joining=None) -> None:
         if launch.num_processes == 1:
             return
         where = launch.coordinator
+    elif launch.detect:
+        where = launched_by_cluster() or "the environment, as JAX detects it"
     else:
         where = launched_by_cluster()
         if where is None:
@@ -160,8 +163,11 @@ SETTLE_S = 3.0
 
 
 def note_failure(line: str) -> None:
-    """This process's error line (without `qconvert: error: `), said to the others when it leaves."""
+    """This process's error line (without `qconvert: error: `), said to the others when it leaves; from now on
+    the watch leaves the reporting to this process's main thread."""
     _state.failure_line = line
+    if _state.watch is not None:
+        _state.watch.failing = True
 
 
 def settle() -> None:

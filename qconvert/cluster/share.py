@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from qconvert.cluster.runtime import active, process_count, process_index
-from qconvert.formats.errors import InvalidCheckpointError
+from qconvert.formats.errors import InvalidCheckpointError, UsageError
 
 # How long a process waits for the others' source hashes (they may still be reading a large checkpoint).
 SOURCE_WAIT_S = 3600
@@ -40,6 +40,29 @@ def agree_source(hashes: Mapping[str, str], what: str = "the model") -> None:
                 raise InvalidCheckpointError(
                     f"process {p}'s copy of {what} differs from process 0's at {name} ({held}); give every process "
                     "the same files (a shared folder, or copies with equal sha256)")
+
+
+def agree_settings(settings: Mapping[str, Any], what: str = "settings") -> None:
+    """UsageError (exit 2) when another process was started with other settings than process 0's (a scheme, a
+    flag): every process raises the same line, naming the first setting that differs. `settings`: JSON-able."""
+    if not active():
+        return
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    client.key_value_set(f"qconvert/{what}/{process_index()}", json.dumps(settings, sort_keys=True, default=str))
+    copies = [json.loads(client.blocking_key_value_get(f"qconvert/{what}/{p}", SOURCE_WAIT_S * 1000))
+              for p in range(process_count())]
+    for p, copy in enumerate(copies[1:], start=1):
+        for key in sorted(set(copies[0]) | set(copy)):
+            if copies[0].get(key) != copy.get(key):
+                raise UsageError(f"process {p} was started with {key} {copy.get(key)!r}, process 0 with "
+                                 f"{copies[0].get(key)!r}; start every process with the same flags")
+
+
+def same_windows(record: Mapping[str, Any]) -> dict[str, Any]:
+    """What of a calibration record must agree across processes: everything but where the text lies."""
+    return {f"the calibration text's {k}": v for k, v in record.items() if k not in ("source", "description")}
 
 
 def owners(costs: Sequence[float], devices: int) -> list[int]:

@@ -39,6 +39,7 @@ class Watch:
         self.outcomes: dict[int, tuple[int, str]] = {}
         self.final: tuple[int, int, str] | None = None  # (exit code, process, line)
         self.finishing = False
+        self.failing = False  # this process's main thread is reporting its own failure (it then says `done`)
         self.sending = threading.Lock()  # the ping thread and the main thread share each connection
 
     # -- joining ---------------------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ class Watch:
             if self.final is not None:
                 return
             self.final = final
-            finishing = self.finishing
+            finishing = self.finishing or self.failing
             self.lock.notify_all()
         if self.index == 0:
             self._broadcast_end()
@@ -152,8 +153,11 @@ class Watch:
         """This process ended with `code` (and `line`, its error line): the run's (code, process, line)."""
         with self.lock:
             self.finishing = True
-            if self.final is not None:
-                return self.final
+            decided = self.final
+        if decided is not None:
+            if self.index == 0:
+                self._farewell()
+            return decided
         if self.index == 0:
             self._done(0, code, line)
             with self.lock:

@@ -22,6 +22,7 @@ from qconvert.formats.errors import UsageError
 from qconvert.formats.record import SmoothingRecord
 from qconvert.formats.safetensors_io import sha256_file
 from qconvert.methods.gptq import GPTQ, QuantizedStore, SequentialGPTQ
+from qconvert.cluster.share import agree_settings, same_windows
 from qconvert.methods.loop import Calibration, Results, Step, run_layers
 from qconvert.methods.scale_search import LinearSearch, ScaleSearch, static_input_scales
 from qconvert.methods.smooth import TensorFold, apply_fold
@@ -97,6 +98,8 @@ def prepare_adjustments(source: SourceModel, options: ConvertOptions,
     else:
         data = load_calibration(calib.calib or BUILTIN, source.folder, source.config,
                                 samples=calib.calib_samples, seqlen=calib.calib_seqlen)
+        # Several processes: the same windows everywhere (a copy of the text may sit at another path).
+        agree_settings(same_windows(data.record()), "calibration")
         progress(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
         run_layers(source.model, Calibration(data.input_ids, calib.batch_size), steps, results, progress)
         stats = ActStats(results.act_absmax, data.tokens, data.record())
