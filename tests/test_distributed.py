@@ -201,11 +201,12 @@ def test_the_launchers_that_start_several_processes_are_recognized():
     from qconvert.cluster.runtime import launched_by_cluster
 
     assert launched_by_cluster({}) is None
-    assert launched_by_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}) is None
-    assert launched_by_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}) == "SLURM"
+    assert launched_by_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
+    assert launched_by_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "2"}) == "SLURM"
+    assert launched_by_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}) is None  # a shell of the allocation
     assert launched_by_cluster({"OMPI_COMM_WORLD_SIZE": "2"}) == "Open MPI"
-    assert launched_by_cluster({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3"}) == "a TPU pod slice"
-    assert launched_by_cluster({"TPU_WORKER_HOSTNAMES": "t0"}) is None
+    assert launched_by_cluster({"OMPI_COMM_WORLD_SIZE": "x"}) is None
+    assert launched_by_cluster({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3"}) is None  # a pod slice says --cluster
     assert launched_by_cluster({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}) == "JAX_COORDINATOR_ADDRESS"
 
 

@@ -1,5 +1,6 @@
 """Joining a run of several processes: from flags (--coordinator, --num-processes, --process-id) or from the
-launcher's environment, as jax.distributed detects it (TPU pod slices, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS).
+launcher's environment (srun, mpirun, JAX_COORDINATOR_ADDRESS), or as jax.distributed detects it (--cluster: TPU pod
+slices, Kubernetes too).
 
 After `start`, every device of every process is in `jax.devices()`; calibration's batches and GPTQ's solves
 spread over them. Process 0 (the leader) writes every file; the others compute and write nothing.
@@ -71,7 +72,9 @@ def watch():
 def launched_by_cluster(environ=os.environ) -> str | None:
     """The launcher whose environment says this is one of several processes, or None.
 
-    Only launchers that start several processes count: a SLURM job of one task runs as one process.
+    Only launchers that start several processes count, seen from inside one of them: a SLURM task of an `srun`
+    of several (not a shell of the allocation), a rank of an `mpirun` of several. A Cloud TPU VM's shell looks
+    the same whether one process or every worker runs, so a pod slice asks for `--cluster`.
     """
     def count(name: str) -> int:
         try:
@@ -81,12 +84,10 @@ def launched_by_cluster(environ=os.environ) -> str | None:
 
     if environ.get("JAX_COORDINATOR_ADDRESS", "").strip():
         return "JAX_COORDINATOR_ADDRESS"
-    if environ.get("SLURM_JOB_ID") and count("SLURM_NTASKS") > 1:
+    if environ.get("SLURM_JOB_ID") and environ.get("SLURM_PROCID") is not None and count("SLURM_NTASKS") > 1:
         return "SLURM"
     if count("OMPI_COMM_WORLD_SIZE") > 1:
         return "Open MPI"
-    if len([h for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]) > 1:
-        return "a TPU pod slice"
     return None
 
 
