@@ -187,6 +187,9 @@ def _read_at(handle, buffer: memoryview, offset: int, lock: threading.Lock) -> i
         return handle.readinto(buffer)
 
 
+SINGLE_FILE_NAME = "model.safetensors"  # what a one-file save writes (and transformers loads first)
+
+
 def open_checkpoint(folder) -> SafetensorsCheckpoint:
     """Open a safetensors folder (model.safetensors.index.json + shards, or bare files).
 
@@ -199,6 +202,12 @@ def open_checkpoint(folder) -> SafetensorsCheckpoint:
     if index_path.exists():
         tensor_files = _read_index(folder, index_path)
         files = sorted(set(tensor_files.values()))
+        single = folder / SINGLE_FILE_NAME
+        if single.is_file() and single not in files:
+            # Two sets of weights: transformers loads the single file, the index's shards would be converted.
+            raise FormatError(f"{folder} holds {SINGLE_FILE_NAME} beside the shards {INDEX_NAME} lists: two sets of "
+                              f"weights, of which transformers loads {SINGLE_FILE_NAME}; remove the set that is "
+                              "not the model")
         headers = {path: read_header(path) for path in files}
         for name, path in tensor_files.items():
             if name not in headers[path].entries:

@@ -323,4 +323,43 @@ def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
         raise InvalidCheckpointError(f"{Path(model_folder) / 'tokenizer.json'} loads but cannot encode the "
                                      f"calibration text ({reason}); fix the tokenizer, or pass "
                                      f"'--calib {RANDOM}'") from None
+    _check_ids_in_vocabulary(ids, config, Path(model_folder) / "tokenizer.json")
+    _check_enough_text(tokenizer, ids, stream, calib)
     return CalibrationData(ids, calib, description, samples, seqlen, digest, stream_tokens=stream)
+
+
+# Fewer text tokens than this fit nothing (a static scale on 2 tokens ruins a folder): refused, not noted.
+MIN_TEXT_TOKENS = 16
+
+
+def _check_enough_text(tokenizer, ids: np.ndarray, stream: int, calib: str) -> None:
+    """UsageError for text that gives almost no tokens, or none of a word (a BOM, NULs, punctuation)."""
+    if stream < MIN_TEXT_TOKENS:
+        raise UsageError(f"--calib {calib} gives {max(stream, 0)} token(s) of text; calibrating needs at least "
+                         f"{MIN_TEXT_TOKENS} (and far more to stand for the model's use): pass more text, or "
+                         f"'--calib {BUILTIN}'")
+    raw = getattr(tokenizer, "tokenizer", tokenizer)
+    prefix, suffix = _special_ends(tokenizer)  # the window's own specials (BOS, EOS) are not the text
+    body = [int(i) for i in ids[0]][len(prefix):ids.shape[1] - len(suffix)]
+    sample = raw.decode(body, skip_special_tokens=True)
+    unknown = getattr(raw.model, "unk_token", None)  # what the tokenizer makes of what it cannot read
+    if not any(ch.isalnum() for ch in (sample.replace(unknown, " ") if unknown else sample)):
+        raise UsageError(f"--calib {calib} holds no word (its first window decodes to {sample[:40]!r}); pass "
+                         f"a file of text, or '--calib {BUILTIN}'")
+
+
+def _check_ids_in_vocabulary(ids: np.ndarray, config: dict[str, Any], tokenizer_path: Path) -> None:
+    """Token ids the embedding has no row for are refused where they are made (the embedding's gather would
+    fill NaN, and every statistic after it; transformers raises IndexError on them)."""
+    vocab = config.get("vocab_size")
+    if vocab is None and isinstance(config.get("text_config"), dict):
+        vocab = config["text_config"].get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or ids.size == 0:
+        return
+    top = int(ids.max())
+    if top >= vocab or int(ids.min()) < 0:
+        bad = top if top >= vocab else int(ids.min())
+        raise InvalidCheckpointError(
+            f"{tokenizer_path} gives token id {bad} for this text, outside config.json's vocab_size {vocab} "
+            "(the embedding has no row for it): the tokenizer and the model disagree; fix one of them, or pass "
+            f"'--calib {RANDOM}'")

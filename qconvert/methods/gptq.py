@@ -26,7 +26,8 @@ from qconvert.cluster.share import spread
 from qconvert.calibration.observer import LayerStats
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.qarray import QArray
-from qconvert.methods.gptq_core import GPTQConfig, hessian_factor, round_columns, row_output_errors
+from qconvert.formats.errors import UsageError
+from qconvert.methods.gptq_core import DEFAULT_DAMP, GPTQConfig, hessian_factor, round_columns, row_output_errors
 from qconvert.methods.scale_search import ScaleSearches
 from qconvert.methods.loop import Results, weight_elements
 from qconvert.methods.smooth import TensorFold, apply_fold
@@ -172,10 +173,14 @@ class SequentialGPTQ:
                      tokens: int) -> tuple[dict[str, QArray], dict[str, np.ndarray]]:
         """GPTQ's QArrays of a group of linears sharing Hessian h, and the float32 weights they stand for."""
         u, perm, dead = hessian_factor(h, self.config.damp, act_order=self.config.act_order)
+        if not bool(jnp.isfinite(u).all()):
+            raise self._singular(group[0], h.shape[0], tokens)
         stacked = jnp.asarray(np.concatenate([np.asarray(weights[m], np.float32) for m in group]))
         steps = jnp.asarray(np.concatenate([self.scheme.gptq_steps(rtn[m], self.flags) for m in group]))
         codes, values = round_columns(stacked, steps, u, perm, dead, grid=self.scheme.gptq_grid(),
                                       block_size=self.config.block_size)
+        if not bool(jnp.isfinite(values).all()):  # checked where produced: NaN never reaches a code or a record
+            raise self._singular(group[0], h.shape[0], tokens)
         rtn_values = np.concatenate([np.asarray(rtn[m].dequantize(np.float32)) for m in group])
         errors, reference = (np.asarray(a, np.float64) for a in
                              row_output_errors(stacked, jnp.stack([values, rtn_values]), h))
@@ -190,6 +195,12 @@ class SequentialGPTQ:
             self.errors[m] = {"tokens": tokens, "error_gptq": _rounded(float(errors[0, rows].sum()) / denominator),
                               "error_rtn": _rounded(float(errors[1, rows].sum()) / denominator)}
         return chosen, dequantized
+
+    def _singular(self, module: str, width: int, tokens: int) -> UsageError:
+        return UsageError(
+            f"GPTQ cannot round {module}: its input Hessian, damped by --gptq-damp {self.config.damp:g}, is not "
+            f"positive definite in float32 ({tokens:,} calibration tokens for an input {width:,} wide); raise "
+            f"--gptq-damp (default {DEFAULT_DAMP:g}) or calibrate on more tokens (--calib-samples x --calib-seqlen)")
 
     def record(self) -> dict[str, Any]:
         """qconvert.json's `rounding`: GPTQ's settings and, per linear, its relative output error on the

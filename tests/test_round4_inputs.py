@@ -1,0 +1,72 @@
+"""Inputs of the fourth reliability round: each fails with one line and its exit code where it used to write a
+silently wrong folder, and nothing is left behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from checkpoints import make_llama_checkpoint
+from cli_helpers import run, tree
+
+RANDOM = ["--calib", "random"]
+
+
+@pytest.fixture
+def llama(tmp_path):
+    return make_llama_checkpoint(tmp_path / "src", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("damp", ["1e-12", "1e-30"])
+def test_gptq_on_a_hessian_that_cannot_be_factored_is_refused_not_written_as_nan(llama, tmp_path, capsys, damp):
+    """Few tokens and a dampening inside the documented range: the Cholesky of the damped Hessian is NaN in
+    float32. It was cast to zero codes and NaN in qconvert.json, exit 0."""
+    before = tree(tmp_path)
+    code, _, err = run(["quantize", str(llama), "-o", str(tmp_path / "out"), "--scheme", "int4", *RANDOM,
+                        "--calib-samples", "1", "--calib-seqlen", "4", "--gptq-damp", damp], capsys)
+    assert code == 2
+    (line,) = err.strip().splitlines()[-1:]
+    assert line.startswith("qconvert: error: GPTQ cannot round model.layers.0.")
+    assert f"--gptq-damp {float(damp):g}, is not positive definite in float32 (4 calibration tokens" in line
+    assert "raise --gptq-damp (default 0.1)" in line
+    assert tree(tmp_path) == before
+
+
+def test_a_tokenizer_with_ids_beyond_the_vocabulary_is_refused_where_the_ids_are_made(tmp_path, capsys):
+    """The embedding's gather filled NaN for such ids: w8a8 chose alpha 0 everywhere and GPTQ fell back to
+    rounding, exit 0. Refused for every command that tokenizes (quantize's calibration, calibrate, verify's
+    evaluation text all read it through one function)."""
+    from checkpoints import make_tokenizer
+
+    folder = make_llama_checkpoint(tmp_path / "src", vocab=64)
+    make_tokenizer(folder, vocab_size=512)
+    before = tree(tmp_path)
+    for args in (["quantize", str(folder), "-o", str(tmp_path / "out"), "--scheme", "w8a8"],
+                 ["quantize", str(folder), "-o", str(tmp_path / "out"), "--scheme", "int4"],
+                 ["calibrate", str(folder), "-o", str(tmp_path / "stats.safetensors")]):
+        code, _, err = run(args, capsys)
+        assert code == 6, (args, err)
+        (line,) = err.strip().splitlines()[-1:]
+        assert "tokenizer.json gives token id " in line and "outside config.json's vocab_size 64" in line
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("text, messages", [
+    ("hello", ["gives 1 token(s) of text; calibrating needs at least 16"]),
+    ("\ufeff" + "\x00" * 200, ["token(s) of text; calibrating needs at least 16", "holds no word"]),
+    ("... ; , !! ?? " * 40, ["holds no word"]),
+])
+def test_calibration_text_that_fits_nothing_is_refused(tmp_path, capsys, text, messages):
+    """One token (or only a BOM and NULs) was accepted: --act static fitted every scale on two tokens, exit 0."""
+    from checkpoints import make_tokenizer
+
+    folder = make_llama_checkpoint(tmp_path / "src")
+    make_tokenizer(folder)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(text, encoding="utf-8")
+    before = tree(tmp_path)
+    code, _, err = run(["quantize", str(folder), "-o", str(tmp_path / "out"), "--scheme", "w8a8", "--act", "static",
+                        "--calib", str(calib)], capsys)
+    assert code == 2, err
+    (line,) = err.strip().splitlines()[-1:]
+    assert any(message in line for message in messages), line
+    assert tree(tmp_path) == before
