@@ -103,15 +103,15 @@ def test_text_windows_carry_the_models_special_tokens(llama, tmp_path):
 def test_jsonl_reads_the_text_field_and_rejects_bad_lines(llama, tmp_path):
     folder, config = llama
     good = tmp_path / "c.jsonl"
-    good.write_text('{"text": "the word"}\n\n{"text": "of people", "id": 3}\n')
-    data = load_calibration(str(good), folder, config, samples=4, seqlen=3)
+    good.write_text('{"text": "the word"}\n\n{"text": "of people", "id": 3}\n' * 4 + '{"text": "the word"}\n')
+    data = load_calibration(str(good), folder, config, samples=12, seqlen=3)
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab()
     # documents are concatenated, then cut into windows of <s> + 2 tokens
-    assert data.input_ids.tolist() == [[1, vocab["the"], vocab["word"]], [1, vocab["of"], vocab["people"]]]
-    assert data.samples == 2  # the text ran out: fewer samples, and the record says so
-    assert data.record()["requested_samples"] == 4
+    assert data.input_ids.tolist()[:2] == [[1, vocab["the"], vocab["word"]], [1, vocab["of"], vocab["people"]]]
+    assert data.samples == 9  # the text (18 tokens) ran out: fewer samples, and the record says so
+    assert data.record()["requested_samples"] == 12
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
     with pytest.raises(UsageError, match="line 2"):

@@ -324,7 +324,8 @@ def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
                                      f"calibration text ({reason}); fix the tokenizer, or pass "
                                      f"'--calib {RANDOM}'") from None
     _check_ids_in_vocabulary(ids, config, Path(model_folder) / "tokenizer.json")
-    _check_enough_text(tokenizer, ids, stream, calib)
+    requested = samples * (effective_seqlen - sum(len(end) for end in _special_ends(tokenizer)))
+    _check_enough_text(tokenizer, ids, stream, min(MIN_TEXT_TOKENS, requested), calib)
     return CalibrationData(ids, calib, description, samples, seqlen, digest, stream_tokens=stream)
 
 
@@ -332,9 +333,10 @@ def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
 MIN_TEXT_TOKENS = 16
 
 
-def _check_enough_text(tokenizer, ids: np.ndarray, stream: int, calib: str) -> None:
-    """UsageError for text that gives almost no tokens, or none of a word (a BOM, NULs, punctuation)."""
-    if stream < MIN_TEXT_TOKENS:
+def _check_enough_text(tokenizer, ids: np.ndarray, stream: int, least: int, calib: str) -> None:
+    """UsageError for text that runs out below `least` tokens (MIN_TEXT_TOKENS, or fewer where the windows asked
+    for fewer), or holds no word (a BOM, NULs, punctuation)."""
+    if stream < least:
         raise UsageError(f"--calib {calib} gives {max(stream, 0)} token(s) of text; calibrating needs at least "
                          f"{MIN_TEXT_TOKENS} (and far more to stand for the model's use): pass more text, or "
                          f"'--calib {BUILTIN}'")
