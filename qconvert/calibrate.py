@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qconvert.calibration.data import BUILTIN, load_calibration
+from qconvert.calibration.data import BUILTIN, check_calibration_source, load_calibration
 from qconvert.cluster.share import agree_settings, same_windows
 from qconvert.calibration.observer import DEFAULT_BATCH_SIZE, collect_act_stats
 from qconvert.formats.act_stats import ActStats, is_stats_file, write_act_stats
@@ -36,6 +36,7 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
     is renamed into place.
     """
     out = Path(out)
+    check_calibration_source(calib)
     from qconvert.cluster import is_leader
     from qconvert.convert import agree_source
 

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
+from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN, check_calibration_source
 from qconvert.formats.errors import UsageError
 from qconvert.write import prefetch
 from qconvert.schemes import scheme_named
@@ -101,6 +101,7 @@ class CalibrationOptions:
     batch_size: int | None = None     # calibration windows per forward; None: calibration's default
 
     def __post_init__(self):
+        check_calibration_source(self.calib)
         # --alpha parsed once (UsageError here for a bad value), the parse carried.
         object.__setattr__(self, "_alpha_spec", parse_alpha(self.alpha))
 

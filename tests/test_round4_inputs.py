@@ -70,3 +70,53 @@ def test_calibration_text_that_fits_nothing_is_refused(tmp_path, capsys, text, m
     (line,) = err.strip().splitlines()[-1:]
     assert any(message in line for message in messages), line
     assert tree(tmp_path) == before
+
+
+def _corpus(name: str) -> str:
+    from importlib import resources
+
+    return resources.files("qconvert").joinpath("data", name).read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("vocab", [16, 24, 64, 128, 512, "minilm"])
+def test_the_built_in_corpora_share_no_run_under_every_tokenizer_the_tests_use(tmp_path, vocab):
+    """verify's held-out text against the built-in calibration text, each tokenized whole: no run of 16 tokens in
+    common, once the runs of unknown words (any words, to a small vocabulary) are set aside."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from checkpoints import make_tokenizer, minilm_path
+    from verify.held_out import NGRAM, shared_ngrams, unknown_id
+
+    folder = minilm_path() if vocab == "minilm" else make_tokenizer(tmp_path, vocab_size=vocab)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    calibration, evaluation = (np.asarray([tokenizer.encode(_corpus(name), add_special_tokens=False).ids])
+                               for name in ("calibration.txt", "evaluation.txt"))
+    assert shared_ngrams(evaluation, calibration, NGRAM, unknown_id(folder)) == 0
+
+
+def test_verify_after_a_default_conversion_under_a_small_vocabulary_is_not_refused(tmp_path, capsys):
+    """Runs of unknown words matched across the corpora, and verify refused its own default evaluation text."""
+    from checkpoints import make_tokenizer
+
+    folder = make_llama_checkpoint(tmp_path / "src")
+    make_tokenizer(folder, vocab_size=16)
+    code, _, err = run(["quantize", str(folder), "-o", str(tmp_path / "out"), "--scheme", "int8", "--gptq", "-q"],
+                       capsys)
+    assert code == 0, err
+    code, out, err = run(["verify", str(tmp_path / "out"), "--quick", "--backend", "xla"], capsys)
+    assert "shares" not in err and code in (0, 1), err
+    assert "held out from calibration" in out + err
+
+
+@pytest.mark.parametrize("command", ["quantize", "calibrate"])
+def test_calibrating_on_verifys_held_out_text_is_refused(llama, tmp_path, capsys, command):
+    """quantize --calib held-out calibrated on verify's evaluation text and recorded it as never calibrated on."""
+    out = tmp_path / ("out" if command == "quantize" else "stats.safetensors")
+    args = ["--scheme", "w8a8"] if command == "quantize" else []
+    before = tree(tmp_path)
+    code, _, err = run([command, str(llama), "-o", str(out), *args, "--calib", "held-out"], capsys)
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert line.startswith("qconvert: error: --calib held-out is verify's evaluation text")
+    assert tree(tmp_path) == before

@@ -65,21 +65,39 @@ def evaluation_source(calib: str, calibration: Mapping[str, Any] | None, has_tok
     return HELD_OUT, seed
 
 
-def ngrams(ids: np.ndarray, n: int = NGRAM) -> set[bytes]:
-    """Every run of n tokens in each window (a shorter window counts whole), as bytes."""
+def ngrams(ids: np.ndarray, n: int = NGRAM, unknown: int | None = None) -> set[bytes]:
+    """Every run of n tokens in each window (a shorter window counts whole), as bytes; a run holding the
+    tokenizer's unknown id is left out (it stands for any words the tokenizer cannot read, so two equal runs
+    of it say nothing of the text: under a small vocabulary most words are unknown)."""
     grams: set[bytes] = set()
     for row in np.asarray(ids, dtype=np.int64):
         if row.size < n:
-            grams.add(row.tobytes())
+            if unknown is None or unknown not in row:
+                grams.add(row.tobytes())
             continue
         runs = np.lib.stride_tricks.sliding_window_view(row, n)
-        grams.update(run.tobytes() for run in runs)
+        grams.update(run.tobytes() for run in runs if unknown is None or unknown not in run)
     return grams
 
 
-def shared_ngrams(evaluation: np.ndarray, calibration: np.ndarray, n: int = NGRAM) -> int:
+def shared_ngrams(evaluation: np.ndarray, calibration: np.ndarray, n: int = NGRAM, unknown: int | None = None) -> int:
     """How many distinct n-token runs of the evaluation windows also occur in the calibration windows."""
-    return len(ngrams(evaluation, n) & ngrams(calibration, n))
+    return len(ngrams(evaluation, n, unknown) & ngrams(calibration, n, unknown))
+
+
+def unknown_id(folder: Path) -> int | None:
+    """The id the folder's tokenizer gives what it cannot read, or None (no tokenizer, or one without)."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception:  # noqa: BLE001 - the library raises bare Exceptions; reading it failed earlier if at all
+        return None
+    token = getattr(tokenizer.model, "unk_token", None)
+    return tokenizer.token_to_id(token) if token else None
 
 
 def calibration_windows(calibration: Mapping[str, Any], folder: Path, config: dict[str, Any]) -> np.ndarray:
@@ -110,7 +128,7 @@ def held_out_evaluation(calib: str, calibration: Mapping[str, Any] | None, folde
     except QConvertError as exc:
         return HeldOut(data, calibration, None, f"calibration text {calibration.get('source')!r} cannot be "
                                                 f"rebuilt ({exc}): disjointness not checked")
-    shared = shared_ngrams(data.input_ids, calibrated)
+    shared = shared_ngrams(data.input_ids, calibrated, unknown=unknown_id(folder) if source != RANDOM else None)
     if shared:
         raise UsageError(f"the evaluation text ({data.description}) shares {shared} runs of {NGRAM} tokens with "
                          f"the calibration text ({calibration.get('description')}); verify on held-out text: "

@@ -291,6 +291,15 @@ def _calibration_texts(calib: str) -> tuple[Iterable[str] | Path, str, str | Non
     return texts, description, sha256_file(local)
 
 
+def check_calibration_source(calib: str | None) -> None:
+    """UsageError for a --calib that calibration may not read: verify's held-out text (calibrating on it would
+    leave verify nothing held out, while qconvert.json said it was never calibrated on)."""
+    if calib == HELD_OUT:
+        raise UsageError(f"--calib {HELD_OUT} is verify's evaluation text, kept out of calibration so that verify "
+                         f"measures on text the conversion never saw; calibrate on '{BUILTIN}' (the default), a "
+                         "file or a dataset")
+
+
 def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
                      samples: int = DEFAULT_SAMPLES, seqlen: int = DEFAULT_SEQLEN,
                      seed: int = RANDOM_SEED) -> CalibrationData:
