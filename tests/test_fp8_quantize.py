@@ -123,3 +123,16 @@ def test_act_static_is_refused_in_one_line(tmp_path, capsys):
     assert err.strip() == ("qconvert: error: --scheme fp8 quantizes activations per token at run time; --act "
                            "static (a calibrated per-tensor scale) is not written for it: drop --act static")
     assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("magnitude", [0.02, 3e-3, 1e-4, 1e-6])
+def test_float16_rows_with_subnormal_scales_are_compressed_tensors_own_bytes(magnitude):
+    """float16 rows with absmax below about 0.027 have a subnormal scale (absmax / 448): kept, as
+    compressed-tensors keeps it (it was flushed to zero, and the codes and scales differed)."""
+    rng = np.random.default_rng(2)
+    w = (rng.standard_normal((32, 512)) * 0.02).astype(np.float16)
+    w[:8] = (rng.standard_normal((8, 512)) * magnitude).astype(np.float16)
+    codes, scale = compressed_tensors_fp8(w)
+    q = quantize_fp8(w)
+    np.testing.assert_array_equal(np.asarray(q.qvalue).view(np.uint8), codes.view(torch.uint8).numpy())
+    np.testing.assert_array_equal(np.asarray(q.scale).astype(np.float32), scale.float().numpy())

@@ -172,3 +172,18 @@ def test_group_size_is_refused_for_other_schemes(tmp_path, capsys):
     code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "o"), "--scheme", "int8",
                             "--group-size", "64"], capsys)
     assert code == 2 and "--group-size applies to --scheme int4 only" in err
+
+
+@pytest.mark.parametrize("magnitude", [4e-4, 2e-5, 1e-6, 3e-8])
+def test_float16_groups_with_subnormal_scales_equal_compressed_tensors(magnitude):
+    """A float16 group whose absmax / 7.5 is below float16's smallest normal keeps its subnormal scale, as
+    compressed-tensors does (the scale was flushed to zero, then float16's eps: every code 0)."""
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((64, 256)) * 0.02).astype(np.float16)
+    w[:8] = (rng.standard_normal((8, 256)) * magnitude).astype(np.float16)  # tiny groups, some subnormal
+    codes, scale = compressed_tensors_int4(w, 64)
+    q = quantize_int4(w, 64)
+    np.testing.assert_array_equal(np.asarray(q.scale).astype(np.float32), scale)
+    np.testing.assert_array_equal(np.asarray(q.qvalue), codes)
+    if magnitude >= 2e-5:
+        assert np.count_nonzero(np.asarray(q.qvalue)[:8]) > 0.5 * 8 * 256

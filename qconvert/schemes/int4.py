@@ -40,9 +40,19 @@ def in_dtype(x: jax.Array, dtype) -> jax.Array:
     precision (seen: the divisor taken from the unrounded scale at 512 rows).
     """
     info = jnp.finfo(dtype)
+    x = x.astype(jnp.float32)
     if info.bits >= 32:
-        return x.astype(jnp.float32)
-    return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=info.nexp, mantissa_bits=info.nmant)
+        return x
+    rounded = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    # reduce_precision flushes the dtype's subnormals to zero; the dtype keeps them (a float16 scale of a small
+    # group is one), on a grid of smallest_normal * 2^-mantissa. Where that grid lies in float32's normal range
+    # (float16's), round onto it: a power-of-two scaling and a round half to even, exact in float32.
+    tiny = float(info.smallest_normal)
+    step = tiny * 2.0 ** -info.nmant
+    if step < float(jnp.finfo(jnp.float32).smallest_normal):
+        return rounded  # bfloat16's subnormals are float32's, which XLA's CPU flushes alike
+    subnormal = jnp.round(x / jnp.float32(step)) * jnp.float32(step)
+    return jnp.where(jnp.abs(x) < jnp.float32(tiny), subnormal, rounded)
 
 
 @functools.partial(jax.jit, static_argnames=("group", "scale_dtype"))
