@@ -120,3 +120,28 @@ def test_calibrating_on_verifys_held_out_text_is_refused(llama, tmp_path, capsys
     (line,) = err.strip().splitlines()
     assert line.startswith("qconvert: error: --calib held-out is verify's evaluation text")
     assert tree(tmp_path) == before
+
+
+def test_side_files_are_matched_folder_by_folder_and_never_from_hidden_or_deeper_folders(llama, tmp_path, capsys):
+    """fnmatch's `*` crossed `/`: a work folder's git config (with a token), notes and a float copy of the
+    weights under tokenizer_work/, and 2_Dense/private/creds.json, were copied into OUT and hashed."""
+    from checkpoints import make_tokenizer
+
+    make_tokenizer(llama)
+    for rel, text in {"tokenizer_work/.git/config": "[http] token = secret\n",
+                      "tokenizer_work/notes.txt": "private notes\n",
+                      "tokenizer_work/weights.json": "{}\n",
+                      "2_Dense/private/creds.json": '{"key": "secret"}\n',
+                      ".cache/tokenizer.json": "{}\n",
+                      "2_Dense/config.json": '{"in_features": 64}\n'}.items():
+        (llama / rel).parent.mkdir(parents=True, exist_ok=True)
+        (llama / rel).write_text(text)
+    code, _, err = run(["quantize", str(llama), "-o", str(tmp_path / "out"), "-q"], capsys)
+    assert code == 0, err
+    written = {p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*") if p.is_file()}
+    assert {"tokenizer.json", "tokenizer_config.json", "2_Dense/config.json"} <= written
+    assert not {w for w in written if w.startswith(("tokenizer_work", ".cache", "2_Dense/private"))}
+    import json
+
+    record = json.loads((tmp_path / "out" / "qconvert.json").read_text())
+    assert not [f for f in record["source"]["files"] if "private" in f or "tokenizer_work" in f or ".cache" in f]

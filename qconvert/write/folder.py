@@ -316,11 +316,36 @@ def _inside_model(path: Path, folder: Path) -> bool:
 def side_files(folder: Path) -> list[str]:
     """Relative paths (sorted) of the tokenizer/generation files in a model folder."""
     found = []
-    for path in sorted(folder.rglob("*")):
+    depth = max(p.count("/") for p in SIDE_FILE_PATTERNS) + 1
+    for path in sorted(_files_to_depth(folder, depth)):
         rel = path.relative_to(folder).as_posix()
-        if (path.is_file() and any(fnmatch.fnmatchcase(rel, p) for p in SIDE_FILE_PATTERNS)
-                and _inside_model(path, folder)):
+        if any(side_file_match(rel, p) for p in SIDE_FILE_PATTERNS) and _inside_model(path, folder):
             found.append(rel)
+    return found
+
+
+def side_file_match(rel: str, pattern: str) -> bool:
+    """Whether a relative path matches a side-file pattern folder by folder: each `/`-separated part of the
+    pattern matches one part of the path (fnmatch's `*` alone crosses `/`: `tokenizer*` took
+    `tokenizer_work/.git/config`), and no part of the path is hidden (`.git`, `.cache`)."""
+    parts, wanted = rel.split("/"), pattern.split("/")
+    return (len(parts) == len(wanted) and not any(part.startswith(".") for part in parts)
+            and all(fnmatch.fnmatchcase(part, want) for part, want in zip(parts, wanted)))
+
+
+def _files_to_depth(folder: Path, depth: int) -> list[Path]:
+    """The regular files of `folder` at most `depth` levels down (no deeper tree is walked)."""
+    found, level = [], [folder]
+    for _ in range(depth):
+        below = []
+        for directory in level:
+            try:
+                entries = list(directory.iterdir())
+            except OSError:
+                continue
+            found += [e for e in entries if e.is_file()]
+            below += [e for e in entries if e.is_dir() and not e.is_symlink() and not e.name.startswith(".")]
+        level = below
     return found
 
 
