@@ -145,3 +145,30 @@ def test_side_files_are_matched_folder_by_folder_and_never_from_hidden_or_deeper
 
     record = json.loads((tmp_path / "out" / "qconvert.json").read_text())
     assert not [f for f in record["source"]["files"] if "private" in f or "tokenizer_work" in f or ".cache" in f]
+
+
+def test_verify_json_file_writes_only_where_qconvert_may(llama, tmp_path, capsys):
+    """--json-file replaced any file: OUT's weights it had just verified, or the source's float weights."""
+    import json
+
+    out = tmp_path / "out"
+    assert run(["quantize", str(llama), "-o", str(out), "-q"], capsys)[0] == 0
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    before = tree(tmp_path)
+    verify = ["verify", str(out), "--quick", "--backend", "xla", "--json-file"]
+    for target, code, message in ((out / "model.safetensors", 2, "lies inside the folder verified"),
+                                  (out / "report.json", 2, "lies inside the folder verified"),
+                                  (llama / "model.safetensors", 8, "is not a verify record qconvert wrote"),
+                                  (notes, 8, "is not a verify record qconvert wrote")):
+        got, _, err = run([*verify, str(target)], capsys)
+        assert got == code, err
+        (line,) = err.strip().splitlines()
+        assert message in line
+    assert tree(tmp_path) == before
+    report = tmp_path / "report.json"
+    for _ in range(2):  # its own record it replaces, beside and renamed
+        got, _, err = run([*verify, str(report)], capsys)
+        assert got == 0, err
+        assert json.loads(report.read_text())["passed"] is True
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "out", "report.json", "src"]

@@ -64,7 +64,7 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
     """
     hub_messages(verbose)
     if json_file is not None:
-        _check_json_target(json_file)  # before the check runs, not after
+        _check_json_target(json_file, out)  # before the check runs, not after
     join_cluster(cluster_flags)
     check_jax_platforms()
     from qconvert.verify.run import VerifyOptions
@@ -137,14 +137,45 @@ def _emit_json(text: str, as_json: bool, json_file: Path | None) -> None:
     if as_json:
         click.echo(text)
     if json_file is not None:
-        json_file.write_text(text + "\n", encoding="utf-8")
+        from qconvert.write.folder import write_file_atomically
+
+        # Beside, then renamed over; only over a verify record (checked again just before the rename).
+        write_file_atomically(json_file, lambda f: f.write((text + "\n").encode("utf-8")),
+                              lambda: _check_json_file_free(json_file))
 
 
 
-def _check_json_target(path: Path) -> None:
+def is_verify_record(path: Path) -> bool:
+    """Whether a file is a JSON record `verify --json`/`--json-file` wrote (a format version and a verdict)."""
+    import json
+
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "format_version" in record and "verdict" in record
+
+
+def _check_json_target(path: Path, folder: Path) -> None:
+    """--json-file follows every file qconvert writes on request: never inside the folder verified (exit 2),
+    never over a file that is not a verify record qconvert wrote (exit 8)."""
     if not path.parent.is_dir():
         raise UsageError(f"--json-file {path}: the folder {path.parent} does not exist; create it or choose "
                          "another path")
     if path.is_dir():
         raise UsageError(f"--json-file {path} is a folder; give a file name")
+    real, verified = path.resolve(), Path(folder).resolve()
+    if verified in real.parents:
+        raise UsageError(f"--json-file {path} lies inside the folder verified ({folder}); write it elsewhere")
+    _check_json_file_free(path)
+
+
+def _check_json_file_free(path: Path) -> None:
+    from qconvert.formats.errors import OutputExistsError
+
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise OutputExistsError(f"--json-file {path} exists and is not a file; choose another path")
+    if path.exists() and not is_verify_record(path):
+        raise OutputExistsError(f"--json-file {path} exists and is not a verify record qconvert wrote; it is never "
+                                "replaced: choose another path")
 
