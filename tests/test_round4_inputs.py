@@ -172,3 +172,31 @@ def test_verify_json_file_writes_only_where_qconvert_may(llama, tmp_path, capsys
         assert got == 0, err
         assert json.loads(report.read_text())["passed"] is True
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "out", "report.json", "src"]
+
+
+@pytest.mark.parametrize("change, first, why", [
+    (lambda out: (out / "README.md").write_text((out / "README.md").read_text() + "\\nMy notes.\\n"),
+     "README.md", "was changed since qconvert wrote it"),
+    (lambda out: (out / "drafts").mkdir(), "drafts", "is a folder qconvert did not make"),
+    (lambda out: (out / "drafts" / "deeper").mkdir(parents=True), "drafts", "is a folder qconvert did not make"),
+])
+def test_overwrite_keeps_the_users_edits_and_folders(llama, tmp_path, capsys, change, first, why):
+    """--overwrite replaced a model card the user had edited (listed in qconvert.json, another sha256) and deleted
+    an empty folder the user made inside OUT."""
+    out = tmp_path / "out"
+    assert run(["quantize", str(llama), "-o", str(out), "-q"], capsys)[0] == 0
+    change(out)
+    before = tree(tmp_path)
+    code, _, err = run(["quantize", str(llama), "-o", str(out), "-q", "--overwrite"], capsys)
+    assert code == 8
+    (line,) = err.strip().splitlines()
+    assert f"is not a folder qconvert wrote: {first} {why}" in line
+    assert tree(tmp_path) == before
+
+
+def test_overwrite_still_replaces_a_folder_qconvert_wrote_and_verify_updated(llama, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run(["quantize", str(llama), "-o", str(out), "-q"], capsys)[0] == 0
+    assert run(["verify", str(out), "--quick", "--backend", "xla", "--update-card", "-q"], capsys)[0] == 0
+    code, _, err = run(["quantize", str(llama), "-o", str(out), "-q", "--overwrite"], capsys)
+    assert code == 0, err

@@ -104,25 +104,34 @@ def first_foreign_file(folder: Path) -> tuple[str, str] | None:
     None when every file is listed in a valid record (or the folder holds no file at all)."""
     from qconvert.formats.record import NO_RECORD, RecordError, read_record
 
-    present = []
+    present, folders = [], []
     for root, dirs, files in os.walk(folder):
         for name in dirs + files:
             path = Path(root) / name
             if path.is_symlink() or not path.is_dir():
                 present.append((path.relative_to(folder).as_posix(), path))
-    if not present:
+            else:
+                folders.append(path.relative_to(folder).as_posix())
+    if not present and not folders:
         return None
     try:
-        listed = set(read_record(folder).files)
+        listed = read_record(folder).files
     except RecordError as err:
         if err.kind == NO_RECORD:
-            return min(present)[0], f"is not listed in a {RECORD_NAME} (there is none)"
+            return min([name for name, _ in present] + folders), f"is not listed in a {RECORD_NAME} (there is none)"
         return RECORD_NAME, f"is not a valid conversion record ({err.kind})"
     for name, path in sorted(present):
         if path.is_symlink() or not path.is_file():
             return name, "is not a regular file"
         if name != RECORD_NAME and name not in listed:
             return name, f"is not listed in its {RECORD_NAME}"
+    made = {parent.as_posix() for name in listed for parent in Path(name).parents if parent != Path(".")}
+    for name in sorted(folders):
+        if name not in made:
+            return name, "is a folder qconvert did not make (no file it lists is inside)"
+    for name, path in sorted(present):  # last: it reads every file
+        if name != RECORD_NAME and sha256_file(path) != listed[name]:
+            return name, f"was changed since qconvert wrote it (its sha256 is not the one {RECORD_NAME} lists)"
     return None
 
 
