@@ -200,3 +200,19 @@ def test_overwrite_still_replaces_a_folder_qconvert_wrote_and_verify_updated(lla
     assert run(["verify", str(out), "--quick", "--backend", "xla", "--update-card", "-q"], capsys)[0] == 0
     code, _, err = run(["quantize", str(llama), "-o", str(out), "-q", "--overwrite"], capsys)
     assert code == 0, err
+
+
+def test_the_card_names_loosened_thresholds_and_quick(llama, tmp_path, capsys):
+    """verify --update-card wrote PASS into the card under loosened thresholds (and --quick) without naming them."""
+    out = tmp_path / "out"
+    assert run(["quantize", str(llama), "-o", str(out), "-q"], capsys)[0] == 0
+    code, _, err = run(["verify", str(out), "--quick", "--backend", "xla", "--update-card", "-q",
+                        "--max-kl", "5", "--min-sqnr", "1"], capsys)
+    assert code == 0, err
+    card = (out / "README.md").read_text()
+    assert "- under thresholds given on the command line, not the scheme's: max_mean_kl 5, min_layer_sqnr_db 1" in card
+    assert "- with `--quick`: a small evaluation sample, a smoke check" in card
+    code, _, err = run(["verify", str(out), "--backend", "xla", "--update-card", "-q"], capsys)
+    assert code == 0, err
+    card = (out / "README.md").read_text()  # the defaults, in full: neither line
+    assert "thresholds given on the command line" not in card and "--quick" not in card

@@ -181,6 +181,7 @@ def to_record(report: VerifyReport) -> dict[str, Any]:
         "devices": list(report.devices),
         "versions": report.versions,
         "thresholds": report.thresholds.as_dict(),
+        "thresholds_given": dict(report.thresholds_given),
         "evaluation": report.evaluation,
         "integrity": report.integrity.as_dict(),
         "layers": [r.as_dict() for r in report.layers],

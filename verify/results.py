@@ -113,6 +113,8 @@ class VerifyReport:
     # How the folder's weights were rounded, from its qconvert.json's `rounding` (its per-linear errors left
     # out): {"method": "gptq", "damp": ..., ...} or {"method": "rtn"} (also for folders that predate it).
     rounding: dict[str, Any] = dataclasses.field(default_factory=lambda: {"method": "rtn"})
+    # The thresholds given on the command line in place of the scheme's (name -> value); {} for the defaults.
+    thresholds_given: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def failed_fidelity_checks(self) -> list[Check]:

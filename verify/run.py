@@ -272,4 +272,5 @@ def report(run: Run) -> VerifyReport:
         devices=tuple(str(d) for d in jax.devices()), thresholds=run.thresholds,
         integrity=IntegrityResult(tuple(sorted(run.record.files)), tuple(run.problems)), layers=run.layers,
         model=run.model, extra_checks=extra, evaluation=run.evaluation, versions=versions(),
-        seconds=time.perf_counter() - run.started, skipped=run.skipped, rounding=rounding_of(run.record))
+        seconds=time.perf_counter() - run.started, skipped=run.skipped, rounding=rounding_of(run.record),
+        thresholds_given={k: float(v) for k, v in sorted(run.options.thresholds.items()) if v is not None})

@@ -140,6 +140,12 @@ def verify_section(record: Mapping[str, Any]) -> str:
     # The verdict without the folder's path, which depends on where verify was run from.
     verdict = str(record.get("verdict", "")).replace(f" {record.get('folder')}:", ":", 1)
     lines = [VERIFY_BEGIN, "## Verification", "", f"`qconvert verify`: **{verdict}**", ""]
+    given = record.get("thresholds_given") or {}
+    if given:  # a verdict under other thresholds than the scheme's says so where it is read
+        lines.append("- under thresholds given on the command line, not the scheme's: "
+                     + ", ".join(f"{k} {v:g}" for k, v in sorted(given.items())))
+    if evaluation.get("quick"):
+        lines.append("- with `--quick`: a small evaluation sample, a smoke check")
     if evaluation.get("samples") is not None:
         lines.append(f"- evaluation text: {evaluation.get('description') or evaluation.get('source')}; "
                      f"{evaluation.get('samples')} x {evaluation.get('seqlen')} tokens")
