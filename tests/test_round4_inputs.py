@@ -216,3 +216,23 @@ def test_the_card_names_loosened_thresholds_and_quick(llama, tmp_path, capsys):
     assert code == 0, err
     card = (out / "README.md").read_text()  # the defaults, in full: neither line
     assert "thresholds given on the command line" not in card and "--quick" not in card
+
+
+def test_inspect_names_per_channel_int4_apart_from_group_128(llama, tmp_path, capsys):
+    """inspect printed group-128's server verdicts (yes for vLLM GPU) for a per-channel int4 folder, never
+    measured."""
+    import json
+
+    from qconvert.formats.layout_base import LayoutFlags
+    from qconvert.schemes.servers import scheme_key
+
+    out = tmp_path / "out"
+    assert run(["quantize", str(llama), "-o", str(out), "--scheme", "int4", "--group-size", "channel", "--no-gptq",
+                "-q"], capsys)[0] == 0
+    code, text, _ = run(["inspect", str(out), "--json"], capsys)
+    assert code == 0
+    assert set(json.loads(text)["servers"].values()) == {"not measured"}
+    assert scheme_key("int4", LayoutFlags(group_size=None)) == "int4-channel"
+    assert scheme_key("int4", LayoutFlags(group_size=128)) == "int4"
+    assert scheme_key("int4", LayoutFlags(group_size=64)) == "int4-g64"
+    assert scheme_key("int8", LayoutFlags()) == "int8"

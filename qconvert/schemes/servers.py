@@ -35,7 +35,7 @@ TABLE: dict[tuple[str, str], str] = {
     ("w8a8", "qwen3_moe"): "YNNN",
     ("int8", "qwen2_moe"): "???Y",
     ("int4-g64", "mixtral"): "???Y",
-    ("int4", "qwen2_moe"): "???Y",  # measured per channel
+    ("int4-channel", "qwen2_moe"): "???Y",
     ("int4-g64", "qwen3_moe"): "???Y",
     ("fp8", "qwen2_moe"): "???Y",
     ("w8a8", "qwen2_moe"): "???N",
@@ -55,11 +55,17 @@ TABLE: dict[tuple[str, str], str] = {
 
 
 def scheme_key(scheme: str, flags: LayoutFlags) -> str:
-    """The table's key of a scheme with the flags that change where it loads."""
+    """The table's key of a scheme with the flags that change where it loads: every group size its own, one
+    scale per output channel (`-channel`) too, never folded into the default's (group 128) key."""
+    from qconvert.schemes import scheme_named
+
     if flags.static_act:
         return f"{scheme}-static"
-    if flags.group_size not in (None, 128):
-        return f"{scheme}-g{flags.group_size}"
+    if scheme_named(scheme).takes_group_size:
+        if flags.group_size is None:
+            return f"{scheme}-channel"
+        if flags.group_size != 128:
+            return f"{scheme}-g{flags.group_size}"
     return scheme
 
 
