@@ -8,7 +8,7 @@ from typing import Any
 
 from qconvert.calibration.data import BUILTIN, check_calibration_source, load_calibration
 from qconvert.cluster.share import agree_settings, same_windows
-from qconvert.calibration.observer import DEFAULT_BATCH_SIZE, collect_act_stats
+from qconvert.calibration.observer import DEFAULT_BATCH_SIZE, check_calibration_fits, collect_act_stats
 from qconvert.formats.act_stats import ActStats, is_stats_file, write_act_stats
 from qconvert.source.resolve import open_source, resolve_source
 from qconvert.write.folder import check_file_output_free, check_output_location, write_file_atomically
@@ -50,6 +50,7 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
         source.check_weights()
         agree_source(source)  # of several processes, every one reads what process 0 reads
         resolved, params = source.resolved, source.params
+        check_calibration_fits(source.model, params, resolved.config, samples, seqlen)  # before any window is made
         data = load_calibration(calib or BUILTIN, resolved.folder, resolved.config, samples=samples, seqlen=seqlen)
         agree_settings(same_windows(data.record()), "calibration")  # several processes: the same windows
         if message is not None:

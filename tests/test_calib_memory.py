@@ -114,7 +114,8 @@ def test_a_device_that_cannot_hold_even_one_window_is_refused_before_any_work(tm
                           "random", "--calib-samples", "16", "--calib-seqlen", "32"], capsys)
     assert code == 2
     (line,) = err.strip().splitlines()[-1:]
-    assert line.startswith("qconvert: error: calibration needs about ") and "on each device even one window" in line
+    assert line.startswith("qconvert: error: calibrating on 16 x 32 tokens needs about ")
+    assert "GiB on each device even one window at a time" in line
     assert "--calib-samples" in line
     assert tree(tmp_path) == before
     monkeypatch.setattr(observer, "device_budget", lambda device: need)  # exactly enough: it runs

@@ -236,3 +236,25 @@ def test_inspect_names_per_channel_int4_apart_from_group_128(llama, tmp_path, ca
     assert scheme_key("int4", LayoutFlags(group_size=128)) == "int4"
     assert scheme_key("int4", LayoutFlags(group_size=64)) == "int4-g64"
     assert scheme_key("int8", LayoutFlags()) == "int8"
+
+
+def test_a_calibration_that_cannot_fit_this_machine_is_refused_before_any_window(llama, tmp_path, capsys):
+    """--calib-samples 1e9 (and verify --samples 1e9) were exit 70 (MemoryError making the windows), 20000 on a
+    tiny model std::bad_alloc or the OOM killer: refused, exit 2, naming the estimate, before any work."""
+    huge = "1000000000"
+    out = tmp_path / "out"
+    assert run(["quantize", str(llama), "-o", str(out), "-q"], capsys)[0] == 0
+    before = tree(tmp_path)
+    for args, flag in ((["quantize", str(llama), "-o", str(tmp_path / "o2"), "--scheme", "int4", "--calib-samples",
+                         huge], "--calib-samples"),
+                       (["quantize", str(llama), "-o", str(tmp_path / "o2"), "--scheme", "w8a8", "--calib", "random",
+                         "--calib-samples", huge], "--calib-samples"),
+                       (["calibrate", str(llama), "-o", str(tmp_path / "s.safetensors"), "--calib-samples", huge],
+                        "--calib-samples"),
+                       (["verify", str(out), "--backend", "xla", "--samples", huge], "--samples")):
+        code, _, err = run(args, capsys)
+        assert code == 2, (args, err)
+        (line,) = err.strip().splitlines()[-1:]
+        assert f"on 1,000,000,000 x " in line and "GiB of this machine's memory even one window at a time" in line
+        assert f"fewer {flag}" in line
+    assert tree(tmp_path) == before

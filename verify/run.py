@@ -42,6 +42,7 @@ from qconvert.verify.params import QuantizedParams, check_tensors
 from qconvert.verify.report import versions
 from qconvert.verify.results import LayerResult, ModelResult, VerifyReport
 from qconvert.verify.smoothing import check_record_has_scales, check_smoothing, smoothing_factors
+from qconvert.calibration.observer import check_calibration_fits
 from qconvert.verify.thresholds import Check, Thresholds, thresholds_for
 from qconvert.verify.weight_only import (SYNTHETIC_ROWS, SYNTHETIC_SEED, skipped_stages,
                                          verify_linears_on_synthetic_inputs)
@@ -216,6 +217,11 @@ def evaluation_tokens(options: VerifyOptions, reference_folder: Path, config: di
 def verify_on_text(run: Run, source: SourceModel, progress: Reporter) -> None:
     """Per linear on the float model's own activations, then the whole model, on held-out text."""
     model, converted = source.model, run.converted  # the reference's forward: the configs were found equal
+    options = run.options
+    check_calibration_fits(model, source.params, source.config,
+                           options.samples or (QUICK_SAMPLES if options.quick else DEFAULT_SAMPLES),
+                           options.seqlen or (QUICK_SEQLEN if options.quick else DEFAULT_SEQLEN),
+                           what="verifying", flags="--samples or a shorter --seqlen")  # before any window
     held_out = evaluation_tokens(run.options, source.folder, source.config, run.record.calibration)
     ids = np.asarray(held_out.data.input_ids)
     mask = np.ones_like(ids)

@@ -140,3 +140,41 @@ def checkpoint_shapes(model, params) -> ModelShapes:
         return ModelShapes.of(model, shape, lambda name: np.dtype(checkpoint.dtype(name)).itemsize)
     return ModelShapes.of(model, lambda name: tuple(np.shape(params[name])),
                           lambda name: np.asarray(params[name]).dtype.itemsize)
+
+
+def host_available_bytes() -> int | None:
+    """The memory this machine has free for a new allocation (MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import os
+
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_fits(shapes: ModelShapes, samples: int, seqlen: int, device_limit: int | None, *, hessians: bool = False,
+               sequential: bool = False, what: str = "calibrating", flags: str = "--calib-samples or a shorter "
+               "--calib-seqlen") -> None:
+    """UsageError (exit 2, one line naming the estimate) when `samples` x `seqlen` tokens cannot fit even one
+    window a batch: on a device that states its memory (`device_limit`), its limit; on a CPU (None), the
+    memory this machine has available. Checked before the windows are made, so nothing is allocated first."""
+    from qconvert.formats.errors import UsageError
+
+    need = estimate(shapes, samples, seqlen, 1, hessians=hessians, sequential=sequential)
+    if device_limit is not None:
+        have, bytes_needed, where = device_limit, need.device_bytes, "on each device"
+    else:
+        have, bytes_needed, where = host_available_bytes(), need.total_on_cpu(), "of this machine's memory"
+    if have is None or bytes_needed <= have:
+        return
+    raise UsageError(f"{what} on {samples:,} x {seqlen:,} tokens needs about {bytes_needed / 2**30:,.1f} GiB "
+                     f"{where} even one window at a time (every window's hidden states, one layer's weights"
+                     f"{' and Hessians' if hessians else ''}), and {have / 2**30:,.1f} GiB is there; fewer "
+                     f"{flags}")

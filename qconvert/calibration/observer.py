@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert import interrupts
-from qconvert.calibration.memory import checkpoint_shapes, device_budget, estimate, fit_batch_size
+from qconvert.calibration.memory import check_fits, checkpoint_shapes, device_budget, fit_batch_size
 from qconvert.formats.act_stats import ActStats
-from qconvert.formats.errors import FormatError, InvalidCheckpointError, UsageError
+from qconvert.formats.errors import FormatError, InvalidCheckpointError
 from qconvert.formats.checkpoint_params import CheckpointParams
 from qconvert.formats.safetensors_io import open_checkpoint
 from qconvert.models import iterate_layers, read_tensors
@@ -120,6 +120,21 @@ def _observer(keep_inputs: frozenset[str], rows_per_batch: int, hessians: frozen
     return observe
 
 
+def check_calibration_fits(model, params: Mapping, config: Mapping, samples: int, seqlen: int, *,
+                           hessians: bool = False,
+                           sequential: bool = False, what: str = "calibrating",
+                           flags: str = "--calib-samples or a shorter --calib-seqlen") -> None:
+    """Before any window is made: UsageError when `samples` x `seqlen` tokens (the seqlen capped at the model's
+    positions) cannot fit this process's first device, or this machine's memory on a CPU, even a window at a
+    time (calibration_memory.check_fits)."""
+    if not hasattr(params, "checkpoint"):
+        return
+    positions = config.get("max_position_embeddings")
+    seqlen = min(seqlen, int(positions)) if isinstance(positions, int) and positions > 0 else seqlen
+    check_fits(checkpoint_shapes(model, params), samples, seqlen, device_budget(jax.local_devices()[0]),
+               hessians=hessians, sequential=sequential, what=what, flags=flags)
+
+
 def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_mask=None, *,
                      batch_size: int = DEFAULT_BATCH_SIZE, keep_inputs=frozenset(),
                      sample_rows: int = SAMPLE_ROWS, devices=None, hessians=frozenset(),
@@ -147,15 +162,7 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
         batch_size = fit_batch_size(shapes, n, t, batch_size, stated or HOST_BUDGET_BYTES,
                                     hessians=bool(hessians), sequential=replace is not None)
         if stated is not None:  # a device that states its memory: refuse what cannot fit it, before any work
-            need = estimate(shapes, n, t, batch_size, hessians=bool(hessians),
-                            sequential=replace is not None).device_bytes
-            if need > stated:
-                raise UsageError(
-                    f"calibration needs about {need / 2**30:.1f} GiB on each device even one window at a time "
-                    f"({n} x {t} tokens: every window's hidden states, one layer's weights"
-                    f"{' and Hessians' if hessians else ''}), more than {local[0].device_kind}'s "
-                    f"{stated / 2**30:.1f} GiB; fewer --calib-samples or a shorter --calib-seqlen, or a device "
-                    "with more memory")
+            check_fits(shapes, n, t, stated, hessians=bool(hessians), sequential=replace is not None)
     batches = math.ceil(n / max(1, batch_size))
     sharing = _HessianSharing()
     observe = _observer(keep_inputs, max(1, math.ceil(sample_rows / batches)), frozenset(hessians), sharing)

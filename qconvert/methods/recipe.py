@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from qconvert.calibration.data import BUILTIN, load_calibration
+from qconvert.calibration.observer import check_calibration_fits
 from qconvert.formats.act_stats import ActStats, check_stats_cover, load_act_stats
 from qconvert.formats.errors import UsageError
 from qconvert.formats.record import SmoothingRecord
@@ -96,6 +97,8 @@ def prepare_adjustments(source: SourceModel, options: ConvertOptions,
         stats = _loaded_stats(calib.act_stats, params, [*linears, *head])
         results.act_absmax.update(stats.act_absmax)
     else:
+        check_calibration_fits(source.model, params, source.config, calib.calib_samples, calib.calib_seqlen,
+                               hessians=gptq is not None, sequential=gptq is not None)  # before any window
         data = load_calibration(calib.calib or BUILTIN, source.folder, source.config,
                                 samples=calib.calib_samples, seqlen=calib.calib_seqlen)
         # Several processes: the same windows everywhere (a copy of the text may sit at another path).
