@@ -11,7 +11,7 @@ from qconvert.cluster.share import agree_settings, same_windows
 from qconvert.calibration.observer import DEFAULT_BATCH_SIZE, check_calibration_fits, collect_act_stats
 from qconvert.formats.act_stats import ActStats, is_stats_file, write_act_stats
 from qconvert.source.resolve import open_source, resolve_source
-from qconvert.write.folder import check_file_output_free, check_output_location, write_file_atomically
+from qconvert.write.folder import check_file_output_free, check_output_location, check_writable, write_file_atomically
 
 
 def save_act_stats(path: Path, stats: ActStats, model: str = "", recheck=None) -> None:
@@ -25,6 +25,7 @@ def check_stats_target(out: Path, overwrite: bool, source: Path | None = None) -
     inside the input; exit 8 for an existing OUT unless --overwrite replaces a stats file qconvert wrote)."""
     check_output_location(out, source)
     check_file_output_free(out, overwrite, is_stats_file, "a statistics file")
+    check_writable(out.parent, f"the statistics file {out}")
 
 
 def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples: int = 128,

@@ -21,8 +21,8 @@ from qconvert.formats.safetensors_io import SafetensorsCheckpoint, write_shards
 from qconvert.models.weight_only import WeightOnlySelection
 from qconvert.options import ConvertOptions, CalibrationOptions  # noqa: F401  (ConvertOptions' home; imported from here)
 from qconvert.write.folder import (
-    check_output_free, check_output_location, copy_side_files, hash_in_background, scratch_folder, side_files,
-    staged_output, write_json,
+    check_free_space, check_output_free, check_output_location, check_writable, copy_side_files, hash_in_background,
+    scratch_folder, side_files, staged_output, write_json,
 )
 from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
 from qconvert.write.prefetch import available_cores, run_ahead
@@ -149,6 +149,8 @@ def _convert_source(source: SourceModel, out: Path, options: ConvertOptions, pro
             message(note)
     phases: list[tuple[str, float]] = []
     files: dict[str, str] = {}
+    if not options.dry_run and cluster.is_leader():
+        _check_space(out, plan, options)
     with contextlib.ExitStack() as scratch:
         gptq = _sequential_gptq(source, plan, options, out, scratch)
         adjustments = Adjustments()
@@ -166,6 +168,17 @@ def _convert_source(source: SourceModel, out: Path, options: ConvertOptions, pro
             files = write_output(source, out, plan, options, adjustments, progress)
             phases.append(("wrote", time.perf_counter() - writing_started))
     return plan, adjustments, files, phases
+
+
+def _check_space(out: Path, plan: ConversionPlan, options: ConvertOptions) -> None:
+    """Before any work: OUT's disk holds the output and, with GPTQ, its scratch (one byte a quantized weight and
+    the scales, kept until the output is written) at once (exit 9 when it cannot)."""
+    output = sum(spec.nbytes for spec in plan.specs)
+    scratch = 0
+    if options.uses_gptq:
+        scratch = sum(int(np.prod(t.shape)) + t.output_bytes // 8 for t in plan.tensors if t.module is not None)
+    what = "the output" + (f" and GPTQ's scratch ({scratch / 2**30:,.2f} GiB while it runs)" if scratch else "")
+    check_free_space(out.parent, output + scratch, what)
 
 
 # GPTQ's Hessian needs many more calibration tokens than the linear's input width to stand for other text.
@@ -279,6 +292,7 @@ def check_output_target(model: str, out: Path, overwrite: bool) -> None:
     local = Path(model).expanduser()
     check_output_location(out, local if local.is_dir() else None)
     check_output_free(out, overwrite)
+    check_writable(out.parent, f"the output {out}")
 
 
 def _check_input_scales(plan: ConversionPlan, input_scales: Mapping[str, float]) -> None:

@@ -258,3 +258,37 @@ def test_a_calibration_that_cannot_fit_this_machine_is_refused_before_any_window
         assert f"on 1,000,000,000 x " in line and "GiB of this machine's memory even one window at a time" in line
         assert f"fewer {flag}" in line
     assert tree(tmp_path) == before
+
+
+def test_places_a_run_will_write_are_proven_writable_before_the_run(llama, tmp_path, capsys):
+    """w8a8 into a folder it cannot write calibrated fully, then exit 9; verify --json-file into one printed PASS,
+    then exit 9 (the verdict's code lost). /sys refuses new files even to root."""
+    out = tmp_path / "out"
+    assert run(["quantize", str(llama), "-o", str(out), "-q"], capsys)[0] == 0
+    for args, what in ((["quantize", str(llama), "-o", "/sys/qconvert-out", "--scheme", "w8a8"], "the output"),
+                       (["calibrate", str(llama), "-o", "/sys/qconvert-stats.safetensors"], "the statistics file"),
+                       (["verify", str(out), "--backend", "xla", "--json-file", "/sys/qconvert-report.json"],
+                        "--json-file")):
+        code, stdout, err = run(args, capsys)
+        assert code == 9, (args, err)
+        (line,) = err.strip().splitlines()
+        assert line.startswith(f"qconvert: error: cannot write {what}") and "Permission denied" in line
+        assert "calibrating" not in err and "PASS" not in stdout + err
+
+
+def test_a_disk_too_small_for_the_output_and_gptqs_scratch_is_refused_before_the_run(llama, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """A full disk during GPTQ's scratch writes was the bare line "No space left on device", after calibrating."""
+    from qconvert.write import folder
+
+    monkeypatch.setattr(folder, "free_bytes", lambda path: 50_000)
+    before = tree(tmp_path)
+    code, _, err = run(["quantize", str(llama), "-o", str(tmp_path / "out"), "--scheme", "int4", *RANDOM], capsys)
+    assert code == 9
+    (line,) = err.strip().splitlines()[-1:]
+    assert "the output and GPTQ's scratch" in line and "which has 0.00 GiB free" in line
+    assert "calibrating" not in err
+    assert tree(tmp_path) == before
+    monkeypatch.setattr(folder, "free_bytes", lambda path: 10**12)
+    assert run(["quantize", str(llama), "-o", str(tmp_path / "out"), "--scheme", "int4", *RANDOM, "-q"],
+               capsys)[0] == 0

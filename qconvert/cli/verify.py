@@ -65,6 +65,10 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
     hub_messages(verbose)
     if json_file is not None:
         _check_json_target(json_file, out)  # before the check runs, not after
+    if update_card and out.is_dir():
+        from qconvert.write.folder import check_writable
+
+        check_writable(out, "the model card's verification section")
     join_cluster(cluster_flags)
     check_jax_platforms()
     from qconvert.verify.run import VerifyOptions
@@ -168,6 +172,9 @@ def _check_json_target(path: Path, folder: Path) -> None:
     if verified in real.parents:
         raise UsageError(f"--json-file {path} lies inside the folder verified ({folder}); write it elsewhere")
     _check_json_file_free(path)
+    from qconvert.write.folder import check_writable
+
+    check_writable(path.parent, f"--json-file {path}")
 
 
 def _check_json_file_free(path: Path) -> None:

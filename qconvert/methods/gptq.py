@@ -26,7 +26,7 @@ from qconvert.cluster.share import spread
 from qconvert.calibration.observer import LayerStats
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.qarray import QArray
-from qconvert.formats.errors import UsageError
+from qconvert.formats.errors import OutputWriteError, UsageError
 from qconvert.methods.gptq_core import DEFAULT_DAMP, GPTQConfig, hessian_factor, round_columns, row_output_errors
 from qconvert.methods.scale_search import ScaleSearches
 from qconvert.methods.loop import Results, weight_elements
@@ -48,7 +48,13 @@ class QuantizedStore:
         leaves = {}
         for leaf in ("qvalue", "scale"):
             array = np.ascontiguousarray(np.asarray(getattr(q, leaf)))
-            (self.folder / f"{index}.{leaf}").write_bytes(array.tobytes())
+            try:
+                (self.folder / f"{index}.{leaf}").write_bytes(array.tobytes())
+            except OSError as err:
+                raise OutputWriteError(
+                    f"writing GPTQ's scratch in {self.folder.parent} failed: {err.strerror or err}; GPTQ keeps one "
+                    "byte a quantized weight there until the output is written (about twice an int4 output): "
+                    "free space or choose another -o") from None
             leaves[leaf] = (array.dtype.name, array.shape)
         meta = {"kind": str(q.kind), "block_size": q.block_size, "shape": q.shape, "dtype": q.dtype}
         self._meta[module] = (index, meta, leaves)

@@ -77,6 +77,38 @@ def _check_name_length(out: Path, target: Path) -> None:
                          f"a name of at most {name_max - TEMPORARY_NAME_EXTRA} bytes")
 
 
+def _nearest_existing(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """OutputWriteError (exit 9) before a long run when `what` could not be written in `folder` (or the nearest
+    folder of it that exists, where it would be made): proven by making a nameless temporary file there."""
+    where = _nearest_existing(folder)
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as err:
+        raise OutputWriteError(f"cannot write {what} in {where}: {err.strerror or err}; choose a place you can "
+                               "write to, before anything is computed") from None
+
+
+def free_bytes(folder: Path) -> int:
+    """Bytes free on the disk that holds `folder` (or the nearest folder of it that exists)."""
+    return shutil.disk_usage(_nearest_existing(folder)).free
+
+
+def check_free_space(folder: Path, needed: int, what: str) -> None:
+    """OutputWriteError (exit 9) before a long run when the disk of `folder` has less than `needed` bytes free."""
+    free = free_bytes(folder)
+    if needed > free:
+        raise OutputWriteError(f"{what} needs about {needed / 2**30:,.2f} GiB on the disk of {_nearest_existing(folder)}, "
+                               f"which has {free / 2**30:,.2f} GiB free; free space or choose another -o")
+
+
 def check_output_free(out: Path, overwrite: bool) -> None:
     """Refuse an existing OUT, unless overwriting an empty folder or one that qconvert wrote.
 
