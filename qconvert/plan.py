@@ -169,9 +169,13 @@ def select_modules(ckpt: SafetensorsCheckpoint, family: FamilyFacts, include: tu
     for pattern in include:
         hit = {m for m in candidates if matches(pattern, m)}
         if not hit:
-            tied = any(matches(pattern, name[: -len(".weight")]) for name in dropped)
-            why = " (lm_head is tied to the input embeddings and stays with them)" if tied else ""
-            raise UsageError(f"--include {pattern} matches no linear module{why}; check the pattern")
+            tied = any(matches(pattern, name[: -len(".weight")]) for name in dropped) or (
+                matches(pattern, "lm_head") and "lm_head.weight" not in ckpt.tensor_names)
+            if tied:  # the pattern is right: the model has no lm_head of its own
+                raise UsageError(f"--include {pattern}: this model has no lm_head weight of its own (its output "
+                                 "layer is the input embeddings, tied, which stay float with them); leave it out "
+                                 "of --include")
+            raise UsageError(f"--include {pattern} matches no linear module; check the pattern")
         if hit <= never:
             raise UsageError(f"--include {pattern} matches only routers or Conv1D linears ({min(hit)}), "
                              "which stay float: no loader reads them back quantized; leave it out of --include")

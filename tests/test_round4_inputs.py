@@ -292,3 +292,38 @@ def test_a_disk_too_small_for_the_output_and_gptqs_scratch_is_refused_before_the
     monkeypatch.setattr(folder, "free_bytes", lambda path: 10**12)
     assert run(["quantize", str(llama), "-o", str(tmp_path / "out"), "--scheme", "int4", *RANDOM, "-q"],
                capsys)[0] == 0
+
+
+def test_messages_name_the_real_cause(llama, tmp_path, capsys):
+    """Three lines that blamed the wrong thing: a model's max_position_embeddings of 1 was "--calib-seqlen 1
+    leaves no room"; --include lm_head on a tied model said "check the pattern"; verify --reference of an
+    already-quantized folder blamed its config.json against its weights."""
+    import json
+
+    from checkpoints import make_tokenizer
+
+    config = json.loads((llama / "config.json").read_text())
+    short = tmp_path / "short"
+    make_llama_checkpoint(short)
+    make_tokenizer(short)
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1}))
+    code, _, err = run(["quantize", str(short), "-o", str(tmp_path / "o1"), "--scheme", "w8a8",
+                        "--calib-seqlen", "512"], capsys)
+    assert code == 6
+    assert err.strip().endswith("config.json's max_position_embeddings 1 caps a window at 1 token(s), which leaves "
+                                "no room besides the model's 1 special token(s); fix max_position_embeddings")
+
+    tied = make_llama_checkpoint(tmp_path / "tied", tie=True)
+    code, _, err = run(["quantize", str(tied), "-o", str(tmp_path / "o2"), "--include", "lm_head"], capsys)
+    assert code == 2
+    assert "this model has no lm_head weight of its own" in err and "check the pattern" not in err
+
+    out = tmp_path / "out"
+    assert run(["quantize", str(llama), "-o", str(out), "-q"], capsys)[0] == 0
+    for args, expected in ((["verify", str(out), "--reference", str(out), "--backend", "xla"], 2),
+                           (["quantize", str(out), "-o", str(tmp_path / "o3")], 5),
+                           (["calibrate", str(out), "-o", str(tmp_path / "s.safetensors")], 5)):
+        code, _, err = run(args, capsys)
+        assert code == expected, err
+        (line,) = err.strip().splitlines()
+        assert f"{out} is already quantized (its config.json has a quantization_config, quant_method " in line

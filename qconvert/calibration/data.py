@@ -322,6 +322,13 @@ def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
         return CalibrationData(ids, RANDOM, description, samples, seqlen, seed=seed)
     texts, description, digest = _calibration_texts(calib)
     tokenizer = load_tokenizer(model_folder)
+    if effective_seqlen < seqlen:  # the model's positions cap the windows: name that, not the flag
+        ends = sum(len(end) for end in _special_ends(tokenizer))
+        if effective_seqlen - ends < 1:
+            raise InvalidCheckpointError(
+                f"config.json's max_position_embeddings {max_positions} caps a window at {effective_seqlen} "
+                f"token(s), which leaves no room besides the model's {ends} special token(s); fix "
+                "max_position_embeddings")
     try:
         ids = token_windows(tokenizer, texts, samples, effective_seqlen)
         stream = ids.shape[0] * (ids.shape[1] - sum(len(end) for end in _special_ends(tokenizer)))

@@ -13,7 +13,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from qconvert.formats.errors import FormatError, InvalidCheckpointError
+from qconvert.formats.errors import FormatError, InvalidCheckpointError, UnsupportedModelError
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint
 from qconvert.source.hub import ResolvedModel, resolve_model
 from qconvert.models.family import Family, FamilyFacts
@@ -91,11 +91,28 @@ def resolve_source(model: str, revision: str | None = None, *, scheme: Scheme | 
     unknown decoder through for the weight-only schemes); without, the model
     must be of a known family. The ResolvedModel keeps the family found.
     """
-    check = family_for if scheme is None else functools.partial(
+    family_check = family_for if scheme is None else functools.partial(
         check_architecture, any_architecture=any_architecture, scheme=scheme.name,
         weight_only=scheme.weight_only, weight_only_schemes=names_where(lambda s: s.weight_only))
+
+    def check(config):
+        refuse_quantized(model, config)
+        return family_check(config)
+
     with stage("resolving the model"):
         return resolve_model(model, revision, check_architecture=check)
+
+
+def refuse_quantized(model: str, config: dict) -> None:
+    """UnsupportedModelError (exit 5) for a checkpoint that is already quantized: every command that reads a float
+    model (quantize's MODEL, calibrate's, verify's --reference) says so, before its weights are read as float."""
+    quantization = config.get("quantization_config")
+    if isinstance(quantization, dict) or quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise UnsupportedModelError(
+            f"{model} is already quantized (its config.json has a quantization_config"
+            f"{f', quant_method {method!r}' if isinstance(method, str) else ''}); qconvert reads a float "
+            "checkpoint here: give the float model it was made from")
 
 
 def open_source(resolved: ResolvedModel, *, any_architecture: bool = False) -> SourceModel:
