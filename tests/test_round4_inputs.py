@@ -327,3 +327,35 @@ def test_messages_name_the_real_cause(llama, tmp_path, capsys):
         assert code == expected, err
         (line,) = err.strip().splitlines()
         assert f"{out} is already quantized (its config.json has a quantization_config, quant_method " in line
+
+
+def _tampered(out, edit):
+    """Edit config.json's quantization_config and record the edited file's sha256, as a careful tamperer would."""
+    import hashlib
+    import json
+
+    config = json.loads((out / "config.json").read_text())
+    edit(config["quantization_config"])
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    record = json.loads((out / "qconvert.json").read_text())
+    record["files"]["config.json"] = hashlib.sha256((out / "config.json").read_bytes()).hexdigest()
+    (out / "qconvert.json").write_text(json.dumps(record, indent=2))
+
+
+@pytest.mark.parametrize("edit, path", [
+    (lambda q: q.update(quantization_status="frozen"), "quantization_config.quantization_status"),
+    (lambda q: q["config_groups"]["group_0"].update(format="int-quantized"), "quantization_config.config_groups.group_0.format"),
+    (lambda q: q["config_groups"]["group_0"].update(output_activations={"num_bits": 8, "type": "int"}),
+     "quantization_config.config_groups.group_0.output_activations"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(observer="mse"),
+     "quantization_config.config_groups.group_0.weights.observer"),
+])
+def test_verify_compares_the_quantization_config_key_for_key(llama, tmp_path, capsys, edit, path):
+    """quantization_config edits with the hashes redone passed verify: "frozen" makes transformers run
+    uninitialised float weights (KL 0.59)."""
+    out = tmp_path / "out"
+    assert run(["quantize", str(llama), "-o", str(out), "-q"], capsys)[0] == 0
+    _tampered(out, edit)
+    code, text, err = run(["verify", str(out), "--quick", "--backend", "xla"], capsys)
+    assert code == 1, err
+    assert f"config.json: {path} is " in text + err and "but qconvert writes" in text + err

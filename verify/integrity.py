@@ -14,6 +14,7 @@ from typing import Any
 
 from qconvert.formats.errors import FormatError, InvalidCheckpointError
 from qconvert.formats.jsonfile import read_config as read_folder_config
+from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layouts import QuantizedCheckpoint, layout_for_config
 from qconvert.formats.record import (
     NO_FILES,
@@ -111,7 +112,36 @@ def check_config(config: dict[str, Any], record: ConversionRecord) -> list[str]:
             f"config.json: quantization_config describes {described or 'no known scheme'}, "
             f"but qconvert.json records scheme {record.scheme!r}"
         ]
-    return []
+    return check_quantization_config(config, record)
+
+
+def check_quantization_config(config: dict[str, Any], record: ConversionRecord) -> list[str]:
+    """config.json's quantization_config, key for key, against the one quantize writes for the scheme and flags
+    qconvert.json records (with the folder's own ignore list, which check_loader_view holds against the tensors
+    the folder keeps float): an edit a loader acts on (`quantization_status`, a `format`, `output_activations`)
+    fails, whatever the hashes say."""
+    from qconvert.plan import FLOAT_WEIGHT_DTYPES
+    from qconvert.schemes import scheme_named
+
+    qconfig = config["quantization_config"]
+    scheme = scheme_named(record.scheme)
+    flags = record.flags
+    group = flags.get("group_size")
+    layout_flags = LayoutFlags(static_act=flags.get("act") == "static", double_quant=bool(flags.get("double_quant")),
+                               group_size=int(group) if scheme.takes_group_size and isinstance(group, int) else None)
+    ignore = qconfig.get("ignore", qconfig.get("llm_int8_skip_modules"))
+    ignore = tuple(i for i in ignore if isinstance(i, str)) if isinstance(ignore, list) else ()
+    declared = config.get("torch_dtype") or config.get("dtype")
+    compute = declared if declared in FLOAT_WEIGHT_DTYPES else qconfig.get("bnb_4bit_compute_dtype", "float32")
+    expected = scheme.layout.quantization_config(layout_flags, ignore, str(compute))
+    found = _first_difference(expected, qconfig, "quantization_config")
+    if found is None:
+        return []
+    path, ours, theirs = found
+    ours = "absent" if ours is _ABSENT else repr(ours)
+    theirs = "absent" if theirs is _ABSENT else repr(theirs)
+    return [f"config.json: {path} is {theirs}, but qconvert writes {ours} for scheme {record.scheme!r} with the flags "
+            "qconvert.json records; a loader would read the folder otherwise"]
 
 
 # What quantize adds to the source's config.json, and bookkeeping no forward reads.
