@@ -3,6 +3,8 @@ silently wrong folder, and nothing is left behind."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from checkpoints import make_llama_checkpoint
@@ -359,3 +361,29 @@ def test_verify_compares_the_quantization_config_key_for_key(llama, tmp_path, ca
     code, text, err = run(["verify", str(out), "--quick", "--backend", "xla"], capsys)
     assert code == 1, err
     assert f"config.json: {path} is " in text + err and "but qconvert writes" in text + err
+
+
+def test_a_live_run_in_another_pid_namespace_keeps_its_temporaries(tmp_path):
+    """A run in another container on a shared volume found a live run's pid "dead" (it means nothing in its own
+    namespace) and deleted its GPTQ scratch. The marker's lock, held for the run's life, is the proof of life."""
+    import subprocess
+    import sys
+
+    from qconvert.write.folder import stale_temporaries
+
+    out = tmp_path / "out"
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys; from pathlib import Path; from qconvert.write.folder import _make_temporary, TEMPORARY_MARKER\n"
+         f"path = _make_temporary(Path({str(out)!r}), '.scratch')\n"
+         "(path / TEMPORARY_MARKER).write_text('999999\\n')  # its pid as another namespace numbers it\n"
+         "print(path, flush=True)\n"
+         "sys.stdin.read()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    path = Path(child.stdout.readline().strip())
+    try:
+        assert path.is_dir()
+        assert stale_temporaries(out) == []  # pid 999999 runs nowhere here, but the lock is held
+    finally:
+        child.communicate("", timeout=60)
+    assert [p.name for p in stale_temporaries(out)] == [path.name]  # its run has ended: stale now

@@ -172,12 +172,59 @@ def _temporary_pattern(out: Path) -> re.Pattern:
 
 
 def _make_temporary(out: Path, suffix: str) -> Path:
-    """A private folder beside OUT holding the marker (made with signals held back, so it never lacks it)."""
+    """A private folder beside OUT holding the marker (made with signals held back, so it never lacks it).
+
+    The marker is locked (flock) for as long as this process runs: the proof of life another run checks, from
+    any PID namespace (another container on a shared volume), before it calls the folder stale."""
     with interrupts.deferred():
         path = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=suffix, dir=out.parent))
         interrupts.register_temporary(path)
-        (path / TEMPORARY_MARKER).write_text(f"{os.getpid()}\n", encoding="ascii")
+        marker = path / TEMPORARY_MARKER
+        marker.write_text(f"{os.getpid()}\n", encoding="ascii")
+        _hold(path, marker)
     return path
+
+
+# Temporary folder -> the open descriptor of its locked marker (closed when the folder is discarded or kept).
+_LOCKS: dict[Path, int] = {}
+
+
+def _hold(path: Path, marker: Path) -> None:
+    try:
+        import fcntl
+
+        fd = os.open(marker, os.O_RDONLY)
+    except (ImportError, OSError):
+        return  # no flock here: the pid alone speaks for the run
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return
+    _LOCKS[path] = fd
+
+
+def _release(path: Path) -> None:
+    fd = _LOCKS.pop(Path(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _locked_by_a_live_run(marker: Path) -> bool:
+    """Whether a running process holds the marker's lock (in this PID namespace or another)."""
+    try:
+        import fcntl
+
+        fd = os.open(marker, os.O_RDONLY)
+    except (ImportError, OSError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True  # held: its run is alive
+    finally:
+        os.close(fd)  # closing drops the lock taken to look
+    return False
 
 
 def _alive(pid: int) -> bool:
@@ -205,7 +252,9 @@ def stale_temporaries(out: Path) -> list[Path]:
             pid = int(marker.read_text(encoding="ascii").strip())
         except (OSError, ValueError):
             continue
-        if pid != os.getpid() and not _alive(pid):
+        # Stale only when nothing holds its lock (a run in another container holds it with a pid that means
+        # nothing here) and its pid runs nowhere here (a run of a qconvert that took no lock).
+        if pid != os.getpid() and not _locked_by_a_live_run(marker) and not _alive(pid):
             stale.append(entry)
     return stale
 
@@ -219,6 +268,7 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
 
 
 def _discard(path: Path) -> None:
+    _release(path)
     shutil.rmtree(path, ignore_errors=True)
     interrupts.unregister_temporary(path)
 
@@ -272,6 +322,7 @@ def staged_output(out: Path, overwrite: bool) -> Iterator[Path]:
             else:
                 os.replace(staging, out)
                 committed()
+        _release(staging)
         interrupts.unregister_temporary(staging)
     except OSError as err:
         _discard(staging)
