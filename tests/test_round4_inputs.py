@@ -387,3 +387,22 @@ def test_a_live_run_in_another_pid_namespace_keeps_its_temporaries(tmp_path):
     finally:
         child.communicate("", timeout=60)
     assert [p.name for p in stale_temporaries(out)] == [path.name]  # its run has ended: stale now
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "int4"])
+def test_nan_activations_stop_calibration_where_they_appear(tmp_path, capsys, scheme):
+    """A NaN weight inside a layer made every statistic after it NaN: w8a8 chose alpha 0 everywhere and GPTQ fell
+    back to rounding, before the writer's own NaN check. The statistics are checked where they are made."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = make_llama_checkpoint(tmp_path / "src")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, folder / "model.safetensors")
+    before = tree(tmp_path)
+    code, _, err = run(["quantize", str(folder), "-o", str(tmp_path / "out"), "--scheme", scheme, *RANDOM], capsys)
+    assert code == 7, err
+    (line,) = err.strip().splitlines()[-1:]
+    assert line == ("qconvert: error: calibration: the input of model.layers.0.mlp.down_proj holds NaN or Inf: the "
+                    "float model overflows there, or a weight before it is not finite; fix the checkpoint")
+    assert tree(tmp_path) == before

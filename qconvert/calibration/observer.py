@@ -22,7 +22,7 @@ import numpy as np
 from qconvert import interrupts
 from qconvert.calibration.memory import check_fits, checkpoint_shapes, device_budget, fit_batch_size
 from qconvert.formats.act_stats import ActStats
-from qconvert.formats.errors import FormatError, InvalidCheckpointError
+from qconvert.formats.errors import FormatError, InvalidCheckpointError, InvalidWeightError
 from qconvert.formats.checkpoint_params import CheckpointParams
 from qconvert.formats.safetensors_io import open_checkpoint
 from qconvert.models import iterate_layers, read_tensors
@@ -185,6 +185,10 @@ def _layer_stats(index: int, observed: dict[str, list], keep_inputs: frozenset[s
     absmax, samples = {}, {}
     for name, per_batch in observed.items():
         absmax[name] = np.max(np.stack([np.asarray(o["absmax"]) for o in per_batch]), axis=0)
+        if not np.isfinite(absmax[name]).all():  # checked where it appears: no step ever sees NaN statistics
+            raise InvalidWeightError(
+                f"calibration: the input of {name} holds NaN or Inf: the float model overflows there, or a weight "
+                "before it is not finite; fix the checkpoint")
         if name in keep_inputs:
             rows = np.concatenate([np.asarray(o["rows"])[np.asarray(o["valid"])] for o in per_batch])
             samples[name] = rows[:sample_rows]
