@@ -88,7 +88,7 @@ def test_the_built_in_corpora_share_no_run_under_every_tokenizer_the_tests_use(t
     from tokenizers import Tokenizer
 
     from checkpoints import make_tokenizer, minilm_path
-    from verify.held_out import NGRAM, shared_ngrams, unknown_id
+    from qconvert.verify.held_out import NGRAM, shared_ngrams, unknown_id
 
     folder = minilm_path() if vocab == "minilm" else make_tokenizer(tmp_path, vocab_size=vocab)
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))

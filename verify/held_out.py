@@ -66,17 +66,21 @@ def evaluation_source(calib: str, calibration: Mapping[str, Any] | None, has_tok
 
 
 def ngrams(ids: np.ndarray, n: int = NGRAM, unknown: int | None = None) -> set[bytes]:
-    """Every run of n tokens in each window (a shorter window counts whole), as bytes; a run holding the
-    tokenizer's unknown id is left out (it stands for any words the tokenizer cannot read, so two equal runs
-    of it say nothing of the text: under a small vocabulary most words are unknown)."""
+    """Every run of n tokens in each window (a shorter window counts whole), as bytes; a run more than three
+    quarters of which is the tokenizer's unknown id is left out (unknown stands for any word the tokenizer
+    cannot read, so two such runs say nothing of the text: under a small vocabulary most words are unknown;
+    the same text still shares its runs with fewer unknowns)."""
+    def telling(run: np.ndarray) -> bool:
+        return unknown is None or 4 * int(np.count_nonzero(run == unknown)) <= 3 * run.size
+
     grams: set[bytes] = set()
     for row in np.asarray(ids, dtype=np.int64):
         if row.size < n:
-            if unknown is None or unknown not in row:
+            if telling(row):
                 grams.add(row.tobytes())
             continue
         runs = np.lib.stride_tricks.sliding_window_view(row, n)
-        grams.update(run.tobytes() for run in runs if unknown is None or unknown not in run)
+        grams.update(run.tobytes() for run in runs if telling(run))
     return grams
 
 

@@ -33,8 +33,8 @@ from qconvert.schemes import scheme_named
 from qconvert.source.resolve import SourceModel, open_source, resolve_source
 from qconvert.verify.fidelity import make_folder_linear
 from qconvert.verify.held_out import AUTO, HeldOut, held_out_evaluation
-from qconvert.verify.integrity import (IntegrityResult, check_config, check_config_matches_reference,
-                                       check_files, check_loader_view, read_config, read_record)
+from qconvert.verify.integrity import (IntegrityResult, check_config, check_config_matches_reference, check_files,
+                                       check_loader_view, check_quantization_config, read_config, read_record)
 from qconvert.verify.kernel_path import KernelPath
 from qconvert.verify.layers import verify_layers
 from qconvert.verify.model import verify_model
@@ -147,7 +147,8 @@ def check_folder(run: Run, progress: Reporter) -> bool:
     except FormatError as exc:
         run.problems.append(str(exc))
         return False
-    run.problems += check_loader_view(run.quantized) or check_activation_mode(run.record, run.quantized)
+    run.problems += (check_loader_view(run.quantized) or check_activation_mode(run.record, run.quantized)
+                     or check_quantization_config(run.config, run.record))  # last: the most general
     if run.problems:
         return False
     run.converted, run.kernels = QuantizedParams(run.quantized), KernelPath(run.quantized, run.options.backend)
