@@ -27,7 +27,7 @@ from qconvert.stages import DEBUG_VARIABLE, INTERNAL_ERROR_EXIT_CODE, internal_e
 @click.version_option(__version__, prog_name="qconvert")
 @click.pass_context
 def cli(ctx: click.Context) -> None:
-    """Quantize Hugging Face checkpoints (W8A8, int8, NF4) and verify the result."""
+    """Quantize Hugging Face checkpoints (int8, int4, W8A8, FP8, NF4) and verify the result."""
     if ctx.invoked_subcommand is None:
         # Bare `qconvert` is a question, not a mistake: a short usage and the commands, exit 0 (as git does).
         click.echo(short_usage(ctx))
