@@ -78,11 +78,13 @@ def _number(value: Any, default, kind):
 class SourceRecord:
     """Where the conversion read from: a Hub id or folder, its revision and commit, and each input's sha256."""
 
-    model: str | None = None
+    model: str | None = None        # a Hub id; for a local folder, its name only (no path is published)
     is_hub: bool = False
     revision: str | None = None
     commit: str | None = None
     files: dict[str, str] = dataclasses.field(default_factory=dict)
+    # A local folder: where it lies from OUT (e.g. "../llama"), so that verify finds it from anywhere.
+    folder_from_out: str | None = None
 
     @property
     def pinned_revision(self) -> str | None:
@@ -90,15 +92,20 @@ class SourceRecord:
         return self.commit or self.revision
 
     def to_json(self) -> dict[str, Any]:
-        return {"model": self.model, "is_hub": self.is_hub, "revision": self.revision, "commit": self.commit,
-                "files": dict(sorted(self.files.items()))}
+        out = {"model": self.model, "is_hub": self.is_hub, "revision": self.revision, "commit": self.commit,
+               "files": dict(sorted(self.files.items()))}
+        if self.folder_from_out is not None:
+            out["folder_from_out"] = self.folder_from_out
+        return out
 
     @classmethod
     def from_json(cls, raw: Any) -> "SourceRecord":
         raw = _object(raw)
         files = raw.get("files")
+        where = raw.get("folder_from_out")
         return cls(raw.get("model"), raw.get("is_hub") is True, raw.get("revision"), raw.get("commit"),
-                   {k: v for k, v in files.items() if isinstance(v, str)} if isinstance(files, dict) else {})
+                   {k: v for k, v in files.items() if isinstance(v, str)} if isinstance(files, dict) else {},
+                   where if isinstance(where, str) else None)
 
 
 @dataclasses.dataclass(frozen=True)

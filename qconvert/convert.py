@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -262,14 +263,23 @@ def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: 
         files.update(copy_side_files(resolved.folder, staging))
         files["config.json"] = write_json(staging / "config.json", quantized_config(resolved.config, plan, options))
         record = ConversionRecord(
-            options.scheme, {}, SourceRecord(resolved.model_id, resolved.is_hub, resolved.revision, resolved.commit,
-                                             source_hashes()),
+            options.scheme, {}, source_record(resolved, out, source_hashes()),
             __version__, options.recorded_flags(plan.flags), adjustments.calibration_record, adjustments.smoothing_record,
             searches.record(options.scheme_object), adjustments.rounding_record or dict(RTN_RECORD),
             source.weight_only.record() if source.weight_only is not None else None)
         files[CARD_NAME] = write_card(staging, card_facts(source, plan, options, record))
         write_record(staging, dataclasses.replace(record, files=dict(sorted(files.items()))))
     return dict(sorted(files.items()))
+
+
+def source_record(resolved, out: Path, hashes: dict[str, str]) -> SourceRecord:
+    """qconvert.json's `source`: a Hub id with its revision and commit; a local folder by its name and where it
+    lies from OUT (relative: no local path is published, and verify finds it from any working folder)."""
+    if resolved.is_hub:
+        return SourceRecord(resolved.model_id, True, resolved.revision, resolved.commit, hashes)
+    folder = Path(os.path.abspath(resolved.folder))
+    return SourceRecord(folder.name, False, None, None, hashes,
+                        Path(os.path.relpath(folder, os.path.abspath(out))).as_posix())
 
 
 def card_facts(source: SourceModel, plan: ConversionPlan, options: ConvertOptions,

@@ -39,7 +39,8 @@ def converted(source, tmp_path_factory):
 
 def test_card_names_source_scheme_flags_size_and_how_to_load(source, converted):
     card = (converted / "README.md").read_text()
-    assert f"| source | `{source}` (a local folder; no Hub commit) |" in card
+    assert f"| source | `{source.name}` (a local folder; no Hub commit) |" in card
+    assert str(source.parent) not in card  # no local path in a folder meant for publishing
     assert "| scheme | `int8` (compressed-tensors layout) |" in card
     assert '`scheme="int8"`' in card and "`include=[]`" in card and "`scale_search=false`" in card
     # Sizes from the tensors themselves: every source tensor, and every tensor written.

@@ -40,8 +40,9 @@ def gemma_out(tmp_path_factory):
 
 
 def edited_copy(out, root, edit):
-    """A copy of `out` whose config.json has `edit` applied and whose qconvert.json holds the new hash."""
-    folder = root / "edited"
+    """A copy of `out` whose config.json has `edit` applied and whose qconvert.json holds the new hash; beside
+    `out`, so that qconvert.json finds the source from it as from `out`."""
+    folder = out.parent / f"edited-{root.name}"
     shutil.copytree(out, folder)
     config = json.loads((folder / "config.json").read_text())
     edit(config)

@@ -36,9 +36,11 @@ def converted(tmp_path_factory):
 
 @pytest.fixture
 def copy(converted, tmp_path):
-    target = tmp_path / "copy"
+    """A copy beside the conversion: qconvert.json finds its source from OUT ("../src"), as from the original."""
+    target = converted.parent / f"copy-{tmp_path.name}"
     shutil.copytree(converted, target)
-    return target
+    yield target
+    shutil.rmtree(target, ignore_errors=True)
 
 
 def shard_of(folder, tensor):

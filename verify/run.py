@@ -177,12 +177,25 @@ def open_reference(run: Run) -> SourceModel:
     scheme = scheme_named(run.record.scheme) if weight_only else None
     # A Hub source is pinned to the commit it was converted from; a local folder has no revision.
     revision = options.revision if options.reference else (source.pinned_revision if source.is_hub else None)
+    if not options.reference and not source.is_hub:
+        model = str(recorded_source_folder(run.folder, source))  # a local source is never looked up on the Hub
     resolved = resolve_source(model, revision, scheme=scheme, any_architecture=weight_only)
     if not options.reference:
         check_source_unchanged(resolved.folder, source.files)
     run.reference = {"model": model, "folder": str(resolved.folder), "commit": resolved.commit,
                      "is_hub": resolved.is_hub, "from": "--reference" if options.reference else "qconvert.json"}
     return open_source(resolved, any_architecture=weight_only)
+
+
+def recorded_source_folder(folder: Path, source) -> Path:
+    """The local folder qconvert.json records as the source: where it lies from OUT (or, in records without
+    that, the path as it was typed); UsageError naming --reference when it is not there."""
+    where = Path(folder) / source.folder_from_out if source.folder_from_out else Path(str(source.model))
+    if not where.is_dir():
+        said = (f"{source.folder_from_out} from {folder}" if source.folder_from_out else str(source.model))
+        raise UsageError(f"the source folder qconvert.json records ({said}) is not there; pass --reference with "
+                         "the float model the folder was converted from")
+    return where
 
 
 def check_source_unchanged(folder: Path, recorded: Mapping[str, str]) -> None:
