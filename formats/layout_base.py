@@ -51,6 +51,8 @@ class Layout(abc.ABC):
     scheme: str  # the --scheme name
     qarray_kind: str  # the QArray kind it stores ("int8", "int4", "fp8" or "nf4")
     quant_method: str  # quantization_config["quant_method"]
+    # What `pip install` needs beside transformers to load the layout (default: the quant_method's package).
+    pip_packages: tuple[str, ...] = ()
     marker_suffix: str  # the one tensor (module + suffix) every quantized linear of this layout has
     part_suffixes: tuple[str, ...]  # every tensor a quantized linear may have, module + suffix
     takes_input_scale: bool = False  # a static activation scale may be stored per linear

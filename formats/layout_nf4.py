@@ -71,6 +71,7 @@ class BitsandbytesNF4(Layout):
     scheme = "nf4"
     qarray_kind = "nf4"
     quant_method = QUANT_METHOD
+    pip_packages = (QUANT_METHOD, "accelerate")  # transformers' bitsandbytes path raises without accelerate
     marker_suffix = NF4_STATE_SUFFIX
     part_suffixes = (".weight", ".weight.absmax", ".weight.quant_map", ".weight.nested_absmax",
                      ".weight.nested_quant_map", NF4_STATE_SUFFIX)

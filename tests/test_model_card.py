@@ -131,3 +131,19 @@ def test_the_cards_transformers_snippet_loads_the_folders_own_int8_weights(conve
     codes = words.view(np.uint8).reshape(words.shape[0], -1).astype(np.int32) - 128
     expected = codes[:, :loaded.shape[1]] * tensors["model.layers.0.self_attn.q_proj.weight_scale"]
     np.testing.assert_allclose(loaded, expected, rtol=1e-6, atol=0)
+
+
+def test_the_card_says_how_the_weights_were_rounded_and_what_loading_needs(tmp_path, capsys):
+    """The card never said GPTQ rounded the weights, and its nf4 install line lacked accelerate (transformers
+    raises ImportError without it)."""
+    from cli_helpers import run
+
+    source = make_llama_checkpoint(tmp_path / "src")
+    for scheme, extra, install, rounding in (
+            ("int4", ["--calib", "random"], "pip install transformers compressed-tensors`",
+             "| rounding | GPTQ (dampening 0.1, act order off) on the calibration text below |"),
+            ("nf4", [], "pip install transformers bitsandbytes accelerate`", "| rounding | to nearest |")):
+        out = tmp_path / scheme
+        assert run(["quantize", str(source), "-o", str(out), "--scheme", scheme, *extra, "-q"], capsys)[0] == 0
+        card = (out / "README.md").read_text()
+        assert install in card and rounding in card

@@ -42,6 +42,7 @@ class CardFacts:
     unchanged_tensors: int
     input_bytes: int
     output_bytes: int
+    pip_packages: tuple[str, ...] = ()  # beside transformers, to load the folder (default: quant_method's)
 
 
 def _mib(n: int) -> str:
@@ -61,6 +62,15 @@ def _flags_line(record: ConversionRecord) -> str:
     flags = record.flags
     shown = ", ".join(f"`{key}={json.dumps(value, sort_keys=True)}`" for key, value in sorted(flags.items()))
     return f"| flags | {shown or '(defaults)'} |"
+
+
+def _rounding_line(record: ConversionRecord) -> str:
+    """How the weights were rounded: GPTQ with its settings, or to nearest."""
+    rounding = record.rounding or {}
+    if rounding.get("method") == "gptq":
+        return (f"| rounding | GPTQ (dampening {rounding.get('damp')}, act order "
+                f"{'on' if rounding.get('act_order') else 'off'}) on the calibration text below |")
+    return "| rounding | to nearest |"
 
 
 def _calibration_line(record: ConversionRecord) -> list[str]:
@@ -88,7 +98,8 @@ def _transformers_snippet(facts: CardFacts) -> list[str]:
            "print(tokenizer.decode(model.generate(**inputs, max_new_tokens=8)[0]))") if facts.causal_lm else (
            'inputs = tokenizer(["A sentence to embed."], return_tensors="pt")',
            "print(model(**inputs).last_hidden_state.mean(dim=1))")
-    return [f"transformers (with `pip install transformers {facts.quant_method}`):", "", "```python",
+    packages = " ".join(facts.pip_packages or (facts.quant_method,))
+    return [f"transformers (with `pip install transformers {packages}`):", "", "```python",
             f"from transformers import {auto}, AutoTokenizer", "",
             f'model = {auto}.from_pretrained("{FOLDER}")', f'tokenizer = AutoTokenizer.from_pretrained("{FOLDER}")',
             *use, "```", ""]
@@ -112,7 +123,7 @@ def model_card(facts: CardFacts) -> str:
         f"# {name} ({record.scheme})", "",
         f"{facts.architecture} quantized by qconvert {record.qconvert_version}: {facts.scheme_summary}.", "",
         "| | |", "|---|---|", *_source_lines(source),
-        f"| scheme | `{record.scheme}` ({facts.quant_method} layout) |", _flags_line(record),
+        f"| scheme | `{record.scheme}` ({facts.quant_method} layout) |", _flags_line(record), _rounding_line(record),
         *_calibration_line(record),
         (f"| size | {_mib(facts.input_bytes)} -> {_mib(facts.output_bytes)} ({ratio:.2f}x smaller); "
          f"{facts.quantized_linears} linears quantized, {facts.unchanged_tensors} tensors unchanged |"),
