@@ -85,3 +85,16 @@ def test_bad_calibration_flags_exit_2_with_one_line(model, tmp_path, capsys, arg
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_calibrate_in_a_pipe_prints_each_progress_line_once(tmp_path, capsys):
+    """The head's statistics repeated the last layer's progress line."""
+    from checkpoints import make_llama_checkpoint
+    from cli_helpers import run
+
+    folder = make_llama_checkpoint(tmp_path / "src")
+    code, _, err = run(["calibrate", str(folder), "-o", str(tmp_path / "s.safetensors"), "--calib", "random",
+                        "--calib-samples", "4", "--calib-seqlen", "16"], capsys)
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("qconvert: calibrating: ")]
+    assert len(lines) == 1 and lines[0].startswith("qconvert: calibrating: 2/2 layers")

@@ -241,7 +241,8 @@ def collect_act_stats(model, params: Mapping, input_ids: np.ndarray, attention_m
     progress.step(CALIBRATING, 0, model.num_layers)
     for layer in iter_layer_stats(model, params, input_ids, attention_mask, batch_size=batch_size):
         act_absmax.update(layer.act_absmax)
-        progress.step(CALIBRATING, min(layer.index + 1, model.num_layers), model.num_layers)
+        if layer.index < model.num_layers:  # the last LayerStats holds the head's inputs: no layer of its own
+            progress.step(CALIBRATING, layer.index + 1, model.num_layers)
     tokens = int(np.sum(attention_mask)) if attention_mask is not None else int(np.asarray(input_ids).size)
     return ActStats(act_absmax, tokens, calibration)
 
