@@ -253,3 +253,13 @@ def test_a_source_changed_since_conversion_is_refused_unless_a_reference_is_give
 def test_a_backend_the_machine_lacks_exits_2(converted, capsys):
     code, _, err = run_cli(["verify", str(converted), "--backend", "tpu"], capsys)
     assert code == 2 and "--backend tpu needs a TPU" in err
+
+
+@pytest.mark.parametrize("backend", ["auto", "xla"])
+def test_strict_where_every_layer_runs_xlas_reference_says_what_to_pass(converted, capsys, backend):
+    """--strict on a CPU failed every conversion with `pallas_kernel 0 < 1` and no hint of --backend cpu."""
+    code, _, err = run_cli(["verify", str(converted), "--strict", "--backend", backend], capsys)
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert line.startswith("qconvert: error: --strict fails every layer that runs XLA's reference")
+    assert line.endswith("pass --backend cpu (the Pallas kernels, interpreted) with --strict on a CPU")

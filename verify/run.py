@@ -26,7 +26,7 @@ from qconvert.formats.errors import FormatError, UsageError
 from qconvert.formats.layouts import QuantizedCheckpoint, open_quantized
 from qconvert.formats.record import ConversionRecord
 from qconvert.formats.safetensors_io import sha256_file
-from qconvert.kernels.plan import BACKENDS, platform
+from qconvert.kernels.plan import BACKENDS, platform, resolve_backend
 from qconvert.models import read_tensors
 from qconvert.progress import Reporter, as_reporter
 from qconvert.schemes import scheme_named
@@ -102,6 +102,11 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions(), progress: Re
     layers of the per-linear and whole-model passes.
     """
     check_backend(options.backend)
+    if options.strict and resolve_backend(options.backend) in ("xla", "reference"):
+        # Every layer would run XLA's reference and fail --strict: say what to pass instead.
+        raise UsageError(f"--strict fails every layer that runs XLA's reference instead of a Pallas kernel, and "
+                         f"--backend {options.backend} runs XLA's here ({jax.default_backend()}); pass --backend cpu "
+                         "(the Pallas kernels, interpreted) with --strict on a CPU")
     record = read_record(folder)
     check_record_has_scales(record)
     run = Run(Path(folder), options, record, thresholds_for(record.scheme, "dynamic", **dict(options.thresholds)),
