@@ -60,8 +60,10 @@ class ConvertResult:
     # Named phases and their seconds, in order (e.g. calibrated, wrote); `seconds` is the whole run.
     phases: tuple[tuple[str, float], ...] = ()
     weight_only: WeightOnlySelection | None = None  # set when --any-architecture chose the linears
-    # Lines for the user once the folder is written (where a server will not load it), never before an error.
+    # Lines for the user once the folder is written, never before an error.
     notes: tuple[str, ...] = ()
+    # One line when vLLM TPU is recorded refusing the folder's scheme: what it takes instead (shown with --verbose).
+    server_note: str = ""
     # A dry run's: what a real run would refuse (raised by the CLI once the list is printed).
     refusal: QConvertError | None = None
     # Linears chosen by the architecture or --include that stay float for the loaders: routers, conv1d.
@@ -86,7 +88,7 @@ class ConvertResult:
             "phases": {name: round(seconds, 3) for name, seconds in self.phases},
             "files": self.files,
             "weight_only": self.weight_only.record() if self.weight_only else None,
-            "notes": list(self.notes),
+            "notes": list(self.notes), "server_note": self.server_note or None,
             "refusal": str(self.refusal) if self.refusal else None,
             "kept_float": {kind: list(modules) for kind, modules in self.kept_float.items()},
             "tensors": [{"name": t.module or t.source, "kind": t.kind, "shape": list(t.shape),
@@ -130,7 +132,7 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
         output_bytes=sum(spec.nbytes for spec in plan.specs),
         seconds=time.perf_counter() - started, files=files, phases=tuple(phases),
         weight_only=source.weight_only,
-        notes=tuple(n for n in (plan.server_note, gptq_data_note(adjustments, ckpt)) if n),
+        notes=tuple(n for n in (gptq_data_note(adjustments, ckpt),) if n), server_note=plan.server_note,
         refusal=plan.refusal, kept_float=plan.kept_float,
     )
 

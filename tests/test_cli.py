@@ -239,6 +239,9 @@ def test_console_script_is_quiet_off_a_terminal(source, tmp_path):
                            str(source), "-o", str(tmp_path / "out")], capture_output=True, text=True)
     assert done.returncode == 0 and done.stderr == ""  # no progress bar when stderr is not a TTY
     assert done.stdout.startswith("wrote ") and (tmp_path / "out" / "qconvert.json").exists()
+    assert "vLLM TPU" not in done.stdout  # the TPU note is noise for everyone else: --verbose shows it
+    shown = subprocess.run([sys.executable, "-c", "from qconvert.cli.main import main; main()", "quantize",
+                            str(source), "-o", str(tmp_path / "out2"), "--verbose"], capture_output=True, text=True)
     # The servers table records vLLM TPU refusing weight-only int8 for Llama: said after the summary.
-    assert done.stdout.splitlines()[-1] == ("note: vLLM TPU 0.32 does not load --scheme int8 for llama; it loads "
-                                            "fp8 (MODEL_IMPL_TYPE=vllm), w8a8 (MODEL_IMPL_TYPE=vllm)")
+    assert shown.stdout.splitlines()[-1] == ("note: vLLM TPU 0.32 does not load --scheme int8 for llama; it loads "
+                                             "fp8 (MODEL_IMPL_TYPE=vllm), w8a8 (MODEL_IMPL_TYPE=vllm)")

@@ -9,8 +9,7 @@ from pathlib import Path
 import click
 
 from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, cluster_options,
-                                 hub_messages, is_leader, join_cluster, out_path, run_with_progress, verbose_option,
-                                 with_options)
+                                 hub_messages, is_leader, join_cluster, out_path, run_with_progress, with_options)
 from qconvert.schemes import NAMES as SCHEME_NAMES
 
 
@@ -117,7 +116,9 @@ def _group_size(ctx, param, value):
                    "under its numbered layers (model.layers.N.) as a linear. A known family keeps its own list.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
-@verbose_option
+@click.option("--verbose", is_flag=True,
+              help="Also show huggingface_hub's own messages (retries, warnings) on stderr, and after the summary "
+                   "what vLLM TPU loads instead where it is recorded refusing the scheme.")
 @smoothing_options
 @cluster_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
@@ -146,7 +147,7 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
     # The whole command, imports and model resolution included, not only the conversion.
     result = dataclasses.replace(result, seconds=time.perf_counter() - started)
     if is_leader():  # one of several processes: process 0 speaks for the run
-        _print_result(result, quiet, as_json)
+        _print_result(result, quiet, as_json, verbose)
     if result.refusal is not None:  # a dry run lists first, then refuses as the real run would
         raise result.refusal
     return 0
@@ -169,7 +170,7 @@ def _calibration_options_from(scheme: str, flags: dict):
 
 
 
-def _print_result(result, quiet: bool, as_json: bool) -> None:
+def _print_result(result, quiet: bool, as_json: bool, verbose: bool = False) -> None:
     import json
 
     from qconvert.cli.console import print_convert_result, stdout_console
@@ -180,4 +181,6 @@ def _print_result(result, quiet: bool, as_json: bool) -> None:
         print_convert_result(result, stdout_console())
         for note in result.notes:  # with the summary on stdout: they describe the folder written
             click.echo(f"note: {note}")
+        if verbose and result.server_note:  # for TPU users; noise for the rest
+            click.echo(f"note: {result.server_note}")
 

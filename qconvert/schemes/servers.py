@@ -92,15 +92,25 @@ def tpu_note(key: str, family: str) -> str:
         if other_family != family or other == key:
             continue
         if row[1] == "Y":
-            takes.append(_as_flags(other))
+            takes.append(_as_flags(other, key))
         elif row[2] == "Y":
-            takes.append(f"{_as_flags(other)} (MODEL_IMPL_TYPE=vllm)")
+            takes.append(f"{_as_flags(other, key)} (MODEL_IMPL_TYPE=vllm)")
     instead = f"it loads {', '.join(takes)}" if takes else "no scheme was recorded loading there"
     return f"vLLM TPU 0.32 does not load --scheme {_as_flags(key)} for {family}; {instead}"
 
 
-def _as_flags(key: str) -> str:
+def _as_flags(key: str, chosen: str | None = None) -> str:
+    """A table key as the flags that give it; beside the `chosen` key of the same scheme, the flag that differs
+    is spelled out (`w8a8 --act dynamic` next to a chosen `w8a8 --act static`, never a bare `w8a8`)."""
     scheme, _, variant = key.partition("-")
+    same_scheme = chosen is not None and chosen.partition("-")[0] == scheme and chosen != key
     if variant == "static":
         return f"{scheme} --act static"
-    return f"{scheme} --group-size {variant[1:]}" if variant else scheme
+    if variant == "channel":
+        return f"{scheme} --group-size channel"
+    if variant:
+        return f"{scheme} --group-size {variant[1:]}"
+    if same_scheme:
+        chosen_variant = chosen.partition("-")[2]
+        return f"{scheme} --act dynamic" if chosen_variant == "static" else f"{scheme} --group-size 128"
+    return scheme
