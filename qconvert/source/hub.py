@@ -141,8 +141,30 @@ def hub_unreachable_reason(endpoint: str | None = None, timeout: float = PROBE_T
         return None
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
-        with socket.create_connection((url.hostname, port), timeout=timeout):
+        sock = socket.create_connection((url.hostname, port), timeout=timeout)
+    except OSError as err:
+        return f" ({url.hostname}:{port}: {err.strerror or type(err).__name__})"
+    # A server that accepts and never answers would hold every later request to huggingface_hub's timeouts and
+    # retries (minutes): the probe waits for an answer too, within the same bound.
+    try:
+        with sock:
+            if url.scheme == "https":
+                import ssl
+
+                # Only whether it answers: trust is huggingface_hub's to check (its CA settings, a proxy's).
+                context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+                context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+                try:
+                    with context.wrap_socket(sock, server_hostname=url.hostname):
+                        return None  # the TLS handshake is an answer
+                except ssl.SSLError:
+                    return None  # it answered, in a way the real client will judge
+            sock.sendall(f"HEAD / HTTP/1.1\r\nHost: {url.hostname}\r\nConnection: close\r\n\r\n".encode())
+            if not sock.recv(1):
+                return f" ({url.hostname}:{port} closed the connection without an answer)"
             return None
+    except socket.timeout:
+        return f" ({url.hostname}:{port} accepted the connection but did not answer within {timeout:g} s)"
     except OSError as err:
         return f" ({url.hostname}:{port}: {err.strerror or type(err).__name__})"
 
