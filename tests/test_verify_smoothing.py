@@ -41,7 +41,10 @@ def smoothed(tmp_path_factory):
 
 @pytest.fixture
 def copy(smoothed, tmp_path):
-    return shutil.copytree(smoothed[1], tmp_path / "copy")
+    """A copy beside the conversion: qconvert.json finds its source from there as from the original."""
+    target = shutil.copytree(smoothed[1], smoothed[1].parent / f"copy-{tmp_path.name}")
+    yield target
+    shutil.rmtree(target, ignore_errors=True)
 
 
 def test_the_norms_are_the_reference_divided_by_the_recorded_scales_and_verify_passes(smoothed, capsys):
