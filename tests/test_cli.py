@@ -245,3 +245,13 @@ def test_console_script_is_quiet_off_a_terminal(source, tmp_path):
     # The servers table records vLLM TPU refusing weight-only int8 for Llama: said after the summary.
     assert shown.stdout.splitlines()[-1] == ("note: vLLM TPU 0.32 does not load --scheme int8 for llama; it loads "
                                              "fp8 (MODEL_IMPL_TYPE=vllm), w8a8 (MODEL_IMPL_TYPE=vllm)")
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["quantize", "x", "-o", "y", "--scheme", "int9"],
+                                  ["verify", "x", "--samples", "0"]])
+def test_version_and_bad_flags_start_no_jax(argv):
+    """--version and the refusal of a bad flag need no computation: they paid JAX's import (2-4 s loaded)."""
+    code = ("import sys\nfrom qconvert.cli.main import main\nsys.argv = ['qconvert', *sys.argv[1:]]\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\nprint('jax' in sys.modules, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    assert done.stderr.strip().splitlines()[-1] == "False", done.stderr
