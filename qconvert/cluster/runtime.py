@@ -187,8 +187,10 @@ def leave(code: int) -> None:
     """End this process of the run with the run's exit code, agreed with the others (never returns)."""
     from qconvert import interrupts
 
-    final, process, line = _state.watch.finish(code, getattr(_state, "failure_line", "") if code else "")
+    from qconvert.cluster.watch import failure_text
+
+    decided = _state.watch.finish(code, getattr(_state, "failure_line", "") if code else "")
+    final, process, _ = decided
     if final != 0 and process != _state.index and (code == 0 or code != final):
-        text = line if line.startswith(f"process {process} ") else f"process {process} failed: {line}"
-        sys.stderr.write(f"qconvert: error: {text}\n")
+        sys.stderr.write(f"qconvert: error: {failure_text(decided)}\n")
     interrupts.flush_and_exit(final)

@@ -19,17 +19,23 @@ from qconvert.formats.errors import InvalidCheckpointError, UsageError
 SOURCE_WAIT_S = 3600
 
 
+def _every_process(key: str, value: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every process's `value` (JSON), in process order, through jax.distributed's key-value store (small
+    values only; the others may still be reading a large checkpoint, so the wait is long)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    client.key_value_set(f"qconvert/{key}/{process_index()}", json.dumps(dict(value), sort_keys=True, default=str))
+    return [json.loads(client.blocking_key_value_get(f"qconvert/{key}/{p}", SOURCE_WAIT_S * 1000))
+            for p in range(process_count())]
+
+
 def agree_source(hashes: Mapping[str, str], what: str = "the model") -> None:
     """InvalidCheckpointError (exit 6) when another process's copy of the source's files differs from process
     0's; every process raises the same line. `hashes`: relative path -> sha256 of the files the run reads."""
     if not active():
         return
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    client.key_value_set(f"qconvert/source/{process_index()}", json.dumps(dict(hashes), sort_keys=True))
-    copies = [json.loads(client.blocking_key_value_get(f"qconvert/source/{p}", SOURCE_WAIT_S * 1000))
-              for p in range(process_count())]
+    copies = _every_process("source", dict(hashes))
     reference = copies[0]
     for p, copy in enumerate(copies[1:], start=1):
         for name in sorted(set(reference) | set(copy)):
@@ -47,12 +53,7 @@ def agree_settings(settings: Mapping[str, Any], what: str = "settings") -> None:
     flag): every process raises the same line, naming the first setting that differs. `settings`: JSON-able."""
     if not active():
         return
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    client.key_value_set(f"qconvert/{what}/{process_index()}", json.dumps(settings, sort_keys=True, default=str))
-    copies = [json.loads(client.blocking_key_value_get(f"qconvert/{what}/{p}", SOURCE_WAIT_S * 1000))
-              for p in range(process_count())]
+    copies = _every_process(what, settings)
     for p, copy in enumerate(copies[1:], start=1):
         for key in sorted(set(copies[0]) | set(copy)):
             if copies[0].get(key) != copy.get(key):

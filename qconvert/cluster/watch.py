@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import threading
 import time
 
@@ -200,22 +199,21 @@ class Watch:
             return self.final is not None and self.final[1] != self.index
 
 
+def failure_text(final: tuple[int, int, str]) -> str:
+    """The line (without `qconvert: error: `) that names the process whose failure decided the run."""
+    _, process, line = final
+    return line if line.startswith(f"process {process} ") else f"process {process} failed: {line}"
+
+
 def _abort(final: tuple[int, int, str], index: int) -> None:
     """End this process from the watch's thread: temporaries removed, one line, the run's exit code."""
-    code, process, line = final
     if not interrupts.claim_exit():
         return  # a signal's exit is under way
     interrupts.remove_temporaries()
-    text = line if line.startswith(f"process {process} ") else f"process {process} failed: {line}"
     try:
-        os.write(2, f"qconvert: error: {text}\n".encode(errors="backslashreplace"))
+        os.write(2, f"qconvert: error: {failure_text(final)}\n".encode(errors="backslashreplace"))
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - leaving regardless
-                pass
-        os._exit(code)
+        interrupts.flush_and_exit(final[0])
 
 
 def _read_line(stream) -> dict | None:

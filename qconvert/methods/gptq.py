@@ -29,7 +29,7 @@ from qconvert.formats.qarray import QArray
 from qconvert.formats.errors import OutputWriteError, UsageError
 from qconvert.methods.gptq_core import DEFAULT_DAMP, GPTQConfig, hessian_factor, round_columns, row_output_errors
 from qconvert.methods.scale_search import ScaleSearches
-from qconvert.methods.loop import Results, weight_elements
+from qconvert.methods.loop import Results, weight_shape
 from qconvert.methods.smooth import TensorFold, apply_fold
 from qconvert.progress import Reporter
 
@@ -266,9 +266,8 @@ def _sharing_groups(modules: list[str], stats: LayerStats, folds: Mapping[str, T
 def _cost(group: list[str], params: Mapping) -> float:
     """A sharing group's share of GPTQ's work: its rows times the input width squared (the column loop), plus
     the width cubed (the factorization)."""
-    width = int(np.shape(params[f"{group[0]}.weight"])[-1]) if getattr(params, "checkpoint", None) is None else \
-        int(params.checkpoint.shape(f"{group[0]}.weight")[-1])
-    rows = sum(weight_elements(params, m) for m in group) / width
+    width = weight_shape(params, group[0])[-1]
+    rows = sum(weight_shape(params, m)[0] for m in group)
     return float(rows * width * width + width ** 3)
 
 

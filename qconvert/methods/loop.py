@@ -39,12 +39,17 @@ class Results:
         return tensor_folds(list(self.smoothing.values()))
 
 
-def weight_elements(params: Mapping, module: str) -> int:
-    """The element count of a linear's weight, from the checkpoint's index where there is one (nothing read): what
-    the steps weigh their work by when they spread it over the devices."""
+def weight_shape(params: Mapping, module: str) -> tuple[int, ...]:
+    """A linear's weight shape, from the checkpoint's index where there is one (nothing read)."""
     checkpoint = getattr(params, "checkpoint", None)
     name = f"{module}.weight"
-    return int(np.prod(checkpoint.shape(name) if checkpoint is not None else np.shape(params[name])))
+    return tuple(int(d) for d in (checkpoint.shape(name) if checkpoint is not None else np.shape(params[name])))
+
+
+def weight_elements(params: Mapping, module: str) -> int:
+    """The element count of a linear's weight: what the steps weigh their work by when they spread it over the
+    devices."""
+    return int(np.prod(weight_shape(params, module)))
 
 
 class Step(Protocol):
