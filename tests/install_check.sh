@@ -26,10 +26,15 @@ if [ -n "$cuda" ]; then
     echo "$cuda" >&2
     exit 1
 fi
-# The install works: the README's next commands, into a folder beside the venv.
-out="$(dirname "$venv")/minilm-int8"
-rm -rf "$out"
-"$venv/bin/qconvert" quantize "$("$venv/bin/qconvert" example-model)" -o "$out" -q
-"$venv/bin/qconvert" inspect "$out" > /dev/null
-rm -rf "$out"
-echo "install_check: no nvidia-* or triton package; qconvert quantize and inspect work"
+# The install works: the README's next commands, into folders beside the venv; the 4-bit schemes pass the
+# default verify as well.
+model="$("$venv/bin/qconvert" example-model)"
+for scheme in int8 int4 nf4; do
+    out="$(dirname "$venv")/minilm-$scheme"
+    rm -rf "$out"
+    "$venv/bin/qconvert" quantize "$model" -o "$out" --scheme "$scheme" -q
+    "$venv/bin/qconvert" inspect "$out" > /dev/null
+    if [ "$scheme" != int8 ]; then "$venv/bin/qconvert" verify "$out" -q; fi
+    rm -rf "$out"
+done
+echo "install_check: no nvidia-* or triton package; qconvert quantize, inspect and verify work"

@@ -60,7 +60,7 @@ def verdict(report: VerifyReport) -> str:
         if report.model.kind == "causal_lm":
             model = f"; KL {m['mean_kl']:.2g}, top-1 {m['top1_agreement']:.1%}, ppl x{m['perplexity_ratio']:.3f}"
         else:
-            model = f"; pooled cosine {m['pooled_cosine_min']:.5f}"
+            model = f"; pooled cosine {m['pooled_cosine_mean']:.5f} (mean)"
     skipped = "; whole-model stage skipped" if report.model is None and report.skipped else ""
     return f"PASS {where}: {len(report.layers)} linears{floor}{model}{skipped}"
 

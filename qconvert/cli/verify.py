@@ -46,7 +46,7 @@ from qconvert.formats.errors import QConvertError, UsageError
 @click.option("--max-kl", type=float, default=None, help="Whole-model mean next-token KL ceiling (nats).")
 @click.option("--min-top1", type=float, default=None, help="Whole-model top-1 agreement floor (0..1).")
 @click.option("--max-ppl-ratio", type=float, default=None, help="Quantized/float perplexity ceiling.")
-@click.option("--min-pooled-cosine", type=float, default=None, help="Encoders: pooled-output cosine floor.")
+@click.option("--min-pooled-cosine", type=float, default=None, help="Encoders: floor of the mean pooled-output cosine over the sequences.")
 @verbose_option
 @cluster_options
 def verify_command(out: Path, reference: str | None, revision: str | None, calib: str, samples: int | None,

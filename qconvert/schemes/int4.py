@@ -148,7 +148,7 @@ class Int4(Scheme):
     clip = ClipSearch(INT4_CLIP_GRID, "per output row and group: scale = c * absmax / 7.5")
     thresholds = Thresholds(
         min_layer_sqnr_db=12.0, min_layer_cosine=0.97, max_mean_kl=0.15,
-        min_top1_agreement=0.65, max_perplexity_ratio=1.35, min_pooled_cosine=0.93,
+        min_top1_agreement=0.65, max_perplexity_ratio=1.35, min_pooled_cosine=0.91,
         min_fidelity_sqnr_db=40.0,
     )
 

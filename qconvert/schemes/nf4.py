@@ -223,7 +223,7 @@ class NF4(Scheme):
     clip = ClipSearch(NF4_CLIP_GRID, "per block of 64: stored absmax = c * max|block|, values beyond it clip to +-1")
     thresholds = Thresholds(
         min_layer_sqnr_db=15.0, min_layer_cosine=0.98, max_mean_kl=0.10,
-        min_top1_agreement=0.70, max_perplexity_ratio=1.25, min_pooled_cosine=0.95,
+        min_top1_agreement=0.70, max_perplexity_ratio=1.25, min_pooled_cosine=0.93,
         min_fidelity_sqnr_db=40.0,
     )
 
