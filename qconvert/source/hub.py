@@ -23,6 +23,7 @@ from qconvert.formats.errors import (
     UsageError,
 )
 from qconvert.formats.jsonfile import read_config
+from qconvert.source.hub_http import HubNotAnswering, bound_hub_requests
 from qconvert.models.registry import family_for
 
 # What a conversion needs from a repository; everything else (pickles, ONNX, images) stays remote.
@@ -97,6 +98,9 @@ def _hub_error(err: Exception, model_id: str, revision: str | None) -> Exception
         return HubUnavailableError(_not_cached_message(model_id, revision))
     if isinstance(err, hf.EntryNotFoundError):
         return InvalidCheckpointError(f"Hub model {model_id}{rev} has no config.json; it is not a transformers checkpoint")
+    if isinstance(err, HubNotAnswering):
+        return HubUnavailableError(f"the Hub stopped answering while {model_id}{rev} was fetched: {err.endpoint} "
+                                   f"{err.what} ({err.request}); try again, or pass a local folder")
     if isinstance(err, hf.HFValidationError):
         return ModelNotFoundError(f"{model_id} is neither an existing folder nor a valid Hub id")
     if isinstance(err, hf.HfHubHTTPError) and getattr(err.response, "status_code", None) in (401, 403):
@@ -180,26 +184,32 @@ def _transport_errors() -> tuple[type[Exception], ...]:
     return tuple(errors)
 
 
+def _hub_failures() -> tuple[type[Exception], ...]:
+    """What a huggingface_hub call may raise for a model it cannot fetch (its own errors and the transport's)."""
+    from huggingface_hub import errors as hf
+
+    return (hf.HfHubHTTPError, hf.EntryNotFoundError, hf.HFValidationError,
+            hf.OfflineModeIsEnabled) + _transport_errors()
+
+
 def _resolve_hub(model_id: str, revision: str | None, check_architecture=family_for) -> ResolvedModel:
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub import errors as hf
 
     offline = _env_true("HF_HUB_OFFLINE")
     cache_dir = _cache_dir()
-    hub_failures = (hf.HfHubHTTPError, hf.EntryNotFoundError, hf.HFValidationError,
-                    hf.OfflineModeIsEnabled) + _transport_errors()
+    hub_failures = _hub_failures()
+    bound_hub_requests()
     unreachable = None if offline else hub_unreachable_reason()
     if unreachable is not None:
-        # One failed probe, then the cache only: no retries, no long timeouts.
-        try:
-            return _resolve_cached(model_id, revision, cache_dir, check_architecture)
-        except hf.LocalEntryNotFoundError:
-            raise HubUnavailableError(_not_cached_message(model_id, revision, unreachable)) from None
-        except hub_failures as err:
-            raise _hub_error(err, model_id, revision) from None
+        return _resolve_cached_or_stop(model_id, revision, cache_dir, check_architecture, unreachable)
     try:
         config_path = Path(hf_hub_download(model_id, "config.json", revision=revision,
                                            cache_dir=cache_dir, local_files_only=offline))
+    except HubNotAnswering as err:
+        # The Hub answered the probe, then stopped answering: the cache, as when it cannot be reached.
+        return _resolve_cached_or_stop(model_id, revision, cache_dir, check_architecture,
+                                       f" ({err.endpoint} {err.what}: {err.request})")
     except hub_failures as err:
         raise _hub_error(err, model_id, revision) from None
     folder = config_path.parent
@@ -216,6 +226,19 @@ def _resolve_hub(model_id: str, revision: str | None, check_architecture=family_
     check_weights_are_safetensors(folder, f"Hub model {model_id}")
     return ResolvedModel(folder=folder, model_id=model_id, revision=revision, commit=commit,
                          is_hub=True, config=config, family=family)
+
+
+def _resolve_cached_or_stop(model_id: str, revision: str | None, cache_dir: str | None, check_architecture,
+                            why: str) -> ResolvedModel:
+    """The model from the cache alone, the Hub being unreachable (`why`); HubUnavailableError when not cached."""
+    from huggingface_hub import errors as hf
+
+    try:
+        return _resolve_cached(model_id, revision, cache_dir, check_architecture)
+    except hf.LocalEntryNotFoundError:
+        raise HubUnavailableError(_not_cached_message(model_id, revision, why)) from None
+    except _hub_failures() as err:
+        raise _hub_error(err, model_id, revision) from None
 
 
 def _refuse_pickles_only(model_id: str, remote_files: list[str]) -> None:

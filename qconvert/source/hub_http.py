@@ -1,0 +1,111 @@
+"""Every request qconvert makes through huggingface_hub, bounded: a server that stops answering is one error.
+
+huggingface_hub's own client has no timeout by default and retries a timed-out request five times with growing
+waits (a Hub that accepted connections and never answered held a conversion for minutes). `bound_hub_requests()`
+installs, once, a client whose transport gives every request CONNECT_TIMEOUT_S to connect and READ_TIMEOUT_S
+between bytes, and turns a timeout (on the request or while its body streams) into HubNotAnswering: an error
+huggingface_hub does not retry, which names the endpoint, the request, and what was slow. Status answers (429,
+5xx) keep huggingface_hub's bounded backoff: at most 5 retries.
+"""
+
+from __future__ import annotations
+
+import threading
+from urllib.parse import urlsplit
+
+# Seconds to open a connection, and seconds a request may go without a byte (sent or received).
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 10.0
+
+_installed = threading.Lock()
+_done = False
+
+
+class HubNotAnswering(TimeoutError):
+    """A Hub request that timed out; not one of the httpx errors huggingface_hub retries."""
+
+    def __init__(self, method: str, url: str, what: str):
+        parts = urlsplit(url)
+        self.endpoint = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+        self.request = f"{method} {parts.path}"
+        self.what = what
+        super().__init__(f"{self.endpoint} {what} ({self.request})")
+
+
+def _bounded(timeout: dict | None) -> dict:
+    """A request's timeouts, none longer than the bounds (huggingface_hub passes some of its own, or None)."""
+    timeout = dict(timeout or {})
+    limits = {"connect": CONNECT_TIMEOUT_S, "read": READ_TIMEOUT_S, "write": READ_TIMEOUT_S,
+              "pool": CONNECT_TIMEOUT_S}
+    return {key: min(limit, timeout.get(key) or limit) for key, limit in limits.items()}
+
+
+def _what_timed_out(err: Exception, connect_limit: float, read_limit: float) -> str:
+    import httpx2
+
+    if isinstance(err, (httpx2.ConnectTimeout, httpx2.PoolTimeout)):
+        return f"did not accept a connection within {connect_limit:g} s"
+    if isinstance(err, httpx2.WriteTimeout):
+        return f"took nothing of the request for {read_limit:g} s"
+    return f"accepted the request but sent nothing for {read_limit:g} s"
+
+
+def _client():
+    import httpx2
+    from huggingface_hub.utils._http import hf_request_event_hook
+
+    class BoundedStream(httpx2.SyncByteStream):
+        """A response body whose read timeouts end the request instead of starting huggingface_hub's retries."""
+
+        def __init__(self, stream, request, limits):
+            self._stream, self._request, self._limits = stream, request, limits
+
+        def __iter__(self):
+            try:
+                yield from self._stream
+            except httpx2.TimeoutException as err:
+                raise HubNotAnswering(self._request.method, str(self._request.url),
+                                      _what_timed_out(err, self._limits["connect"], self._limits["read"])) from None
+
+        def close(self):
+            self._stream.close()
+
+    class BoundedTransport(httpx2.BaseTransport):
+        """The client's own transport (direct, or the proxy its environment names), its timeouts bounded."""
+
+        def __init__(self, inner):
+            self._inner = inner
+
+        def handle_request(self, request):
+            limits = _bounded(request.extensions.get("timeout"))
+            request.extensions["timeout"] = limits
+            try:
+                response = self._inner.handle_request(request)
+            except httpx2.TimeoutException as err:
+                raise HubNotAnswering(request.method, str(request.url),
+                                      _what_timed_out(err, limits["connect"], limits["read"])) from None
+            response.stream = BoundedStream(response.stream, request, limits)
+            return response
+
+        def close(self):
+            self._inner.close()
+
+    client = httpx2.Client(event_hooks={"request": [hf_request_event_hook]}, follow_redirects=True,
+                           timeout=httpx2.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
+    # The transports the client chose (HTTPS_PROXY, NO_PROXY and the rest, read as httpx reads them), wrapped.
+    client._transport = BoundedTransport(client._transport)
+    client._mounts = {pattern: BoundedTransport(inner) if inner is not None else None
+                      for pattern, inner in client._mounts.items()}
+    return client
+
+
+def bound_hub_requests() -> None:
+    """Make huggingface_hub's shared client the bounded one (idempotent; before the first Hub call)."""
+    global _done
+    with _installed:
+        if _done:
+            return
+        from huggingface_hub import set_client_factory
+
+        set_client_factory(_client)
+        _done = True
