@@ -169,8 +169,9 @@ def hub_unreachable_reason(endpoint: str | None = None, timeout: float = PROBE_T
         return f" ({url.hostname}:{port}: {err.strerror or type(err).__name__})"
 
 
-def _transport_errors() -> tuple[type[Exception], ...]:
-    # The HTTP client under huggingface_hub differs by release (httpx2, httpx, requests).
+def transport_errors() -> tuple[type[Exception], ...]:
+    """What a request that got no answer raises: the HTTP client under huggingface_hub differs by release
+    (httpx2, httpx, requests)."""
     errors: list[type[Exception]] = [ConnectionError, TimeoutError]
     for module, attr in (("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException")):
         try:
@@ -187,7 +188,7 @@ def _resolve_hub(model_id: str, revision: str | None, check_architecture=family_
     offline = _env_true("HF_HUB_OFFLINE")
     cache_dir = _cache_dir()
     hub_failures = (hf.HfHubHTTPError, hf.EntryNotFoundError, hf.HFValidationError,
-                    hf.OfflineModeIsEnabled) + _transport_errors()
+                    hf.OfflineModeIsEnabled) + transport_errors()
     unreachable = None if offline else hub_unreachable_reason()
     if unreachable is not None:
         # One failed probe, then the cache only: no retries, no long timeouts.
