@@ -81,9 +81,10 @@ INTERRUPTED_EXIT_CODE = 130
 EXIT_CODES: tuple[tuple[int, str], ...] = (
     (0, "success"),
     (1, "a check failed (verify, or inspect finding a changed file)"),
-    (2, "usage error (bad flags or arguments, OUT that would overwrite the input or the current folder)"),
+    (2, "usage error (bad flags or arguments, OUT that would overwrite the input or the current folder; "
+        "--upload-repo: no token, HF_HUB_OFFLINE set, or a token, repository or upload the Hub refuses)"),
     (3, "model not found"),
-    (4, "Hub unreachable and nothing cached"),
+    (4, "Hub unreachable and nothing cached (--upload-repo: the Hub did not answer the upload, or failed it)"),
     (5, "unsupported architecture or pickle-only checkpoint"),
     (6, "invalid checkpoint (config.json that disagrees with the weights, index or safetensors file)"),
     (7, "a weight with NaN/Inf or a shape the scheme cannot take"),

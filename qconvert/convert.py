@@ -27,6 +27,7 @@ from qconvert.write.folder import (
 )
 from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
 from qconvert.write.prefetch import available_cores, run_ahead
+from qconvert.write.upload import Upload
 from qconvert.methods.scale_search import ScaleSearches
 from qconvert.source.resolve import SourceModel, open_source, resolve_source
 from qconvert.stages import stage
@@ -68,6 +69,7 @@ class ConvertResult:
     refusal: QConvertError | None = None
     # Linears chosen by the architecture or --include that stay float for the loaders: routers, conv1d.
     kept_float: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    upload: Upload | None = None  # --upload-repo's commit (a dry run: where it would go)
 
     @property
     def compression_ratio(self) -> float:
@@ -91,6 +93,7 @@ class ConvertResult:
             "notes": list(self.notes), "server_note": self.server_note or None,
             "refusal": str(self.refusal) if self.refusal else None,
             "kept_float": {kind: list(modules) for kind, modules in self.kept_float.items()},
+            "upload": self.upload.record() if self.upload else None,
             "tensors": [{"name": t.module or t.source, "kind": t.kind, "shape": list(t.shape),
                          "source_bytes": t.source_bytes, "output_bytes": t.output_bytes} for t in self.tensors],
         }

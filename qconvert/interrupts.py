@@ -9,7 +9,9 @@ the exception (a bare `except:` during an import, say) cannot make it vanish:
 `check()` re-raises a received signal, and the output is committed only through
 `commit_zone()`, which refuses to commit after a signal. A signal that arrives
 once the output is committed is ignored: the run is then complete, so the
-outcome is either "interrupted, nothing written" or "finished".
+outcome is either "interrupted, nothing written" or "finished"; only work that
+follows the output and opts in (`stoppable_after_commit`: an upload of it) is
+stopped, the output left complete.
 
 A main thread stuck in native code (a backend that never finishes starting)
 never runs a Python handler; a watchdog thread woken by the signal then removes
@@ -208,6 +210,20 @@ def commit_zone() -> Iterator[callable]:
             yield committed
         finally:
             _state.committing = False
+
+
+@contextlib.contextmanager
+def stoppable_after_commit() -> Iterator[None]:
+    """Work after the output is committed that a signal must still stop (uploading it, which can take hours):
+    inside, a signal raises Interrupted as before the commit, and one received since the commit stops the run
+    before the work starts. The output stays as committed: it is complete."""
+    committed = _state.committed
+    _state.committed = False
+    try:
+        check()
+        yield
+    finally:
+        _state.committed = committed
 
 
 def register_temporary(path: Path) -> None:

@@ -23,7 +23,7 @@ ALLOWED = {
     "cluster": {"formats", "base"},  # a run of several processes: joining, the watch, what they share
     "source": {"formats", "models", "schemes", "base"},
     "calibration": {"formats", "models", "source", "base"},
-    "write": {"formats", "base"},
+    "write": {"formats", "base", "source"},  # source: upload.py reaches the Hub through source/hub.py's probe
     "options": {"formats", "schemes", "calibration", "write"},
     "methods": {"formats", "models", "schemes", "base", "cluster", "source", "calibration", "options"},
     "pipeline": {"formats", "kernels", "models", "ops", "schemes", "base", "cluster", "source", "calibration",

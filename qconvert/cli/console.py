@@ -96,6 +96,8 @@ def print_convert_result(result: ConvertResult, console: Console) -> None:
         f"{human_bytes(result.input_bytes)} -> {human_bytes(result.output_bytes)} "
         f"({result.compression_ratio:.2f}x smaller) in {result.seconds:.1f} s{_phases(result)}"
     )
+    if result.upload is not None:
+        console.print(result.upload.describe(), highlight=False)
 
 
 def _phases(result: ConvertResult) -> str:

@@ -111,6 +111,13 @@ def _group_size(ctx, param, value):
               help="Replace OUT if it is an empty folder or one qconvert wrote (its qconvert.json lists every "
                    "file in it); anything else is never replaced.")
 @click.option("--dry-run", is_flag=True, help="List what would be quantized and the expected size; write nothing.")
+@click.option("--upload-repo", default=None, metavar="OWNER/NAME",
+              help="Once OUT is written, upload it (every file, the model card included) to this Hugging Face Hub "
+                   "model repository in one commit, creating it if missing. Needs a token (HF_TOKEN or `hf auth "
+                   "login`), checked before converting; a failed upload leaves OUT written and says how to retry.")
+@click.option("--public", is_flag=True,
+              help="With --upload-repo: create the repository public (default: private; an existing public one is "
+                   "refused without --public).")
 @click.option("--any-architecture", is_flag=True,
               help="int8/int4/nf4: convert a decoder of no known family weight-only, taking every 2-D weight "
                    "under its numbered layers (model.layers.N.) as a linear. A known family keeps its own list.")
@@ -124,12 +131,15 @@ def _group_size(ctx, param, value):
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
              exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, group_size, scale_search: bool | None,
              gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool, workers: int | None,
-             overwrite: bool, dry_run: bool, any_architecture: bool, quiet: bool, as_json: bool, verbose: bool,
-             **calibration_flags) -> int:
+             overwrite: bool, dry_run: bool, upload_repo: str | None, public: bool, any_architecture: bool,
+             quiet: bool, as_json: bool, verbose: bool, **calibration_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
     started = time.perf_counter()
     hub_messages(verbose)
     join_cluster(calibration_flags)
+    from qconvert.write.upload import check_upload
+
+    upload = check_upload(upload_repo, public) if is_leader() else None  # process 0 writes OUT and uploads it
     check_jax_platforms()
     from qconvert.convert import convert
     from qconvert.options import ConvertOptions
@@ -144,6 +154,8 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
     result = run_with_progress(
         lambda stages, progress: convert(model, out, options, progress=progress, message=stages),
         silent=quiet or as_json or not is_leader(), write_bar=not dry_run)
+    if upload is not None and result.refusal is None:
+        result = _uploaded(result, out, upload, silent=quiet or as_json, verbose=verbose)
     # The whole command, imports and model resolution included, not only the conversion.
     result = dataclasses.replace(result, seconds=time.perf_counter() - started)
     if is_leader():  # one of several processes: process 0 speaks for the run
@@ -151,6 +163,24 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
     if result.refusal is not None:  # a dry run lists first, then refuses as the real run would
         raise result.refusal
     return 0
+
+
+
+def _uploaded(result, out: Path, target, silent: bool, verbose: bool):
+    """The result with --upload-repo's commit of OUT and its seconds (a dry run: where it would go)."""
+    import sys
+
+    from qconvert import __version__
+    from qconvert.write.upload import Upload, upload_folder
+
+    if result.dry_run:
+        return dataclasses.replace(result, upload=Upload(target.repo, target.private))
+    started = time.perf_counter()
+    upload = run_with_progress(lambda stages, _: upload_folder(
+        out, target, f"Upload the {result.scheme} checkpoint (qconvert {__version__})", message=stages,
+        progress_bars=not silent and (verbose or sys.stderr.isatty())), silent=silent)
+    return dataclasses.replace(result, upload=upload,
+                               phases=(*result.phases, ("uploaded", time.perf_counter() - started)))
 
 
 

@@ -173,8 +173,9 @@ def hub_unreachable_reason(endpoint: str | None = None, timeout: float = PROBE_T
         return f" ({url.hostname}:{port}: {err.strerror or type(err).__name__})"
 
 
-def _transport_errors() -> tuple[type[Exception], ...]:
-    # The HTTP client under huggingface_hub differs by release (httpx2, httpx, requests).
+def transport_errors() -> tuple[type[Exception], ...]:
+    """What a request that got no answer raises: the HTTP client under huggingface_hub differs by release
+    (httpx2, httpx, requests)."""
     errors: list[type[Exception]] = [ConnectionError, TimeoutError]
     for module, attr in (("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException")):
         try:
@@ -189,7 +190,7 @@ def _hub_failures() -> tuple[type[Exception], ...]:
     from huggingface_hub import errors as hf
 
     return (hf.HfHubHTTPError, hf.EntryNotFoundError, hf.HFValidationError,
-            hf.OfflineModeIsEnabled) + _transport_errors()
+            hf.OfflineModeIsEnabled) + transport_errors()
 
 
 def _resolve_hub(model_id: str, revision: str | None, check_architecture=family_for) -> ResolvedModel:

@@ -10,7 +10,10 @@ huggingface_hub does not retry, which names the endpoint, the request, and what 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 # Seconds to open a connection, and seconds a request may go without a byte (sent or received).
@@ -19,6 +22,19 @@ READ_TIMEOUT_S = 10.0
 
 _installed = threading.Lock()
 _done = False
+# The wait between bytes of requests made in this context: READ_TIMEOUT_S, or what `patient` allows.
+_read_limit: contextvars.ContextVar[float] = contextvars.ContextVar("hub_read_limit", default=READ_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def patient(read_timeout_s: float) -> Iterator[None]:
+    """Requests made inside the block (in this thread) may wait `read_timeout_s` between bytes: for calls whose
+    answer the Hub computes for a while (a commit of many files)."""
+    token = _read_limit.set(read_timeout_s)
+    try:
+        yield
+    finally:
+        _read_limit.reset(token)
 
 
 class HubNotAnswering(TimeoutError):
@@ -35,8 +51,8 @@ class HubNotAnswering(TimeoutError):
 def _bounded(timeout: dict | None) -> dict:
     """A request's timeouts, none longer than the bounds (huggingface_hub passes some of its own, or None)."""
     timeout = dict(timeout or {})
-    limits = {"connect": CONNECT_TIMEOUT_S, "read": READ_TIMEOUT_S, "write": READ_TIMEOUT_S,
-              "pool": CONNECT_TIMEOUT_S}
+    read = _read_limit.get()
+    limits = {"connect": CONNECT_TIMEOUT_S, "read": read, "write": read, "pool": CONNECT_TIMEOUT_S}
     return {key: min(limit, timeout.get(key) or limit) for key, limit in limits.items()}
 
 
