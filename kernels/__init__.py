@@ -15,7 +15,8 @@ from qconvert.kernels.grouped import grouped_matmul, transposed_grouped_matmul
 from qconvert.kernels.grouped_metadata import make_group_metadata
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.qlinear import qgrouped_linear, qlinear, stack_experts
-from qconvert.kernels.plan import (BACKENDS, GUARANTEES, KernelPlan, KernelProblem, resolve_backend,
+from qconvert.kernels.backends import BACKENDS
+from qconvert.kernels.plan import (GUARANTEES, KernelPlan, KernelProblem, resolve_backend,
                                    select_kernel)
 from qconvert.kernels.reference import (fp8_matmul_reference, grouped_matmul_reference, int4_dequantize_reference,
                                         int4_weight_matmul_reference, int8_matmul_reference,

@@ -25,13 +25,13 @@ import jax
 import jax.numpy as jnp
 
 from qconvert.formats.qarray import NF4_BLOCK_SIZE, QKind
+from qconvert.kernels.backends import BACKENDS
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.tile_tables import check_tiling, decodes_int4, decodes_nf4, default_tiling, grid_steps, table_name
 from qconvert.kernels.tiles import FLOAT, RHS_KINDS, Tiling
 
 OPS = ("int8_matmul", "fp8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "grouped_matmul",
        "transposed_grouped_matmul")
-BACKENDS = ("auto", "tpu", "gpu", "cpu", "xla", "reference")
 
 # int4 group sizes the kernels decode (or one scale per output channel): a K tile holds whole groups.
 INT4_GROUP_SIZES = (32, 64, 128, 256)

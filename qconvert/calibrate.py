@@ -61,5 +61,7 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
     if writes:
         save_act_stats(out, stats, model=resolved.model_id,
                        recheck=lambda: check_stats_target(out, overwrite, resolved.folder))
-    return {"out": str(out), "model": resolved.model_id, "linears": len(stats.act_absmax),
+    source = {"model": resolved.model_id, "is_hub": resolved.is_hub, "revision": resolved.revision,
+              "commit": resolved.commit}  # as quantize --json names it
+    return {"out": str(out), "source": source, "linears": len(stats.act_absmax),
             "calibration": data.record()}

@@ -67,15 +67,15 @@ class InspectReport:
     def summary(self) -> dict[str, Any]:
         """The machine-readable form `inspect --json` prints."""
         return {
-            "folder": str(self.folder), "scheme": self.scheme,
+            "out": str(self.folder), "scheme": self.scheme,
             "quantized_modules": sum(t.kind != UNCHANGED for t in self.tensors),
             "unchanged_tensors": sum(t.kind == UNCHANGED for t in self.tensors),
-            "stored_bytes": self.stored_bytes, "float_bytes": self.float_bytes,
+            "output_bytes": self.stored_bytes, "float_bytes": self.float_bytes,
             "compression_ratio": round(self.compression_ratio, 4), "hashes_ok": self.hashes_ok,
             "servers": dict(self.servers),
             "files": [{"name": f.name, "expected": f.expected, "actual": f.actual, "ok": f.ok} for f in self.files],
             "tensors": [{"name": t.name, "kind": t.kind, "shape": list(t.shape), "dtype": t.dtype,
-                         "float_dtype": t.float_dtype, "stored_bytes": t.stored_bytes} for t in self.tensors],
+                         "float_dtype": t.float_dtype, "output_bytes": t.stored_bytes} for t in self.tensors],
         }
 
 

@@ -210,7 +210,7 @@ def test_json_summary_and_inspect_json(source, tmp_path, capsys):
     exit_code, stdout, _ = run(["inspect", str(out), "--json"], capsys)
     report = json.loads(stdout)
     assert exit_code == 0 and report["scheme"] == "nf4" and report["hashes_ok"] is True
-    assert report["quantized_modules"] == 14 and report["stored_bytes"] == summary["output_bytes"]
+    assert report["quantized_modules"] == 14 and report["output_bytes"] == summary["output_bytes"]
     assert report["unchanged_tensors"] == summary["unchanged_tensors"] == len(report["tensors"]) - 14
 
 
@@ -247,11 +247,21 @@ def test_console_script_is_quiet_off_a_terminal(source, tmp_path):
                                              "fp8 (MODEL_IMPL_TYPE=vllm), w8a8 (MODEL_IMPL_TYPE=vllm)")
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["quantize", "x", "-o", "y", "--scheme", "int9"],
-                                  ["verify", "x", "--samples", "0"]])
-def test_version_and_bad_flags_start_no_jax(argv):
-    """--version and the refusal of a bad flag need no computation: they paid JAX's import (2-4 s loaded)."""
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["quantize", "x", "-o", "y", "--scheme", "int9"],
+                                  ["verify", "x", "--samples", "0"], ["verify", "--help"], ["calibrate", "--help"],
+                                  ["inspect", "--help"], ["verify", "no-such-folder"],
+                                  ["inspect", "no-such-folder", "--json"]])
+def test_version_help_and_bad_input_start_no_jax(argv):
+    """--version, --help and the refusal of a bad flag or a missing folder need no computation: they paid JAX's
+    import (2-4 s loaded)."""
     code = ("import sys\nfrom qconvert.cli.main import main\nsys.argv = ['qconvert', *sys.argv[1:]]\n"
             "try:\n    main()\nexcept SystemExit:\n    pass\nprint('jax' in sys.modules, file=sys.stderr)\n")
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
     assert done.stderr.strip().splitlines()[-1] == "False", done.stderr
+
+
+def test_verify_backend_choices_are_the_kernels_deployment_backends():
+    from qconvert.cli.common import VERIFY_BACKENDS
+    from qconvert.kernels.backends import deployment_backends
+
+    assert list(VERIFY_BACKENDS) == deployment_backends()

@@ -106,10 +106,14 @@ def test_verify_on_bad_input_prints_a_json_error_record_and_one_line(tmp_path, c
     folder.mkdir()
     code, stdout, stderr = run(["verify", str(folder), "--json"], capsys)
     record = json.loads(stdout)
-    assert code == 2 and len(stderr.splitlines()) == 1 and stderr.startswith("qconvert: error: ")
+    # A folder without qconvert.json is an invalid folder (exit 6), as inspect and quantize say of one.
+    assert code == 6 and len(stderr.splitlines()) == 1 and stderr.startswith("qconvert: error: ")
     message = stderr[len("qconvert: error: "):].rstrip("\n")
-    assert record == {"format_version": 1, "passed": False, "folder": str(folder), "error": message,
-                      "exit_code": 2, "verdict": f"ERROR {folder}: {message}"}
+    from qconvert import __version__
+
+    assert record == {"format_version": 2, "command": "verify", "qconvert_version": __version__, "exit_code": 6,
+                      "error": message, "out": str(folder), "passed": False,
+                      "verdict": f"ERROR {folder}: {message}"}
 
 
 def test_quantize_calibrate_and_inspect_print_json_with_the_same_plain_flag(source, converted, tmp_path, capsys):
@@ -216,3 +220,50 @@ def test_calibrate_reports_its_layers_on_stderr_and_q_silences_it(source, tmp_pa
     assert re.search(r"^qconvert: calibrating: 2/2 layers in \d+\.\d s$", stderr, flags=re.MULTILINE), stderr
     code, stdout, stderr = run([*argv, "-o", str(tmp_path / "b.safetensors"), "-q"], capsys)
     assert code == 0 and stdout == "" and stderr == ""
+
+
+ENVELOPE = ("format_version", "command", "qconvert_version", "exit_code", "error", "out")
+
+
+def test_every_command_prints_the_same_json_envelope_on_success(source, converted, tmp_path, capsys):
+    runs = {"quantize": ["quantize", str(source), "-o", str(tmp_path / "o"), "--json"],
+            "calibrate": ["calibrate", str(source), "-o", str(tmp_path / "s.safetensors"), "--calib", "random",
+                          "--calib-samples", "2", "--calib-seqlen", "8", "--json"],
+            "inspect": ["inspect", str(converted), "--json"],
+            "verify": ["verify", str(converted), "--quick", "--json"]}
+    documents = {}
+    for command, argv in runs.items():
+        code, stdout, _ = run(argv, capsys)
+        documents[command] = document = json.loads(stdout)
+        assert code == 0 and tuple(document)[:len(ENVELOPE)] == ENVELOPE, (command, list(document))
+        assert document["command"] == command and document["format_version"] == 2
+        assert document["exit_code"] == 0 and document["error"] is None
+    assert documents["quantize"]["out"] == str(tmp_path / "o") and documents["verify"]["out"] == str(converted)
+    # The same thing under the same name: a source (quantize, calibrate) and a folder's stored bytes.
+    assert documents["calibrate"]["source"] == documents["quantize"]["source"]
+    inspected = json.loads(run(["inspect", str(tmp_path / "o"), "--json"], capsys)[1])
+    assert inspected["output_bytes"] == documents["quantize"]["output_bytes"]
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["{cmd}", "{missing}"], 3),            # a folder that is not there
+    (["{cmd}", "{empty}"], 6),              # a folder without qconvert.json
+    (["{cmd}", "{missing}", "--bogus"], 2),  # a flag no command has
+])
+def test_the_same_bad_input_is_the_same_exit_code_and_a_json_error_from_every_command(argv, code, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    for command in ("inspect", "verify"):
+        words = [w.format(cmd=command, missing=tmp_path / "missing", empty=tmp_path / "empty") for w in argv]
+        got, stdout, stderr = run([*words, "--json"], capsys)
+        document = json.loads(stdout)
+        (line,) = stderr.strip().splitlines()
+        assert got == code == document["exit_code"], (command, stderr)
+        assert tuple(document)[:len(ENVELOPE)] == ENVELOPE and document["command"] == command
+        assert line == f"qconvert: error: {document['error']}"
+    for command in ("quantize", "calibrate"):  # MODEL, then OUT
+        words = [w.format(cmd=command, missing=tmp_path / "missing", empty=tmp_path / "empty") for w in argv]
+        got, stdout, stderr = run([*words, "-o", str(tmp_path / "out"), "--json"], capsys)
+        document = json.loads(stdout)
+        expected = 6 if code == 6 else code  # a model folder without config.json is invalid too
+        assert got == expected == document["exit_code"], (command, stderr)
+        assert document["command"] == command and not (tmp_path / "out").exists()

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 from typing import Any
 
+from qconvert.formats.documents import dumps, envelope, error_document
 from qconvert.verify.results import LayerResult, VerifyReport
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-JSON_FORMAT_VERSION = 1
 
 
 def versions() -> dict[str, str]:
@@ -168,12 +167,11 @@ def _finite(value: Any) -> Any:
 def to_record(report: VerifyReport) -> dict[str, Any]:
     """The full JSON-ready record: every metric, threshold, version, backend, kernel and tiling."""
     record = {
-        "format_version": JSON_FORMAT_VERSION,
+        **envelope("verify", exit_code=0 if report.passed else 1, out=str(report.folder)),
         "passed": report.passed,
         "fidelity_passed": report.fidelity_passed,
         "quality_passed": report.quality_passed,
         "verdict": verdict(report),
-        "folder": report.folder,
         "scheme": report.scheme,
         "rounding": report.rounding,
         "reference": report.reference,
@@ -195,12 +193,10 @@ def to_record(report: VerifyReport) -> dict[str, Any]:
 
 
 def error_json(folder, message: str, exit_code: int) -> str:
-    """The JSON record of a verify that could not run (bad input, exit 2): its verdict is ERROR."""
-    record = {"format_version": JSON_FORMAT_VERSION, "passed": False, "folder": str(folder),
-              "verdict": f"ERROR {folder}: {message}", "error": message, "exit_code": exit_code}
-    return json.dumps(record, indent=2, sort_keys=True)
+    """The JSON record of a verify that could not run (bad input): its verdict is ERROR."""
+    return dumps(error_document("verify", message, exit_code, str(folder)))
 
 
 def to_json(report: VerifyReport) -> str:
     """to_record as indented, key-sorted JSON text."""
-    return json.dumps(to_record(report), indent=2, sort_keys=True)
+    return dumps(to_record(report))

@@ -26,7 +26,8 @@ from qconvert.formats.errors import FormatError, UsageError
 from qconvert.formats.layouts import QuantizedCheckpoint, open_quantized
 from qconvert.formats.record import ConversionRecord
 from qconvert.formats.safetensors_io import sha256_file
-from qconvert.kernels.plan import BACKENDS, platform, resolve_backend
+from qconvert.kernels.backends import deployment_backends
+from qconvert.kernels.plan import platform, resolve_backend
 from qconvert.models import read_tensors
 from qconvert.progress import Reporter, as_reporter
 from qconvert.schemes import scheme_named
@@ -122,7 +123,7 @@ def verify_folder(folder, options: VerifyOptions = VerifyOptions(), progress: Re
 
 def backend_choices() -> list[str]:
     """The kernel backends verify takes (--backend): every one but the reference, which is no deployment kernel."""
-    return [name for name in BACKENDS if name != "reference"]
+    return deployment_backends()
 
 
 def check_backend(backend: str) -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, cluster_options,
-                                 hub_messages, is_leader, join_cluster, out_path, run_with_progress, verbose_option)
+                                 hub_messages, is_leader, join_cluster, note_out, out_path, print_document,
+                                 run_with_progress, verbose_option)
 
 
 @click.command(epilog=EXIT_CODES_EPILOG,
@@ -30,8 +31,7 @@ def calibrate(model: str, out: Path, revision: str | None, calib: str | None, ca
 
     `qconvert quantize MODEL --scheme w8a8 --act-stats OUT` reuses the file.
     """
-    import json
-
+    note_out(out)
     hub_messages(verbose)
     join_cluster(cluster_flags)
     check_jax_platforms()
@@ -46,7 +46,7 @@ def calibrate(model: str, out: Path, revision: str | None, calib: str | None, ca
     if not is_leader():  # one of several processes: process 0 writes and speaks for the run
         return 0
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
+        print_document("calibrate", summary)
     elif not quiet:
         click.echo(f"wrote {out}: {summary['linears']} linears, {summary['calibration']['tokens']} tokens "
                    f"({summary['calibration']['description']})")

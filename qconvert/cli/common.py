@@ -30,14 +30,61 @@ def verbose_option(command):
 
 
 
+def print_document(command: str, body: dict, exit_code: int = 0) -> None:
+    """A command's --json document on stdout: the shared envelope (formats/documents.py), then its own fields."""
+    from qconvert.formats.documents import dumps, envelope
+
+    out = body.get("out")
+    click.echo(dumps({**envelope(command, exit_code=exit_code, out=None if out is None else str(out)), **body}))
+
+
+class _Run:
+    """What the failure paths need to know of the command running: its name where it was given --json (its
+    failures then print a JSON document too), and the OUT it was given, once its arguments parsed."""
+
+    json_command: str | None = None
+    out: str | None = None
+
+
+def expect_json_failures(command: str | None) -> None:
+    """Failures from here on print the command's JSON error document on stdout as well (it was given --json)."""
+    _Run.json_command = command
+
+
+def note_out(out) -> None:
+    """The OUT a command was given, for its JSON error document."""
+    _Run.out = None if out is None else str(out)
+
+
+def print_error_document(message: str, exit_code: int) -> None:
+    """The JSON error document of a command given --json (process 0 only, in a run of several)."""
+    if _Run.json_command is None or not is_leader():
+        return
+    from qconvert.formats.documents import dumps, error_document
+
+    click.echo(dumps(error_document(_Run.json_command, message, exit_code, _Run.out)))
+
+
+def require_folder(out: Path) -> None:
+    """ModelNotFoundError (exit 3, as every command says it) for an OUT to read that is not a folder: before the
+    readers, and JAX, are imported."""
+    if not Path(out).is_dir():
+        from qconvert.formats.errors import ModelNotFoundError
+
+        raise ModelNotFoundError(f"no such folder: {out}" if not Path(out).exists() else
+                                 f"{out} is not a folder; give the output folder of `qconvert quantize`")
+
+
 def fail(message: str, exit_code: int) -> None:
     """Print one line on stderr and exit (in a run of several processes, after the watch has had its say: a
-    failure here that is the echo of another process's ends this process with that one's line)."""
+    failure here that is the echo of another process's ends this process with that one's line). A command given
+    --json prints its error document on stdout first."""
     from qconvert import cluster
 
     if cluster.active():
         cluster.settle()
         cluster.note_failure(message)
+    print_error_document(message, exit_code)
     click.echo(f"qconvert: error: {message}", err=True)
     sys.exit(exit_code)
 
@@ -138,27 +185,9 @@ def hub_messages(verbose: bool) -> None:
 
 
 
-class RegistryChoice(click.Choice):
-    """A choice among a registry's names, read when click first needs them (the registry imports JAX, which a
-    bare `qconvert` or `qconvert quantize --help` does not start for it)."""
-
-    def __init__(self, load):
-        self._load = load
-        super().__init__(())
-
-    @property
-    def choices(self) -> tuple[str, ...]:
-        return tuple(self._load())
-
-    @choices.setter
-    def choices(self, value) -> None:
-        del value  # the registry is the one list
+# verify's --backend choices as the CLI lists them without importing the kernels (and JAX): the names of
+# qconvert.kernels.backends.deployment_backends(), which a test holds them to.
+VERIFY_BACKENDS = ("auto", "tpu", "gpu", "cpu", "xla")
 
 
-def _backend_choices() -> list[str]:
-    from qconvert.verify.run import backend_choices
-
-    return backend_choices()
-
-
-BACKEND_CHOICE = RegistryChoice(_backend_choices)
+BACKEND_CHOICE = click.Choice(VERIFY_BACKENDS)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from qconvert.cli.common import EXIT_CODES_EPILOG
+from qconvert.cli.common import EXIT_CODES_EPILOG, note_out, print_document, require_folder
 
 
 @click.command(name="inspect", epilog=EXIT_CODES_EPILOG,
@@ -18,17 +18,18 @@ def inspect_command(out: Path, as_json: bool) -> int:
 
     Exits 1 when a file no longer matches qconvert.json.
     """
-    import json
-
+    note_out(out)
+    require_folder(out)
     from qconvert.cli.console import print_inspect_report, stdout_console
     from qconvert.inspection import inspect_checkpoint
 
     report = inspect_checkpoint(out)
+    code = 1 if report.hashes_ok is False else 0
     if as_json:
-        click.echo(json.dumps(report.summary(), indent=2))
+        print_document("inspect", report.summary(), code)
     else:
         print_inspect_report(report, stdout_console())
-    return 1 if report.hashes_ok is False else 0
+    return code
 
 
 

@@ -13,7 +13,7 @@ import click
 
 from qconvert import __version__, interrupts
 from qconvert.cli.calibrate import calibrate
-from qconvert.cli.common import EXIT_CODES_EPILOG, fail
+from qconvert.cli.common import EXIT_CODES_EPILOG, expect_json_failures, fail, print_error_document
 from qconvert.cli.inspect import example_model, inspect_command
 from qconvert.cli.quantize import quantize
 from qconvert.cli.streams import guard_stdout
@@ -63,7 +63,9 @@ def _internal_error(err: Exception, command: str | None) -> None:
         import traceback
 
         traceback.print_exception(err)
-    click.echo(internal_error_line(err, command or "qconvert"), err=True)
+    line = internal_error_line(err, command or "qconvert")
+    print_error_document(line.removeprefix("qconvert: error: ").removeprefix("qconvert: "), INTERNAL_ERROR_EXIT_CODE)
+    click.echo(line, err=True)
     sys.exit(INTERNAL_ERROR_EXIT_CODE)
 
 
@@ -98,6 +100,14 @@ def _command_name(argv: list[str] | None) -> str | None:
 
 
 
+def _asks_json(argv: list[str], command: str | None) -> bool:
+    """Whether the command, one that has --json, was given it (looked for in the words, so that a flag click
+    refuses still gets its JSON document)."""
+    if command is None or not any(p.name == "as_json" for p in cli.commands[command].params):
+        return False
+    return "--json" in argv[argv.index(command) + 1:]
+
+
 def legacy_json_dash(args: list[str]) -> list[str]:
     """`verify --json -`, the earlier spelling of a plain `--json`, still works: the `-` is dropped."""
     return [a for i, a in enumerate(args) if not (a == "-" and i > 0 and args[i - 1] == "--json")]
@@ -109,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     guard_stdout()
     argv = legacy_json_dash(sys.argv[1:] if argv is None else list(argv))
     command = _command_name(argv)
+    expect_json_failures(command if _asks_json(argv, command) else None)
     try:
         _run(argv, command)
     except SystemExit as done:

@@ -9,7 +9,8 @@ from pathlib import Path
 import click
 
 from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, cluster_options,
-                                 hub_messages, is_leader, join_cluster, out_path, run_with_progress, with_options)
+                                 hub_messages, is_leader, join_cluster, note_out, out_path, print_document,
+                                 run_with_progress, with_options)
 from qconvert.schemes import NAMES as SCHEME_NAMES
 
 
@@ -54,9 +55,10 @@ class _SchemeOption(click.Option):
     """--scheme, whose help lists each scheme's own summary and loaders (read when help is shown)."""
 
     def get_help_record(self, ctx):
-        from qconvert.schemes import SCHEMES
+        from qconvert.schemes import DESCRIPTIONS
 
-        self.help = "; ".join(f"{s.name}: {s.summary}, loads in {s.loads_in}" for s in SCHEMES.values()) + "."
+        self.help = "; ".join(f"{name}: {summary}, loads in {loads_in}"
+                              for name, (summary, loads_in) in DESCRIPTIONS.items()) + "."
         return super().get_help_record(ctx)
 
 
@@ -135,6 +137,7 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
              quiet: bool, as_json: bool, verbose: bool, **calibration_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
     started = time.perf_counter()
+    note_out(out)
     hub_messages(verbose)
     join_cluster(calibration_flags)
     from qconvert.write.upload import check_upload
@@ -201,12 +204,10 @@ def _calibration_options_from(scheme: str, flags: dict):
 
 
 def _print_result(result, quiet: bool, as_json: bool, verbose: bool = False) -> None:
-    import json
-
     from qconvert.cli.console import print_convert_result, stdout_console
 
     if as_json:
-        click.echo(json.dumps(result.summary(), indent=2))
+        print_document("quantize", result.summary())
     elif not quiet:
         print_convert_result(result, stdout_console())
         for note in result.notes:  # with the summary on stdout: they describe the folder written

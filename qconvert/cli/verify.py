@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from qconvert.cli.common import (BACKEND_CHOICE, EXIT_CODES_EPILOG, check_jax_platforms, cluster_options, fail,
-                                 hub_messages, is_leader, join_cluster, run_with_progress, verbose_option)
+                                 hub_messages, note_out, require_folder, is_leader, join_cluster, run_with_progress, verbose_option)
 from qconvert.formats.errors import QConvertError, UsageError
 
 
@@ -46,7 +46,8 @@ from qconvert.formats.errors import QConvertError, UsageError
 @click.option("--max-kl", type=float, default=None, help="Whole-model mean next-token KL ceiling (nats).")
 @click.option("--min-top1", type=float, default=None, help="Whole-model top-1 agreement floor (0..1).")
 @click.option("--max-ppl-ratio", type=float, default=None, help="Quantized/float perplexity ceiling.")
-@click.option("--min-pooled-cosine", type=float, default=None, help="Encoders: floor of the mean pooled-output cosine over the sequences.")
+@click.option("--min-pooled-cosine", type=float, default=None,
+              help="Encoders: floor of the mean pooled-output cosine over the sequences.")
 @verbose_option
 @cluster_options
 def verify_command(out: Path, reference: str | None, revision: str | None, calib: str, samples: int | None,
@@ -60,11 +61,21 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
     Per layer, fidelity (the kernel against the folder's own dequantized
     weights: only a wrong kernel fails it) and quality (against the float layer:
     what the quantization costs). Exits 0 when every check passes, 1 when any
-    fails (integrity, fidelity or quality), 2 on usage or input errors.
+    fails (integrity, fidelity or quality), and on bad input the code every command gives that input
+    (2 usage, 3 a missing folder, 4 an unreachable Hub, 6 an invalid folder...).
     """
+    note_out(out)
     hub_messages(verbose)
     if json_file is not None:
         _check_json_target(json_file, out)  # before the check runs, not after
+    try:
+        require_folder(out)
+    except QConvertError as err:
+        if json_file is not None and is_leader():
+            from qconvert.formats.documents import dumps, error_document
+
+            _emit_json(dumps(error_document("verify", str(err), err.exit_code, str(out))), False, json_file)
+        raise
     if update_card and out.is_dir():
         from qconvert.write.folder import check_writable
 
@@ -104,8 +115,9 @@ def _update_card(out: Path, report, quiet: bool) -> None:
 
 
 def _run_verify(out: Path, options, as_json: bool, json_file: Path | None, quiet: bool):
-    """verify_folder with progress on stderr; on bad input the JSON record of the error, then one line, exit 2."""
-    from qconvert.formats.errors import FormatError
+    """verify_folder with progress on stderr; on bad input its error, with its own exit code as every command
+    gives it (--json-file gets the error document; --json's is printed where every command's is)."""
+    from qconvert.formats.errors import FormatError, InvalidCheckpointError
     from qconvert.verify.report import error_json
     from qconvert.verify.run import verify_folder
 
@@ -113,10 +125,10 @@ def _run_verify(out: Path, options, as_json: bool, json_file: Path | None, quiet
         return run_with_progress(lambda stages, _: verify_folder(out, options, progress=stages),
                                   silent=quiet or as_json)
     except (QConvertError, FormatError) as err:
-        # Bad input, not a failed check: exit 2 whatever the error's own code.
-        if (as_json or json_file is not None) and is_leader():
-            _emit_json(error_json(out, str(err), 2), as_json, json_file)
-        fail(str(err), 2)
+        code = err.exit_code if isinstance(err, QConvertError) else InvalidCheckpointError.exit_code
+        if json_file is not None and is_leader():
+            _emit_json(error_json(out, str(err), code), False, json_file)
+        fail(str(err), code)
 
 
 

@@ -2,7 +2,7 @@
 
 Each scheme's module is imported when the scheme is first asked for, so the
 CLI can list the names without starting JAX. To add a scheme: one module here
-with its Scheme subclass (and its layout in formats/), one line in _CLASSES,
+with its Scheme subclass (and its layout in formats/), one line in _CLASSES and one in DESCRIPTIONS,
 its row in the README's scheme table, and tests.
 """
 
@@ -21,8 +21,22 @@ if TYPE_CHECKING:
 # name -> "module:class" under qconvert.schemes
 _CLASSES = {"int8": "int8:Int8", "int4": "int4:Int4", "w8a8": "w8a8:W8A8", "fp8": "fp8:FP8", "nf4": "nf4:NF4"}
 NAMES = tuple(_CLASSES)
+# name -> (what it stores, in one line; the loaders that read its layout, as measured): the scheme's own words,
+# kept here so that `quantize --help` lists them without importing the scheme modules (and JAX).
+DESCRIPTIONS: dict[str, tuple[str, str]] = {
+    "int8": ("int8 weights per output channel, float activations (W8A16)",
+            "vLLM, transformers + compressed-tensors"),
+    "int4": ("int4 weights per group of input channels (128 by default), float activations (W4A16)",
+            "vLLM, transformers + compressed-tensors"),
+    "w8a8": ("SmoothQuant: int8 weights and int8 activations",
+            "vLLM, transformers + compressed-tensors (dense; MoE in vLLM)"),
+    "fp8": ("FP8 E4M3 weights per output channel, FP8 activations per token at run time (W8A8-FP8)",
+            "vLLM, vLLM TPU, transformers + compressed-tensors"),
+    "nf4": ("NormalFloat-4 weights, blocks of 64 (QLoRA), optional double quantization",
+            "transformers + bitsandbytes only (vLLM 0.33 removed bitsandbytes)"),
+}
 
-__all__ = ["NAMES", "SCHEMES", "names_where", "scheme_named"]
+__all__ = ["DESCRIPTIONS", "NAMES", "SCHEMES", "names_where", "scheme_named"]
 
 
 @functools.cache

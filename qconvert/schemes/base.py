@@ -59,8 +59,6 @@ class Scheme(abc.ABC):
 
     name: str
     layout: Layout
-    summary: str                     # one line: what it stores
-    loads_in: str                    # the loaders that read its layout, as measured
     vllm_loads: bool = True          # vLLM has a loader for its layout (the model card's load snippet)
     act_modes: tuple[str, ...] = ()  # activation modes it quantizes with; () keeps activations float
     calibrates: bool = False         # takes calibration and smoothing (--calib, --alpha, ...)
@@ -68,6 +66,20 @@ class Scheme(abc.ABC):
     default_gptq: bool = False       # GPTQ rounding unless --no-gptq (a scheme that calibrates anyway)
     takes_double_quant: bool = False
     takes_group_size: bool = False
+
+    @property
+    def summary(self) -> str:
+        """One line: what it stores (qconvert.schemes.DESCRIPTIONS)."""
+        from qconvert.schemes import DESCRIPTIONS
+
+        return DESCRIPTIONS[self.name][0]
+
+    @property
+    def loads_in(self) -> str:
+        """The loaders that read its layout, as measured (qconvert.schemes.DESCRIPTIONS)."""
+        from qconvert.schemes import DESCRIPTIONS
+
+        return DESCRIPTIONS[self.name][1]
     clip: ClipSearch
     thresholds: Thresholds
     static_thresholds: Thresholds | None = None  # with --act static, where it differs

@@ -93,8 +93,6 @@ class FP8(Scheme):
 
     name = "fp8"
     layout = FloatQuantizedFP8()
-    summary = "FP8 E4M3 weights per output channel, FP8 activations per token at run time (W8A8-FP8)"
-    loads_in = "vLLM, vLLM TPU, transformers + compressed-tensors"
     act_modes = ("dynamic",)
     clip = ClipSearch(FP8_CLIP_GRID, "per output channel: scale = c * absmax / 448")
     # E4M3 keeps 3 mantissa bits: each value is off by at most 2**-4 of itself (about 30 dB SQNR on a

@@ -141,8 +141,6 @@ class Int4(Scheme):
 
     name = "int4"
     layout = PackQuantizedInt4()
-    summary = "int4 weights per group of input channels (128 by default), float activations (W4A16)"
-    loads_in = "vLLM, transformers + compressed-tensors"
     takes_group_size = True
     default_gptq = True
     clip = ClipSearch(INT4_CLIP_GRID, "per output row and group: scale = c * absmax / 7.5")

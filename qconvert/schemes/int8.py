@@ -125,8 +125,6 @@ class Int8(Scheme):
 
     name = "int8"
     layout = PackQuantizedInt8()
-    summary = "int8 weights per output channel, float activations (W8A16)"
-    loads_in = "vLLM, transformers + compressed-tensors"
     clip = INT8_CLIP
     thresholds = Thresholds(
         min_layer_sqnr_db=30.0, min_layer_cosine=0.999, max_mean_kl=0.01,

@@ -216,8 +216,6 @@ class NF4(Scheme):
 
     name = "nf4"
     layout = BitsandbytesNF4()
-    summary = "NormalFloat-4 weights, blocks of 64 (QLoRA), optional double quantization"
-    loads_in = "transformers + bitsandbytes only (vLLM 0.33 removed bitsandbytes)"
     vllm_loads = False
     takes_double_quant = True
     clip = ClipSearch(NF4_CLIP_GRID, "per block of 64: stored absmax = c * max|block|, values beyond it clip to +-1")

@@ -19,8 +19,6 @@ class W8A8(Int8):
 
     name = "w8a8"
     layout = IntQuantizedW8A8()
-    summary = "SmoothQuant: int8 weights and int8 activations"
-    loads_in = "vLLM, transformers + compressed-tensors (dense; MoE in vLLM)"
     act_modes = ("dynamic", "static")
     calibrates = True
     # The clip search lowers each linear's output error on its calibration rows yet raised the perplexity of

@@ -24,7 +24,6 @@ from qconvert.formats.errors import (
 )
 from qconvert.formats.jsonfile import read_config
 from qconvert.source.hub_http import HubNotAnswering, bound_hub_requests
-from qconvert.models.registry import family_for
 
 # What a conversion needs from a repository; everything else (pickles, ONNX, images) stays remote.
 ALLOW_PATTERNS = (
@@ -193,7 +192,7 @@ def _hub_failures() -> tuple[type[Exception], ...]:
             hf.OfflineModeIsEnabled) + transport_errors()
 
 
-def _resolve_hub(model_id: str, revision: str | None, check_architecture=family_for) -> ResolvedModel:
+def _resolve_hub(model_id: str, revision: str | None, check_architecture=None) -> ResolvedModel:
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub import errors as hf
 
@@ -254,7 +253,7 @@ def _refuse_pickles_only(model_id: str, remote_files: list[str]) -> None:
 
 
 def _resolve_cached(model_id: str, revision: str | None, cache_dir: str | None,
-                    check_architecture=family_for) -> ResolvedModel:
+                    check_architecture=None) -> ResolvedModel:
     """A Hub id from the local cache alone (the Hub is unreachable)."""
     from huggingface_hub import hf_hub_download, snapshot_download
 
@@ -270,14 +269,23 @@ def _resolve_cached(model_id: str, revision: str | None, cache_dir: str | None,
                          is_hub=True, config=config, family=family)
 
 
+def known_family(config: dict) -> object:
+    """The family config.json names (UnsupportedModelError otherwise); the registry, which builds models with
+    JAX, is imported here, so a MODEL that is not there fails without it."""
+    from qconvert.models.registry import family_for
+
+    return family_for(config)
+
+
 def resolve_model(model: str, revision: str | None = None, *,
-                  check_architecture: Callable[[dict], object] = family_for) -> ResolvedModel:
+                  check_architecture: Callable[[dict], object] | None = None) -> ResolvedModel:
     """A local folder as it is, or a Hub id downloaded (config first) into the Hugging Face cache.
 
     `check_architecture(config)` raises for a model that cannot be converted, before any
     weight is fetched (default: the architecture must be a known family); what it returns
     (the family) is kept as the ResolvedModel's `family`.
     """
+    check_architecture = check_architecture or known_family
     if not model.strip():
         raise UsageError("MODEL is empty; give a folder holding config.json and the safetensors, or a Hub id "
                          "(owner/name)")

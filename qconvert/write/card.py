@@ -149,7 +149,7 @@ def verify_section(record: Mapping[str, Any]) -> str:
     evaluation = record.get("evaluation") or {}
     layers = record.get("layers") or []
     # The verdict without the folder's path, which depends on where verify was run from.
-    verdict = str(record.get("verdict", "")).replace(f" {record.get('folder')}:", ":", 1)
+    verdict = str(record.get("verdict", "")).replace(f" {record.get('out')}:", ":", 1)
     lines = [VERIFY_BEGIN, "## Verification", "", f"`qconvert verify`: **{verdict}**", ""]
     given = record.get("thresholds_given") or {}
     if given:  # a verdict under other thresholds than the scheme's says so where it is read
