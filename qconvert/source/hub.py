@@ -70,7 +70,13 @@ def _env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
-def _cache_dir() -> str | None:
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE is set (read now, not when huggingface_hub was imported)."""
+    return _env_true("HF_HUB_OFFLINE")
+
+
+def hub_cache_dir() -> str | None:
+    """The Hub cache HF_HUB_CACHE or HF_HOME name now (None: huggingface_hub's default)."""
     if os.environ.get("HF_HUB_CACHE"):
         return os.environ["HF_HUB_CACHE"]
     if os.environ.get("HF_HOME"):
@@ -108,7 +114,7 @@ def _not_cached_message(model_id: str, revision: str | None, why: str = "") -> s
     rev = f" at revision {revision}" if revision else ""
     download = f"hf download {model_id}" + (f" --revision {revision}" if revision else "")
     return (f"the Hub cannot be reached{why or ' (or HF_HUB_OFFLINE is set)'} and {model_id}{rev} is not in the "
-            f"cache ({_cache_dir() or 'the default HF_HOME'}); run `{download}` where the Hub is reachable "
+            f"cache ({hub_cache_dir() or 'the default HF_HOME'}); run `{download}` where the Hub is reachable "
             "and copy its HF_HOME here, or pass a local folder")
 
 
@@ -169,7 +175,8 @@ def hub_unreachable_reason(endpoint: str | None = None, timeout: float = PROBE_T
         return f" ({url.hostname}:{port}: {err.strerror or type(err).__name__})"
 
 
-def _transport_errors() -> tuple[type[Exception], ...]:
+def transport_errors() -> tuple[type[Exception], ...]:
+    """The exceptions of the HTTP client under huggingface_hub that mean the network failed."""
     # The HTTP client under huggingface_hub differs by release (httpx2, httpx, requests).
     errors: list[type[Exception]] = [ConnectionError, TimeoutError]
     for module, attr in (("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException")):
@@ -184,10 +191,10 @@ def _resolve_hub(model_id: str, revision: str | None, check_architecture=family_
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub import errors as hf
 
-    offline = _env_true("HF_HUB_OFFLINE")
-    cache_dir = _cache_dir()
+    offline = hub_offline()
+    cache_dir = hub_cache_dir()
     hub_failures = (hf.HfHubHTTPError, hf.EntryNotFoundError, hf.HFValidationError,
-                    hf.OfflineModeIsEnabled) + _transport_errors()
+                    hf.OfflineModeIsEnabled) + transport_errors()
     unreachable = None if offline else hub_unreachable_reason()
     if unreachable is not None:
         # One failed probe, then the cache only: no retries, no long timeouts.
