@@ -236,6 +236,19 @@ def test_chat_rows_are_written_as_transformers_writes_them_and_the_windows_hold_
     assert "written with the model's chat template" in data.description
 
 
+def test_a_template_without_a_bos_keeps_every_token_it_writes(hub, tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = make_llama_checkpoint(tmp_path / "qwen-like", vocab=256)
+    _tokenizer_folder(folder, CHATML.removeprefix("{{ bos_token }}"))
+    rendered = [AutoTokenizer.from_pretrained(folder).apply_chat_template(c, tokenize=False) for c in CONVERSATIONS]
+    hub({"data/train.jsonl": jsonl([{"conversations": c} for c in CONVERSATIONS])})
+    data = load_calibration(ADDRESS, folder, json.loads((folder / "config.json").read_text()), samples=2, seqlen=48)
+    assert np.array_equal(data.input_ids, reference_windows(folder, rendered, 2, 48))
+    assert data.record()["dataset"]["column"] == "conversations"
+    assert data.record()["dataset"]["chat_template"]["dropped_prefix"] is None
+
+
 def test_a_conversation_is_read_in_its_common_shapes():
     parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "one"},
                                           {"type": "text", "text": "two"}], "name": None}]

@@ -63,6 +63,7 @@ class DatasetText:
             raise UsageError(f"{self._name_of_split()} has no column {self.column!r}; its columns: "
                              f"{', '.join(found) or 'none'}")
         self._template: chat.ChatTemplate | None = None
+        self._dropped = False  # whether a conversation began with drop_prefix and lost it
 
     def _name_of_split(self) -> str:
         config = "" if self.split.config == "default" else f" (config {self.split.config})"
@@ -97,7 +98,7 @@ class DatasetText:
                                  "tokenizer_config.json) to write them as text; pass --calib-column with a text column")
         text = _rendered(self._template, chat.conversation(value, where), where)
         if self.drop_prefix and text.startswith(self.drop_prefix):
-            text = text[len(self.drop_prefix):]
+            text, self._dropped = text[len(self.drop_prefix):], True
         return text
 
     @property
@@ -112,7 +113,7 @@ class DatasetText:
         """qconvert.json's `dataset` entry: what was read, enough to read it again byte for byte."""
         template = None
         if self._template is not None:
-            template = {**self._template.record(), "dropped_prefix": self.drop_prefix}
+            template = {**self._template.record(), "dropped_prefix": self.drop_prefix if self._dropped else None}
         return {"repo": self.snapshot.repo, "revision": self.snapshot.commit, "config": self.split.config,
                 "split": self.split.split, "column": self.column, "files": list(self.files_read),
                 "chat_template": template}
