@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from qconvert.calibration.data import BUILTIN, check_calibration_source, load_calibration
+from qconvert.calibration.hub_dataset import DatasetSelection
 from qconvert.cluster.share import agree_settings, same_windows
 from qconvert.calibration.observer import DEFAULT_BATCH_SIZE, check_calibration_fits, collect_act_stats
 from qconvert.formats.act_stats import ActStats, is_stats_file, write_act_stats
@@ -30,14 +31,16 @@ def check_stats_target(out: Path, overwrite: bool, source: Path | None = None) -
 
 def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples: int = 128,
                     seqlen: int = 512, revision: str | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
-                    overwrite: bool = False, message=None) -> dict[str, Any]:
-    """`qconvert calibrate`: statistics of MODEL (folder or Hub id) on `calib`, saved to `out`; a summary.
+                    overwrite: bool = False, message=None,
+                    dataset: DatasetSelection | None = None) -> dict[str, Any]:
+    """`qconvert calibrate`: statistics of MODEL (folder or Hub id) on `calib` (of a whole Hub dataset, the part
+    `dataset` picks), saved to `out`; a summary.
 
     OUT is checked before anything is calibrated, and again just before the file
     is renamed into place.
     """
     out = Path(out)
-    check_calibration_source(calib)
+    check_calibration_source(calib, dataset)
     from qconvert.cluster import is_leader
     from qconvert.convert import agree_source
 
@@ -52,7 +55,8 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
         agree_source(source)  # of several processes, every one reads what process 0 reads
         resolved, params = source.resolved, source.params
         check_calibration_fits(source.model, params, resolved.config, samples, seqlen)  # before any window is made
-        data = load_calibration(calib or BUILTIN, resolved.folder, resolved.config, samples=samples, seqlen=seqlen)
+        data = load_calibration(calib or BUILTIN, resolved.folder, resolved.config, samples=samples, seqlen=seqlen,
+                                dataset=dataset)
         agree_settings(same_windows(data.record()), "calibration")  # several processes: the same windows
         if message is not None:
             message(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN, check_calibration_source
+from qconvert.calibration.hub_dataset import DatasetSelection
 from qconvert.formats.errors import UsageError
 from qconvert.write import prefetch
 from qconvert.schemes import scheme_named
@@ -95,15 +96,23 @@ class CalibrationOptions:
     calib: str | None = None          # None: the built-in corpus
     calib_samples: int = DEFAULT_SAMPLES
     calib_seqlen: int = DEFAULT_SEQLEN
+    calib_split: str | None = None    # a whole Hub dataset's split, column and config (None: the defaults)
+    calib_column: str | None = None
+    calib_config: str | None = None
     alpha: str | None = None          # None: 'auto' (or the family's value with act_stats)
     smooth: bool = True
     act_stats: Path | None = None     # a `qconvert calibrate` file instead of calibrating
     batch_size: int | None = None     # calibration windows per forward; None: calibration's default
 
     def __post_init__(self):
-        check_calibration_source(self.calib)
+        check_calibration_source(self.calib, self.dataset)
         # --alpha parsed once (UsageError here for a bad value), the parse carried.
         object.__setattr__(self, "_alpha_spec", parse_alpha(self.alpha))
+
+    @property
+    def dataset(self) -> DatasetSelection:
+        """What of a whole Hub dataset --calib reads."""
+        return DatasetSelection(config=self.calib_config, split=self.calib_split, column=self.calib_column)
 
     @property
     def given_alpha_spec(self) -> AlphaSpec:

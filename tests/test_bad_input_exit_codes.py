@@ -55,6 +55,7 @@ def test_a_dataset_address_that_climbs_out_is_exit_2(model, tmp_path, capsys, ad
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert _quantize(model, tmp_path, capsys, *CALIB, "--calib", address) == (
         2, "", f"qconvert: error: cannot read calibration address {address!r}; write "
+               "hf://datasets/<owner>/<name>[@revision] (a whole dataset) or "
                "hf://datasets/<owner>/<name>[@revision]/<file.txt|file.jsonl>\n")
 
 

@@ -27,6 +27,7 @@ from qconvert.calibration.data import (
     CalibrationData,
     load_calibration,
 )
+from qconvert.calibration.hub_dataset import recorded_selection
 from qconvert.formats.errors import QConvertError, UsageError
 
 AUTO = "auto"
@@ -109,7 +110,8 @@ def calibration_windows(calibration: Mapping[str, Any], folder: Path, config: di
     data = load_calibration(str(calibration["source"]), folder, config,
                             samples=int(calibration.get("requested_samples", DEFAULT_SAMPLES)),
                             seqlen=int(calibration.get("requested_seqlen", DEFAULT_SEQLEN)),
-                            seed=int(calibration.get("seed", RANDOM_SEED)))
+                            seed=int(calibration.get("seed", RANDOM_SEED)),
+                            dataset=recorded_selection(calibration))  # a whole dataset: its recorded commit
     if calibration.get("sha256") and data.sha256 != calibration["sha256"]:
         raise UsageError(f"the calibration file {calibration['source']} changed since the conversion")
     if data.input_ids.shape != (int(calibration["samples"]), int(calibration["seqlen"])):

@@ -1,4 +1,4 @@
-"""Calibration data: read text (a local file, a Hub dataset file, the built-in corpus) or draw random ids, and cut it into token windows.
+"""Calibration data: text (a local file, a Hub dataset or one of its files, the built-in corpus) or random ids, cut into token windows.
 
 Text is tokenized with the model's own tokenizer.json, concatenated, and cut
 into `samples` windows of `seqlen` tokens each (the model's special tokens,
@@ -12,7 +12,7 @@ import codecs
 import dataclasses
 import itertools
 import json
-import os
+import math
 import re
 from importlib import resources
 from pathlib import Path
@@ -20,7 +20,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from qconvert.formats.errors import HubUnavailableError, InvalidCheckpointError, ModelNotFoundError, UsageError
+from qconvert.calibration.hub_dataset import DatasetSelection, download_dataset_file, is_whole_dataset
+from qconvert.formats.errors import InvalidCheckpointError, QConvertError, UsageError
 from qconvert.formats.safetensors_io import sha256_file
 
 BUILTIN = "builtin"
@@ -30,9 +31,6 @@ HELD_OUT = "held-out"
 DEFAULT_SAMPLES = 128
 DEFAULT_SEQLEN = 512
 RANDOM_SEED = 0
-
-_HF_DATASET = re.compile(r"^hf://datasets/(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(@(?P<rev>[^/]+))?"
-                         r"/(?P<path>.+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +45,7 @@ class CalibrationData:
     sha256: str | None = None  # of the calibration file, for file sources
     seed: int | None = None  # of random ids
     stream_tokens: int | None = None  # text: the windows hold the text's first stream_tokens tokens
+    dataset: dict[str, Any] | None = None  # a whole Hub dataset: what of it was read (rows.DatasetText.record)
 
     @property
     def samples(self) -> int:
@@ -74,6 +73,7 @@ class CalibrationData:
             **({"sha256": self.sha256} if self.sha256 else {}),
             **({"seed": self.seed} if self.seed is not None else {}),
             **({"stream_tokens": [0, self.stream_tokens]} if self.stream_tokens is not None else {}),
+            **({"dataset": self.dataset} if self.dataset is not None else {}),
         }
 
 
@@ -152,38 +152,6 @@ def iter_jsonl_texts(path: Path) -> Iterator[str]:
             yield row["text"]
 
 
-def download_dataset_file(address: str) -> Path:
-    """Fetch hf://datasets/<owner>/<name>[@revision]/<path> with huggingface_hub; the local path."""
-    match = _HF_DATASET.match(address)
-    if match is None or ".." in match["path"].split("/") or ".." in (match["rev"] or "").split("/"):
-        raise UsageError(f"cannot read calibration address {address!r}; "
-                         "write hf://datasets/<owner>/<name>[@revision]/<file.txt|file.jsonl>")
-    import huggingface_hub
-    from huggingface_hub import errors as hub_errors
-
-    from qconvert.source.hub import hub_unreachable_reason
-
-    # One short probe instead of huggingface_hub's retries: unreachable means the cache alone.
-    cache_only = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() not in {"1", "ON", "YES", "TRUE"} \
-        and hub_unreachable_reason() is not None
-    try:
-        local = huggingface_hub.hf_hub_download(
-            repo_id=match["repo"], filename=match["path"], repo_type="dataset", revision=match["rev"],
-            **({"local_files_only": True} if cache_only else {}))
-    except (hub_errors.LocalEntryNotFoundError, OSError) as err:  # before EntryNotFoundError, its base
-        raise HubUnavailableError(f"cannot download {address}: the Hub is unreachable and the file "
-                                  f"is not cached ({type(err).__name__}); pass a local file or "
-                                  f"'--calib {BUILTIN}'") from None
-    except hub_errors.HFValidationError as err:
-        raise UsageError(f"cannot read calibration address {address!r} ({err}); write "
-                         "hf://datasets/<owner>/<name>[@revision]/<file.txt|file.jsonl>") from None
-    except (hub_errors.RepositoryNotFoundError, hub_errors.EntryNotFoundError,
-            hub_errors.RevisionNotFoundError) as err:
-        raise ModelNotFoundError(f"calibration file {address} not found on the Hub "
-                                 f"({type(err).__name__}); check the repository and path") from None
-    return Path(local)
-
-
 def _special_ends(tokenizer) -> tuple[list[int], list[int]]:
     # The tokens the model's post-processor puts around one text (BOS, or
     # [CLS] ... [SEP]), found by encoding a probe with and without them.
@@ -235,14 +203,21 @@ def token_windows(tokenizer, texts: Iterable[str] | Path, samples: int, seqlen: 
 
 
 def _stream(tokenizer, texts: Iterable[str], needed: int, batch_size: int = 64) -> list[int]:
-    """The documents' tokens concatenated, a batch of documents encoded at a time until `needed` are there."""
+    """The documents' tokens concatenated, a batch of documents encoded at a time until `needed` are there: one
+    document first, then as many as the tokens still needed take at the documents' average so far (at most
+    `batch_size`), so that text read lazily (a dataset's files, fetched one by one) is read little past the
+    windows' end."""
     stream: list[int] = []
     documents = (text for text in texts if text.strip())
-    while len(stream) < needed and (batch := list(itertools.islice(documents, batch_size))):
+    read, want = 0, 1
+    while len(stream) < needed and (batch := list(itertools.islice(documents, want))):
         for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
             stream.extend(encoding.ids)
             if len(stream) >= needed:
                 break
+        read += len(batch)
+        per_document = max(1.0, len(stream) / read)
+        want = min(batch_size, max(1, math.ceil((needed - len(stream)) / per_document)))
     return stream
 
 
@@ -291,27 +266,41 @@ def _calibration_texts(calib: str) -> tuple[Iterable[str] | Path, str, str | Non
     return texts, description, sha256_file(local)
 
 
-def check_calibration_source(calib: str | None) -> None:
+def check_calibration_source(calib: str | None, dataset: DatasetSelection | None = None) -> None:
     """UsageError for a --calib that calibration may not read: verify's held-out text (calibrating on it would
-    leave verify nothing held out, while qconvert.json said it was never calibrated on)."""
+    leave verify nothing held out, while qconvert.json said it was never calibrated on); or dataset flags
+    without a whole dataset to apply to."""
     if calib == HELD_OUT:
         raise UsageError(f"--calib {HELD_OUT} is verify's evaluation text, kept out of calibration so that verify "
                          f"measures on text the conversion never saw; calibrate on '{BUILTIN}' (the default), a "
                          "file or a dataset")
+    check_dataset_flags(calib, dataset)
+
+
+def check_dataset_flags(calib: str | None, dataset: DatasetSelection | None) -> None:
+    """UsageError for --calib-config/-split/-column given where --calib is not a whole Hub dataset."""
+    given = dataset.given() if dataset is not None else []
+    for field, flag in DatasetSelection.FLAGS:
+        if flag in given and not str(getattr(dataset, field)).strip():
+            raise UsageError(f"{flag} is empty; name the {field} to read")
+    if given and not is_whole_dataset(calib):
+        raise UsageError(f"{', '.join(given)} choose{'s' if len(given) == 1 else ''} from a whole Hub dataset "
+                         f"(--calib hf://datasets/OWNER/NAME), not from --calib {calib or BUILTIN}")
 
 
 def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
                      samples: int = DEFAULT_SAMPLES, seqlen: int = DEFAULT_SEQLEN,
-                     seed: int = RANDOM_SEED) -> CalibrationData:
+                     seed: int = RANDOM_SEED, dataset: DatasetSelection | None = None) -> CalibrationData:
     """Token windows for `--calib` (builtin | random | FILE.txt | FILE.jsonl | hf://datasets/... | held-out).
 
-    `seed` seeds random ids.
+    `seed` seeds random ids; `dataset` picks the config, split and column of a whole Hub dataset.
     seqlen is capped at the model's max_position_embeddings; when the text runs
     out before `samples` full windows, fewer samples are taken and the record says so.
     """
     if samples < 1 or seqlen < 1:
         raise UsageError(f"--calib-samples and --calib-seqlen must be at least 1 "
                          f"(got {samples} and {seqlen})")
+    check_dataset_flags(calib, dataset)
     max_positions = config.get("max_position_embeddings")
     effective_seqlen = min(seqlen, int(max_positions)) if max_positions else seqlen
     if calib == RANDOM:
@@ -320,8 +309,17 @@ def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
         description = (f"random token ids, uniform over the vocabulary of {vocab}, seed {seed}: "
                        "not real text")
         return CalibrationData(ids, RANDOM, description, samples, seqlen, seed=seed)
-    texts, description, digest = _calibration_texts(calib)
-    tokenizer = load_tokenizer(model_folder)
+    whole = None  # a whole Hub dataset's text, which says what it read once it has been read
+    if is_whole_dataset(calib):
+        from qconvert.calibration.rows import open_dataset_text
+
+        tokenizer = load_tokenizer(model_folder)  # before anything is downloaded
+        texts = whole = open_dataset_text(calib, dataset or DatasetSelection(), model_folder,
+                                          _window_bos(tokenizer, model_folder))
+        digest = None
+    else:
+        texts, description, digest = _calibration_texts(calib)
+        tokenizer = load_tokenizer(model_folder)
     if effective_seqlen < seqlen:  # the model's positions cap the windows: name that, not the flag
         ends = sum(len(end) for end in _special_ends(tokenizer))
         if effective_seqlen - ends < 1:
@@ -332,7 +330,7 @@ def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
     try:
         ids = token_windows(tokenizer, texts, samples, effective_seqlen)
         stream = ids.shape[0] * (ids.shape[1] - sum(len(end) for end in _special_ends(tokenizer)))
-    except UsageError:
+    except QConvertError:  # the text's own errors (a bad row, a file not cached) as they are
         raise
     except Exception as err:  # the tokenizers binding raises plain Exceptions from its Rust core
         reason = " ".join(f"{type(err).__name__}: {err}".split())
@@ -342,7 +340,23 @@ def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
     _check_ids_in_vocabulary(ids, config, Path(model_folder) / "tokenizer.json")
     requested = samples * (effective_seqlen - sum(len(end) for end in _special_ends(tokenizer)))
     _check_enough_text(tokenizer, ids, stream, min(MIN_TEXT_TOKENS, requested), calib)
-    return CalibrationData(ids, calib, description, samples, seqlen, digest, stream_tokens=stream)
+    if whole is not None:
+        description = whole.description
+    return CalibrationData(ids, calib, description, samples, seqlen, digest, stream_tokens=stream,
+                           dataset=whole.record() if whole is not None else None)
+
+
+def _window_bos(tokenizer, model_folder: Path) -> str | None:
+    """The BOS text that a chat template writes at a conversation's start and that every window already begins
+    with (the tokenizer's post-processor puts it there): dropped from each rendered conversation, so that a window
+    holds one BOS, at its start, as the model is served, never twice nor again mid-window."""
+    from qconvert.calibration.chat import special_tokens
+
+    prefix, _ = _special_ends(tokenizer)
+    bos = special_tokens(Path(model_folder)).get("bos_token")
+    if prefix and bos and list(tokenizer.encode(bos, add_special_tokens=False).ids) == prefix:
+        return bos
+    return None
 
 
 # Fewer text tokens than this fit nothing (a static scale on 2 tokens ruins a folder): refused, not noted.

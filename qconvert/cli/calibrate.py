@@ -25,8 +25,8 @@ from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_j
 @verbose_option
 @cluster_options
 def calibrate(model: str, out: Path, revision: str | None, calib: str | None, calib_samples: int | None,
-              calib_seqlen: int | None, overwrite: bool, quiet: bool, as_json: bool, verbose: bool,
-              **cluster_flags) -> int:
+              calib_seqlen: int | None, calib_split: str | None, calib_column: str | None, calib_config: str | None,
+              overwrite: bool, quiet: bool, as_json: bool, verbose: bool, **cluster_flags) -> int:
     """Run calibration text through MODEL and save every linear input's max|x| to OUT.
 
     `qconvert quantize MODEL --scheme w8a8 --act-stats OUT` reuses the file.
@@ -36,12 +36,15 @@ def calibrate(model: str, out: Path, revision: str | None, calib: str | None, ca
     join_cluster(cluster_flags)
     check_jax_platforms()
     from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
+    from qconvert.calibration.hub_dataset import DatasetSelection
     from qconvert.calibrate import calibrate_model
+
+    dataset = DatasetSelection(config=calib_config, split=calib_split, column=calib_column)
 
     summary = run_with_progress(
         lambda stages, _: calibrate_model(model, out, calib=calib, samples=calib_samples or DEFAULT_SAMPLES,
                                           seqlen=calib_seqlen or DEFAULT_SEQLEN, revision=revision,
-                                          overwrite=overwrite, message=stages),
+                                          overwrite=overwrite, message=stages, dataset=dataset),
         silent=quiet or as_json or not is_leader())
     if not is_leader():  # one of several processes: process 0 writes and speaks for the run
         return 0

@@ -103,11 +103,21 @@ def calibration_options(command):
         click.option("--calib", default=None, metavar="SOURCE",
                      help="Calibration text: builtin (the default: a small English corpus shipped with "
                           "qconvert, works offline), FILE.txt, FILE.jsonl (a \"text\" field), "
-                          "hf://datasets/OWNER/NAME[@REV]/FILE, or random (random token ids)."),
+                          "hf://datasets/OWNER/NAME[@REV] (a whole Hub dataset: parquet, JSON, CSV or text files, "
+                          "found by split as the datasets library finds them), hf://datasets/OWNER/NAME[@REV]/FILE, "
+                          "or random (random token ids)."),
         click.option("--calib-samples", type=click.IntRange(min=1), default=None,
                      help="Calibration windows (default 128; fewer when the text runs out)."),
         click.option("--calib-seqlen", type=click.IntRange(min=2), default=None,
                      help="Tokens per window (default 512, capped at the model's positions)."),
+        click.option("--calib-split", default=None, metavar="SPLIT",
+                     help="A whole Hub dataset's split to read (default train)."),
+        click.option("--calib-column", default=None, metavar="COLUMN",
+                     help="A whole Hub dataset's column to read (default: text, else messages, else "
+                          "conversations). A column of conversations ([{role, content}, ...]) is written as text "
+                          "with the model's own chat template."),
+        click.option("--calib-config", default=None, metavar="NAME",
+                     help="A whole Hub dataset's config (its README's configs; default: the default one)."),
     ])
 
 

@@ -194,11 +194,12 @@ def _calibration_options_from(scheme: str, flags: dict):
     from qconvert.schemes import scheme_named
 
     if not scheme_named(scheme).calibrates and flags["act"] == "dynamic" and all(
-            flags[k] in (None, False) for k in ("calib", "calib_samples", "calib_seqlen", "alpha", "no_smooth",
-                                                "act_stats")):
+            flags[k] in (None, False) for k in ("calib", "calib_samples", "calib_seqlen", "calib_split",
+                                                "calib_column", "calib_config", "alpha", "no_smooth", "act_stats")):
         return None
     return CalibrationOptions(calib=flags["calib"], calib_samples=flags["calib_samples"] or DEFAULT_SAMPLES,
-                       calib_seqlen=flags["calib_seqlen"] or DEFAULT_SEQLEN, alpha=flags["alpha"],
+                       calib_seqlen=flags["calib_seqlen"] or DEFAULT_SEQLEN, calib_split=flags["calib_split"],
+                       calib_column=flags["calib_column"], calib_config=flags["calib_config"], alpha=flags["alpha"],
                        smooth=not flags["no_smooth"], act_stats=flags["act_stats"])
 
 

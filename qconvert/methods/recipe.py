@@ -100,7 +100,7 @@ def prepare_adjustments(source: SourceModel, options: ConvertOptions,
         check_calibration_fits(source.model, params, source.config, calib.calib_samples, calib.calib_seqlen,
                                hessians=gptq is not None, sequential=gptq is not None)  # before any window
         data = load_calibration(calib.calib or BUILTIN, source.folder, source.config,
-                                samples=calib.calib_samples, seqlen=calib.calib_seqlen)
+                                samples=calib.calib_samples, seqlen=calib.calib_seqlen, dataset=calib.dataset)
         # Several processes: the same windows everywhere (a copy of the text may sit at another path).
         agree_settings(same_windows(data.record()), "calibration")
         progress(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")

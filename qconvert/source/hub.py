@@ -70,7 +70,13 @@ def _env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
-def _cache_dir() -> str | None:
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE is set (read now, not when huggingface_hub was imported)."""
+    return _env_true("HF_HUB_OFFLINE")
+
+
+def hub_cache_dir() -> str | None:
+    """The Hub cache HF_HUB_CACHE or HF_HOME name now (None: huggingface_hub's default)."""
     if os.environ.get("HF_HUB_CACHE"):
         return os.environ["HF_HUB_CACHE"]
     if os.environ.get("HF_HOME"):
@@ -111,7 +117,7 @@ def _not_cached_message(model_id: str, revision: str | None, why: str = "") -> s
     rev = f" at revision {revision}" if revision else ""
     download = f"hf download {model_id}" + (f" --revision {revision}" if revision else "")
     return (f"the Hub cannot be reached{why or ' (or HF_HUB_OFFLINE is set)'} and {model_id}{rev} is not in the "
-            f"cache ({_cache_dir() or 'the default HF_HOME'}); run `{download}` where the Hub is reachable "
+            f"cache ({hub_cache_dir() or 'the default HF_HOME'}); run `{download}` where the Hub is reachable "
             "and copy its HF_HOME here, or pass a local folder")
 
 
@@ -196,8 +202,8 @@ def _resolve_hub(model_id: str, revision: str | None, check_architecture=None) -
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub import errors as hf
 
-    offline = _env_true("HF_HUB_OFFLINE")
-    cache_dir = _cache_dir()
+    offline = hub_offline()
+    cache_dir = hub_cache_dir()
     hub_failures = _hub_failures()
     bound_hub_requests()
     unreachable = None if offline else hub_unreachable_reason()
