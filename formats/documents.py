@@ -14,18 +14,17 @@ from typing import Any
 FORMAT_VERSION = 2
 
 
-def envelope(command: str, *, exit_code: int, out: str | None, error: str | None = None) -> dict[str, Any]:
-    """The fields every document opens with."""
-    from qconvert import __version__
-
-    return {"format_version": FORMAT_VERSION, "command": command, "qconvert_version": __version__,
+def envelope(command: str, version: str, *, exit_code: int, out: str | None,
+             error: str | None = None) -> dict[str, Any]:
+    """The fields every document opens with (`version`: qconvert's, which the layers above this one know)."""
+    return {"format_version": FORMAT_VERSION, "command": command, "qconvert_version": version,
             "exit_code": int(exit_code), "error": error, "out": out}
 
 
-def error_document(command: str, message: str, exit_code: int, out: str | None) -> dict[str, Any]:
+def error_document(command: str, version: str, message: str, exit_code: int, out: str | None) -> dict[str, Any]:
     """The document of a run that failed before it had a result: its line and exit code. verify's says
     `"passed": false` and an ERROR verdict, as its report would."""
-    document = envelope(command, exit_code=exit_code, out=out, error=message)
+    document = envelope(command, version, exit_code=exit_code, out=out, error=message)
     if command == "verify":
         document.update(passed=False, verdict=f"ERROR {out}: {message}" if out else f"ERROR {message}")
     return document

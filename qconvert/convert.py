@@ -299,7 +299,8 @@ def card_facts(source: SourceModel, plan: ConversionPlan, options: ConvertOption
         quantized_linears=len(plan.quantized_modules),
         unchanged_tensors=sum(t.module is None for t in plan.tensors),
         input_bytes=sum(ckpt.nbytes(name) for name in ckpt.tensor_names),
-        output_bytes=sum(spec.nbytes for spec in plan.specs), pip_packages=scheme.layout.pip_packages)
+        output_bytes=sum(spec.nbytes for spec in plan.specs), pip_packages=scheme.layout.pip_packages,
+        act_applies=bool(scheme.act_modes))
 
 
 def check_output_target(model: str, out: Path, overwrite: bool) -> None:

@@ -89,7 +89,7 @@ def test_inspect_refuses_a_record_without_its_files_map(converted, tmp_path, cap
     assert exit_code == 6 and stdout == "" and "has no files map" in stderr
     assert len(stderr.strip().splitlines()) == 1
     exit_code, _, _ = run(["verify", str(out)], capsys)
-    assert exit_code == 2
+    assert exit_code == 6  # the same folder, the same code from every command
 
 
 def test_verify_checks_the_json_path_before_running(converted, tmp_path, capsys, monkeypatch):

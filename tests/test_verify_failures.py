@@ -152,13 +152,13 @@ def test_a_shard_edited_after_writing_fails_naming_it(copy, capsys):
     assert f"{path.name}: sha256 mismatch" in err
 
 
-def test_bad_input_exits_2(tmp_path, converted, capsys):
+def test_bad_input_exits_with_the_code_every_command_gives_it(tmp_path, converted, capsys):
     code, out, err = run_cli(["verify", str(tmp_path / "nowhere")], capsys)
-    assert code == 2 and "not a folder" in err and out == ""
+    assert code == 3 and "no such folder" in err and out == ""  # as inspect and quantize say
     code, _, err = run_cli(["verify", str(tmp_path)], capsys)
-    assert code == 2 and "qconvert.json" in err
+    assert code == 6 and "qconvert.json" in err  # a folder that is not a conversion: invalid
     code, _, err = run_cli(["verify", str(converted), "--reference", str(tmp_path / "missing")], capsys)
-    assert code == 2 and "missing" in err
+    assert code == 3 and "missing" in err
     code, _, err = run_cli(["verify", str(converted), "--backend", "fpga"], capsys)
     assert code == 2
 

@@ -103,5 +103,5 @@ def test_a_record_without_scales_asks_for_a_new_conversion_in_one_line(copy, cap
     code, report, err = verify(copy, capsys)
     line = ("qconvert.json: records no smoothing scales (format 1, written by an older qconvert); "
             "convert the model again to verify it")
-    assert code == 2 and report["error"] == line and not report["passed"]  # verify's bad input: exit 2
+    assert code == 6 and report["error"] == line and not report["passed"]  # an invalid folder: exit 6
     assert err.strip().splitlines() == [f"qconvert: error: {line}"]

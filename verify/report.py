@@ -6,6 +6,7 @@ import math
 import platform
 from typing import Any
 
+from qconvert import __version__ as qconvert_version
 from qconvert.formats.documents import dumps, envelope, error_document
 from qconvert.verify.results import LayerResult, VerifyReport
 from rich import box
@@ -167,7 +168,7 @@ def _finite(value: Any) -> Any:
 def to_record(report: VerifyReport) -> dict[str, Any]:
     """The full JSON-ready record: every metric, threshold, version, backend, kernel and tiling."""
     record = {
-        **envelope("verify", exit_code=0 if report.passed else 1, out=str(report.folder)),
+        **envelope("verify", qconvert_version, exit_code=0 if report.passed else 1, out=str(report.folder)),
         "passed": report.passed,
         "fidelity_passed": report.fidelity_passed,
         "quality_passed": report.quality_passed,
@@ -194,7 +195,7 @@ def to_record(report: VerifyReport) -> dict[str, Any]:
 
 def error_json(folder, message: str, exit_code: int) -> str:
     """The JSON record of a verify that could not run (bad input): its verdict is ERROR."""
-    return dumps(error_document("verify", message, exit_code, str(folder)))
+    return dumps(error_document("verify", qconvert_version, message, exit_code, str(folder)))
 
 
 def to_json(report: VerifyReport) -> str:

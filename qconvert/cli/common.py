@@ -32,10 +32,12 @@ def verbose_option(command):
 
 def print_document(command: str, body: dict, exit_code: int = 0) -> None:
     """A command's --json document on stdout: the shared envelope (formats/documents.py), then its own fields."""
+    from qconvert import __version__
     from qconvert.formats.documents import dumps, envelope
 
     out = body.get("out")
-    click.echo(dumps({**envelope(command, exit_code=exit_code, out=None if out is None else str(out)), **body}))
+    click.echo(dumps({**envelope(command, __version__, exit_code=exit_code, out=None if out is None else str(out)),
+                      **body}))
 
 
 class _Run:
@@ -60,9 +62,10 @@ def print_error_document(message: str, exit_code: int) -> None:
     """The JSON error document of a command given --json (process 0 only, in a run of several)."""
     if _Run.json_command is None or not is_leader():
         return
+    from qconvert import __version__
     from qconvert.formats.documents import dumps, error_document
 
-    click.echo(dumps(error_document(_Run.json_command, message, exit_code, _Run.out)))
+    click.echo(dumps(error_document(_Run.json_command, __version__, message, exit_code, _Run.out)))
 
 
 def require_folder(out: Path) -> None:

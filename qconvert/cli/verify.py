@@ -72,9 +72,11 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
         require_folder(out)
     except QConvertError as err:
         if json_file is not None and is_leader():
+            from qconvert import __version__
             from qconvert.formats.documents import dumps, error_document
 
-            _emit_json(dumps(error_document("verify", str(err), err.exit_code, str(out))), False, json_file)
+            _emit_json(dumps(error_document("verify", __version__, str(err), err.exit_code, str(out))), False,
+                       json_file)
         raise
     if update_card and out.is_dir():
         from qconvert.write.folder import check_writable

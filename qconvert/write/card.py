@@ -43,6 +43,7 @@ class CardFacts:
     input_bytes: int
     output_bytes: int
     pip_packages: tuple[str, ...] = ()  # beside transformers, to load the folder (default: quant_method's)
+    act_applies: bool = True  # the scheme quantizes activations, so the act flag shaped the folder
 
 
 def _mib(n: int) -> str:
@@ -58,9 +59,14 @@ def _source_lines(source: SourceRecord) -> list[str]:
     return [f"| source | {where} |"]
 
 
-def _flags_line(record: ConversionRecord) -> str:
-    flags = record.flags
-    shown = ", ".join(f"`{key}={json.dumps(value, sort_keys=True)}`" for key, value in sorted(flags.items()))
+def _flags_line(record: ConversionRecord, act_applies: bool) -> str:
+    """The flags that shaped the folder: not the scheme (its own row), not those left unset, off or empty, and
+    not the activation mode of a scheme that keeps activations float (qconvert.json records every one)."""
+    def applied(key: str, value: Any) -> bool:
+        return key != "scheme" and value not in (None, False, [], {}) and (key != "act" or act_applies)
+
+    shown = ", ".join(f"`{key}={json.dumps(value, sort_keys=True)}`" for key, value in sorted(record.flags.items())
+                      if applied(key, value))
     return f"| flags | {shown or '(defaults)'} |"
 
 
@@ -123,7 +129,7 @@ def model_card(facts: CardFacts) -> str:
         f"# {name} ({record.scheme})", "",
         f"{facts.architecture} quantized by qconvert {record.qconvert_version}: {facts.scheme_summary}.", "",
         "| | |", "|---|---|", *_source_lines(source),
-        f"| scheme | `{record.scheme}` ({facts.quant_method} layout) |", _flags_line(record), _rounding_line(record),
+        f"| scheme | `{record.scheme}` ({facts.quant_method} layout) |", _flags_line(record, facts.act_applies), _rounding_line(record),
         *_calibration_line(record),
         (f"| size | {_mib(facts.input_bytes)} -> {_mib(facts.output_bytes)} ({ratio:.2f}x smaller); "
          f"{facts.quantized_linears} linears quantized, {facts.unchanged_tensors} tensors unchanged |"),
