@@ -144,3 +144,53 @@ class FakeHub:
         self.commits.append(Commit(repo, lines[0]["value"]["summary"], files, lfs))
         oid = hashlib.sha1(body).hexdigest()
         return {"commitUrl": f"{self.url}/{repo}/commit/{oid}", "commitOid": oid}
+
+
+class SilentHub:
+    """A listener on 127.0.0.1 that accepts every connection and never answers; with `answer_probe`, it answers
+    qconvert's reachability probe (`HEAD /`) and nothing after it. Records each request's first line."""
+
+    def __init__(self, answer_probe: bool = False):
+        import socket
+
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.requests: list[bytes] = []
+        self._answer_probe = answer_probe
+        self._held: list = []
+        self._stop = threading.Event()
+
+    def __enter__(self) -> "SilentHub":
+        threading.Thread(target=self._serve, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for conn in self._held:
+            conn.close()
+        self._server.close()
+
+    def _serve(self) -> None:
+        self._server.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                conn = self._server.accept()[0]
+            except OSError:
+                continue
+            self._held.append(conn)
+            if self._answer_probe:
+                self._read_request(conn)
+
+    def _read_request(self, conn) -> None:
+        conn.settimeout(5)
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data and (chunk := conn.recv(4096)):
+                data += chunk
+        except OSError:
+            pass
+        self.requests.append(data.split(b"\r\n")[0])
+        if data.startswith(b"HEAD / "):
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            conn.close()

@@ -19,7 +19,7 @@ import pytest
 
 from checkpoints import make_llama_checkpoint
 from cli_helpers import run, tree
-from hub_server import FakeHub
+from hub_server import FakeHub, SilentHub
 
 REPO = "someone/tiny-int8"
 TOKEN = "hf_fake_token_for_the_test_hub"
@@ -265,29 +265,11 @@ def test_a_refused_upload_is_one_line_and_out_stays_complete(source, reference, 
 
 
 def test_a_hub_that_accepts_and_never_answers_ends_the_run_within_seconds(source, reference, tmp_path):
-    server = socket.create_server(("127.0.0.1", 0))
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept_and_say_nothing():
-        server.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(server.accept()[0])
-            except OSError:
-                continue
-
-    threading.Thread(target=accept_and_say_nothing, daemon=True).start()
-    port = server.getsockname()[1]
     out = tmp_path / "out"
     started = time.monotonic()
-    try:
-        done = quantize(source, out, f"http://127.0.0.1:{port}", "--upload-repo", REPO, timeout=60)
-    finally:
-        stop.set()
-        for conn in held:
-            conn.close()
-        server.close()
+    with SilentHub() as hub:
+        done = quantize(source, out, hub.url, "--upload-repo", REPO, timeout=60)
+    port = hub.port
     assert done.returncode == 4, done.stderr
     line = error_line(done.stderr)
     assert f"127.0.0.1:{port} accepted the connection but did not answer within 3 s" in line
