@@ -250,7 +250,8 @@ def test_console_script_is_quiet_off_a_terminal(source, tmp_path):
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["quantize", "x", "-o", "y", "--scheme", "int9"],
                                   ["verify", "x", "--samples", "0"], ["verify", "--help"], ["calibrate", "--help"],
                                   ["inspect", "--help"], ["verify", "no-such-folder"],
-                                  ["inspect", "no-such-folder", "--json"]])
+                                  ["inspect", "no-such-folder", "--json"], ["quantize", "./no-such-folder", "-o", "o"],
+                                  ["calibrate", "./no-such-folder", "-o", "s.safetensors", "--json"]])
 def test_version_help_and_bad_input_start_no_jax(argv):
     """--version, --help and the refusal of a bad flag or a missing folder need no computation: they paid JAX's
     import (2-4 s loaded)."""

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import click
 
-from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, cluster_options,
-                                 hub_messages, is_leader, join_cluster, note_out, out_path, print_document,
-                                 run_with_progress, verbose_option)
+from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, check_model,
+                                 cluster_options, hub_messages, is_leader, join_cluster, note_out, out_path,
+                                 print_document, run_with_progress, verbose_option)
 
 
 @click.command(epilog=EXIT_CODES_EPILOG,
@@ -34,6 +34,7 @@ def calibrate(model: str, out: Path, revision: str | None, calib: str | None, ca
     note_out(out)
     hub_messages(verbose)
     join_cluster(cluster_flags)
+    check_model(model)
     check_jax_platforms()
     from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
     from qconvert.calibration.hub_dataset import DatasetSelection

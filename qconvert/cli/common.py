@@ -68,6 +68,13 @@ def print_error_document(message: str, exit_code: int) -> None:
     click.echo(dumps(error_document(_Run.json_command, __version__, message, exit_code, _Run.out)))
 
 
+def check_model(model: str) -> None:
+    """MODEL refused from its words alone (empty, a file, a path that is not there), before JAX is imported."""
+    from qconvert.source.hub import check_model_argument
+
+    check_model_argument(model)
+
+
 def require_folder(out: Path) -> None:
     """ModelNotFoundError (exit 3, as every command says it) for an OUT to read that is not a folder: before the
     readers, and JAX, are imported."""

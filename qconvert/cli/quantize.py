@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, cluster_options,
-                                 hub_messages, is_leader, join_cluster, note_out, out_path, print_document,
-                                 run_with_progress, with_options)
+from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, check_model,
+                                 cluster_options, hub_messages, is_leader, join_cluster, note_out, out_path,
+                                 print_document, run_with_progress, with_options)
 from qconvert.schemes import NAMES as SCHEME_NAMES
 
 
@@ -140,6 +140,7 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
     note_out(out)
     hub_messages(verbose)
     join_cluster(calibration_flags)
+    check_model(model)
     from qconvert.write.upload import check_upload
 
     upload = check_upload(upload_repo, public) if is_leader() else None  # process 0 writes OUT and uploads it

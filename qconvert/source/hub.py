@@ -283,6 +283,22 @@ def known_family(config: dict) -> object:
     return family_for(config)
 
 
+def check_model_argument(model: str) -> None:
+    """What MODEL's words alone refuse, before anything is read or imported: an empty one, a broken link, a file,
+    and a path that is not there (anything not path-shaped is a Hub id)."""
+    if not model.strip():
+        raise UsageError("MODEL is empty; give a folder holding config.json and the safetensors, or a Hub id "
+                         "(owner/name)")
+    path = Path(model).expanduser()
+    if path.is_symlink() and not path.exists():
+        raise ModelNotFoundError(f"{model} is a symbolic link that leads nowhere (a loop, or a target that does "
+                                 "not exist); give the model's folder itself")
+    if path.exists() and not path.is_dir():
+        raise ModelNotFoundError(f"{model} is a file; give the folder that holds config.json and the safetensors")
+    if not path.exists() and _looks_like_path(model):
+        raise ModelNotFoundError(f"no such folder: {model}")
+
+
 def resolve_model(model: str, revision: str | None = None, *,
                   check_architecture: Callable[[dict], object] | None = None) -> ResolvedModel:
     """A local folder as it is, or a Hub id downloaded (config first) into the Hugging Face cache.
@@ -292,16 +308,9 @@ def resolve_model(model: str, revision: str | None = None, *,
     (the family) is kept as the ResolvedModel's `family`.
     """
     check_architecture = check_architecture or known_family
-    if not model.strip():
-        raise UsageError("MODEL is empty; give a folder holding config.json and the safetensors, or a Hub id "
-                         "(owner/name)")
+    check_model_argument(model)
     path = Path(model).expanduser()
-    if path.is_symlink() and not path.exists():
-        raise ModelNotFoundError(f"{model} is a symbolic link that leads nowhere (a loop, or a target that does "
-                                 "not exist); give the model's folder itself")
     if path.exists():
-        if not path.is_dir():
-            raise ModelNotFoundError(f"{model} is a file; give the folder that holds config.json and the safetensors")
         if revision is not None:
             raise UsageError(f"--revision {revision} applies to Hub ids, but {model} is a local folder")
         config = read_config(path)
@@ -309,6 +318,4 @@ def resolve_model(model: str, revision: str | None = None, *,
         check_weights_are_safetensors(path, str(model))
         return ResolvedModel(folder=path, model_id=str(model), revision=None, commit=None,
                              is_hub=False, config=config, family=family)
-    if _looks_like_path(model):
-        raise ModelNotFoundError(f"no such folder: {model}")
     return _resolve_hub(model, revision, check_architecture)
