@@ -114,7 +114,7 @@ def test_card_of_a_hub_model_names_base_model_and_commit_and_nf4_has_no_vllm_sni
                                 loads_in="transformers + bitsandbytes only", vllm_loads=False, causal_lm=False,
                                 architecture="BertModel", quantized_linears=36, unchanged_tensors=68,
                                 input_bytes=3 * 2**20, output_bytes=2**20))
-    assert card.startswith("---\nbase_model: org/tiny-bert\n")
+    assert card.startswith("---\nbase_model: org/tiny-bert\nbase_model_relation: quantized\n")
     assert f"| source | [`org/tiny-bert`](https://huggingface.co/org/tiny-bert), commit `{'a' * 40}` |" in card
     assert "| size | 3.0 MiB -> 1.0 MiB (3.00x smaller); 36 linears quantized, 68 tensors unchanged |" in card
     assert "vLLM: does not load this layout (transformers + bitsandbytes only)." in card

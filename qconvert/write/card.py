@@ -91,9 +91,9 @@ def _calibration_line(record: ConversionRecord) -> list[str]:
 def _front_matter(facts: CardFacts) -> list[str]:
     source = facts.record.source
     lines = ["---"]
-    if source.is_hub:
-        lines.append(f"base_model: {source.model}")
-    lines += ["library_name: transformers", "tags:", "- qconvert", f"- {facts.record.scheme}",
+    if source.is_hub:  # the Hub lists the folder, once uploaded, among its base model's quantizations
+        lines += [f"base_model: {source.model}", "base_model_relation: quantized"]
+    lines += ["library_name: transformers", "tags:", "- qconvert", "- quantized", f"- {facts.record.scheme}",
               f"- {facts.quant_method}", "---", ""]
     return lines
 
