@@ -300,7 +300,7 @@ def card_facts(source: SourceModel, plan: ConversionPlan, options: ConvertOption
         unchanged_tensors=sum(t.module is None for t in plan.tensors),
         input_bytes=sum(ckpt.nbytes(name) for name in ckpt.tensor_names),
         output_bytes=sum(spec.nbytes for spec in plan.specs), pip_packages=scheme.layout.pip_packages,
-        act_applies=bool(scheme.act_modes))
+        act_applies=bool(scheme.act_modes), repo=options.card_repo)
 
 
 def check_output_target(model: str, out: Path, overwrite: bool) -> None:

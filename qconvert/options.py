@@ -169,6 +169,8 @@ class ConvertOptions:
     gptq: bool | None = None
     gptq_damp: float | None = None    # None: qconvert.methods.gptq_core.DEFAULT_DAMP
     gptq_act_order: bool = False
+    # The Hub repository (OWNER/NAME) OUT is written for (--upload-repo): the model card loads from there.
+    card_repo: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "include", tuple(self.include))

@@ -33,11 +33,13 @@ def source(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(source, tmp_path_factory) -> dict:
-    """The folder a plain conversion writes (no upload): what OUT must hold after any upload, failed or not."""
+    """The folder a conversion for REPO writes, uploading nothing: what OUT must hold after any upload, failed or
+    not (its card loads from REPO)."""
+    from qconvert.convert import convert
+    from qconvert.options import ConvertOptions
+
     out = tmp_path_factory.mktemp("reference") / "out"
-    done = subprocess.run(command(["quantize", str(source), "-o", str(out), "-q"]), env=environment(None, None),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    convert(str(source), out, ConvertOptions(card_repo=REPO))
     return tree(out)
 
 
@@ -123,6 +125,9 @@ def test_out_goes_up_private_in_one_commit_of_every_file_with_the_token(source, 
     (commit,) = hub.commits
     local = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert commit.repo == REPO and "README.md" in local
+    # The card uploaded is the repository's: its title and its load snippets name REPO, not a local folder.
+    card = local["README.md"].decode()
+    assert f"# {REPO} (int8)" in card and f'from_pretrained("{REPO}")' in card and f'LLM(model="{REPO}")' in card
     assert sorted(commit.files) == sorted(local)
     assert {path: sha256(data) for path, data in commit.files.items()} == {p: sha256(d) for p, d in local.items()}
     # The shards went through LFS: the commit names each by the sha256 of the bytes PUT for it.

@@ -154,7 +154,8 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
                              group_size=group_size, scale_search=scale_search, overwrite=overwrite, dry_run=dry_run,
                              act=calibration_flags["act"], any_architecture=any_architecture, workers=workers,
                              calibration=_calibration_options_from(scheme, calibration_flags), gptq=gptq, gptq_damp=gptq_damp,
-                             gptq_act_order=gptq_act_order)
+                             gptq_act_order=gptq_act_order,
+                             card_repo=upload_repo if upload_repo and "/" in upload_repo else None)
     result = run_with_progress(
         lambda stages, progress: convert(model, out, options, progress=progress, message=stages),
         silent=quiet or as_json or not is_leader(), write_bar=not dry_run)

@@ -44,6 +44,7 @@ class CardFacts:
     output_bytes: int
     pip_packages: tuple[str, ...] = ()  # beside transformers, to load the folder (default: quant_method's)
     act_applies: bool = True  # the scheme quantizes activations, so the act flag shaped the folder
+    repo: str | None = None  # the Hub repository the folder is uploaded to (--upload-repo): loads name it
 
 
 def _mib(n: int) -> str:
@@ -105,9 +106,10 @@ def _transformers_snippet(facts: CardFacts) -> list[str]:
            'inputs = tokenizer(["A sentence to embed."], return_tensors="pt")',
            "print(model(**inputs).last_hidden_state.mean(dim=1))")
     packages = " ".join(facts.pip_packages or (facts.quant_method,))
+    where = facts.repo or FOLDER
     return [f"transformers (with `pip install transformers {packages}`):", "", "```python",
             f"from transformers import {auto}, AutoTokenizer", "",
-            f'model = {auto}.from_pretrained("{FOLDER}")', f'tokenizer = AutoTokenizer.from_pretrained("{FOLDER}")',
+            f'model = {auto}.from_pretrained("{where}")', f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
             *use, "```", ""]
 
 
@@ -116,20 +118,23 @@ def _vllm_snippet(facts: CardFacts) -> list[str]:
         return [f"vLLM: does not load this layout ({facts.loads_in}).", ""]
     use = ('print(llm.generate(["The capital of France is"])[0].outputs[0].text)' if facts.causal_lm
            else 'print(llm.embed(["A sentence to embed."])[0].outputs.embedding[:4])')
-    return ["vLLM:", "", "```python", "from vllm import LLM", "", f'llm = LLM(model="{FOLDER}")', use, "```", ""]
+    return ["vLLM:", "", "```python", "from vllm import LLM", "", f'llm = LLM(model="{facts.repo or FOLDER}")', use,
+            "```", ""]
 
 
 def model_card(facts: CardFacts) -> str:
     """The card's text: what was converted and how, the sizes, and how to load it."""
     record = facts.record
     source = record.source
-    name = str(source.model or "model").rstrip("/").split("/")[-1]
+    # The repository it is published as, or the source's own name.
+    name = facts.repo or str(source.model or "model").rstrip("/").split("/")[-1]
     ratio = facts.input_bytes / facts.output_bytes if facts.output_bytes else 0.0
     lines = _front_matter(facts) + [
         f"# {name} ({record.scheme})", "",
         f"{facts.architecture} quantized by qconvert {record.qconvert_version}: {facts.scheme_summary}.", "",
         "| | |", "|---|---|", *_source_lines(source),
-        f"| scheme | `{record.scheme}` ({facts.quant_method} layout) |", _flags_line(record, facts.act_applies), _rounding_line(record),
+        f"| scheme | `{record.scheme}` ({facts.quant_method} layout) |", _flags_line(record, facts.act_applies),
+        _rounding_line(record),
         *_calibration_line(record),
         (f"| size | {_mib(facts.input_bytes)} -> {_mib(facts.output_bytes)} ({ratio:.2f}x smaller); "
          f"{facts.quantized_linears} linears quantized, {facts.unchanged_tensors} tensors unchanged |"),
