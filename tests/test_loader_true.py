@@ -137,8 +137,9 @@ def test_gpt2_conv1ds_stay_float_so_nothing_is_left_and_the_dry_run_lists_before
     code, listing, err = run(["quantize", str(source), "-o", str(out), "--scheme", scheme, "--any-architecture",
                               "--dry-run", "--json"], capsys)
     assert (code, err) == (5, GPT2_REFUSAL)
-    summary = json.loads(listing)
-    assert summary["refusal"] == GPT2_REFUSAL[len("qconvert: error: "):-1]
+    summary = json.loads(listing)  # one document: the listing, ending in the refusal (no second error document)
+    assert summary["refusal"] == summary["error"] == GPT2_REFUSAL[len("qconvert: error: "):-1]
+    assert summary["exit_code"] == 5
     assert summary["kept_float"]["conv1d"] == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj",
                                                "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"]
     assert {t["kind"] for t in summary["tensors"]} == {"unchanged"}

@@ -30,14 +30,17 @@ def verbose_option(command):
 
 
 
-def print_document(command: str, body: dict, exit_code: int = 0) -> None:
-    """A command's --json document on stdout: the shared envelope (formats/documents.py), then its own fields."""
+def print_document(command: str, body: dict, exit_code: int = 0, error: str | None = None) -> None:
+    """A command's --json document on stdout: the shared envelope (formats/documents.py), then its own fields.
+    With `error` (a result that ends in that refusal) it is the run's one document: its failure prints no other."""
     from qconvert import __version__
     from qconvert.formats.documents import dumps, envelope
 
     out = body.get("out")
-    click.echo(dumps({**envelope(command, __version__, exit_code=exit_code, out=None if out is None else str(out)),
-                      **body}))
+    click.echo(dumps({**envelope(command, __version__, exit_code=exit_code, out=None if out is None else str(out),
+                                 error=error), **body}))
+    if error is not None:
+        expect_json_failures(None)
 
 
 class _Run:

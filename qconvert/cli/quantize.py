@@ -210,7 +210,8 @@ def _print_result(result, quiet: bool, as_json: bool, verbose: bool = False) -> 
     from qconvert.cli.console import print_convert_result, stdout_console
 
     if as_json:
-        print_document("quantize", result.summary())
+        refusal = result.refusal
+        print_document("quantize", result.summary(), *((refusal.exit_code, str(refusal)) if refusal else ()))
     elif not quiet:
         print_convert_result(result, stdout_console())
         for note in result.notes:  # with the summary on stdout: they describe the folder written
