@@ -165,7 +165,9 @@ class BitsandbytesNF4(Layout):
             "_load_in_4bit": True, "_load_in_8bit": False,
             "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": bool(flags.double_quant),
             "bnb_4bit_compute_dtype": compute_dtype, "bnb_4bit_quant_storage": "uint8",
-            "llm_int8_threshold": 6.0, "llm_int8_skip_modules": list(ignore),
+            # transformers reads every skip entry as a regular expression from the start of the name:
+            # compressed-tensors' `re:` spelling of a pattern entry is dropped.
+            "llm_int8_threshold": 6.0, "llm_int8_skip_modules": [key.removeprefix("re:") for key in ignore],
             "llm_int8_enable_fp32_cpu_offload": False, "llm_int8_has_fp16_weight": False,
         }
 

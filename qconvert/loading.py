@@ -3,8 +3,9 @@
     import json, qconvert
     from qconvert import models, ops
     params = qconvert.load(OUT)                       # nested dict of jax.Array / QArray
-    model = models.build(qconvert.load_config(OUT))
-    logits = model.forward(qconvert.flatten_params(params), input_ids, linear=ops.linear)
+    flat = qconvert.flatten_params(params)
+    model = models.build(qconvert.load_config(OUT), flat)      # the tensor names: where the model lies
+    logits = model.forward(flat, input_ids, linear=ops.linear)
 """
 
 from __future__ import annotations

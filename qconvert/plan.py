@@ -100,7 +100,7 @@ class ConversionPlan:
     notes: tuple[str, ...] = ()  # lines for the user about this model's choices (int4's group size)
     server_note: str = ""  # one line when vLLM TPU will not load the folder: what it takes instead
     refusal: QConvertError | None = None  # a dry run's: what a real run would refuse, once listed
-    kept_float: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # routers, conv1d
+    kept_float: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # routers, conv1d, towers
 
     @property
     def specs(self) -> list[TensorSpec]:
@@ -129,6 +129,7 @@ class Selection:
     modules: tuple[str, ...]
     routers: tuple[str, ...] = ()  # routers and expert gates (module_roles.is_router)
     conv1d: tuple[str, ...] = ()  # GPT-2-style Conv1D, stored [in, out]
+    towers: tuple[str, ...] = ()  # in a sub-model the family keeps float (a multimodal model's vision tower)
 
     def notes(self) -> tuple[str, ...]:
         """One line per kind of linear kept float, with the reason."""
@@ -139,6 +140,9 @@ class Selection:
         if self.conv1d:
             lines.append(f"kept float: {_some(self.conv1d)} (Conv1D, its weight stored [in, out]: "
                          "compressed-tensors leaves Conv1D float, and no transposed copy is written for bitsandbytes)")
+        if self.towers:
+            lines.append(f"kept float: {_some(self.towers)} (the vision tower and projector: only the language "
+                         "model is calibrated and quantized)")
         return tuple(lines)
 
 
@@ -162,12 +166,17 @@ def select_modules(ckpt: SafetensorsCheckpoint, family: FamilyFacts, include: tu
     Routers and Conv1Ds stay float whatever the architecture or --include chose (loader_float).
     """
     check_patterns(include, exclude)
-    candidates = [m for m in linear_candidates(ckpt) if f"{m}.weight" not in dropped]
+    towers = [m for m in linear_candidates(ckpt) if in_float_tower(family, m)]
+    candidates = [m for m in linear_candidates(ckpt) if f"{m}.weight" not in dropped and m not in towers]
     routers, conv1d = loader_float(ckpt, config or {}, candidates)
     never = set(routers) | set(conv1d)
     selected = set(family.linear_names(ckpt.tensor_names))
     for pattern in include:
         hit = {m for m in candidates if matches(pattern, m)}
+        if not hit and any(matches(pattern, m) for m in towers):
+            raise UsageError(f"--include {pattern} matches only linears of the vision tower or projector "
+                             f"({min(m for m in towers if matches(pattern, m))}), which stay float with the rest "
+                             "of their sub-model; only the language model is quantized")
         if not hit:
             tied = any(matches(pattern, name[: -len(".weight")]) for name in dropped) or (
                 matches(pattern, "lm_head") and "lm_head.weight" not in ckpt.tensor_names)
@@ -191,7 +200,8 @@ def select_modules(ckpt: SafetensorsCheckpoint, family: FamilyFacts, include: tu
     if not selected and not kept:
         raise UsageError("no linear module is left to quantize (--exclude "
                          f"{' '.join(exclude)} removes them all); narrow the pattern")
-    return Selection(tuple(sorted(selected)), tuple(sorted(kept & set(routers))), tuple(sorted(kept & set(conv1d))))
+    return Selection(tuple(sorted(selected)), tuple(sorted(kept & set(routers))), tuple(sorted(kept & set(conv1d))),
+                     tuple(sorted(towers)))
 
 
 def _check_something_left(selection: Selection, config: dict[str, Any]) -> None:
@@ -269,13 +279,14 @@ def plan_conversion(source: SourceModel, *, scheme: Scheme, include: tuple[str, 
     notes: tuple[str, ...] = selection.notes()
     with refusals.check():
         notes += (scheme.group_note(group_size, shapes),)
-    return ConversionPlan(tensors=tuple(tensors), ignore=loader_ignore(ckpt, config, modules),
+    return ConversionPlan(tensors=tuple(tensors), ignore=loader_ignore(ckpt, config, modules, source.family),
                           dropped=tuple(sorted(dropped)),
                           float_dtype=ckpt.dtype(f"{modules[0]}.weight").name if modules else "float32",
                           flags=flags, notes=tuple(filter(None, notes)),
                           server_note=tpu_note(scheme_key(scheme.name, flags), family_of(config)),
                           refusal=refusals.first,
-                          kept_float={"routers": selection.routers, "conv1d": selection.conv1d})
+                          kept_float={"routers": selection.routers, "conv1d": selection.conv1d,
+                                      "towers": selection.towers})
 
 
 def _linear_shapes(ckpt: SafetensorsCheckpoint, modules, refusals: _Refusals) -> dict[str, tuple[int, int]]:
@@ -320,17 +331,27 @@ def _planned_tensors(ckpt: SafetensorsCheckpoint, scheme: Scheme, dropped: set[s
     return tensors
 
 
-def loader_ignore(ckpt: SafetensorsCheckpoint, config: dict[str, Any], modules) -> tuple[str, ...]:
+def in_float_tower(family: FamilyFacts, module: str) -> bool:
+    """Whether `module` lies in a sub-model the family keeps float (a multimodal model's vision tower)."""
+    return any(re.match(tower, module) for tower in getattr(family, "float_towers", ()))
+
+
+def loader_ignore(ckpt: SafetensorsCheckpoint, config: dict[str, Any], modules,
+                  family: FamilyFacts | None = None) -> tuple[str, ...]:
     """The loaders' ignore list: every linear-shaped module left float, and the output head unless quantized.
 
     Loaders build the head whether or not it is stored (tied), under the family's own name
-    (`lm_head`, BioGPT's `output_projection`), so it is named first.
+    (`lm_head`, BioGPT's `output_projection`), so it is named first. A sub-model the family keeps float
+    (`float_towers`) is one `re:` entry: the loaders name its modules each their own way (transformers
+    5 drops SigLIP's `vision_model.`, vLLM keeps it), and the pattern matches them all.
     """
     head = head_name(config)
-    ignore = sorted(set(linear_candidates(ckpt)) - set(modules) - {head})
+    towers = tuple(getattr(family, "float_towers", ()))
+    float_linears = {m for m in linear_candidates(ckpt) if not in_float_tower(family, m)}
+    ignore = sorted(float_linears - set(modules) - {head})
     if head not in modules:
         ignore.insert(0, head)
-    return tuple(ignore)
+    return tuple(ignore) + tuple(f"re:{tower}" for tower in towers)
 
 
 def is_float_array(array: np.ndarray) -> bool:

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from gemma_checkpoints import GEMMA2, GEMMA3
+from gemma_checkpoints import GEMMA2, GEMMA3, GEMMA3_MM
 from hf_checkpoints import TINY
 from qconvert.formats.errors import UnsupportedModelError
 from qconvert.models import build
@@ -36,7 +36,7 @@ def _tiny_config(family: str) -> dict:
 CONFIGS = {
     "LlamaForCausalLM": CASES["llama"], "MistralForCausalLM": CASES["mistral"], "Qwen2ForCausalLM": CASES["qwen2"],
     "MixtralForCausalLM": CASES["mixtral"], "BertModel": CASES["bert"],
-    "Gemma2ForCausalLM": GEMMA2, "Gemma3ForCausalLM": GEMMA3,
+    "Gemma2ForCausalLM": GEMMA2, "Gemma3ForCausalLM": GEMMA3, "Gemma3ForConditionalGeneration": GEMMA3_MM,
     **{_tiny_config(f)["architectures"][0]: _tiny_config(f) for f in ("qwen3", "phi3", "qwen2_moe", "qwen3_moe")},
 }
 ROUTERS = re.compile(r"(\.gate|\.shared_expert_gate)$")

@@ -288,6 +288,21 @@ def check_dataset_flags(calib: str | None, dataset: DatasetSelection | None) -> 
                          f"(--calib hf://datasets/OWNER/NAME), not from --calib {calib or BUILTIN}")
 
 
+def _language_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config values (a multimodal checkpoint's text_config), where its vocabulary and
+    positions are."""
+    from qconvert.models.registry import language_config  # here: the models import JAX, calibration text needs none
+
+    return language_config(config)
+
+
+def _vocab_size(language: dict[str, Any]) -> int:
+    """The vocabulary --calib random draws from (InvalidCheckpointError, exit 6, for a missing or bad one)."""
+    from qconvert.models.config_values import config_int
+
+    return config_int(language, "vocab_size")
+
+
 def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
                      samples: int = DEFAULT_SAMPLES, seqlen: int = DEFAULT_SEQLEN,
                      seed: int = RANDOM_SEED, dataset: DatasetSelection | None = None) -> CalibrationData:
@@ -301,10 +316,11 @@ def load_calibration(calib: str, model_folder: Path, config: dict[str, Any], *,
         raise UsageError(f"--calib-samples and --calib-seqlen must be at least 1 "
                          f"(got {samples} and {seqlen})")
     check_dataset_flags(calib, dataset)
-    max_positions = config.get("max_position_embeddings")
+    language = _language_config(config)
+    max_positions = language.get("max_position_embeddings")
     effective_seqlen = min(seqlen, int(max_positions)) if max_positions else seqlen
     if calib == RANDOM:
-        vocab = int(config["vocab_size"])
+        vocab = _vocab_size(language)
         ids = random_windows(vocab, samples, effective_seqlen, seed)
         description = (f"random token ids, uniform over the vocabulary of {vocab}, seed {seed}: "
                        "not real text")
@@ -383,9 +399,7 @@ def _check_enough_text(tokenizer, ids: np.ndarray, stream: int, least: int, cali
 def _check_ids_in_vocabulary(ids: np.ndarray, config: dict[str, Any], tokenizer_path: Path) -> None:
     """Token ids the embedding has no row for are refused where they are made (the embedding's gather would
     fill NaN, and every statistic after it; transformers raises IndexError on them)."""
-    vocab = config.get("vocab_size")
-    if vocab is None and isinstance(config.get("text_config"), dict):
-        vocab = config["text_config"].get("vocab_size")
+    vocab = _language_config(config).get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool) or ids.size == 0:
         return
     top = int(ids.max())

@@ -26,6 +26,7 @@ from qconvert.formats.errors import FormatError, InvalidCheckpointError, Invalid
 from qconvert.formats.checkpoint_params import CheckpointParams
 from qconvert.formats.safetensors_io import open_checkpoint
 from qconvert.models import iterate_layers, read_tensors
+from qconvert.models.registry import language_config
 from qconvert.models.runner import add_observed
 
 DEFAULT_BATCH_SIZE = 8
@@ -129,7 +130,7 @@ def check_calibration_fits(model, params: Mapping, config: Mapping, samples: int
     time (calibration_memory.check_fits)."""
     if not hasattr(params, "checkpoint"):
         return
-    positions = config.get("max_position_embeddings")
+    positions = language_config(config).get("max_position_embeddings")
     seqlen = min(seqlen, int(positions)) if isinstance(positions, int) and positions > 0 else seqlen
     check_fits(checkpoint_shapes(model, params), samples, seqlen, device_budget(jax.local_devices()[0]),
                hessians=hessians, sequential=sequential, what=what, flags=flags)

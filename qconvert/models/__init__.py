@@ -1,12 +1,12 @@
 """Supported architectures: which tensors are linears, how they are smoothed, a JAX forward.
 
-One module per family (llama.py, qwen2.py, bert.py, mixtral.py, gemma.py, phi3.py, qwen3.py,
+One module per family (llama.py, qwen2.py, bert.py, mixtral.py, gemma.py, gemma3_mm.py, phi3.py, qwen3.py,
 qwen2_moe.py, qwen3_moe.py) holds all of it as one class (`family.Family` says what it answers);
 registry.py lists them and `registry.family_for(config)` finds the one config.json names.
-`build(config)` gives the family's model (LlamaModel, Qwen2Model, BertModel, MixtralModel, GemmaModel,
-Qwen3Model, Phi3Model, Qwen2MoeModel, Qwen3MoeModel), a frozen dataclass whose methods are pure
-functions of `params` (its `from_config` raises InvalidCheckpointError, exit 6, naming
-the key, for a config.json value of the wrong type or an inconsistent one), any Mapping from
+`build(config, tensor_names)` gives the family's model (LlamaModel, Qwen2Model, BertModel, MixtralModel,
+GemmaModel, Gemma3MultimodalModel, Qwen3Model, Phi3Model, Qwen2MoeModel, Qwen3MoeModel), a frozen
+dataclass whose methods are pure functions of `params` (building raises InvalidCheckpointError, exit 6,
+naming the key, for a config.json value of the wrong type or an inconsistent one), any Mapping from
 checkpoint tensor name to array (lazy readers and QArray weights included):
 
     model.num_layers
@@ -33,10 +33,11 @@ observer computes from each linear's input.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from qconvert.models.bert import BertModel, mean_pool
 from qconvert.models.gemma import GemmaModel
+from qconvert.models.gemma3_mm import Gemma3MultimodalModel
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, dense_grouped_linear,
                                    dense_linear)
 from qconvert.models.llama import LlamaModel
@@ -50,13 +51,17 @@ from qconvert.models.registry import family_for
 from qconvert.models.runner import LayerResult, forward_layerwise, iterate_layers, read_tensors
 
 
-def build(config: dict[str, Any]):
-    """The forward-pass model for a parsed config.json (UnsupportedModelError if not supported)."""
-    return family_for(config).from_config(config)
+def build(config: dict[str, Any], tensor_names: Iterable[str] | None = None):
+    """The forward-pass model for a parsed config.json (UnsupportedModelError if not supported).
+
+    `tensor_names` (the checkpoint's, or the keys of its params) let a family whose tensors are named by who
+    saved the checkpoint (Gemma 3's multimodal one) read them under the checkpoint's own names."""
+    family = family_for(config)
+    return family.from_config(config) if tensor_names is None else family.from_checkpoint(config, tensor_names)
 
 
 __all__ = [
-    "BertModel", "GemmaModel", "GroupedLinearHook", "LayerResult", "LinearHook", "LlamaModel", "MixtralModel",
+    "BertModel", "Gemma3MultimodalModel", "GemmaModel", "GroupedLinearHook", "LayerResult", "LinearHook", "LlamaModel", "MixtralModel",
     "Phi3Model", "Qwen2Model", "Qwen2MoeModel", "Qwen3Model", "Qwen3MoeModel", "build",
     "dense_grouped_linear", "dense_linear", "forward_layerwise", "iterate_layers", "mean_pool", "read_tensors",
 ]

@@ -75,6 +75,10 @@ class FamilyFacts(Protocol):
     # Which inputs no norm feeds are smoothed linear -> linear, in the family's module names
     # (recorded in qconvert.json).
     remedy: ClassVar[str]
+    # Regular expressions (matched from the start, as compressed-tensors reads `re:` entries) of whole
+    # sub-models the family keeps float, whatever --include says: a multimodal checkpoint's vision tower
+    # and projector. The loaders' ignore list names each with one `re:` entry.
+    float_towers: ClassVar[tuple[str, ...]]
 
     def linear_names(self, tensor_names: Iterable[str]) -> list[str]:
         """Module names (sorted) of the quantizable linears among a checkpoint's tensor names."""
@@ -84,8 +88,8 @@ class FamilyFacts(Protocol):
 class Family(FamilyFacts, Protocol):
     """A model family with a forward: what the pipeline, the runner, calibration and verify call.
 
-    Built once per command by `from_config(config)` (InvalidCheckpointError, exit 6, naming
-    the key of a bad config.json). `params` is any Mapping from checkpoint tensor name to
+    Built once per command by `from_checkpoint(config, tensor_names)` (InvalidCheckpointError, exit 6,
+    naming the key of a bad config.json). `params` is any Mapping from checkpoint tensor name to
     array (lazy readers and QArray weights included); every linear runs through the `linear`
     hook and experts through `grouped_linear` (hooks.py).
     """
@@ -96,6 +100,16 @@ class Family(FamilyFacts, Protocol):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Family": ...
+
+    @classmethod
+    def from_checkpoint(cls, config: dict[str, Any], tensor_names: Iterable[str]) -> "Family":
+        """The model for config.json and the checkpoint's tensor names (a family whose tensors are named by
+        who saved the checkpoint picks the names here; the others are `from_config`)."""
+
+    @classmethod
+    def language_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """config.json's values for the language model (a multimodal checkpoint's text_config, its defaults
+        filled in; config.json itself elsewhere)."""
 
     @property
     def num_layers(self) -> int: ...
@@ -182,6 +196,7 @@ class LayerStack:
     default_alpha: ClassVar[float] = 0.5
     causal_lm: ClassVar[bool] = True
     remedy: ClassVar[str] = ""
+    float_towers: ClassVar[tuple[str, ...]] = ()
     LAYER_STACK: ClassVar[str] = "layers"
     LAYER_LINEARS: ClassVar[tuple[str, ...]] = ()
     # The linears of a layer without experts, in a family whose layers differ (Qwen-MoE's dense layers).
@@ -199,6 +214,16 @@ class LayerStack:
         """Module names (sorted) of the quantizable linears among a checkpoint's tensor names."""
         modules = [name[: -len(".weight")] for name in tensor_names if name.endswith(".weight")]
         return sorted(m for m in modules if cls.linear_pattern.search(m))
+
+    @classmethod
+    def from_checkpoint(cls, config: dict[str, Any], tensor_names: Iterable[str]) -> "LayerStack":
+        """The model for config.json; its tensor names follow from config.json alone here."""
+        return cls.from_config(config)
+
+    @classmethod
+    def language_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """config.json's values for the language model: config.json itself."""
+        return config
 
     @property
     def num_layers(self) -> int:

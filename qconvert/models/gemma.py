@@ -163,6 +163,7 @@ class GemmaModel(DecoderBlock, LayerStack):
 
     args: GemmaArgs
     prefix: str = "model"
+    lm_head: str = "lm_head"  # the untied head's module name
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "GemmaModel":
@@ -199,7 +200,7 @@ class GemmaModel(DecoderBlock, LayerStack):
     def head_tensor_names(self) -> list[str]:
         """The final norm and lm_head (the embedding when tied)."""
         lm_head = (f"{self.prefix}.embed_tokens.weight" if self.args.tie_word_embeddings
-                   else "lm_head.weight")
+                   else f"{self.lm_head}.weight")
         return [f"{self.prefix}.norm.weight", lm_head]
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -209,7 +210,7 @@ class GemmaModel(DecoderBlock, LayerStack):
         shapes: dict[str, tuple[int, ...]] = {f"{self.prefix}.embed_tokens.weight": (a.vocab_size, a.hidden_size),
                                               f"{self.prefix}.norm.weight": (a.hidden_size,)}
         if not a.tie_word_embeddings:
-            shapes["lm_head.weight"] = (a.vocab_size, a.hidden_size)
+            shapes[f"{self.lm_head}.weight"] = (a.vocab_size, a.hidden_size)
         out_in = {"q_proj": (q_out, a.hidden_size), "k_proj": (kv_out, a.hidden_size),
                   "v_proj": (kv_out, a.hidden_size), "o_proj": (a.hidden_size, q_out),
                   "gate_proj": (a.intermediate_size, a.hidden_size),
@@ -297,4 +298,4 @@ class GemmaModel(DecoderBlock, LayerStack):
         """Final norm, lm_head and the final soft-cap: logits float32 [B, T, vocab]."""
         names = self.head_tensor_names()
         x = gemma_rms_norm(hidden, params[names[0]], self.args.rms_norm_eps)
-        return soft_cap(linear("lm_head", x, params[names[1]], None), self.args.final_logit_softcapping)
+        return soft_cap(linear(self.lm_head, x, params[names[1]], None), self.args.final_logit_softcapping)

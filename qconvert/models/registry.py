@@ -13,6 +13,7 @@ from qconvert.formats.errors import InvalidCheckpointError, UnsupportedModelErro
 from qconvert.models.bert import BertModel
 from qconvert.models.family import Family
 from qconvert.models.gemma import GemmaModel
+from qconvert.models.gemma3_mm import Gemma3MultimodalModel
 from qconvert.models.llama import LlamaModel
 from qconvert.models.mixtral import MixtralModel
 from qconvert.models.phi3 import Phi3Model
@@ -22,7 +23,7 @@ from qconvert.models.qwen3 import Qwen3Model
 from qconvert.models.qwen3_moe import Qwen3MoeModel
 
 FAMILIES: tuple[type[Family], ...] = (LlamaModel, Qwen2Model, BertModel, MixtralModel, GemmaModel, Phi3Model,
-                                      Qwen2MoeModel, Qwen3Model, Qwen3MoeModel)
+                                      Qwen2MoeModel, Qwen3Model, Qwen3MoeModel, Gemma3MultimodalModel)
 
 
 def supported_architectures() -> list[str]:
@@ -50,4 +51,17 @@ def family_for(config: dict[str, Any]) -> type[Family]:
     )
 
 
-__all__ = ["FAMILIES", "family_for", "supported_architectures"]
+def language_config(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json's values for the language model (vocab_size, max_position_embeddings, ...): its family's
+    reading (a multimodal checkpoint's text_config with its defaults), else a nested text_config as it
+    stands, else config.json itself."""
+    names = config.get("architectures")
+    first = names[0] if isinstance(names, list) and names else None
+    for family in FAMILIES:
+        if first in family.hf_architectures:
+            return family.language_config(config)
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+__all__ = ["FAMILIES", "family_for", "language_config", "supported_architectures"]

@@ -110,6 +110,7 @@ class WeightOnlyFamily:
     default_alpha = 0.5
     causal_lm = False  # no forward pass here, so no logits are judged
     remedy = ""
+    float_towers = ()
 
     @property
     def hf_architectures(self) -> tuple[str, ...]:

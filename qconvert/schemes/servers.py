@@ -52,6 +52,10 @@ TABLE: dict[tuple[str, str], str] = {
     ("int4", "qwen3_moe"): "YNNY",
     ("nf4", "llama"): "N??Y",  # vLLM 0.33 removed bitsandbytes
     ("nf4", "qwen3"): "N??Y",
+    # Gemma 3 multimodal: vLLM 0.33's Gemma 3 multimodal class imports torchvision, which its CPU check lacks.
+    ("int4", "gemma3_mm"): "???Y",
+    ("w8a8", "gemma3_mm"): "???Y",
+    ("nf4", "gemma3_mm"): "N??Y",
 }
 
 
@@ -71,8 +75,11 @@ def scheme_key(scheme: str, flags: LayoutFlags) -> str:
 
 
 def family_of(config: dict[str, Any]) -> str:
-    """The table's family of a config.json (its model_type; Gemma 3's text model as gemma3)."""
+    """The table's family of a config.json (its model_type; Gemma 3's text model as gemma3; a multimodal
+    checkpoint, which the servers load through another class, apart: gemma3_mm)."""
     model_type = str(config.get("model_type", ""))
+    if isinstance(config.get("vision_config"), dict):
+        return f"{model_type}_mm"
     return model_type.removesuffix("_text")
 
 

@@ -38,16 +38,24 @@ def check_config_counts(ckpt: SafetensorsCheckpoint, config: dict[str, Any]) -> 
     numbered = max((int(m.group(1)) + 1 for name in ckpt.tensor_names for m in _NUMBERED.finditer(name)),
                    default=0)
     experts = max(numbered, _largest_extent(ckpt))  # experts may be stored fused, along a dimension
-    _bounded(config, {"num_hidden_layers": (numbered, f"{numbered} numbered blocks"),
-                      "num_local_experts": (experts, f"{experts} experts at most"),
-                      "num_experts": (experts, f"{experts} experts at most")})
+    for values in _configs(config):
+        _bounded(values, {"num_hidden_layers": (numbered, f"{numbered} numbered blocks"),
+                          "num_local_experts": (experts, f"{experts} experts at most"),
+                          "num_experts": (experts, f"{experts} experts at most")})
 
 
 def check_config_sizes(ckpt: SafetensorsCheckpoint, config: dict[str, Any]) -> None:
     """Every size config.json gives is at most the largest tensor dimension (a backstop for the sizes no
     expected shape names)."""
     extent = _largest_extent(ckpt)
-    _bounded(config, {key: (extent, f"no tensor dimension above {extent}") for key in _DIMENSION_KEYS})
+    for values in _configs(config):
+        _bounded(values, {key: (extent, f"no tensor dimension above {extent}") for key in _DIMENSION_KEYS})
+
+
+def _configs(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """config.json, and a multimodal checkpoint's nested text_config (where its language model's sizes are)."""
+    text = config.get("text_config")
+    return [config, text] if isinstance(text, dict) else [config]
 
 
 def _largest_extent(ckpt: SafetensorsCheckpoint) -> int:
@@ -67,7 +75,7 @@ def check_weights_match_config(ckpt: SafetensorsCheckpoint, config: dict[str, An
         from qconvert.models import build
 
         def model_of():
-            return build(config)
+            return build(config, ckpt.tensor_names)
 
     check_config_counts(ckpt, config)
     model = model_of()  # config values of the wrong type or inconsistent ones raise here

@@ -64,7 +64,7 @@ class SourceModel:
         if self._model is None:
             if self.weight_only is not None:
                 raise TypeError(f"{self.weight_only.architecture} is converted weight-only and has no forward pass")
-            self._model = self.family.from_config(self.config)
+            self._model = self.family.from_checkpoint(self.config, self.checkpoint.tensor_names)
         return self._model
 
     def check_weights(self) -> None:
