@@ -1,7 +1,7 @@
 """Peak memory of a conversion from a block-FP8 source: int8 of a Qwen3-shaped FP8 checkpoint, against the bound
 the README states for float sources.
 
-    python bench/fp8_source_memory.py                  # the Qwen3-1.7B shape: 2.7 GB on disk (5.0 GB as bf16)
+    python bench/fp8_source_memory.py                  # the Qwen3-1.7B shape: 2.0 GB on disk (3.4 GB as bf16)
     python bench/fp8_source_memory.py --size 4b        # the Qwen3-4B shape: 4.4 GB on disk (8.0 GB as bf16)
     python bench/fp8_source_memory.py --size tiny      # a smoke run (a few MB)
     python bench/fp8_source_memory.py --float-copy     # also convert the same model as a bf16 checkpoint
