@@ -85,6 +85,8 @@ class SourceRecord:
     files: dict[str, str] = dataclasses.field(default_factory=dict)
     # A local folder: where it lies from OUT (e.g. "../llama"), so that verify finds it from anywhere.
     folder_from_out: str | None = None
+    # A quantized source read as float (e.g. "fp8-block-128x128"); None for a float source.
+    format: str | None = None
 
     @property
     def pinned_revision(self) -> str | None:
@@ -96,16 +98,18 @@ class SourceRecord:
                "files": dict(sorted(self.files.items()))}
         if self.folder_from_out is not None:
             out["folder_from_out"] = self.folder_from_out
+        if self.format is not None:
+            out["format"] = self.format
         return out
 
     @classmethod
     def from_json(cls, raw: Any) -> "SourceRecord":
         raw = _object(raw)
         files = raw.get("files")
-        where = raw.get("folder_from_out")
+        where, fmt = raw.get("folder_from_out"), raw.get("format")
         return cls(raw.get("model"), raw.get("is_hub") is True, raw.get("revision"), raw.get("commit"),
                    {k: v for k, v in files.items() if isinstance(v, str)} if isinstance(files, dict) else {},
-                   where if isinstance(where, str) else None)
+                   where if isinstance(where, str) else None, fmt if isinstance(fmt, str) else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ _DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),  # power-of-two scales of some block-FP8 checkpoints
     "I64": np.dtype(np.int64),
     "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16),

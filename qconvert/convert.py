@@ -17,6 +17,7 @@ from qconvert import __version__, cluster
 from qconvert.write.card import CARD_NAME, CardFacts, write_card
 from qconvert.formats.errors import FormatError, InvalidCheckpointError, InvalidWeightError, QConvertError, UsageError
 from qconvert.formats.layout_base import LayoutFlags
+from qconvert.formats.quantized_sources import SourceFormat
 from qconvert.formats.record import ConversionRecord, SourceRecord, write_record
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, write_shards
 from qconvert.models.weight_only import WeightOnlySelection
@@ -129,7 +130,7 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
     return ConvertResult(
         out=None if options.dry_run else out,
         source={"model": resolved.model_id, "is_hub": resolved.is_hub, "revision": resolved.revision,
-                "commit": resolved.commit},
+                "commit": resolved.commit, "format": source.source_format.name if source.source_format else None},
         scheme=options.scheme, dry_run=options.dry_run, tensors=plan.tensors,
         input_bytes=sum(ckpt.nbytes(name) for name in ckpt.tensor_names),
         output_bytes=sum(spec.nbytes for spec in plan.specs),
@@ -268,7 +269,7 @@ def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: 
         files.update(copy_side_files(resolved.folder, staging))
         files["config.json"] = write_json(staging / "config.json", quantized_config(resolved.config, plan, options))
         record = ConversionRecord(
-            options.scheme, {}, source_record(resolved, out, source_hashes()),
+            options.scheme, {}, source_record(resolved, out, source_hashes(), source.source_format),
             __version__, options.recorded_flags(plan.flags), adjustments.calibration_record, adjustments.smoothing_record,
             searches.record(options.scheme_object), adjustments.rounding_record or dict(RTN_RECORD),
             source.weight_only.record() if source.weight_only is not None else None)
@@ -277,14 +278,17 @@ def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: 
     return dict(sorted(files.items()))
 
 
-def source_record(resolved, out: Path, hashes: dict[str, str]) -> SourceRecord:
+def source_record(resolved, out: Path, hashes: dict[str, str],
+                  source_format: SourceFormat | None = None) -> SourceRecord:
     """qconvert.json's `source`: a Hub id with its revision and commit; a local folder by its name and where it
-    lies from OUT (relative: no local path is published, and verify finds it from any working folder)."""
+    lies from OUT (relative: no local path is published, and verify finds it from any working folder); the
+    quantized format it was read as float from, if any."""
+    fmt = source_format.name if source_format is not None else None
     if resolved.is_hub:
-        return SourceRecord(resolved.model_id, True, resolved.revision, resolved.commit, hashes)
+        return SourceRecord(resolved.model_id, True, resolved.revision, resolved.commit, hashes, format=fmt)
     folder = Path(os.path.abspath(resolved.folder))
     return SourceRecord(folder.name, False, None, None, hashes,
-                        Path(os.path.relpath(folder, os.path.abspath(out))).as_posix())
+                        Path(os.path.relpath(folder, os.path.abspath(out))).as_posix(), fmt)
 
 
 def card_facts(source: SourceModel, plan: ConversionPlan, options: ConvertOptions,

@@ -64,6 +64,14 @@ class InspectReport:
             return None
         return all(f.ok for f in self.files)
 
+    def source_summary(self) -> dict[str, Any] | None:
+        """What the folder was converted from, as quantize --json names it (None without qconvert.json)."""
+        if self.record is None:
+            return None
+        source = self.record.source
+        return {"model": source.model, "is_hub": source.is_hub, "revision": source.revision,
+                "commit": source.commit, "format": source.format}
+
     def summary(self) -> dict[str, Any]:
         """The machine-readable form `inspect --json` prints."""
         return {
@@ -72,7 +80,7 @@ class InspectReport:
             "unchanged_tensors": sum(t.kind == UNCHANGED for t in self.tensors),
             "output_bytes": self.stored_bytes, "float_bytes": self.float_bytes,
             "compression_ratio": round(self.compression_ratio, 4), "hashes_ok": self.hashes_ok,
-            "servers": dict(self.servers),
+            "servers": dict(self.servers), "source": self.source_summary(),
             "files": [{"name": f.name, "expected": f.expected, "actual": f.actual, "ok": f.ok} for f in self.files],
             "tensors": [{"name": t.name, "kind": t.kind, "shape": list(t.shape), "dtype": t.dtype,
                          "float_dtype": t.float_dtype, "output_bytes": t.stored_bytes} for t in self.tensors],

@@ -190,7 +190,10 @@ def open_reference(run: Run) -> SourceModel:
         check_source_unchanged(resolved.folder, source.files)
     run.reference = {"model": model, "folder": str(resolved.folder), "commit": resolved.commit,
                      "is_hub": resolved.is_hub, "from": "--reference" if options.reference else "qconvert.json"}
-    return open_source(resolved, any_architecture=weight_only)
+    reference = open_source(resolved, any_architecture=weight_only)
+    # A quantized reference (block FP8, compressed-tensors FP8) is read dequantized, as quantize read it.
+    run.reference["format"] = reference.source_format.name if reference.source_format else None
+    return reference
 
 
 def recorded_source_folder(folder: Path, source) -> Path:

@@ -130,6 +130,9 @@ def print_inspect_report(report: InspectReport, console: Console) -> None:
                   f"weights ({report.compression_ratio:.2f}x)")
     if report.servers:
         console.print("loads in: " + "; ".join(f"{server} {answer}" for server, answer in report.servers.items()))
+    if report.record is not None and report.record.source.format is not None:
+        source = report.record.source
+        console.print(f"converted from {source.model} ({source.format}: its fp8 weights read as bfloat16)")
     if report.hashes_ok is None:
         console.print("no qconvert.json: file hashes not checked")
     elif report.hashes_ok:

@@ -135,7 +135,12 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
              gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool, workers: int | None,
              overwrite: bool, dry_run: bool, upload_repo: str | None, public: bool, any_architecture: bool,
              quiet: bool, as_json: bool, verbose: bool, **calibration_flags) -> int:
-    """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT."""
+    """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT.
+
+    MODEL is a float checkpoint, or one shipped in FP8 (block FP8 with weight_scale_inv, DeepSeek/Qwen3 -FP8
+    style; compressed-tensors float-quantized), read as bfloat16 as it streams; other quantized checkpoints
+    are refused (exit 5).
+    """
     started = time.perf_counter()
     note_out(out)
     hub_messages(verbose)

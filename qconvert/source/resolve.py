@@ -13,7 +13,9 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from qconvert.formats.dequantized_checkpoint import DequantizedCheckpoint
 from qconvert.formats.errors import FormatError, InvalidCheckpointError, UnsupportedModelError
+from qconvert.formats.quantized_sources import READS, NotReadable, SourceFormat, source_format
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint
 from qconvert.source.hub import ResolvedModel, resolve_model
 from qconvert.models.family import Family, FamilyFacts
@@ -30,13 +32,16 @@ class SourceModel:
 
     `family` is config.json's family class (the --any-architecture fallback's facts where
     `weight_only` is set); `model` its forward, built on first use and then shared by every
-    stage of the command.
+    stage of the command. A quantized source qconvert reads as float (`source_format` set) is seen as
+    the float checkpoint it stands for: its config without the quantization_config, its weights
+    dequantized as they are read (formats/dequantized_checkpoint.py).
     """
 
     resolved: ResolvedModel
-    checkpoint: SafetensorsCheckpoint
+    checkpoint: SafetensorsCheckpoint | DequantizedCheckpoint
     family: FamilyFacts
     weight_only: WeightOnlySelection | None = None  # set when --any-architecture chose the linears
+    source_format: SourceFormat | None = None  # the quantized format read as float; None for a float source
     _params: Any = dataclasses.field(default=None, repr=False)
     _model: Any = dataclasses.field(default=None, repr=False)
 
@@ -96,36 +101,55 @@ def resolve_source(model: str, revision: str | None = None, *, scheme: Scheme | 
         weight_only=scheme.weight_only, weight_only_schemes=names_where(lambda s: s.weight_only))
 
     def check(config):
-        refuse_quantized(model, config)
+        readable_format(model, config)
         return family_check(config)
 
     with stage("resolving the model"):
         return resolve_model(model, revision, check_architecture=check)
 
 
-def refuse_quantized(model: str, config: dict) -> None:
-    """UnsupportedModelError (exit 5) for a checkpoint that is already quantized: every command that reads a float
-    model (quantize's MODEL, calibrate's, verify's --reference) says so, before its weights are read as float."""
-    quantization = config.get("quantization_config")
-    if isinstance(quantization, dict) or quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+def readable_format(model: str, config: dict) -> SourceFormat | None:
+    """The quantized format of MODEL that qconvert reads as float (None for a float checkpoint); for any other
+    quantized checkpoint, UnsupportedModelError (exit 5) naming its format, before a weight is read. Every
+    command that reads a float model (quantize's MODEL, calibrate's, verify's --reference) asks here."""
+    if "quantization_config" not in config:
+        return None
+    quantization = config["quantization_config"]
+    try:
+        return source_format(quantization)
+    except NotReadable as err:
         raise UnsupportedModelError(
-            f"{model} is already quantized (its config.json has a quantization_config"
-            f"{f', quant_method {method!r}' if isinstance(method, str) else ''}); qconvert reads a float "
-            "checkpoint here: give the float model it was made from")
+            f"{model} is already quantized (its config.json has a quantization_config, {err}); qconvert reads "
+            f"float checkpoints, and {READS}: give the float model it was made from") from None
 
 
 def open_source(resolved: ResolvedModel, *, any_architecture: bool = False) -> SourceModel:
     """Open the resolved folder's safetensors (every header checked) with the family resolving found (for an
     unknown decoder under --any-architecture, the layer-prefix rule's choice from the headers)."""
+    fmt = readable_format(resolved.model_id, resolved.config)
     try:
         checkpoint = open_checkpoint(resolved.folder)
     except FormatError as err:
         raise InvalidCheckpointError(str(err)) from None
+    if fmt is not None:  # a float source takes none of this: its checkpoint and config as they are
+        checkpoint, resolved = _read_as_float(checkpoint, resolved, fmt)
     try:
         family, weight_only = checkpoint_family(resolved.config, checkpoint, any_architecture=any_architecture,
                                                 family=resolved.family)
     except BaseException:
         checkpoint.close()
         raise
-    return SourceModel(resolved, checkpoint, family, weight_only)
+    return SourceModel(resolved, checkpoint, family, weight_only, source_format=fmt)
+
+
+def _read_as_float(checkpoint: SafetensorsCheckpoint, resolved: ResolvedModel,
+                   fmt: SourceFormat) -> tuple[DequantizedCheckpoint, ResolvedModel]:
+    """A quantized source as the float model it stands for: its weights dequantized as they are read, its config
+    without the quantization_config (the output gets qconvert's own)."""
+    try:
+        view = DequantizedCheckpoint(checkpoint, fmt)
+    except FormatError as err:
+        checkpoint.close()
+        raise InvalidCheckpointError(str(err)) from None
+    config = {key: value for key, value in resolved.config.items() if key != "quantization_config"}
+    return view, dataclasses.replace(resolved, config=config)

@@ -57,6 +57,8 @@ def _source_lines(source: SourceRecord) -> list[str]:
         where = f"[`{model}`](https://huggingface.co/{model}), commit `{source.commit}`"
     else:
         where = f"`{model}` (a local folder; no Hub commit)"
+    if source.format is not None:
+        where += f" ({source.format}: its fp8 weights read as bfloat16)"
     return [f"| source | {where} |"]
 
 

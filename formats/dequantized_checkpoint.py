@@ -1,0 +1,178 @@
+"""DequantizedCheckpoint: a quantized source (block FP8, compressed-tensors FP8) seen as the float checkpoint it
+stands for, each fp8 weight dequantized to bfloat16 a block of rows at a time as it is read.
+
+It answers what SafetensorsCheckpoint answers (names, shapes, dtypes, bytes, files, tensors, rows), so the plan,
+calibration, the methods, the writer and verify read it as they read a float folder. The scale tensors
+(`weight_scale_inv`, `weight_scale`, `input_scale`) are not in its view; every other tensor is read as stored.
+Nothing dense is written anywhere: a read holds the rows asked for in bfloat16 and one chunk in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from qconvert.formats.errors import FormatError
+from qconvert.formats.quantized_sources import (
+    ACTIVATION_SCALE_SUFFIXES, DEQUANTIZED_DTYPE, FP8_WEIGHT_DTYPE, SCALE_DTYPES, SourceFormat, check_power_of_two,
+    dequantize_block_rows, dequantize_rows, scale_as_float32,
+)
+from qconvert.formats.safetensors_io import SafetensorsCheckpoint
+
+# Codes read and dequantized at a time (4 MB of fp8; 16 MB of float32 on the per-channel path): a large
+# weight's codes are never held whole beside its bfloat16 rows.
+CHUNK_ELEMENTS = 1 << 22
+
+
+class DequantizedCheckpoint:
+    """A quantized checkpoint read as float: SafetensorsCheckpoint's reading surface over `stored`."""
+
+    def __init__(self, stored: SafetensorsCheckpoint, source_format: SourceFormat):
+        self.stored = stored
+        self.source_format = source_format
+        self.folder = stored.folder
+        self.files = stored.files
+        # weight name -> (its scale tensor's name, rows x columns each scale covers)
+        self._quantized: dict[str, tuple[str, tuple[int, int]]] = {}
+        hidden: set[str] = set()
+        for name in stored.tensor_names:
+            if stored.dtype(name) == FP8_WEIGHT_DTYPE:
+                module = self._fp8_module(name)
+                scale_name = module + source_format.scale_suffix
+                self._quantized[name] = (scale_name, self._block(name, scale_name))
+                hidden |= {scale_name, *(module + s for s in ACTIVATION_SCALE_SUFFIXES if module + s in stored)}
+        for name in stored.tensor_names:
+            if name not in hidden and name.endswith((source_format.scale_suffix, *ACTIVATION_SCALE_SUFFIXES)):
+                raise FormatError(f"{stored.file_of(name)}: {name} is a scale, but its linear has no "
+                                  f"float8_e4m3fn weight; the {source_format.name} checkpoint is incomplete")
+        self._hidden = frozenset(hidden)
+        self.tensor_names = [name for name in stored.tensor_names if name not in hidden]
+
+    def _fp8_module(self, name: str) -> str:
+        where = self.stored.file_of(name)
+        if not name.endswith(".weight"):
+            raise FormatError(f"{where}: {name} is float8_e4m3fn but not a linear's weight; qconvert reads fp8 "
+                              "weights only")
+        if len(self.stored.shape(name)) != 2:
+            raise FormatError(f"{where}: {name} is a float8_e4m3fn weight of shape {list(self.stored.shape(name))}, "
+                              "not [out, in]")
+        return name[: -len(".weight")]
+
+    def _block(self, name: str, scale_name: str) -> tuple[int, int]:
+        """The rows x columns each of weight `name`'s scales covers; FormatError when its scale is missing or
+        its shape or dtype is not one the format allows."""
+        stored, fmt = self.stored, self.source_format
+        where = stored.file_of(name)
+        shape = tuple(stored.shape(name))
+        if scale_name not in stored:
+            raise FormatError(f"{where}: {name} is float8_e4m3fn but {scale_name} is missing; a {fmt.name} "
+                              "checkpoint has a scale beside every fp8 weight")
+        scale_shape = tuple(stored.shape(scale_name))
+        grid = fmt.grid_for(shape, scale_shape)
+        if grid is None:
+            raise FormatError(f"{stored.file_of(scale_name)}: {scale_name} has shape {list(scale_shape)}, but a "
+                              f"{fmt.name} scale of a {list(shape)} weight is {fmt.expected_scale_shapes(shape)}")
+        if stored.dtype(scale_name) not in SCALE_DTYPES:
+            raise FormatError(f"{stored.file_of(scale_name)}: {scale_name} is {stored.dtype(scale_name)}, not a "
+                              "float32, bfloat16, float16 or float8_e8m0fnu scale")
+        return grid.block_of(shape)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.stored and name not in self._hidden
+
+    def __len__(self) -> int:
+        return len(self.tensor_names)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensor_names)
+
+    def _check(self, name: str) -> None:
+        if name in self._hidden or name not in self.stored:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
+
+    @property
+    def quantized_weights(self) -> list[str]:
+        """The weights stored in fp8, read dequantized."""
+        return sorted(self._quantized)
+
+    def file_of(self, name: str) -> Path:
+        """The file that holds tensor `name` (a dequantized weight: its fp8 codes)."""
+        self._check(name)
+        return self.stored.file_of(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        self._check(name)
+        return self.stored.shape(name)
+
+    def dtype(self, name: str) -> np.dtype:
+        """bfloat16 for an fp8 weight, else the stored dtype."""
+        self._check(name)
+        return DEQUANTIZED_DTYPE if name in self._quantized else self.stored.dtype(name)
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of tensor `name` as read (an fp8 weight: its bfloat16 copy)."""
+        self._check(name)
+        if name in self._quantized:
+            return math.prod(self.stored.shape(name)) * DEQUANTIZED_DTYPE.itemsize
+        return self.stored.nbytes(name)
+
+    def metadata(self, path: Path) -> dict[str, str]:
+        return self.stored.metadata(path)
+
+    def get(self, name: str) -> np.ndarray:
+        """Tensor `name` as float (an fp8 weight dequantized to bfloat16), in a new array."""
+        self._check(name)
+        if name not in self._quantized:
+            return self.stored.get(name)
+        return self.get_rows(name, 0, self.stored.shape(name)[0])
+
+    def get_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of tensor `name`, an fp8 weight's dequantized a chunk of rows at a time."""
+        self._check(name)
+        if name not in self._quantized:
+            return self.stored.get_rows(name, start, stop)
+        out_features, in_features = self.stored.shape(name)
+        if not 0 <= start <= stop <= out_features:
+            raise ValueError(f"rows {start}:{stop} are outside tensor {name!r} of shape "
+                             f"{[out_features, in_features]}")
+        scale_name, (block_rows, block_cols) = self._quantized[name]
+        first = start // block_rows
+        scales = self._scale_rows(scale_name, first, -(-stop // block_rows))
+        out = np.empty((stop - start, in_features), DEQUANTIZED_DTYPE)
+        chunk = max(1, CHUNK_ELEMENTS // max(1, in_features))
+        begin = start
+        while begin < stop:
+            if block_rows == 1:  # a scale per row: a chunk of rows at a time
+                end = min(stop, begin + chunk)
+                dequantize_rows(self.stored.get_rows(name, begin, end), scales[begin - first:end - first],
+                                out[begin - start:end - start])
+            else:  # blocks of rows: a chunk within one row of blocks at a time
+                end = min(stop, begin + chunk, (begin // block_rows + 1) * block_rows)
+                dequantize_block_rows(self.stored.get_rows(name, begin, end), scales[begin // block_rows - first],
+                                      block_cols, out[begin - start:end - start])
+            begin = end
+        return out
+
+    def _scale_rows(self, scale_name: str, first: int, last: int) -> np.ndarray:
+        """Rows [first, last) of a scale grid as float32 [rows, column blocks] (a per-tensor scale: [1, 1])."""
+        shape = self.stored.shape(scale_name)
+        if len(shape) < 2:  # per tensor: [1] or a scalar
+            scale = self.stored.get(scale_name).reshape(1, 1)
+        else:
+            scale = self.stored.get_rows(scale_name, first, last)
+        if self.source_format.power_of_two_scales:
+            check_power_of_two(scale, f"{self.stored.file_of(scale_name)}: {scale_name}")
+        return scale_as_float32(scale)
+
+    def close(self) -> None:
+        """Close the stored checkpoint's files."""
+        self.stored.close()
+
+    def __enter__(self) -> "DequantizedCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

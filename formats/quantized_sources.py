@@ -1,0 +1,220 @@
+"""The quantized checkpoints qconvert reads as float: their quantization_config, their scale grids, and the one
+dequantization rule w = fp8 x scale.
+
+    DeepSeek style block FP8 (DeepSeek-V3/R1, Kimi-K2, Qwen3 -FP8):
+        quantization_config {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], ...}
+        <m>.weight            float8_e4m3fn [out, in]
+        <m>.weight_scale_inv  float32 [ceil(out/128), ceil(in/128)]  (or float8_e8m0fnu: power-of-two scales)
+    compressed-tensors float-quantized (FP8, FP8_DYNAMIC, FP8_BLOCK):
+        quantization_config {"quant_method": "compressed-tensors", "format": "float-quantized", ...}
+        <m>.weight            float8_e4m3fn [out, in]
+        <m>.weight_scale      [1] per tensor, [out, 1] per channel, [ceil(out/b0), ceil(in/b1)] per block
+        <m>.input_scale       static activations only: not part of the weights, hidden
+
+Every scale covers a block of rows x columns of the weight (a channel: 1 x in; the tensor: out x in), the
+blocks at the right and bottom edges partial. The dequantized value is the float32 product fp8 x scale rounded
+once to bfloat16, as DeepSeek's own fp8_cast_bf16 (its weight_dequant kernel) computes it; compressed-tensors'
+decompression (fp8 cast to the scale's dtype, times the scale) gives the same bfloat16 values for bfloat16
+scales (an e4m3 x bf16 product is exact in float32) and, for float32 scales, the same float32 product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from qconvert.formats.errors import InvalidCheckpointError
+
+FP8_WEIGHT_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
+# The dtype a quantized source's weights are read as: the models these formats ship were trained and released
+# in bfloat16, and bfloat16 is what DeepSeek's own fp8-to-bf16 cast writes.
+DEQUANTIZED_DTYPE = np.dtype(ml_dtypes.bfloat16)
+# Every e4m3 code's value, by its byte (a lookup widens codes to float32 twice as fast as a cast).
+_E4M3_VALUES = np.arange(256, dtype=np.uint8).view(FP8_WEIGHT_DTYPE).astype(np.float32)
+SCALE_DTYPES = tuple(np.dtype(d) for d in (np.float32, ml_dtypes.bfloat16, np.float16, ml_dtypes.float8_e8m0fnu))
+# Tensors of a quantized linear besides its weight that no float model has: hidden with the linear's scales.
+ACTIVATION_SCALE_SUFFIXES = (".input_scale",)
+
+READS = ("block FP8 (quant_method 'fp8' with weight_block_size, e4m3 weights) and compressed-tensors "
+         "float-quantized FP8 (per tensor, channel or block) as float")
+
+
+class NotReadable(ValueError):
+    """A quantization_config qconvert does not read as float; the message says what it is."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleGrid:
+    """How one strategy's scale tensor covers the weight: `block` rows x columns per scale (None: the whole
+    dimension, as per channel's columns and per tensor's rows and columns)."""
+
+    strategy: str  # "block", "channel" or "tensor"
+    block: tuple[int | None, int | None]
+
+    def block_of(self, shape: tuple[int, int]) -> tuple[int, int]:
+        """The rows x columns one scale covers in a weight of `shape`."""
+        return tuple(b if b is not None else max(1, d) for b, d in zip(self.block, shape))
+
+    def fits(self, weight_shape: tuple[int, int], scale_shape: tuple[int, ...]) -> bool:
+        """Whether a scale tensor of `scale_shape` is this strategy's for a weight of `weight_shape`."""
+        if self.strategy == "tensor":
+            return math.prod(scale_shape) == 1 and len(scale_shape) <= 2
+        rows, cols = self.block_of(weight_shape)
+        return tuple(scale_shape) == (-(-weight_shape[0] // rows), -(-weight_shape[1] // cols))
+
+
+BLOCK = "block"
+CHANNEL = ScaleGrid("channel", (1, None))
+TENSOR = ScaleGrid("tensor", (None, None))
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceFormat:
+    """A quantized source format qconvert reads as float: its name (recorded in qconvert.json), the suffix of its
+    weight scales, the scale grids its config allows, and whether its scales must be powers of two."""
+
+    name: str  # e.g. "fp8-block-128x128", "compressed-tensors-fp8-channel"
+    scale_suffix: str  # ".weight_scale_inv" (DeepSeek style) or ".weight_scale" (compressed-tensors)
+    grids: tuple[ScaleGrid, ...]
+    power_of_two_scales: bool = False  # DeepSeek's "scale_fmt": "ue8m0"
+
+    def grid_for(self, weight_shape: tuple[int, int], scale_shape: tuple[int, ...]) -> ScaleGrid | None:
+        """The grid a scale tensor's shape says, among those the config allows (None: it fits none)."""
+        return next((g for g in self.grids if g.fits(weight_shape, scale_shape)), None)
+
+    def expected_scale_shapes(self, weight_shape: tuple[int, int]) -> str:
+        """The scale shapes the config allows for a weight, for a message."""
+        shapes = []
+        for grid in self.grids:
+            if grid.strategy == "tensor":
+                shapes.append("[1]")
+            else:
+                rows, cols = grid.block_of(weight_shape)
+                shapes.append(str([-(-weight_shape[0] // rows), -(-weight_shape[1] // cols)]))
+        return " or ".join(shapes)
+
+
+def source_format(qconfig: Any) -> SourceFormat | None:
+    """The format of a checkpoint whose config.json has `qconfig` as its quantization_config (None when it has
+    none: a float checkpoint). NotReadable, saying what the config describes, for a quantization qconvert does
+    not read as float; InvalidCheckpointError for a value of the wrong kind in one it does."""
+    if qconfig is None:
+        return None
+    if not isinstance(qconfig, dict):
+        raise NotReadable("a quantization_config that is not an object")
+    method = qconfig.get("quant_method")
+    if method == "fp8":
+        return _deepseek_format(qconfig)
+    if method == "compressed-tensors":
+        return _compressed_tensors_format(qconfig)
+    raise NotReadable(f"quant_method {method!r}" if isinstance(method, str) else "no quant_method")
+
+
+def _deepseek_format(qconfig: dict) -> SourceFormat:
+    fmt = qconfig.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise NotReadable(f"quant_method 'fp8', fmt {fmt!r}")
+    block = qconfig.get("weight_block_size")
+    if block is None:
+        raise NotReadable("quant_method 'fp8' without weight_block_size (per-tensor FP8)")
+    rows, cols = _block_size(block, "weight_block_size")
+    scale_fmt = qconfig.get("scale_fmt")
+    if scale_fmt not in (None, "ue8m0"):
+        raise NotReadable(f"quant_method 'fp8', scale_fmt {scale_fmt!r}")
+    return SourceFormat(f"fp8-block-{rows}x{cols}" + ("-ue8m0" if scale_fmt else ""), ".weight_scale_inv",
+                        (ScaleGrid(BLOCK, (rows, cols)),), power_of_two_scales=scale_fmt == "ue8m0")
+
+
+def _compressed_tensors_format(qconfig: dict) -> SourceFormat:
+    what = f"quant_method 'compressed-tensors', format {qconfig.get('format')!r}"
+    groups = qconfig.get("config_groups")
+    group_formats = {g.get("format") for g in groups.values() if isinstance(g, dict)} \
+        if isinstance(groups, dict) else set()
+    if not (qconfig.get("format") == "float-quantized" and group_formats <= {None, "float-quantized"}
+            or group_formats == {"float-quantized"}):
+        raise NotReadable(what)
+    status = qconfig.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise NotReadable(f"{what}, quantization_status {status!r} (weights not stored compressed)")
+    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if qconfig.get(key):
+            raise NotReadable(f"{what} with a {key}")
+    if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
+        raise InvalidCheckpointError("config.json: quantization_config has no config_groups of objects")
+    grids: list[ScaleGrid] = []
+    for name, group in sorted(groups.items()):
+        grid = _group_grid(name, group.get("weights"), what)
+        if grid not in grids:
+            grids.append(grid)
+    names = sorted(g.strategy if g.strategy != BLOCK else f"block-{g.block[0]}x{g.block[1]}" for g in grids)
+    return SourceFormat("compressed-tensors-fp8-" + "+".join(names), ".weight_scale", tuple(grids))
+
+
+def _group_grid(name: str, weights: Any, what: str) -> ScaleGrid:
+    """The scale grid of one config group's weights: symmetric 8-bit float (e4m3) per tensor, channel or block."""
+    if not isinstance(weights, dict):
+        raise NotReadable(f"{what}, group {name} without quantized weights")
+    settings = {k: weights.get(k) for k in ("num_bits", "type", "strategy")}
+    if (weights.get("num_bits"), weights.get("type")) != (8, "float") or weights.get("symmetric", True) is not True \
+            or weights.get("dynamic", False) is not False:
+        raise NotReadable(f"{what}, group {name} weights {settings} (not symmetric static 8-bit float)")
+    strategy = weights.get("strategy")
+    if strategy == "channel":
+        return CHANNEL
+    if strategy == "tensor":
+        return TENSOR
+    if strategy == BLOCK:
+        return ScaleGrid(BLOCK, _block_size(weights.get("block_structure"), f"group {name} block_structure"))
+    raise NotReadable(f"{what}, group {name} weights {settings}")
+
+
+def _block_size(value: Any, key: str) -> tuple[int, int]:
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise InvalidCheckpointError(f"config.json: quantization_config {key} is {value!r}, not two positive "
+                                     "integers (rows, columns)")
+    return int(value[0]), int(value[1])
+
+
+def scale_as_float32(scale: np.ndarray) -> np.ndarray:
+    """Scale values as float32: exact for float32, bfloat16, float16 and float8_e8m0fnu (2^(e-127)) alike."""
+    return np.asarray(scale).astype(np.float32)
+
+
+def dequantize_rows(codes: np.ndarray, row_scales: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Rows of an fp8 weight with one scale per row (per channel) into bfloat16 `out`: each code times its
+    row's scale in float32, rounded once to bfloat16. `codes` float8_e4m3fn [rows, in]; `row_scales` float32
+    [rows, 1]."""
+    values = _E4M3_VALUES[np.ascontiguousarray(codes).view(np.uint8)]
+    values *= row_scales
+    np.copyto(out, values, casting="unsafe")
+    return out
+
+
+def dequantize_block_rows(codes: np.ndarray, scales: np.ndarray, block_cols: int, out: np.ndarray) -> np.ndarray:
+    """Rows of an fp8 weight that lie in one row of blocks into bfloat16 `out`: each code times its column
+    block's scale in float32, rounded once to bfloat16. `codes` float8_e4m3fn [rows, in]; `scales` float32
+    [ceil(in / block_cols)], the last column block possibly partial.
+
+    Each block's 256 possible products are computed once (the same float32 multiply, the same rounding) and
+    the codes index them: the rows go straight to bfloat16, with no float32 copy of the weight.
+    """
+    tables = (_E4M3_VALUES[None, :] * scales[:, None]).astype(DEQUANTIZED_DTYPE)
+    raw = np.ascontiguousarray(codes).view(np.uint8)
+    for j, table in enumerate(tables):
+        columns = slice(j * block_cols, (j + 1) * block_cols)
+        np.take(table, raw[:, columns], out=out[:, columns])
+    return out
+
+
+def check_power_of_two(scale: np.ndarray, where: str) -> None:
+    """InvalidCheckpointError unless every scale is a positive power of two (a ue8m0 config's promise)."""
+    values = scale_as_float32(scale)
+    mantissa, _ = np.frexp(values)
+    if not (np.all(values > 0) and np.all(mantissa == 0.5)):
+        raise InvalidCheckpointError(f"{where} holds scales that are not powers of two, but config.json's "
+                                     "quantization_config says scale_fmt 'ue8m0'; the checkpoint is inconsistent")
