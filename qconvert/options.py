@@ -137,6 +137,8 @@ PRESENTATION_OPTIONS = ("overwrite", "dry_run", "any_architecture", "workers")
 RECORDED_ELSEWHERE = ("calibration", "gptq", "gptq_damp", "gptq_act_order")  # GPTQ's: as `rounding`
 # Recorded only for the schemes that take them (so other schemes' records stay as they were).
 SCHEME_ONLY_OPTIONS = ("group_size",)
+# Recorded only when given (it changes the model card alone), under the flag's own name.
+GIVEN_ONLY_OPTIONS = {"card_repo": "upload_repo"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,8 +214,9 @@ class ConvertOptions:
 
         A scheme that takes a group size records the one written (`layout_flags`, the plan's), whatever was asked.
         """
-        flags = {k: v for k, v in dataclasses.asdict(self).items()
-                 if k not in PRESENTATION_OPTIONS + RECORDED_ELSEWHERE + SCHEME_ONLY_OPTIONS}
+        apart = PRESENTATION_OPTIONS + RECORDED_ELSEWHERE + SCHEME_ONLY_OPTIONS + tuple(GIVEN_ONLY_OPTIONS)
+        flags = {k: v for k, v in dataclasses.asdict(self).items() if k not in apart}
+        flags.update({name: getattr(self, k) for k, name in GIVEN_ONLY_OPTIONS.items() if getattr(self, k)})
         if self.scheme_object.takes_group_size:
             flags["group_size"] = (layout_flags.group_size if layout_flags is not None else self.group_size) or "channel"
         flags["include"], flags["exclude"] = list(self.include), list(self.exclude)
