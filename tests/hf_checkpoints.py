@@ -36,7 +36,7 @@ def make_hf_checkpoint(folder, family: str, *, hidden: int = 64, layers: int = 2
 
     The weights are redrawn from a seeded numpy generator at scales that keep
     every layer busy: norms 1 +- 0.1, embeddings 0.5, projections 1/sqrt(in),
-    routers 0.5 so that the top-k experts are well separated. `peaked` gives
+    softmax routers 0.5 so that the top-k experts are well separated. `peaked` gives
     sharp next-token distributions (see below).
     """
     import torch
@@ -56,8 +56,12 @@ def make_hf_checkpoint(folder, family: str, *, hidden: int = 64, layers: int = 2
                 value = 1 + 0.1 * rng.standard_normal(shape)
             elif "embed_tokens" in name:
                 value = 0.5 * rng.standard_normal(shape)
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith("mlp.gate.weight") and config.model_type != "deepseek_v3":
                 value = 0.5 * rng.standard_normal(shape)
+            elif name.endswith("mlp.gate.weight"):
+                # A sigmoid router saturates on wide logits (every score near 1, the choice left to the
+                # correction bias and flipped by any rounding): logits of about unit scale, as projections.
+                value = rng.standard_normal(shape) / np.sqrt(shape[-1])
             else:
                 value = rng.standard_normal(shape) / np.sqrt(shape[-1])
             param.copy_(torch.from_numpy(value.astype(np.float32)))

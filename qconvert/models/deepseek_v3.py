@@ -224,7 +224,8 @@ class DeepseekV3Model(LlamaModel):
             shapes[f"{p}.{CORRECTION_BIAS}"] = (e.n_routed_experts,)
             for x in range(e.n_routed_experts):
                 shapes.update(swiglu_shapes(f"{p}.mlp.experts.{x}", hidden, e.moe_intermediate_size))
-            shapes.update(swiglu_shapes(f"{p}.mlp.shared_experts", hidden, e.n_shared_experts * e.moe_intermediate_size))
+            shared = e.n_shared_experts * e.moe_intermediate_size
+            shapes.update(swiglu_shapes(f"{p}.mlp.shared_experts", hidden, shared))
         return shapes
 
     def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
