@@ -2,12 +2,15 @@
 each converts, passes `qconvert verify` (the family's forward with the kernels, experts through the grouped
 ones), and loads in transformers as the folder holds it: int8 and int4 to the float model holding qconvert's
 dequantized weights, fp8 to it with activations rounded to fp8 as compressed-tensors rounds them; w8a8's int8
-experts do not load there (vLLM loads them), and nf4 refuses the experts and converts with them excluded."""
+experts do not load there (vLLM loads them), and nf4 refuses the experts and converts with them excluded.
+A multi-token-prediction layer, as the released checkpoints hold, is written unchanged and left to the loaders
+to skip."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from cli_helpers import run
 from hf_checkpoints import dequantized_float_folder, load_config, make_hf_checkpoint, reference_logits, token_batch
@@ -147,3 +150,61 @@ def test_nf4_refuses_experts_and_with_them_excluded_converts_verifies_and_loads(
     loaded = reference_logits(out, ids, mask)
     assert max_rel(loaded, reference_logits(dequantized_float_folder(source, out, tmp_path / "meant"), ids, mask),
                    mask) <= 1e-4
+
+
+def with_mtp_layer(source, folder):
+    """`source` with a multi-token-prediction layer after its last, as DeepSeek-V3's checkpoints hold one (layer
+    61): a decoder layer with experts, plus its own embed_tokens, enorm, hnorm, eh_proj and shared_head."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    config, weights = load_config(source), load_file(str(source / "model.safetensors"))
+    n, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
+    last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}"
+    weights.update({f"{mtp}.{name[len(last):]}": array.copy() for name, array in weights.items()
+                    if name.startswith(last)})
+    rng = np.random.default_rng(3)
+    for name, shape in {"eh_proj.weight": (hidden, 2 * hidden), "enorm.weight": (hidden,),
+                        "hnorm.weight": (hidden,), "shared_head.norm.weight": (hidden,),
+                        "shared_head.head.weight": (vocab, hidden), "embed_tokens.weight": (vocab, hidden)}.items():
+        weights[f"{mtp}.{name}"] = rng.standard_normal(shape).astype(np.float32)
+    folder.mkdir()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(source / "config.json", folder / "config.json")
+    assert config["num_nextn_predict_layers"] == 1  # as transformers writes DeepseekV3Config
+    return folder
+
+
+def test_a_multi_token_prediction_layer_is_written_unchanged_float_and_ignored(source, converted, tmp_path,
+                                                                               capsys):
+    mtp_source = with_mtp_layer(source, tmp_path / "src")
+    out = tmp_path / "int8"
+    code, _, err = run(["quantize", str(mtp_source), "-o", str(out), "--scheme", "int8", "-q"], capsys)
+    assert code == 0, err
+    mtp, written = "model.layers.2", load_file(str(out / "model.safetensors"))
+    for name, array in load_file(str(mtp_source / "model.safetensors")).items():
+        if name.startswith(f"{mtp}."):
+            np.testing.assert_array_equal(written[name], array)
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert {f"{mtp}.self_attn.q_a_proj", f"{mtp}.mlp.experts.0.up_proj", f"{mtp}.mlp.gate", f"{mtp}.eh_proj",
+            f"{mtp}.shared_head.head"} <= set(ignore)
+    assert "model.layers.1.self_attn.q_a_proj" not in ignore  # the decoder's own are quantized
+    verified(out, capsys)
+    # The decoder the loaders run is the folder without that layer.
+    ids, mask = token_batch(load_config(source)["vocab_size"])
+    assert max_rel(reference_logits(out, ids, mask), reference_logits(converted("int8", capsys), ids, mask),
+                   mask) == 0
+
+
+def test_a_config_claiming_more_routed_experts_than_the_weights_hold_is_one_line_exit_6(source, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "src"
+    shutil.copytree(source, folder)
+    config = {**load_config(source), "n_routed_experts": 2 * 10**9}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert run(["quantize", str(folder), "-o", str(tmp_path / "out"), "-q"], capsys) == (6, "", (
+        "qconvert: error: config.json: n_routed_experts is 2000000000, but the weights hold 128 experts at most; "
+        "the config does not fit the weights\n"))
+    assert not (tmp_path / "out").exists()

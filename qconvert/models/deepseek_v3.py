@@ -17,13 +17,17 @@ rule; transformers reads no moe_layer_freq, and every released config sets 1), i
 others add the routed experts, chosen by moe.route_grouped_sigmoid from the router `mlp.gate` and its
 `e_score_correction_bias`, to the shared experts (one SwiGLU of n_shared_experts * moe_intermediate_size).
 The experts run through the grouped hook; the router is one of FLOAT_LINEARS and stays float.
+
+DeepSeek-V3's checkpoints also hold multi-token-prediction layers after the last decoder layer (layer 61, with
+its `eh_proj`), for speculative decoding: no forward here reads them, and transformers and vLLM's model skip
+them, so they are written unchanged, float, and named in the loaders' ignore list.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +53,13 @@ CORRECTION_BIAS = f"{ROUTER}.e_score_correction_bias"
 ROUTED = tuple(f"mlp.experts.{EXPERT}.{proj}" for proj in SWIGLU)
 SHARED = tuple(f"mlp.shared_experts.{proj}" for proj in SWIGLU)
 DENSE = tuple(f"mlp.{proj}" for proj in SWIGLU)
+MTP_MARK = ".eh_proj.weight"  # a multi-token-prediction layer's own projection (of [embedding; hidden])
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's (transformers' RMSNorm default)
+
+def mtp_layer_prefixes(tensor_names: Iterable[str]) -> tuple[str, ...]:
+    """The module prefixes ("model.layers.61.") of the multi-token-prediction layers among a checkpoint's names."""
+    return tuple(sorted(n[: -len(MTP_MARK)] + "." for n in tensor_names if n.endswith(MTP_MARK)))
+
 
 REMEDY = (f"{REMEDY_LEAD}kv_b_proj value rows -> o_proj columns (one scale per value channel of each head; "
           "the key rows between keep scale 1), up_proj rows -> down_proj columns (each expert, the shared "
@@ -166,6 +176,21 @@ class DeepseekV3Model(LlamaModel):
     def from_config(cls, config: dict[str, Any]) -> "DeepseekV3Model":
         args = deepseek_args(config)
         return cls(args, mla=MlaArgs.from_config(config, args.rope), moe=DeepseekMoeArgs.from_config(config))
+
+    @classmethod
+    def linear_names(cls, tensor_names: Iterable[str]) -> list[str]:
+        """The decoder layers' quantizable linears; a multi-token-prediction layer's stay float."""
+        names = list(tensor_names)
+        mtp = mtp_layer_prefixes(names)
+        return [m for m in super().linear_names(names) if not m.startswith(mtp)]
+
+    def carried_tensors(self, tensor_names: Iterable[str]) -> set[str]:
+        """The tensors of the multi-token-prediction layers past the decoder's, which no forward reads and the
+        conversion writes unchanged."""
+        decoder = {self.layer_prefix(i) + "." for i in range(self.num_layers)}
+        names = list(tensor_names)
+        mtp = tuple(p for p in mtp_layer_prefixes(names) if p not in decoder)
+        return {n for n in names if n.startswith(mtp)}
 
     @property
     def num_experts(self) -> int:
