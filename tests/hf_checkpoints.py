@@ -19,11 +19,12 @@ TINY = {
                                          shared_expert_intermediate_size=40, norm_topk_prob=False)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=24, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=24, norm_topk_prob=True)),
-    # Layer 0 dense, the rest experts in two groups (one chosen per token); yarn RoPE as the released configs.
+    # Layer 0 dense, the rest experts in two groups (one chosen per token); the router (vLLM reads topk_method to
+    # build its correction bias) and yarn RoPE as the released configs.
     "deepseek_v3": ("DeepseekV3Config", dict(
         first_k_dense_replace=1, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
         n_shared_experts=1, moe_intermediate_size=32, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5,
+        qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5, topk_method="noaux_tc", scoring_func="sigmoid",
         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
                       "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
