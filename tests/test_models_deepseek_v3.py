@@ -137,3 +137,42 @@ def test_a_config_that_does_not_fit_is_refused_naming_the_key(tiny, edit, error,
     _, config, _ = tiny
     with pytest.raises(error, match=words):
         build({**config, **edit})
+
+
+# config.json fields of the released DeepSeek-V3 (also R1 and V3.1) and of a config shaped like Kimi-K2's (model_type
+# kimi_k2, 64 heads, 384 experts in one group, yarn with beta_fast = beta_slow = 1), at full size: no weights.
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1, "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000, "num_nextn_predict_layers": 1,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"}}
+KIMI_K2 = {**DEEPSEEK_V3, "model_type": "kimi_k2", "num_attention_heads": 64, "num_key_value_heads": 64,
+           "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+           "routed_scaling_factor": 2.827, "vocab_size": 163840, "max_position_embeddings": 131072,
+           "rope_theta": 50000.0, "num_nextn_predict_layers": 0,
+           "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 4096, "type": "yarn"}}
+
+
+@pytest.mark.parametrize("config", [DEEPSEEK_V3, KIMI_K2], ids=["deepseek-v3", "kimi-k2"])
+def test_released_configs_rope_and_softmax_scale_are_transformers(config):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding, yarn_apply_mscale
+
+    from qconvert.models.rope import attention_factor, inverse_frequencies
+
+    hf = transformers.DeepseekV3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    rotary = DeepseekV3RotaryEmbedding(hf)
+    model = build(config)
+    np.testing.assert_allclose(inverse_frequencies(model.args.rope, model.mla.qk_rope_head_dim),
+                               rotary.inv_freq.numpy(), rtol=1e-6)
+    assert attention_factor(model.args.rope) == pytest.approx(rotary.attention_scaling, rel=1e-12)
+    assert model.mla.softmax_scale == pytest.approx(yarn_apply_mscale(hf.rope_parameters, hf.qk_head_dim ** -0.5),
+                                                    rel=1e-12)
+    first = config["first_k_dense_replace"]
+    assert model.moe.sparse_layers == tuple(i >= first for i in range(61))
+    assert len(model.layer_linears(first)) == 5 + 1 + 3 * config["n_routed_experts"] + 3

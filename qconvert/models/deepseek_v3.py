@@ -56,6 +56,7 @@ DENSE = tuple(f"mlp.{proj}" for proj in SWIGLU)
 MTP_MARK = ".eh_proj.weight"  # a multi-token-prediction layer's own projection (of [embedding; hidden])
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm's and kv_a_layernorm's (transformers' RMSNorm default)
 
+
 def mtp_layer_prefixes(tensor_names: Iterable[str]) -> tuple[str, ...]:
     """The module prefixes ("model.layers.61.") of the multi-token-prediction layers among a checkpoint's names."""
     return tuple(sorted(n[: -len(MTP_MARK)] + "." for n in tensor_names if n.endswith(MTP_MARK)))
