@@ -19,6 +19,14 @@ TINY = {
                                          shared_expert_intermediate_size=40, norm_topk_prob=False)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=24, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=24, norm_topk_prob=True)),
+    # Layer 0 dense, the rest experts in two groups (one chosen per token); the router (vLLM reads topk_method to
+    # build its correction bias) and yarn RoPE as the released configs.
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        first_k_dense_replace=1, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2,
+        n_shared_experts=1, moe_intermediate_size=32, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5, topk_method="noaux_tc", scoring_func="sigmoid",
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
 
 
@@ -29,7 +37,7 @@ def make_hf_checkpoint(folder, family: str, *, hidden: int = 64, layers: int = 2
 
     The weights are redrawn from a seeded numpy generator at scales that keep
     every layer busy: norms 1 +- 0.1, embeddings 0.5, projections 1/sqrt(in),
-    routers 0.5 so that the top-k experts are well separated. `peaked` gives
+    softmax routers 0.5 so that the top-k experts are well separated. `peaked` gives
     sharp next-token distributions (see below).
     """
     import torch
@@ -49,11 +57,19 @@ def make_hf_checkpoint(folder, family: str, *, hidden: int = 64, layers: int = 2
                 value = 1 + 0.1 * rng.standard_normal(shape)
             elif "embed_tokens" in name:
                 value = 0.5 * rng.standard_normal(shape)
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith("mlp.gate.weight") and config.model_type != "deepseek_v3":
                 value = 0.5 * rng.standard_normal(shape)
+            elif name.endswith("mlp.gate.weight"):
+                # A sigmoid router saturates on wide logits (every score near 1, the choice left to the
+                # correction bias and flipped by any rounding): logits of about unit scale, as projections.
+                value = rng.standard_normal(shape) / np.sqrt(shape[-1])
             else:
                 value = rng.standard_normal(shape) / np.sqrt(shape[-1])
             param.copy_(torch.from_numpy(value.astype(np.float32)))
+        for name, buffer in model.named_buffers():
+            # DeepSeek-V3's router bias shifts which experts win (not their weights): as large as the score gaps.
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.from_numpy((0.1 * rng.standard_normal(tuple(buffer.shape))).astype(np.float32)))
         if peaked:
             # lm_head reads the embedding directions back: the residual stream's own token gets
             # a clear lead over the rest, as in trained LMs, so next-token top-1 is not a coin toss.

@@ -1,8 +1,8 @@
 """Folders mean to the loaders what they mean to qconvert: routers and GPT-2-style Conv1Ds stay float, every
 float linear (a tied head under its family's own name included) is in the loader's ignore list, and verify's
 integrity stage fails a folder that breaks this, naming the module. Tiny random models built by transformers
-(OLMoE, GraniteMoE, DeepSeek-V3, GPT-2, BioGPT under --any-architecture) load in transformers to the model the folder
-holds."""
+(OLMoE, GraniteMoE, GPT-2, BioGPT under --any-architecture; DeepSeek-V3 with it, its own family) load in
+transformers to the model the folder holds."""
 
 from __future__ import annotations
 
@@ -91,7 +91,8 @@ def test_routers_stay_float_and_the_folder_loads_as_the_model_it_holds(sources, 
     source, out = sources(name), tmp_path / "int8"
     code, listing, _ = run(["quantize", str(source), "-o", str(out), "--any-architecture", "--dry-run", "--json"],
                            capsys)
-    assert code == 0 and json.loads(listing)["kept_float"]["routers"] == [router]
+    # DeepSeek-V3 is a known family, whose own list never selects its router: nothing is kept back from it.
+    assert code == 0 and json.loads(listing)["kept_float"]["routers"] == ([] if name == "deepseek_v3" else [router])
     qconfig = quantize(source, out, "int8", capsys)
     assert router in ignore_list(qconfig)
     written, stored = load_file(str(out / "model.safetensors")), load_file(str(source / "model.safetensors"))

@@ -28,7 +28,8 @@ def _tiny_config(family: str) -> dict:
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, **fields).to_dict()
     config["architectures"] = [{"qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]]
+                                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                                "deepseek_v3": "DeepseekV3ForCausalLM"}[family]]
     return config
 
 
@@ -37,7 +38,8 @@ CONFIGS = {
     "LlamaForCausalLM": CASES["llama"], "MistralForCausalLM": CASES["mistral"], "Qwen2ForCausalLM": CASES["qwen2"],
     "MixtralForCausalLM": CASES["mixtral"], "BertModel": CASES["bert"],
     "Gemma2ForCausalLM": GEMMA2, "Gemma3ForCausalLM": GEMMA3, "Gemma3ForConditionalGeneration": GEMMA3_MM,
-    **{_tiny_config(f)["architectures"][0]: _tiny_config(f) for f in ("qwen3", "phi3", "qwen2_moe", "qwen3_moe")},
+    **{_tiny_config(f)["architectures"][0]: _tiny_config(f)
+       for f in ("qwen3", "phi3", "qwen2_moe", "qwen3_moe", "deepseek_v3")},
 }
 ROUTERS = re.compile(r"(\.gate|\.shared_expert_gate)$")
 

@@ -1,5 +1,6 @@
-"""vLLM 0.33's and vLLM TPU 0.32's own loading code judge int8, int4, w8a8 and fp8 folders of a dense and a
-MoE family, and the servers table (qconvert/schemes/servers.py, what `qconvert inspect` prints) says what they say.
+"""vLLM 0.33's and vLLM TPU 0.32's own loading code judge int8, int4, w8a8 and fp8 folders of a dense family and
+two MoE ones (DeepSeek-V3's with latent attention), and the servers table (qconvert/schemes/servers.py, what
+`qconvert inspect` prints) says what they say.
 
 They run only where their virtual environments were built (bash ../shared/vllm/setup_venv.sh .vllm-venv, about
 4 minutes, 2.4 GB; bash ../shared/vllm-tpu/setup_venv.sh .vllm-tpu-venv, about 5 minutes, 9 GB); CI does not
@@ -29,16 +30,25 @@ CALIB = ["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "16"]
 # Each scheme's folder as round-to-nearest writes it, so --ref can hold every code within half a step of the float
 # weight; "int4-gptq" is int4's default (GPTQ, whose error feedback moves codes further), judged without --ref.
 SCHEMES = {"int8": [], "int4": ["--no-gptq"], "int4-gptq": CALIB, "fp8": [], "w8a8": CALIB}
+# bf16, as served: a float32 checkpoint is cast to bf16 on load, which the check reports as lossy. Qwen3-MoE has no
+# dense MLP, so its intermediate_size may not exceed what its weights hold; DeepSeek-V3's second layer is its
+# first with experts, its widths (hidden a multiple of 128, latents of 128) ones vLLM's MoE kernels and int4's
+# groups of 128 take, as the released models'.
+SOURCES = {"llama": dict(hidden=128, intermediate=256, layers=1),
+           "qwen3_moe": dict(hidden=128, intermediate=128, layers=1),
+           "deepseek_v3": dict(hidden=128, intermediate=256, layers=2, kv_heads=4, q_lora_rank=128, kv_lora_rank=128,
+                               qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, moe_intermediate_size=128)}
+
+
+def bf16_source(folder, family):
+    return make_hf_checkpoint(folder, family, dtype="bfloat16", **SOURCES[family])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", sorted(SOURCES))
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
 def test_vllm_loads_the_folder_and_reads_it_as_compressed_tensors_does(family, scheme, tmp_path, capsys):
-    # bf16, as served: a float32 checkpoint is cast to bf16 on load, which the check reports as lossy.
-    # (Qwen3-MoE has no dense MLP, so its intermediate_size may not exceed what its weights hold.)
-    source = make_hf_checkpoint(tmp_path / "src", family, hidden=128, intermediate=128 if "moe" in family else 256,
-                                layers=1, dtype="bfloat16")
+    source = bf16_source(tmp_path / "src", family)
     out = tmp_path / scheme
     code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", scheme.split("-")[0], "-q",
                             *SCHEMES[scheme]], capsys)
@@ -59,12 +69,12 @@ def verdict_of(report: str) -> str:
 @pytest.mark.skipif(not (TPU_PYTHON.exists() and TPU_CHECK.exists()),
                     reason="vLLM TPU's check needs .vllm-tpu-venv (../shared/vllm-tpu/setup_venv.sh)")
 @pytest.mark.parametrize("family, scheme", [("llama", "fp8"), ("qwen3_moe", "fp8"), ("llama", "int8"),
-                                            ("llama", "w8a8"), ("qwen3_moe", "int4")])
+                                            ("llama", "w8a8"), ("qwen3_moe", "int4"), ("deepseek_v3", "fp8"),
+                                            ("deepseek_v3", "int8")])
 def test_vllm_tpu_says_what_the_servers_table_records(family, scheme, tmp_path, capsys):
     from qconvert.schemes.servers import NO, YES, servers
 
-    source = make_hf_checkpoint(tmp_path / "src", family, hidden=128, intermediate=128 if "moe" in family else 256,
-                                layers=1, dtype="bfloat16")
+    source = bf16_source(tmp_path / "src", family)
     out = tmp_path / scheme
     code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", scheme, "-q", *SCHEMES[scheme]],
                            capsys)

@@ -33,9 +33,17 @@ _HI = jax.lax.Precision.HIGHEST
 def channel_map(group: SmoothingGroup, in_features: int) -> np.ndarray:
     """For each input channel of the group's linears, the source channel that feeds it (int64 [in])."""
     i = np.arange(in_features)
-    if group.kv_repeat <= 1 or group.head_dim <= 0:
+    if group.head_dim <= 0 or (group.kv_repeat <= 1 and not group.source_stride):
         return i
-    return ((i // group.head_dim) // group.kv_repeat) * group.head_dim + i % group.head_dim
+    stride = group.source_stride or group.head_dim
+    return ((i // group.head_dim) // max(group.kv_repeat, 1)) * stride + i % group.head_dim
+
+
+def _source_scales(s: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """s per source channel, 1 where no input channel reads the source channel (a strided source's gaps)."""
+    read = np.zeros(len(s), bool)
+    read[index] = True
+    return s if read.all() else np.where(read, s, np.float32(1)).astype(np.float32)
 
 
 def reduce_to_source(values: np.ndarray, index: np.ndarray) -> np.ndarray:
@@ -75,7 +83,7 @@ def group_scales(group: SmoothingGroup, act_absmax: np.ndarray, weights: Sequenc
     index = channel_map(group, len(act_absmax))
     src_act = reduce_to_source(act_absmax, index)
     src_w = reduce_to_source(weight_absmax(weights), index)
-    s = smooth_scales(src_act, src_w, alpha)
+    s = _source_scales(smooth_scales(src_act, src_w, alpha), index)
     return GroupScales(group, float(alpha), s, s[index])
 
 
@@ -251,7 +259,7 @@ def search_alpha(group: SmoothingGroup, act_absmax: np.ndarray, weights: Sequenc
     src_act, src_w = reduce_to_source(act_absmax, index), reduce_to_source(weight_absmax(weights), index)
     candidates = []
     for alpha in grid:
-        s_alpha = smooth_scales(src_act, src_w, alpha)
+        s_alpha = _source_scales(smooth_scales(src_act, src_w, alpha), index)
         candidates.append(GroupScales(group, float(alpha), s_alpha, s_alpha[index]))
     s = np.stack([c.input_scales for c in candidates])
     static_scale = np.asarray([smoothed_input_absmax(act_absmax, c.input_scales) / INT8_QMAX if static else 0.0

@@ -1,11 +1,11 @@
 """Supported architectures: which tensors are linears, how they are smoothed, a JAX forward.
 
 One module per family (llama.py, qwen2.py, bert.py, mixtral.py, gemma.py, gemma3_mm.py, phi3.py, qwen3.py,
-qwen2_moe.py, qwen3_moe.py) holds all of it as one class (`family.Family` says what it answers);
-registry.py lists them and `registry.family_for(config)` finds the one config.json names.
+qwen2_moe.py, qwen3_moe.py, deepseek_v3.py) holds all of it as one class (`family.Family` says what it
+answers); registry.py lists them and `registry.family_for(config)` finds the one config.json names.
 `build(config, tensor_names)` gives the family's model (LlamaModel, Qwen2Model, BertModel, MixtralModel,
-GemmaModel, Gemma3MultimodalModel, Qwen3Model, Phi3Model, Qwen2MoeModel, Qwen3MoeModel), a frozen
-dataclass whose methods are pure functions of `params` (building raises InvalidCheckpointError, exit 6,
+GemmaModel, Gemma3MultimodalModel, Qwen3Model, Phi3Model, Qwen2MoeModel, Qwen3MoeModel, DeepseekV3Model), a
+frozen dataclass whose methods are pure functions of `params` (building raises InvalidCheckpointError, exit 6,
 naming the key, for a config.json value of the wrong type or an inconsistent one), any Mapping from
 checkpoint tensor name to array (lazy readers and QArray weights included):
 
@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from qconvert.models.bert import BertModel, mean_pool
+from qconvert.models.deepseek_v3 import DeepseekV3Model
 from qconvert.models.gemma import GemmaModel
 from qconvert.models.gemma3_mm import Gemma3MultimodalModel
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, dense_grouped_linear,
@@ -61,7 +62,8 @@ def build(config: dict[str, Any], tensor_names: Iterable[str] | None = None):
 
 
 __all__ = [
-    "BertModel", "Gemma3MultimodalModel", "GemmaModel", "GroupedLinearHook", "LayerResult", "LinearHook", "LlamaModel", "MixtralModel",
-    "Phi3Model", "Qwen2Model", "Qwen2MoeModel", "Qwen3Model", "Qwen3MoeModel", "build",
+    "BertModel", "DeepseekV3Model", "Gemma3MultimodalModel", "GemmaModel", "GroupedLinearHook", "LayerResult",
+    "LinearHook", "LlamaModel", "MixtralModel", "Phi3Model", "Qwen2Model", "Qwen2MoeModel", "Qwen3Model",
+    "Qwen3MoeModel", "build",
     "dense_grouped_linear", "dense_linear", "forward_layerwise", "iterate_layers", "mean_pool", "read_tensors",
 ]

@@ -38,6 +38,10 @@ class SmoothingGroup:
     # When `source` is a fused linear (Phi-3's qkv_proj, gate_up_proj), source channel c
     # above is its output row source_offset + c.
     source_offset: int = 0
+    # When the source's heads lie `source_stride` channels apart rather than head_dim (DeepSeek's kv_b_proj:
+    # each head's key rows, then its value rows), the channel above is ((i // head_dim) // kv_repeat) *
+    # source_stride + i % head_dim; the source channels no input channel reads (the key rows) keep scale 1.
+    source_stride: int = 0
     # The norm multiplies by (norm_offset + weight): 0 for Llama's RMSNorm and LayerNorm,
     # 1 for Gemma's, which stores its gain as an offset from 1. Smoothing divides the
     # gain, so it must fold into norm_offset + weight, not weight alone.

@@ -116,13 +116,16 @@ def attention_bias(seq_len: int, attention_mask: jax.Array | None, window: int |
     return jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)
 
 
-def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(d) + bias) v with q [B, H, T, d], k and v [B, KV, T, d] shared by H/KV heads."""
+def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array,
+                            scale: float | None = None) -> jax.Array:
+    """softmax(q k^T * scale + bias) v with q [B, H, T, d], k [B, KV, T, d] and v [B, KV, T, dv] shared by H/KV
+    heads; scale 1/sqrt(d) unless given."""
     repeats = q.shape[1] // k.shape[1]
     k = jnp.repeat(k, repeats, axis=1)
     v = jnp.repeat(v, repeats, axis=1)
     hi = jax.lax.Precision.HIGHEST
-    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=hi) * (q.shape[-1] ** -0.5) + bias
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision=hi) * scale + bias
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v, precision=hi)
 
 

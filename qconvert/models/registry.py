@@ -11,6 +11,7 @@ from typing import Any
 
 from qconvert.formats.errors import InvalidCheckpointError, UnsupportedModelError
 from qconvert.models.bert import BertModel
+from qconvert.models.deepseek_v3 import DeepseekV3Model
 from qconvert.models.family import Family
 from qconvert.models.gemma import GemmaModel
 from qconvert.models.gemma3_mm import Gemma3MultimodalModel
@@ -23,7 +24,8 @@ from qconvert.models.qwen3 import Qwen3Model
 from qconvert.models.qwen3_moe import Qwen3MoeModel
 
 FAMILIES: tuple[type[Family], ...] = (LlamaModel, Qwen2Model, BertModel, MixtralModel, GemmaModel, Phi3Model,
-                                      Qwen2MoeModel, Qwen3Model, Qwen3MoeModel, Gemma3MultimodalModel)
+                                      Qwen2MoeModel, Qwen3Model, Qwen3MoeModel, Gemma3MultimodalModel,
+                                      DeepseekV3Model)
 
 
 def supported_architectures() -> list[str]:

@@ -41,7 +41,8 @@ def check_config_counts(ckpt: SafetensorsCheckpoint, config: dict[str, Any]) -> 
     for values in _configs(config):
         _bounded(values, {"num_hidden_layers": (numbered, f"{numbered} numbered blocks"),
                           "num_local_experts": (experts, f"{experts} experts at most"),
-                          "num_experts": (experts, f"{experts} experts at most")})
+                          "num_experts": (experts, f"{experts} experts at most"),
+                          "n_routed_experts": (experts, f"{experts} experts at most")})
 
 
 def check_config_sizes(ckpt: SafetensorsCheckpoint, config: dict[str, Any]) -> None:
@@ -90,9 +91,11 @@ def check_weights_match_config(ckpt: SafetensorsCheckpoint, config: dict[str, An
                 f"{name} has shape {list(actual)}, but config.json implies {list(shape)} "
                 f"({_config_summary(config)}); the config does not fit the weights")
     prefix = getattr(model, "layers_prefix", None)
+    # Layers a family knows it does not run (DeepSeek-V3's multi-token prediction), written unchanged.
+    carried = model.carried_tensors(ckpt.tensor_names) if hasattr(model, "carried_tensors") else set()
     if prefix:
         for name in ckpt.tensor_names:
-            if (name.startswith(prefix) and name not in expected
+            if (name.startswith(prefix) and name not in expected and name not in carried
                     and not any(p.search(name) for p in HARMLESS_LAYER_TENSORS)):
                 raise InvalidCheckpointError(
                     f"{name} is in the weights but not read by the model config.json describes "
