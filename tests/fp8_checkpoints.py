@@ -67,8 +67,10 @@ def quantize_blocks(weight: np.ndarray, block: tuple[int, int], *, power_of_two:
 
 
 def is_block_linear(name: str, shape) -> bool:
-    """A decoder-layer linear the FP8 releases quantize: not embeddings, norms, lm_head or the MoE router."""
-    return (name.startswith("model.layers.") and name.endswith("_proj.weight") and len(shape) == 2)
+    """A decoder-layer linear the FP8 releases quantize: not embeddings, norms, lm_head or the MoE router
+    (DeepSeek-V3's kv_a_proj_with_mqa included, as its release has it)."""
+    return (name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+            and len(shape) == 2)
 
 
 def _read(folder: Path) -> dict:

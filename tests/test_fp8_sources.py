@@ -138,6 +138,28 @@ def qwen3_sources(tmp_path_factory):
     return fp8, write_dequantized_copy(fp8, root / "copy" / "model")
 
 
+@pytest.fixture(scope="module")
+def deepseek_sources(tmp_path_factory):
+    """A tiny bf16 DeepSeek-V3 (MLA, dense layer 0, routed and shared experts), written in its own release's
+    block-FP8 form, and that form's dequantized copy."""
+    root = tmp_path_factory.mktemp("deepseek")
+    bf16 = make_hf_checkpoint(root / "bf16", "deepseek_v3", layers=2, dtype="bfloat16")
+    fp8 = write_fp8_source(bf16, root / "fp8" / "model")
+    return fp8, write_dequantized_copy(fp8, root / "copy" / "model")
+
+
+@pytest.mark.parametrize("args", [["--scheme", "int4", "--gptq", *CALIB], ["--scheme", "w8a8", *CALIB]],
+                         ids=["int4-gptq", "w8a8"])
+def test_deepseek_v3_in_its_block_fp8_release_form_converts_as_its_dequantized_copy(deepseek_sources, tmp_path,
+                                                                                     capsys, args):
+    fp8, copy = deepseek_sources
+    with _open(fp8, DEEPSEEK) as view:  # every linear of its layers read from fp8: MLA's, the experts', shared
+        assert any(name.endswith("kv_a_proj_with_mqa.weight") for name in view.quantized_weights)
+        assert any(".mlp.experts." in name for name in view.quantized_weights)
+    record = _converted_equal(fp8, copy, tmp_path, args, capsys)
+    assert record["source"]["format"] == "fp8-block-128x128"
+
+
 def test_transformers_dequantizes_a_block_fp8_folder_as_qconvert_reads_it(tmp_path):
     import transformers
 
