@@ -33,6 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scale import qconvert, run_child  # noqa: E402  (the same child runner and RSS reading as the float bench)
+
 POOL_CODES = 1 << 23  # 8 MB of e4m3 codes, tiled over every fp8 weight
 BLOCK = 128
 SHARD_BYTES = 2 * 10**9
@@ -138,25 +141,6 @@ def make_float_copy(source: Path, folder: Path) -> None:
         folder.mkdir(parents=True)
         write_shards(folder, specs, ((spec.name, view.get(spec.name)) for spec in specs), SHARD_BYTES)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def run_child(argv: list[str]) -> tuple[float, int]:
-    """Run a command to completion and then `sync`; returns (seconds, the command's own peak RSS in bytes)."""
-    start = time.perf_counter()
-    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    errors = child.stderr.read().decode(errors="replace")
-    child.stderr.close()
-    subprocess.run(["sync"], check=True)
-    seconds = time.perf_counter() - start
-    if child.returncode != 0:
-        raise SystemExit(f"{' '.join(argv)} failed ({child.returncode}): {errors.strip()[-2000:]}")
-    return seconds, usage.ru_maxrss * 1024  # Linux reports kilobytes
-
-
-def qconvert(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from qconvert.cli.entry import main; main()", *args]
 
 
 def folder_bytes(folder: Path) -> int:
