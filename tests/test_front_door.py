@@ -116,6 +116,18 @@ def test_verify_on_bad_input_prints_a_json_error_record_and_one_line(tmp_path, c
                       "verdict": f"ERROR {folder}: {message}"}
 
 
+def test_verify_on_bad_input_writes_its_error_record_to_the_json_file(tmp_path, capsys):
+    # A folder that is not there (refused before verify's readers start) and one that is no conversion (refused by
+    # them): the same document on stdout and in --json-file, each with its own exit code.
+    (tmp_path / "empty").mkdir()
+    for folder, code in ((tmp_path / "missing", 3), (tmp_path / "empty", 6)):
+        record_file = tmp_path / f"{folder.name}.json"
+        got, stdout, _ = run(["verify", str(folder), "--json", "--json-file", str(record_file)], capsys)
+        assert got == code
+        assert json.loads(record_file.read_text()) == json.loads(stdout)
+        assert json.loads(stdout)["exit_code"] == code and json.loads(stdout)["out"] == str(folder)
+
+
 def test_quantize_calibrate_and_inspect_print_json_with_the_same_plain_flag(source, converted, tmp_path, capsys):
     code, stdout, stderr = run(["inspect", str(converted), "--json"], capsys)
     assert code == 0 and json.loads(stdout)["scheme"] == "int8"

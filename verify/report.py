@@ -7,7 +7,7 @@ import platform
 from typing import Any
 
 from qconvert import __version__ as qconvert_version
-from qconvert.formats.documents import dumps, envelope, error_document
+from qconvert.formats.documents import dumps, envelope
 from qconvert.verify.results import LayerResult, VerifyReport
 from rich import box
 from rich.console import Console
@@ -191,11 +191,6 @@ def to_record(report: VerifyReport) -> dict[str, Any]:
         "seconds": report.seconds,
     }
     return _finite(record)
-
-
-def error_json(folder, message: str, exit_code: int) -> str:
-    """The JSON record of a verify that could not run (bad input): its verdict is ERROR."""
-    return dumps(error_document("verify", qconvert_version, message, exit_code, str(folder)))
 
 
 def to_json(report: VerifyReport) -> str:

@@ -4,6 +4,7 @@ one-line failure, and the checks every command makes before it starts JAX or the
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -45,9 +46,12 @@ def print_document(command: str, body: dict, exit_code: int = 0, error: str | No
 
 class _Run:
     """What the failure paths need to know of the command running: its name where it was given --json (its
-    failures then print a JSON document too), and the OUT it was given, once its arguments parsed."""
+    failures then print a JSON document too), where else the document goes (verify's --json-file, once its
+    target is checked), and the OUT it was given, once its arguments parsed."""
 
     json_command: str | None = None
+    record_command: str | None = None
+    write_record: Callable[[str], None] | None = None
     out: str | None = None
 
 
@@ -56,19 +60,36 @@ def expect_json_failures(command: str | None) -> None:
     _Run.json_command = command
 
 
+def record_failures(command: str, write: Callable[[str], None]) -> None:
+    """Failures from here on also hand the command's JSON error document to `write` (a file the user named)."""
+    _Run.record_command, _Run.write_record = command, write
+
+
 def note_out(out) -> None:
     """The OUT a command was given, for its JSON error document."""
     _Run.out = None if out is None else str(out)
 
 
 def print_error_document(message: str, exit_code: int) -> None:
-    """The JSON error document of a command given --json (process 0 only, in a run of several)."""
-    if _Run.json_command is None or not is_leader():
+    """The JSON error document of a command given --json, on stdout, and to the file it records in (process 0
+    only, in a run of several)."""
+    command = _Run.json_command or _Run.record_command
+    if command is None or not is_leader():
         return
     from qconvert import __version__
     from qconvert.formats.documents import dumps, error_document
 
-    click.echo(dumps(error_document(_Run.json_command, __version__, message, exit_code, _Run.out)))
+    text = dumps(error_document(command, __version__, message, exit_code, _Run.out))
+    if _Run.json_command is not None:
+        click.echo(text)
+    write, _Run.write_record = _Run.write_record, None  # once: a failure to write it fails nothing again
+    if write is not None:
+        from qconvert.formats.errors import QConvertError
+
+        try:
+            write(text)
+        except (QConvertError, OSError) as err:  # the run's own line stays the one that matters
+            click.echo(f"qconvert: the error record was not written: {err}", err=True)
 
 
 def check_model(model: str) -> None:

@@ -64,7 +64,7 @@ def _internal_error(err: Exception, command: str | None) -> None:
 
         traceback.print_exception(err)
     line = internal_error_line(err, command or "qconvert")
-    print_error_document(line.removeprefix("qconvert: error: ").removeprefix("qconvert: "), INTERNAL_ERROR_EXIT_CODE)
+    print_error_document(line.removeprefix("qconvert: "), INTERNAL_ERROR_EXIT_CODE)
     click.echo(line, err=True)
     sys.exit(INTERNAL_ERROR_EXIT_CODE)
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import click
 
-from qconvert.cli.common import (BACKEND_CHOICE, EXIT_CODES_EPILOG, check_jax_platforms, cluster_options, fail,
-                                 hub_messages, note_out, require_folder, is_leader, join_cluster, run_with_progress, verbose_option)
-from qconvert.formats.errors import QConvertError, UsageError
+from qconvert.cli.common import (BACKEND_CHOICE, EXIT_CODES_EPILOG, check_jax_platforms, cluster_options,
+                                 hub_messages, is_leader, join_cluster, note_out, record_failures, require_folder,
+                                 run_with_progress, verbose_option)
+from qconvert.formats.errors import UsageError
 
 
 @click.command(name="verify", epilog=EXIT_CODES_EPILOG,
@@ -68,16 +69,8 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
     hub_messages(verbose)
     if json_file is not None:
         _check_json_target(json_file, out)  # before the check runs, not after
-    try:
-        require_folder(out)
-    except QConvertError as err:
-        if json_file is not None and is_leader():
-            from qconvert import __version__
-            from qconvert.formats.documents import dumps, error_document
-
-            _emit_json(dumps(error_document("verify", __version__, str(err), err.exit_code, str(out))), False,
-                       json_file)
-        raise
+        record_failures("verify", lambda text: _emit_json(text, False, json_file))
+    require_folder(out)
     if update_card and out.is_dir():
         from qconvert.write.folder import check_writable
 
@@ -92,7 +85,7 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
                   "min_pooled_cosine": min_pooled_cosine}
     options = VerifyOptions(reference=reference, revision=revision, calib=calib, samples=samples, seqlen=seqlen,
                             quick=quick, backend=backend, strict=strict, thresholds=thresholds)
-    report = _run_verify(out, options, as_json, json_file, quiet or not is_leader())
+    report = _run_verify(out, options, as_json, quiet or not is_leader())
     if not is_leader():  # one of several processes: process 0 reports and writes for the run
         return 0 if report.passed else 1
     _show_verify_report(report, as_json, json_file, quiet)
@@ -116,21 +109,17 @@ def _update_card(out: Path, report, quiet: bool) -> None:
 
 
 
-def _run_verify(out: Path, options, as_json: bool, json_file: Path | None, quiet: bool):
-    """verify_folder with progress on stderr; on bad input its error, with its own exit code as every command
-    gives it (--json-file gets the error document; --json's is printed where every command's is)."""
+def _run_verify(out: Path, options, as_json: bool, quiet: bool):
+    """verify_folder with progress on stderr. Bad input fails as every command's does (its own exit code; the
+    error document on stdout and in --json-file); a file that is not what its format says is an invalid folder."""
     from qconvert.formats.errors import FormatError, InvalidCheckpointError
-    from qconvert.verify.report import error_json
     from qconvert.verify.run import verify_folder
 
     try:
         return run_with_progress(lambda stages, _: verify_folder(out, options, progress=stages),
                                   silent=quiet or as_json)
-    except (QConvertError, FormatError) as err:
-        code = err.exit_code if isinstance(err, QConvertError) else InvalidCheckpointError.exit_code
-        if json_file is not None and is_leader():
-            _emit_json(error_json(out, str(err), code), False, json_file)
-        fail(str(err), code)
+    except FormatError as err:
+        raise InvalidCheckpointError(str(err)) from None
 
 
 
