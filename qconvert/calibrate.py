@@ -51,7 +51,7 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
     if writes:
         check_stats_target(out, overwrite, resolved_source.folder)
     with open_source(resolved_source) as source:  # as `quantize` resolves and opens; closed at the end
-        source_format = source.source_format.name if source.source_format else None
+        summary = source.summary()
         source.check_weights()
         agree_source(source)  # of several processes, every one reads what process 0 reads
         resolved, params = source.resolved, source.params
@@ -66,7 +66,5 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
     if writes:
         save_act_stats(out, stats, model=resolved.model_id,
                        recheck=lambda: check_stats_target(out, overwrite, resolved.folder))
-    source = {"model": resolved.model_id, "is_hub": resolved.is_hub, "revision": resolved.revision,
-              "commit": resolved.commit, "format": source_format}  # as quantize --json names it
-    return {"out": str(out), "source": source, "linears": len(stats.act_absmax),
+    return {"out": str(out), "source": summary, "linears": len(stats.act_absmax),
             "calibration": data.record()}

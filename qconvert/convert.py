@@ -129,8 +129,7 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
     ckpt = source.checkpoint
     return ConvertResult(
         out=None if options.dry_run else out,
-        source={"model": resolved.model_id, "is_hub": resolved.is_hub, "revision": resolved.revision,
-                "commit": resolved.commit, "format": source.source_format.name if source.source_format else None},
+        source=source.summary(),
         scheme=options.scheme, dry_run=options.dry_run, tensors=plan.tensors,
         input_bytes=sum(ckpt.nbytes(name) for name in ckpt.tensor_names),
         output_bytes=sum(spec.nbytes for spec in plan.specs),

@@ -49,6 +49,13 @@ class SourceModel:
     def folder(self) -> Path:
         return self.resolved.folder
 
+    def summary(self) -> dict[str, Any]:
+        """The source as `quantize --json` and `calibrate --json` name it: model, Hub or not, revision, commit, and
+        the quantized format read as float (None for a float source)."""
+        resolved = self.resolved
+        return {"model": resolved.model_id, "is_hub": resolved.is_hub, "revision": resolved.revision,
+                "commit": resolved.commit, "format": self.source_format.name if self.source_format else None}
+
     @property
     def config(self) -> dict[str, Any]:
         return self.resolved.config
