@@ -75,6 +75,17 @@ class VerificationFailed(QConvertError):
     exit_code = 1
 
 
+def require_converted_folder(folder) -> None:
+    """ModelNotFoundError (exit 3, as every command says it) unless `folder`, an OUT to read, is a folder: one
+    that is not there, or a file. Light (no JAX), so the CLI says it before importing the readers."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"no such folder: {folder}" if not folder.exists() else
+                                 f"{folder} is not a folder; give the output folder of `qconvert quantize`")
+
+
 INTERRUPTED_EXIT_CODE = 130
 
 # The exit codes of every command, as the README and each command's --help list them.

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from qconvert.formats.errors import FormatError, InvalidCheckpointError, ModelNotFoundError
+from qconvert.formats.errors import FormatError, InvalidCheckpointError, require_converted_folder
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.record import (
     NO_FILES, NO_RECORD, RECORD_NAME, ConversionRecord, FileCheck, RecordError, check_hashes, read_record,
@@ -90,8 +90,7 @@ class InspectReport:
 def inspect_checkpoint(folder) -> InspectReport:
     """Read a folder that `qconvert quantize` wrote (or any folder in one of its layouts)."""
     folder = Path(folder)
-    if not folder.is_dir():
-        raise ModelNotFoundError(f"no such folder: {folder}")
+    require_converted_folder(folder)
     try:
         qc = open_quantized(folder)
         try:

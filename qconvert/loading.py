@@ -17,7 +17,7 @@ from typing import Any, Union
 import jax
 import jax.numpy as jnp
 
-from qconvert.formats.errors import FormatError, InvalidCheckpointError, ModelNotFoundError
+from qconvert.formats.errors import FormatError, InvalidCheckpointError, require_converted_folder
 from qconvert.formats.jsonfile import read_config
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.qarray import QArray
@@ -31,13 +31,8 @@ def _device_qarray(q: QArray) -> QArray:
                   block_size=q.block_size, shape=q.shape, dtype=q.dtype)
 
 
-def _check_folder(folder: Path) -> None:
-    if not folder.is_dir():
-        raise ModelNotFoundError(f"{folder} is not a folder; pass the output folder of `qconvert quantize`")
-
-
 def _open(folder: Path):
-    _check_folder(folder)
+    require_converted_folder(folder)
     try:
         return open_quantized(folder)
     except FormatError as err:
@@ -109,6 +104,6 @@ def load(folder) -> Params:
 
 def load_config(folder) -> dict[str, Any]:
     """The folder's config.json (what qconvert.models.build takes)."""
-    _check_folder(Path(folder))
+    require_converted_folder(folder)
     return read_config(folder, missing="pass the output folder of `qconvert quantize`",
                        broken="re-run `qconvert quantize` to rewrite it")

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from qconvert.formats.errors import FormatError, InvalidCheckpointError, ModelNotFoundError
+from qconvert.formats.errors import FormatError, InvalidCheckpointError, require_converted_folder
 from qconvert.formats.jsonfile import read_config as read_folder_config
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layouts import QuantizedCheckpoint, layout_for_config
@@ -50,10 +50,7 @@ class IntegrityResult:
 
 def read_record(folder: Path) -> ConversionRecord:
     """Parse folder/qconvert.json; InvalidCheckpointError when it is missing or malformed."""
-    if not Path(folder).exists():  # as every command says of a folder that is not there
-        raise ModelNotFoundError(f"no such folder: {folder}")
-    if not Path(folder).is_dir():
-        raise ModelNotFoundError(f"{folder} is not a folder; give the output folder of `qconvert quantize`")
+    require_converted_folder(folder)
     try:
         record = _read_record(folder)
     except RecordError as exc:

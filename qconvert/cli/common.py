@@ -99,16 +99,6 @@ def check_model(model: str) -> None:
     check_model_argument(model)
 
 
-def require_folder(out: Path) -> None:
-    """ModelNotFoundError (exit 3, as every command says it) for an OUT to read that is not a folder: before the
-    readers, and JAX, are imported."""
-    if not Path(out).is_dir():
-        from qconvert.formats.errors import ModelNotFoundError
-
-        raise ModelNotFoundError(f"no such folder: {out}" if not Path(out).exists() else
-                                 f"{out} is not a folder; give the output folder of `qconvert quantize`")
-
-
 def fail(message: str, exit_code: int) -> None:
     """Print one line on stderr and exit (in a run of several processes, after the watch has had its say: a
     failure here that is the echo of another process's ends this process with that one's line). A command given

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from qconvert.cli.common import EXIT_CODES_EPILOG, note_out, print_document, require_folder
+from qconvert.cli.common import EXIT_CODES_EPILOG, note_out, print_document
+from qconvert.formats.errors import require_converted_folder
 
 
 @click.command(name="inspect", epilog=EXIT_CODES_EPILOG,
@@ -19,7 +20,7 @@ def inspect_command(out: Path, as_json: bool) -> int:
     Exits 1 when a file no longer matches qconvert.json.
     """
     note_out(out)
-    require_folder(out)
+    require_converted_folder(out)  # before the readers, and JAX, are imported
     from qconvert.cli.console import print_inspect_report, stdout_console
     from qconvert.inspection import inspect_checkpoint
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import click
 
 from qconvert.cli.common import (BACKEND_CHOICE, EXIT_CODES_EPILOG, check_jax_platforms, cluster_options,
-                                 hub_messages, is_leader, join_cluster, note_out, record_failures, require_folder,
+                                 hub_messages, is_leader, join_cluster, note_out, record_failures,
                                  run_with_progress, verbose_option)
-from qconvert.formats.errors import UsageError
+from qconvert.formats.errors import UsageError, require_converted_folder
 
 
 @click.command(name="verify", epilog=EXIT_CODES_EPILOG,
@@ -70,7 +70,7 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
     if json_file is not None:
         _check_json_target(json_file, out)  # before the check runs, not after
         record_failures("verify", lambda text: _emit_json(text, False, json_file))
-    require_folder(out)
+    require_converted_folder(out)  # before the readers, and JAX, are imported
     if update_card and out.is_dir():
         from qconvert.write.folder import check_writable
 
