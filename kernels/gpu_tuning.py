@@ -57,9 +57,14 @@ def entry_key(op: str, k: int, n: int) -> str:
     return f"{op} {k}x{n}"
 
 
+def load_tuned(path: str | None = None) -> dict[str, list[tuple[int, Variant, Tiling]]]:
+    """The tuned table at `path` (TUNED_PATH by default): entry_key -> [(M, variant, tiling)] sorted by M;
+    {} when there is no file."""
+    return _load_tuned(str(TUNED_PATH if path is None else path))
+
+
 @functools.lru_cache(maxsize=4)
-def load_tuned(path: str = str(TUNED_PATH)) -> dict[str, list[tuple[int, Variant, Tiling]]]:
-    """The tuned table at `path`: entry_key -> [(M, variant, tiling)] sorted by M; {} when there is no file."""
+def _load_tuned(path: str) -> dict[str, list[tuple[int, Variant, Tiling]]]:
     try:
         document = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -73,7 +78,7 @@ def load_tuned(path: str = str(TUNED_PATH)) -> dict[str, list[tuple[int, Variant
     return table
 
 
-def tuned_choice(op: str, m: int, k: int, n: int, path: str = str(TUNED_PATH)) -> tuple[Variant, Tiling] | None:
+def tuned_choice(op: str, m: int, k: int, n: int, path: str | None = None) -> tuple[Variant, Tiling] | None:
     """The tuned (variant, tiling) for a dense problem, or None where the table has no entry for its (K, N)."""
     choices = load_tuned(path).get(entry_key(op, k, n))
     if not choices:
@@ -90,4 +95,4 @@ def write_tuned(path: Path, device: str, entries: list[dict]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(document, indent=1) + "\n")
     tmp.replace(path)
-    load_tuned.cache_clear()
+    _load_tuned.cache_clear()
