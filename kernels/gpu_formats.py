@@ -65,29 +65,36 @@ def step_columns(fmt: WeightFormat, tk: int, group_size: int | None) -> int:
     return 1 if group_size is None else tk // group_size
 
 
-def _scale_columns(ref, k, columns: int, per_channel: bool):
+def _at(ref, g, cols):
+    """ref[:, cols], or expert g's ref[g, :, cols] of a stacked [G, rows, width] ref."""
+    return ref[:, cols] if g is None else ref[g, :, cols]
+
+
+def _scale_columns(ref, k, columns: int, per_channel: bool, g=None):
     if per_channel:
-        return [ref[:, pl.ds(0, 1)]]
-    return [ref[:, pl.ds(k * columns + b, 1)] for b in range(columns)]
+        return [_at(ref, g, pl.ds(0, 1))]
+    return [_at(ref, g, pl.ds(k * columns + b, 1)) for b in range(columns)]
 
 
-def step_pairs(fmt: WeightFormat, x_refs, w_ref, s_ref, z_ref, k, *, tk: int, columns: int, per_channel: bool):
+def step_pairs(fmt: WeightFormat, x_refs, w_ref, s_ref, z_ref, k, *, tk: int, columns: int, per_channel: bool,
+               g=None):
     """The (x tile, weight tile) pairs of K step k, weight tiles decoded to x's dtype (codes for W8A8).
 
     Each x tile is [rows, width] and each weight tile [tn, width] (width tk, or
     tk/2 for packed formats); their products summed over the pairs are the
-    step's contribution to x . W^T.
+    step's contribution to x . W^T. With g, the weight refs are experts stacked
+    [G, tn, width] and expert g's tile is read.
     """
     width = tk // 2 if fmt.packed else tk
     cols = pl.ds(pl.multiple_of(k * width, width), width)
     xs = [ref[:, cols] for ref in x_refs]
-    w = w_ref[:, cols]
+    w = _at(w_ref, g, cols)
     if fmt.codes_dot:
         return [(xs[0], w)]
     if fmt.name == "w8a16":
         return [(xs[0], w.astype(xs[0].dtype))]
     packed = w.astype(jnp.int32)
-    scales = _scale_columns(s_ref, k, columns, per_channel)
+    scales = _scale_columns(s_ref, k, columns, per_channel, g)
     if fmt.name == "nf4":
         # High nibbles are the earlier columns (bitsandbytes); 32 bytes share one absmax.
         scale = group_scale_columns(scales, packed.shape, NF4_BLOCK_SIZE // 2)
@@ -98,7 +105,7 @@ def step_pairs(fmt: WeightFormat, x_refs, w_ref, s_ref, z_ref, k, *, tk: int, co
         low, high = int4_nibbles(packed)
         first, second = low.astype(jnp.float32), high.astype(jnp.float32)
         if z_ref is not None:
-            zero = group_scale_columns(_scale_columns(z_ref, k, columns, per_channel), packed.shape,
+            zero = group_scale_columns(_scale_columns(z_ref, k, columns, per_channel, g), packed.shape,
                                        width // columns)
             first, second = first - zero, second - zero
     dtype = xs[0].dtype

@@ -21,8 +21,9 @@ from qconvert.kernels.tiles import Tiling
 
 VARIANTS = ("tiled", "splitk", "swapab", "gemv", "pipelined", "xla")
 TUNED_PATH = Path(__file__).with_name("gpu_tuned.json")
-# The dense operations the variants serve (grouped experts keep gpu_grouped's kernels).
+# The dense operations the variants serve, and the variants the grouped (MoE) forward has besides its tiled one.
 VARIANT_OPS = ("int8_matmul", "fp8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul")
+GROUPED_VARIANTS = ("tiled", "gemv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Variant:
 
 
 def entry_key(op: str, k: int, n: int) -> str:
+    """A tuned entry's key: the operation (grouped ones as "grouped_matmul/<rhs kind>") and (K, N)."""
     return f"{op} {k}x{n}"
 
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from qconvert.formats.qarray import NF4_BLOCK_SIZE, QKind
 from qconvert.kernels.backends import BACKENDS
 from qconvert.kernels.errors import KernelArgumentError
-from qconvert.kernels.gpu_tuning import VARIANT_OPS, Variant, tuned_choice
+from qconvert.kernels.gpu_tuning import GROUPED_VARIANTS, VARIANT_OPS, Variant, tuned_choice
 from qconvert.kernels.tile_tables import check_tiling, decodes_int4, decodes_nf4, default_tiling, grid_steps, table_name
 from qconvert.kernels.tiles import FLOAT, RHS_KINDS, Tiling
 
@@ -186,9 +186,11 @@ def select_kernel(problem: KernelProblem, backend: str = "auto", tiling: Tiling 
     if tiling is not None and not isinstance(tiling, Tiling):
         tiling = Tiling(*tiling)
     resolved = resolve_backend(backend)
-    if variant is not None and (resolved != "gpu" or problem.op not in VARIANT_OPS):
-        raise KernelArgumentError(f"kernel variants run on backend 'gpu' for {', '.join(VARIANT_OPS)}; "
-                                  f"got variant {variant.name!r} for {problem.op} on {resolved!r}")
+    grouped = problem.op == "grouped_matmul" and (variant is None or variant.name in GROUPED_VARIANTS)
+    if variant is not None and (resolved != "gpu" or not (problem.op in VARIANT_OPS or grouped)):
+        raise KernelArgumentError(f"kernel variants run on backend 'gpu' for {', '.join(VARIANT_OPS)} (and "
+                                  f"{' or '.join(GROUPED_VARIANTS)} for grouped_matmul); got variant "
+                                  f"{variant.name!r} for {problem.op} on {resolved!r}")
     return _select_kernel(problem, resolved, tiling, variant)
 
 
@@ -210,8 +212,8 @@ def _select_kernel(problem: KernelProblem, resolved: str, tiling: Tiling | None,
         return _reference_plan(problem, reason)
     kernel_backend = "gpu" if resolved == "gpu" else "tpu"
     table = None
-    if resolved == "gpu" and tiling is None and variant is None and problem.op in VARIANT_OPS:
-        tuned = tuned_choice(problem.op, problem.m, problem.k, problem.n)
+    if resolved == "gpu" and tiling is None and variant is None and problem.op in VARIANT_OPS + ("grouped_matmul",):
+        tuned = tuned_choice(tuned_op(problem), problem.m, problem.k, problem.n)
         if tuned is not None and variant_fits(problem, *tuned):
             variant, tiling = tuned[0], fitted_rows(problem, tuned[1])
             name = f"{problem.op}_{'xla' if variant.name == 'xla' else 'triton'}"
@@ -234,9 +236,16 @@ def _select_kernel(problem: KernelProblem, resolved: str, tiling: Tiling | None,
                       tile_table=table, variant=variant)
 
 
+def tuned_op(problem: KernelProblem) -> str:
+    """The operation's name in the tuned table: grouped ones by their rhs kind ("grouped_matmul/nf4")."""
+    return f"grouped_matmul/{problem.rhs_kind}" if problem.op == "grouped_matmul" else problem.op
+
+
 def variant_fits(problem: KernelProblem, variant: Variant, tiling: Tiling) -> bool:
     """Whether a variant can run a problem at a tiling: the tiling passes the GPU rules, and split K ranges
     hold whole K steps."""
+    if problem.op == "grouped_matmul" and variant.name not in GROUPED_VARIANTS:
+        return False
     try:
         check_tiling(problem, "gpu", tiling)
     except KernelArgumentError:

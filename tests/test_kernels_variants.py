@@ -14,7 +14,7 @@ from qconvert.formats import NF4_LEVELS, QArray
 from qconvert.kernels import (KernelArgumentError, KernelProblem, int8_weight_matmul, qlinear, select_kernel)
 from qconvert.kernels import gpu_decode, gpu_prefill, gpu_tuning, plan as plan_module, prepared
 from qconvert.kernels.gpu_tuning import Variant
-from qconvert.kernels.tiles import Tiling
+from qconvert.kernels.tiles import Tiling, int4_nibbles
 
 import mlir_verify
 
@@ -244,3 +244,73 @@ def test_shipped_tuned_entries_lower_through_the_verifier():
                                                                tiling=tiling))
             fn.trace(jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
                      abstract_weight(kind, n, k)).lower(lowering_platforms=("cuda",))
+
+
+def grouped_rhs(kind: str, g: int, n: int, k: int):
+    """(rhs for grouped_matmul, its float64 value [G, K, N] per expert, the rhs_scale) of a random kind."""
+    if kind == "float":
+        w = RNG.normal(size=(g, n, k)).astype(np.float32)
+        return jnp.asarray(w), np.swapaxes(w.astype(np.float64), 1, 2), None
+    if kind == "int8":
+        codes, scale = RNG.integers(-127, 128, (g, n, k)).astype(np.int8), RNG.uniform(1e-3, 1e-2, (g, n))
+        return jnp.asarray(codes), np.swapaxes(codes * scale[:, :, None], 1, 2), jnp.asarray(scale, jnp.float32)
+    stacked, values = [], []
+    for _ in range(g):
+        w, value, _ = weights("nf4" if kind == "nf4" else "int4", n, k)
+        values.append(value.T)
+        stacked.append(w)
+    if kind == "nf4":
+        q = QArray(jnp.concatenate([w.w.reshape(-1) for w in stacked]),
+                   jnp.concatenate([w.scale.reshape(-1) for w in stacked]), kind="nf4", block_size=64,
+                   shape=(g, n, k), dtype=jnp.float32)
+    else:
+        codes = [np.asarray(jnp.stack(int4_nibbles(w.w.astype(jnp.int32)), -1).reshape(n, k))
+                 for w in stacked]
+        q = QArray(jnp.asarray(np.stack(codes).astype(np.int8)), jnp.stack([w.scale for w in stacked]),
+                   kind="int4", block_size=128, shape=(g, n, k), dtype=jnp.float32)
+    return q, np.stack(values), None
+
+
+@pytest.fixture
+def grouped_gemv_interpreted(monkeypatch):
+    from qconvert.kernels import gpu_grouped_decode
+
+    kernel = gpu_grouped_decode.grouped_gemv_partials
+    monkeypatch.setattr(gpu_grouped_decode, "grouped_gemv_partials", functools.wraps(kernel)(
+        lambda *a, **kw: kernel(*a, **{**kw, "interpret": True})))
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("kind", ["float", "int8", "nf4", "int4"])
+def test_grouped_gemv_rows_times_their_experts(grouped_gemv_interpreted, kind):
+    from qconvert.kernels import grouped_matmul
+    from ops_helpers import numpy_grouped
+
+    # 4 experts of a 6-expert layer (a shard from expert 1): expert 2 empty, rows 9-10 past every group
+    sizes = np.array([2, 3, 0, 2, 2, 0], np.int32)
+    rhs, values, scale = grouped_rhs(kind, 4, 32, 512)
+    x = RNG.normal(size=(11, 512)).astype(np.float32)
+    y, plan = grouped_matmul(jnp.asarray(x), rhs, jnp.asarray(sizes), transpose_rhs=True, rhs_scale=scale,
+                             group_offset=1, backend="gpu", tiling=(16, 128, 32),
+                             variant=Variant("gemv", split=2), return_plan=True)
+    assert plan.variant.name == "gemv"
+    want = numpy_grouped(x, list(values), sizes, offset=1)
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    assert not np.asarray(y)[:2].any() and not np.asarray(y)[9:].any()  # rows of no local expert: exact zeros
+
+
+def test_grouped_gemv_lowers_for_cuda_through_the_verifier():
+    from qconvert.kernels import gpu_grouped_decode
+
+    S = jax.ShapeDtypeStruct
+    before = mlir_verify.verified["triton"]
+    for fmt, w, scales in (("nf4", S((8, 768, 1024), jnp.uint8), S((8, 768, 32), jnp.float32)),
+                           ("int4", S((8, 768, 1024), jnp.int8), S((8, 768, 16), jnp.float32)),
+                           ("w8a16", S((8, 768, 2048), jnp.float8_e4m3fn), None)):
+        parts = (S((16, 1024), jnp.bfloat16),) * 2 if fmt != "w8a16" else (S((16, 2048), jnp.bfloat16),)
+        fn = functools.partial(gpu_grouped_decode.grouped_gemv_partials, fmt_name=fmt, tiling=Tiling(16, 256, 64),
+                               split=4)
+        jax.jit(fn).trace(S((16,), jnp.int32), parts, w, scales).lower(lowering_platforms=("cuda",))
+    assert mlir_verify.verified["triton"] - before == 3
