@@ -34,11 +34,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.kernels import KernelProblem, gpu_decode, gpu_dense, gpu_prefill, prepared
+from qconvert.kernels import (KernelProblem, gpu_decode, gpu_dense, gpu_grouped, gpu_grouped_decode, gpu_prefill,
+                              prepared)
 from qconvert.kernels.gpu_tuning import Variant, write_tuned
 from qconvert.kernels.plan import platform, variant_fits
 from qconvert.kernels.tile_tables import default_tiling
 from qconvert.kernels.tiles import Tiling
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_tune_moe  # noqa: E402
 
 BF16 = jnp.bfloat16
 NT = (((1,), (1,)), ((), ()))
@@ -48,6 +52,8 @@ FORMATS = ("nf4", "int4", "w8a16", "int8", "fp8")  # the furthest from their tar
 OPS = {"nf4": "nf4_matmul", "int4": "int4_weight_matmul", "w8a16": "int8_weight_matmul", "int8": "int8_matmul",
        "fp8": "fp8_matmul"}
 INT4_GROUP = 128
+MOE_EXPERTS, MOE_TOP = 128, 8  # Qwen3-30B-A3B
+MOE_KINDS = {"nf4": "nf4", "int4": "int4", "w8a16": "int8", "int8": "int8", "fp8": "fp8"}  # expert rhs kind
 SMS = 132  # an H100's SMs (an H200 has as many): split-K aims for two programs per SM
 TOLERANCE = 2e-2  # largest error / largest output; bf16 outputs round at 4e-3
 
@@ -169,20 +175,25 @@ def markdown(rows: list[dict], base: dict, bandwidth: float, device: str, status
            if r.get("ok") and r["variant"]["name"] == "xla"}
     for row in sorted(winners(rows), key=lambda r: (FORMATS.index(r["format"]), r["k"], r["n"], r["m"])):
         us = row["us"]
-        b = base.get((row["m"], row["k"], row["n"]), {}).get("bf16_us")
+        grouped = row["op"].startswith("grouped")
+        b = base.get(("moe" if grouped else "dense", row["m"], row["k"], row["n"]), {}).get("bf16_us")
         same = xla.get((row["format"], row["m"], row["k"], row["n"]))
         b_text = "- | -" if b is None else f"{b:.1f} | {b / us:.2f}"
         same_text = "-" if same is None else f"{same / us:.2f}"
-        lines.append(f"| {row['format']} | {row['m']} | {row['k']}x{row['n']} | {Variant(**row['variant'])} | "
-                     f"{'x'.join(map(str, row['tiling']))} | {us:.1f} | {b_text} | {same_text} | "
-                     f"{floor_us(row['format'], row['m'], row['k'], row['n'], bandwidth):.1f} |")
+        # MoE rows: M is the routed rows (tokens x top-k), bf16 XLA is ragged_dot, no floor is computed
+        what, m_text = (f"{row['format']} experts", f"{row['m']} ({row['tokens']} tok)") if grouped else (
+            row["format"], str(row["m"]))
+        floor = "-" if grouped else f"{floor_us(row['format'], row['m'], row['k'], row['n'], bandwidth):.1f}"
+        lines.append(f"| {what} | {m_text} | {row['k']}x{row['n']} | {Variant(**row['variant'])} | "
+                     f"{'x'.join(map(str, row['tiling']))} | {us:.1f} | {b_text} | {same_text} | {floor} |")
     return "\n".join(lines) + "\n"
 
 
 @contextlib.contextmanager
 def interpreted():
     """The Triton kernels in Pallas' generic interpreter (a CPU has no GPU to compile them for)."""
-    patched = [(gpu_decode, "split_partials"), (gpu_prefill, "pipelined_matmul")] + [
+    patched = [(gpu_decode, "split_partials"), (gpu_prefill, "pipelined_matmul"),
+               (gpu_grouped_decode, "grouped_gemv_partials"), (gpu_grouped, "grouped_matmul_gpu")] + [
         (gpu_dense, name) for name in ("int8_matmul_gpu", "fp8_matmul_gpu", "int8_weight_matmul_gpu",
                                        "nf4_matmul_gpu", "int4_weight_matmul_gpu")]
     saved = [(module, name, getattr(module, name)) for module, name in patched]
@@ -208,13 +219,30 @@ def read_bandwidth() -> float:
     return 5 * a.nbytes / (time.perf_counter() - start)
 
 
-def shape_order(ms, kns) -> list[tuple[int, tuple[int, int]]]:
-    """The order shapes run in, most telling first: decode and prefill (the first two Ms) on the first two
-    (K, N), then those Ms on the rest, then every other M over every (K, N)."""
+def shape_order(ms, kns, moe_kns=()) -> list[tuple[int, tuple[int, int], bool]]:
+    """The order shapes (M, (K, N), grouped) run in, most telling first: decode and prefill (the first two
+    Ms) on the first two dense (K, N), then those Ms on the other dense shapes and the MoE experts (grouped,
+    M tokens), then every other M over all of them."""
     lead, lead_kns = list(ms[:2]), list(kns[:2])
-    order = [(m, kn) for kn in lead_kns for m in lead]
-    order += [(m, kn) for m in lead for kn in kns if kn not in lead_kns]
-    return order + [(m, kn) for m in ms[2:] for kn in kns]
+    shapes = [(kn, False) for kn in kns] + [(kn, True) for kn in moe_kns]
+    order = [(m, kn, False) for kn in lead_kns for m in lead]
+    order += [(m, kn, grouped) for m in lead for kn, grouped in shapes if grouped or kn not in lead_kns]
+    return order + [(m, kn, grouped) for m in ms[2:] for kn, grouped in shapes]
+
+
+def moe_shape(m, k, n, formats, layers_n, repeats, smoke, key) -> tuple[dict, list[dict]]:
+    """Qwen3-30B-A3B's experts at m tokens: (the bf16 ragged_dot baseline, every expert kind's candidates)."""
+    experts, top = (4, 2) if smoke else (MOE_EXPERTS, MOE_TOP)
+    sizes = gpu_tune_moe.routing(m, experts, top, jax.random.fold_in(key, 7 * m))
+    x = jax.random.normal(jax.random.fold_in(key, m), (m * top, k), jnp.float32).astype(BF16)
+    base = {"kind": "moe", "tokens": m, "m": m * top, "k": k, "n": n, "bf16_us": gpu_tune_moe.bf16_ragged_dot_us(
+        x, sizes, experts, k, n, layers_n, key, repeats, per_layer_us)}
+    rows = []
+    for kind in dict.fromkeys(MOE_KINDS[fmt] for fmt in formats):
+        layers = [gpu_tune_moe.expert_weights(kind, experts, n, k, jax.random.fold_in(key, 200 + i))
+                  for i in range(layers_n)]
+        rows += gpu_tune_moe.run_moe(kind, m, k, n, x, sizes, layers, repeats, smoke, per_layer_us, TOLERANCE)
+    return base, rows
 
 
 def sweep(args) -> int:
@@ -231,27 +259,27 @@ def sweep(args) -> int:
     bandwidth = 1e9 if smoke else read_bandwidth()
     rows: list[dict] = []
     base: dict = {}
-    order = shape_order(ms, kns)
+    moe_kns = [] if args.no_moe else [(256, 64)] if smoke else gpu_tune_moe.KNS
+    order = shape_order(ms, kns, moe_kns)
     done = 0
     status = "not started"
     key = jax.random.PRNGKey(0)
-    for m, (k, n) in order:
+    for m, (k, n), grouped in order:
+        what = f"{'MoE experts, ' if grouped else ''}M={m} {k}x{n}"
         if time.monotonic() - start > args.budget:
             status = (f"stopped at the {args.budget:.0f} s budget after {done} of {len(order)} shapes; next was "
-                      f"M={m} {k}x{n}")
+                      f"{what}")
             break
-        x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.float32).astype(BF16)
-        layers_bf16 = [jax.random.normal(jax.random.fold_in(key, i), (n, k), BF16) for i in range(layers_n)]
-        base[(m, k, n)] = baselines(m, k, n, x, layers_bf16, repeats)
-        del layers_bf16
-        for fmt in formats:
-            layers = [format_weight(fmt, n, k, jax.random.fold_in(key, 100 + i)) for i in range(layers_n)]
-            rows += run_shape(fmt, m, k, n, x, layers, repeats, smoke)
-            del layers
+        if grouped:
+            moe_base, moe_rows = moe_shape(m, k, n, formats, layers_n, repeats, smoke, key)
+            base[("moe", moe_base["m"], k, n)] = moe_base
+            rows += moe_rows
+        else:
+            dense_shape(m, k, n, formats, layers_n, repeats, smoke, key, base, rows)
         done += 1
         status = f"{done} of {len(order)} shapes in {time.monotonic() - start:.0f} s"
         write_outputs(args, rows, base, bandwidth, device_name, status, complete=done == len(order))
-        print(f"[{time.monotonic() - start:6.1f} s] M={m} {k}x{n}: {status}", flush=True)
+        print(f"[{time.monotonic() - start:6.1f} s] {what}: {status}", flush=True)
     write_outputs(args, rows, base, bandwidth, device_name, status, complete=done == len(order))
     wrong = [r for r in rows if not r.get("ok")]
     print(markdown(rows, base, bandwidth, device_name, status))
@@ -260,6 +288,18 @@ def sweep(args) -> int:
         print(f"  not used: {row['format']} M={row['m']} {row['k']}x{row['n']} {Variant(**row['variant'])} "
               f"{row['tiling']}: {row.get('error') or 'rel_err %.3g' % row['rel_err']}")
     return 0
+
+
+def dense_shape(m, k, n, formats, layers_n, repeats, smoke, key, base, rows) -> None:
+    """One dense shape: the bf16 baseline into base, every format's candidates onto rows."""
+    x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.float32).astype(BF16)
+    layers_bf16 = [jax.random.normal(jax.random.fold_in(key, i), (n, k), BF16) for i in range(layers_n)]
+    base[("dense", m, k, n)] = {"kind": "dense", **baselines(m, k, n, x, layers_bf16, repeats)}
+    del layers_bf16
+    for fmt in formats:
+        layers = [format_weight(fmt, n, k, jax.random.fold_in(key, 100 + i)) for i in range(layers_n)]
+        rows += run_shape(fmt, m, k, n, x, layers, repeats, smoke)
+        del layers
 
 
 def write_outputs(args, rows, base, bandwidth, device, status, complete: bool) -> None:
@@ -295,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--m", type=int, nargs="*", help="row counts M, in the order to sweep them")
     parser.add_argument("--kn", nargs="*", help="KxN pairs, e.g. 4096x14336")
     parser.add_argument("--formats", nargs="*", choices=FORMATS, help="weight formats (default: all)")
+    parser.add_argument("--no-moe", action="store_true", help="skip the grouped (MoE experts) shapes")
     parser.add_argument("--layers", type=int, help="weight buffers per timed jit (default 8; 1 with --smoke)")
     parser.add_argument("--repeats", type=int, help="timed runs per candidate (default 5; 1 with --smoke)")
     args = parser.parse_args(argv)
