@@ -314,3 +314,28 @@ def test_grouped_gemv_lowers_for_cuda_through_the_verifier():
                                split=4)
         jax.jit(fn).trace(S((16,), jnp.int32), parts, w, scales).lower(lowering_platforms=("cuda",))
     assert mlir_verify.verified["triton"] - before == 3
+
+
+def test_verify_prepares_each_weight_once_on_a_gpu(variants_interpreted, monkeypatch):
+    from qconvert.verify import kernel_path
+
+    class Folder:  # what KernelPath reads of a converted folder: its activation mode
+        flags = None
+
+        class layout:
+            @staticmethod
+            def kernel_act(flags):
+                return None
+
+    calls = []
+    monkeypatch.setattr(kernel_path, "prepare_weight", lambda q: calls.append(q) or prepared.prepare_weight(q))
+    path = kernel_path.KernelPath(Folder(), backend="gpu")
+    q = QArray(jnp.asarray(RNG.integers(-8, 8, (32, 256)).astype(np.int8)),
+               jnp.asarray(RNG.uniform(0.01, 0.02, (32, 2)).astype(np.float32)), kind="int4", block_size=128,
+               shape=(32, 256), dtype=jnp.float32)
+    value = np.asarray(q.qvalue, np.float64) * np.repeat(np.asarray(q.scale, np.float64), 128, axis=1)
+    for rows in (3, 5):  # two batches through one linear: one prepared operand
+        x = RNG.normal(size=(rows, 256)).astype(np.float32)
+        y, choice = path.linear("model.layers.0.mlp.up_proj", jnp.asarray(x), q, None)
+        np.testing.assert_allclose(np.asarray(y, np.float64), x @ value.T, rtol=1e-5, atol=1e-4)
+    assert len(calls) == 1 and choice.name == "int4_weight_matmul_triton" and choice.backend == "gpu"
