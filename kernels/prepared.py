@@ -143,8 +143,9 @@ def prepared_matmul(x, weight: PreparedWeight, bias=None, *, act: str | None = N
                                        interpret=False, fallback_reason="the Mosaic int4 kernel takes no zero point")
         elif plan.variant is None or plan.variant.name == "tiled":
             # gpu_dense's int4 kernel has no zero-point operand; the variants do.
-            zero_variant = Variant("splitk") if plan.tiling.tm <= 16 else Variant("pipelined", num_warps=8, num_stages=4)
-            plan = dataclasses.replace(plan, variant=zero_variant)
+            decode = plan.tiling.tm <= 16
+            plan = dataclasses.replace(plan, variant=Variant("splitk") if decode else
+                                       Variant("pipelined", num_warps=8, num_stages=4))
     y = run_plan(plan, x, weight, x_scale, bias, fmt_name=fmt_name, out_dtype=out_dtype)
     return plan_result(y, plan, return_plan)
 
