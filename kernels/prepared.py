@@ -126,6 +126,11 @@ def prepared_matmul(x, weight: PreparedWeight, bias=None, *, act: str | None = N
     x = jnp.asarray(x)
     if x.ndim != 2 or x.shape[1] != weight.k:
         raise KernelArgumentError(f"prepared_matmul: x must be [M, {weight.k}], got shape {x.shape}")
+    if act not in (None, "dynamic", "static") or (act == "static") != (input_scale is not None):
+        raise KernelArgumentError(f"prepared_matmul: act must be None, 'dynamic' or 'static' (and only 'static' "
+                                  f"takes input_scale), got act={act!r}")
+    if bias is not None and jnp.size(bias) != weight.n:
+        raise KernelArgumentError(f"prepared_matmul: bias must be [{weight.n}], got shape {jnp.shape(bias)}")
     fmt_name = _format(weight, act)
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     x_scale = None

@@ -81,6 +81,8 @@ def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None
     """
     _check_act(act, input_scale)
     if isinstance(q, PreparedWeight):  # laid out once (prepared.prepare_weight): nothing to pack on this call
+        if isinstance(x, QArray):
+            raise KernelArgumentError("qlinear: a prepared weight takes float activations (quantized by act)")
         x = jnp.asarray(x)
         y, plan = prepared_matmul(x.reshape(-1, x.shape[-1]), q, bias, act=act, input_scale=input_scale,
                                   out_dtype=out_dtype, backend=backend, return_plan=True)

@@ -175,6 +175,10 @@ def test_bad_prepared_inputs_are_refused_by_name():
         prepared.prepared_matmul(np.ones((2, 128), np.float32), w, act="dynamic")
     with pytest.raises(KernelArgumentError, match=r"x must be \[M, 128\]"):
         prepared.prepared_matmul(np.ones((2, 64), np.float32), w)
+    with pytest.raises(KernelArgumentError, match=r"bias must be \[16\]"):
+        prepared.prepared_matmul(np.ones((2, 128), np.float32), w, np.ones(15, np.float32))
+    with pytest.raises(KernelArgumentError, match="act must be None, 'dynamic' or 'static'"):
+        prepared.prepared_matmul(np.ones((2, 128), np.float32), w, act="per-token")
     with pytest.raises(KernelArgumentError, match="run on backend 'gpu'"):
         select_kernel(KernelProblem("nf4_matmul", 1, 128, 16), "cpu", variant=Variant("splitk"))
     with pytest.raises(KernelArgumentError, match="do not divide evenly"):
