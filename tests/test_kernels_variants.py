@@ -156,14 +156,18 @@ def test_prepared_operand_is_the_qarray_contract_bit_for_bit():
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-def test_prepared_int4_on_the_tpu_kernel_in_interpret_mode():
-    q = QArray(jnp.asarray(RNG.integers(-8, 8, (128, 512)).astype(np.int8)),
-               jnp.asarray(RNG.uniform(0.01, 0.02, (128, 4)).astype(np.float32)), kind="int4", block_size=128,
-               shape=(128, 512), dtype=jnp.float32)
+def test_prepared_int4_and_nf4_on_the_tpu_kernels_in_interpret_mode():
     x = jnp.asarray(RNG.normal(size=(8, 512)).astype(np.float32))
-    y, plan = qlinear(x, prepared.prepare_weight(q), backend="cpu", return_plan=True)
-    assert plan.name == "int4_weight_matmul_mosaic" and plan.interpret
-    value = np.asarray(q.qvalue, np.float64) * np.repeat(np.asarray(q.scale, np.float64), 128, axis=1)
+    for fmt, name in (("int4", "int4_weight_matmul_mosaic"), ("nf4", "nf4_matmul_mosaic")):
+        w, value, _ = weights(fmt, 128, 512)
+        y, plan = qlinear(x, w, backend="cpu", return_plan=True)
+        assert plan.name == name and plan.interpret
+        np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(x, np.float64) @ value.T, rtol=1e-5,
+                                   atol=1e-4)
+    # an int4 zero point has no Mosaic operand: the reference runs, and the plan says why
+    w, value, _ = weights("int4", 128, 512, zero=True)
+    y, plan = qlinear(x, w, backend="cpu", return_plan=True)
+    assert plan.backend == "reference" and "takes no zero point" in plan.fallback_reason
     np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(x, np.float64) @ value.T, rtol=1e-5, atol=1e-4)
 
 
