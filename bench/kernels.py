@@ -4,16 +4,21 @@
     python bench/kernels.py --quick          # small shapes, for a CPU (interpret mode) run
     python bench/kernels.py --m 1 16 --kn 1024x1024 --layers 8 --backend cpu
 
-Every method runs L stacked layers of the same shape inside one jitted
-lax.scan (bf16 in and out), as a forward pass runs its layers; the time per
-layer is the scan's time over L. Beside each kernel run five XLA baselines on
+Every method runs L layers of the same shape, each with its own weight
+buffer, unrolled in one jit (bf16 in and out), as a forward pass runs its
+layers; the time per layer is that call's time over L. No layer slices its
+weight out of a stacked array: XLA's dot fuses such a slice, a Pallas call
+cannot and would pay a copy per layer that a real model (one buffer per
+weight) never pays. Beside each kernel run five XLA baselines on
 the same weights: bf16 `dot`, XLA's own int8 dot_general (int32 accumulation;
 activations quantized per token in both it and W8A8), XLA's own FP8 dot_general
 (E4M3 x E4M3 with float32 accumulation; activations quantized per token to E4M3
 in both it and fp8_matmul), an XLA NF4
 dequantize-then-dot and an XLA int4 dequantize-then-dot (nibble-packed codes,
 groups of 128). The int4 entry point takes the codes at their logical shape
-and packs them inside its jitted launch, so its time includes that pass.
+and packs them inside its jitted launch, so its time includes that pass;
+"W4A16 prepared" runs the same kernel on weights packed once beforehand
+(kernels/prepared.py), as loading and verify do.
 Ratios are baseline time / method time (> 1: the method is faster). The
 memory-bound floor is the bytes a layer must read (weights in each
 format plus activations) over the device's read bandwidth, measured here
@@ -43,6 +48,7 @@ from qconvert.kernels import (fp8_matmul, int4_weight_matmul, int8_matmul, int8_
                               quantize_activations, quantize_fp8_activations, resolve_backend, select_kernel,
                               KernelProblem)
 from qconvert.kernels import gpu_dense, tpu_dense
+from qconvert.kernels.prepared import prepare_int4, prepared_matmul
 
 BF16 = jnp.bfloat16
 NT = (((1,), (1,)), ((), ()))
@@ -61,7 +67,8 @@ def timed(fn, repeats: int) -> float:
 
 
 def stacked_operands(layers: int, m: int, k: int, n: int, seed: int = 0) -> dict:
-    """x [M, K] bf16 and every layer's weight in each format, stacked on a leading layer axis."""
+    """x [M, K] bf16 and every layer's weight in each format, stacked on a leading layer axis (for
+    layer_buffers to split, and for entry_overheads to take one layer of)."""
     rng = np.random.default_rng(seed)
     w_q = rng.integers(-127, 128, (layers, n, k)).astype(np.int8)
     w_scale = rng.uniform(1e-3, 1e-2, (layers, n)).astype(np.float32)
@@ -115,7 +122,7 @@ def xla_fp8_dot(x, w_f8, w_scale):
 
 
 def layer_methods(n: int, k: int, backend: str) -> dict:
-    """name -> (per-layer function of (x, layer weights), the stacked operands it scans over)."""
+    """name -> (per-layer function of (x, layer weights), the operands each layer takes)."""
     def w8a8(x, w):
         x_q, x_scale = quantize_activations(x)
         return int8_matmul(x_q, w["w_q"], x_scale, w["w_scale"], out_dtype=BF16, backend=backend)
@@ -142,18 +149,30 @@ def layer_methods(n: int, k: int, backend: str) -> dict:
         "W4A16 int4_weight_matmul": (lambda x, w: int4_weight_matmul(x, w["int4_q"], w["int4_scale"],
                                                                      group_size=INT4_GROUP, out_dtype=BF16,
                                                                      backend=backend), ("int4_q", "int4_scale")),
+        "W4A16 prepared": (lambda x, w: prepared_matmul(x, w["int4_prepared"], out_dtype=BF16, backend=backend),
+                           ("int4_prepared",)),
     }
 
 
-def scan_time_per_layer(layer_fn, x, stacked: dict, layers: int, repeats: int) -> float:
-    """Seconds per layer of one jitted lax.scan running layer_fn over the stacked layers."""
-    @jax.jit
-    def forward(x, stacked):
-        def body(carry, w):
-            return carry, layer_fn(carry, w)
-        return jax.lax.scan(body, x, stacked)[1]
+def layer_buffers(stacked: dict, keys, layers: int) -> list[dict]:
+    """Each layer's operands as buffers of their own (copies out of the stacked arrays, made once, untimed);
+    "int4_prepared" is the layer's int4 weight packed once (prepare_int4)."""
+    out = []
+    for i in range(layers):
+        layer = {}
+        for key in keys:
+            if key == "int4_prepared":
+                layer[key] = prepare_int4(stacked["int4_q"][i], stacked["int4_scale"][i], INT4_GROUP)
+            else:
+                layer[key] = jnp.array(stacked[key][i], copy=True)
+        out.append(layer)
+    return jax.block_until_ready(out)
 
-    return timed(lambda: forward(x, stacked), repeats) / layers
+
+def time_per_layer(layer_fn, x, layer_weights: list[dict], repeats: int) -> float:
+    """Seconds per layer of one jit running layer_fn on every layer's own buffers, unrolled."""
+    forward = jax.jit(lambda x, layer_weights: [layer_fn(x, w) for w in layer_weights])
+    return timed(lambda: forward(x, layer_weights), repeats) / len(layer_weights)
 
 
 def read_bandwidth(repeats: int) -> float:
@@ -234,7 +253,7 @@ def bench_shape(m: int, k: int, n: int, layers: int, backend: str, repeats: int,
     ops = stacked_operands(layers, m, k, n)
     times = {}
     for name, (fn, keys) in layer_methods(n, k, backend).items():
-        times[name] = scan_time_per_layer(fn, ops["x"], {key: ops[key] for key in keys}, layers, repeats)
+        times[name] = time_per_layer(fn, ops["x"], layer_buffers(ops, keys, layers), repeats)
     floor = floors(m, k, n, bandwidth)
     bf16, int8_xla, nf4_xla = times["bf16 XLA"], times["int8 XLA dot"], times["NF4 XLA dequant+dot"]
     int4_xla, fp8_xla = times["int4 XLA dequant+dot"], times["fp8 XLA dot"]
@@ -253,7 +272,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes (CPU interpret mode)")
     parser.add_argument("--m", type=int, nargs="*", help="row counts M")
     parser.add_argument("--kn", nargs="*", help="KxN pairs, e.g. 4096x14336")
-    parser.add_argument("--layers", type=int, help="stacked layers in the scan (default 16; 4 with --quick)")
+    parser.add_argument("--layers", type=int, help="layers (weight buffers) per jit (default 16; 4 with --quick)")
     parser.add_argument("--backend", default="auto", help="auto, tpu, gpu, cpu or reference")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -265,14 +284,14 @@ def main() -> None:
     device = jax.devices()[0]
     bandwidth = read_bandwidth(args.repeats)
     print(f"# device: {device.platform} {device.device_kind}; host: {platform.processor() or platform.machine()}; "
-          f"jax {jax.__version__}; backend {backend}; {layers} layers per scan; "
+          f"jax {jax.__version__}; backend {backend}; {layers} layers (own buffers) per jit; "
           f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
     print("\n## Eager per-call overhead (kernel swapped for a no-op)\n")
     print("| entry point | MxKxN | plan | eager us | inside jit us | overhead us |")
     print("|---|---|---|---|---|---|")
     for line in entry_overheads(backend, args.repeats):
         print(line, flush=True)
-    print("\n## Per-layer time in one jitted lax.scan (bf16 in and out)\n")
+    print("\n## Per-layer time, each layer its own weight buffer, unrolled in one jit (bf16 in and out)\n")
     print("| method | M | KxN | us per layer | bf16 XLA / method | same-format XLA / method | memory floor us |")
     print("|---|---|---|---|---|---|---|")
     for k, n in kns:

@@ -23,9 +23,12 @@ from qconvert.kernels.reference import (fp8_matmul_reference, grouped_matmul_ref
                                         int8_weight_matmul_reference, nf4_dequantize_reference,
                                         nf4_matmul_reference, transposed_grouped_matmul_reference)
 from qconvert.kernels.tiles import Tiling
+from qconvert.kernels.gpu_tuning import Variant
+from qconvert.kernels.prepared import PreparedWeight, prepare_weight, prepared_matmul
 
 __all__ = [
-    "BACKENDS", "GUARANTEES", "KernelArgumentError", "KernelPlan", "KernelProblem", "Tiling", "fake_quantize_fp8_rows",
+    "BACKENDS", "GUARANTEES", "KernelArgumentError", "KernelPlan", "KernelProblem", "PreparedWeight", "Tiling",
+    "Variant", "prepare_weight", "prepared_matmul", "fake_quantize_fp8_rows",
     "fake_quantize_rows", "fp8_matmul", "fp8_matmul_reference",
     "grouped_matmul", "grouped_matmul_reference", "int4_dequantize_reference", "int4_weight_matmul",
     "int4_weight_matmul_reference", "int8_matmul", "int8_matmul_reference", "int8_weight_matmul",

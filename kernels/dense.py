@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from qconvert.formats.qarray import NF4_BLOCK_SIZE
-from qconvert.kernels import gpu_dense, reference, tpu_dense
+from qconvert.kernels import gpu_dense, prepared, reference, tpu_dense
 from qconvert.kernels.checks import (check_fp8_matmul, check_int4_weight_matmul, check_int8_matmul,
                                      check_int8_weight_matmul, check_nf4_matmul)
 from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
@@ -97,6 +97,10 @@ def int8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32,
     if plan.is_reference:
         return plan_result(reference.int8_matmul_reference(x_q, w_q, x_scale, w_scale, bias=bias, out_dtype=out_dtype),
                        plan, return_plan)
+    if plan.variant is not None:  # a tuned GPU variant (gpu_tuning) runs on the weight as a prepared operand
+        y = prepared.run_plan(plan, x_q, prepared.channel_weight("int8", w_q, w_scale), x_scale, bias,
+                              fmt_name="int8", out_dtype=out_dtype)
+        return plan_result(y, plan, return_plan)
     y = _scaled_codes_launch(x_q, w_q, x_scale, w_scale, bias, plan=plan, out_dtype=jnp.dtype(out_dtype),
                              codes="int8")
     return plan_result(y, plan, return_plan)
@@ -120,6 +124,10 @@ def fp8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32, 
     if plan.is_reference:
         return plan_result(reference.fp8_matmul_reference(x_q, w_q, x_scale, w_scale, bias=bias, out_dtype=out_dtype),
                            plan, return_plan)
+    if plan.variant is not None:
+        y = prepared.run_plan(plan, x_q, prepared.channel_weight("fp8", w_q, w_scale), x_scale, bias,
+                              fmt_name="fp8", out_dtype=out_dtype)
+        return plan_result(y, plan, return_plan)
     y = _scaled_codes_launch(x_q, w_q, x_scale, w_scale, bias, plan=plan, out_dtype=jnp.dtype(out_dtype),
                              codes="fp8")
     return plan_result(y, plan, return_plan)
@@ -138,6 +146,10 @@ def int8_weight_matmul(x, w_q, w_scale, *, bias=None, out_dtype=jnp.float32, bac
     if plan.is_reference:
         return plan_result(reference.int8_weight_matmul_reference(x, w_q, w_scale, bias=bias, out_dtype=out_dtype),
                        plan, return_plan)
+    if plan.variant is not None:
+        y = prepared.run_plan(plan, x, prepared.channel_weight("int8", w_q, w_scale), None, bias,
+                              fmt_name="w8a16", out_dtype=out_dtype)
+        return plan_result(y, plan, return_plan)
     y = _int8_weight_matmul_launch(x, w_q, w_scale, bias, plan=plan, out_dtype=jnp.dtype(out_dtype))
     return plan_result(y, plan, return_plan)
 
@@ -172,6 +184,10 @@ def nf4_matmul(x, w_packed, absmax, *, shape, blocksize: int = NF4_BLOCK_SIZE, b
         y = reference.nf4_matmul_reference(x, w_packed, absmax, shape=(n, k), blocksize=blocksize, bias=bias,
                                            out_dtype=out_dtype)
         return plan_result(y, plan, return_plan)
+    if plan.variant is not None:
+        y = prepared.run_plan(plan, x, prepared.nf4_weight(w_packed, absmax, n, k), None, bias, fmt_name="nf4",
+                              out_dtype=out_dtype)
+        return plan_result(y, plan, return_plan)
     y = _nf4_matmul_launch(x, w_packed, absmax, bias, plan=plan, n=n, out_dtype=jnp.dtype(out_dtype))
     return plan_result(y, plan, return_plan)
 
@@ -195,6 +211,10 @@ def int4_weight_matmul(x, w_codes, w_scale, *, group_size: int | None, bias=None
     if plan.is_reference:
         y = reference.int4_weight_matmul_reference(x, w_codes, w_scale, group_size=group_size, bias=bias,
                                                    out_dtype=out_dtype)
+        return plan_result(y, plan, return_plan)
+    if plan.variant is not None:
+        y = prepared.run_plan(plan, x, prepared.prepare_int4(w_codes, w_scale, group_size), None, bias,
+                              fmt_name="int4", out_dtype=out_dtype)
         return plan_result(y, plan, return_plan)
     y = _int4_weight_matmul_launch(x, w_codes, w_scale, bias, plan=plan, group_size=group_size,
                                    out_dtype=jnp.dtype(out_dtype))

@@ -9,13 +9,14 @@ group, as an MoE router's sort gives.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from qconvert.formats.qarray import INT8, NF4_BLOCK_SIZE, QArray
-from qconvert.kernels import gpu_grouped, reference, tpu_grouped
+from qconvert.kernels import gpu_grouped, gpu_grouped_decode, reference, tpu_grouped
 from qconvert.kernels.checks import dtype_of as _dtype
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.grouped_metadata import make_group_metadata
@@ -118,7 +119,7 @@ def _rhs_parts(lhs, rhs, rhs_scale, transpose_rhs):
 
 def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32, tiling=None,
                    group_offset=None, transpose_rhs: bool = False, interpret: bool = False, rhs_scale=None,
-                   backend: str = "auto", return_plan: bool = False):
+                   backend: str = "auto", return_plan: bool = False, variant=None):
     """out[rows of group g] = lhs[rows of g] @ rhs[g - group_offset] for an MoE layer.
 
     lhs float [M, K], rows sorted by group; group_sizes int32 [num_groups]
@@ -131,7 +132,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
     rows past sum(group_sizes), are 0. tiling: (tm, tk, tn), a function of
     (m, k, n) returning one (or None to decline), or None to let the plan choose.
     interpret=True runs the TPU kernel in interpret mode (backend "cpu"); on
-    backend "gpu" the Triton kernel runs.
+    backend "gpu" the Triton kernel runs, or the variant (gpu_tuning.Variant:
+    "gemv", rhs [G, N, K] only) the tuned table or `variant` names.
     """
     _check_common(OP, lhs, group_sizes, preferred_element_type)
     lhs = jnp.asarray(lhs)
@@ -147,7 +149,11 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
     problem = KernelProblem(OP, m, k, n, dtype_name(lhs.dtype), dtype_name(preferred_element_type),
                             blocksize if rhs_kind.flat_blocks else NF4_BLOCK_SIZE, num_groups, rhs_kind,
                             blocksize if rhs_kind.column_groups else None)
-    plan = _grouped_plan(problem, tiling, interpret, backend)
+    plan = _grouped_plan(problem, tiling, interpret, backend, variant)
+    if plan.variant is not None and plan.variant.name == "gemv" and not (transpose_rhs or rhs_kind.packs_nibbles):
+        if variant is not None:
+            raise KernelArgumentError(f"{OP}: the gemv variant reads rhs [G, N, K]; pass transpose_rhs=True")
+        plan = dataclasses.replace(plan, variant=None)  # a tuned gemv entry for the other layout: the tiled kernel
     if plan.is_reference:
         y = _grouped_reference(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, g_local, k, n, blocksize,
                                preferred_element_type, offset, transpose_rhs)
@@ -164,6 +170,12 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
                                              "transpose_rhs", "group_size"))
 def _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, *, plan: KernelPlan, rhs_kind: str, offset: int,
                     g_local: int, n: int, out_dtype, transpose_rhs: bool, group_size: int | None = None):
+    if plan.backend == "gpu" and plan.variant is not None and plan.variant.name == "gemv":
+        v = plan.variant
+        return gpu_grouped_decode.run_grouped_gemv(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, offset=offset,
+                                                   num_local=g_local, n=n, tiling=plan.tiling, split=v.split,
+                                                   out_dtype=out_dtype, group_size=group_size,
+                                                   num_warps=v.num_warps, num_stages=v.num_stages)
     if plan.backend == "gpu":
         return gpu_grouped.run_grouped_matmul(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, offset=offset,
                                               num_local=g_local, n=n, tiling=plan.tiling, out_dtype=out_dtype,
@@ -268,11 +280,11 @@ def _transposed_tpu(lhs, rhs, group_sizes, plan: KernelPlan, offset: int, count:
     return y[:, :k, :n]
 
 
-def _grouped_plan(problem: KernelProblem, tiling, interpret: bool, backend: str) -> KernelPlan:
+def _grouped_plan(problem: KernelProblem, tiling, interpret: bool, backend: str, variant=None) -> KernelPlan:
     """The plan of a grouped problem under `tiling` (see grouped_matmul); the reference where a tiling
     function declined the shape."""
     requested, declined = _resolve_tiling(tiling, problem.m, problem.k, problem.n)
-    plan = select_kernel(problem, "cpu" if interpret else backend, requested)
+    plan = select_kernel(problem, "cpu" if interpret else backend, requested, variant)
     if declined:
         plan = KernelPlan(problem.op, f"{problem.op}_reference", "reference", None, plan.guarantee,
                           fallback_reason=declined)

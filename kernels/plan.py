@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from qconvert.formats.qarray import NF4_BLOCK_SIZE, QKind
 from qconvert.kernels.backends import BACKENDS
 from qconvert.kernels.errors import KernelArgumentError
+from qconvert.kernels.gpu_tuning import GROUPED_VARIANTS, VARIANT_OPS, Variant, tuned_choice
 from qconvert.kernels.tile_tables import check_tiling, decodes_int4, decodes_nf4, default_tiling, grid_steps, table_name
 from qconvert.kernels.tiles import FLOAT, RHS_KINDS, Tiling
 
@@ -100,6 +101,7 @@ class KernelPlan:
     interpret: bool = False
     fallback_reason: str | None = None
     tile_table: str | None = None
+    variant: Variant | None = None  # a GPU kernel variant (gpu_tuning); None: the tiled kernel
 
     @property
     def is_reference(self) -> bool:
@@ -117,6 +119,8 @@ class KernelPlan:
         text = f"{self.name} on {self.backend}{mode}"
         if self.tiling is not None:
             text += f" [{self.tiling}; {self.tile_table or 'requested'} tiles]"
+        if self.variant is not None:
+            text += f" variant {self.variant}"
         if self.fallback_reason:
             text += f"; fell back: {self.fallback_reason}"
         return text
@@ -167,22 +171,32 @@ def _fallback_reason(problem: KernelProblem) -> str | None:
     return None
 
 
-def select_kernel(problem: KernelProblem, backend: str = "auto", tiling: Tiling | None = None) -> KernelPlan:
+def select_kernel(problem: KernelProblem, backend: str = "auto", tiling: Tiling | None = None,
+                  variant: Variant | None = None) -> KernelPlan:
     """Choose the kernel for a problem on a backend ('auto', 'tpu', 'gpu', 'cpu', 'xla' or 'reference').
 
     'cpu' runs the TPU kernel in TPU interpret mode (for tests; slow), unless the
     grid is larger than CPU_INTERPRET_MAX_STEPS, where it falls back to the
     reference and says so. A requested tiling is checked, never silently changed.
     Plans are pure functions of their arguments and cached: an eager call pays
-    for planning once per shape.
+    for planning once per shape. On "gpu" a dense problem takes the variant and
+    tiling the tuned table (gpu_tuning) holds for its shape, unless a tiling or a
+    variant is requested; a requested variant runs on "gpu" only.
     """
     if tiling is not None and not isinstance(tiling, Tiling):
         tiling = Tiling(*tiling)
-    return _select_kernel(problem, resolve_backend(backend), tiling)
+    resolved = resolve_backend(backend)
+    grouped = problem.op == "grouped_matmul" and (variant is None or variant.name in GROUPED_VARIANTS)
+    if variant is not None and (resolved != "gpu" or not (problem.op in VARIANT_OPS or grouped)):
+        raise KernelArgumentError(f"kernel variants run on backend 'gpu' for {', '.join(VARIANT_OPS)} (and "
+                                  f"{' or '.join(GROUPED_VARIANTS)} for grouped_matmul); got variant "
+                                  f"{variant.name!r} for {problem.op} on {resolved!r}")
+    return _select_kernel(problem, resolved, tiling, variant)
 
 
 @functools.lru_cache(maxsize=4096)
-def _select_kernel(problem: KernelProblem, resolved: str, tiling: Tiling | None) -> KernelPlan:
+def _select_kernel(problem: KernelProblem, resolved: str, tiling: Tiling | None,
+                   variant: Variant | None = None) -> KernelPlan:
     if problem.op not in OPS:
         raise KernelArgumentError(f"unknown kernel operation {problem.op!r}; choose one of {', '.join(OPS)}")
     if problem.rhs_kind not in RHS_KINDS:
@@ -198,18 +212,53 @@ def _select_kernel(problem: KernelProblem, resolved: str, tiling: Tiling | None)
         return _reference_plan(problem, reason)
     kernel_backend = "gpu" if resolved == "gpu" else "tpu"
     table = None
+    if resolved == "gpu" and tiling is None and variant is None and problem.op in VARIANT_OPS + ("grouped_matmul",):
+        tuned = tuned_choice(tuned_op(problem), problem.m, problem.k, problem.n)
+        if tuned is not None and variant_fits(problem, *tuned):
+            variant, tiling = tuned[0], fitted_rows(problem, tuned[1])
+            name = f"{problem.op}_{'xla' if variant.name == 'xla' else 'triton'}"
+            return KernelPlan(problem.op, name, resolved, tiling, GUARANTEES[problem.op], tile_table="gpu/tuned",
+                              variant=variant)
     if tiling is None:
         tiling = default_tiling(problem, kernel_backend)
         table = table_name(kernel_backend, problem)
     else:
         check_tiling(problem, kernel_backend, tiling)
+    if variant is not None and not variant_fits(problem, variant, tiling):
+        raise KernelArgumentError(f"variant {variant} splits K into {variant.split} ranges, which the "
+                                  f"{-(-problem.k // tiling.tk)} K steps of {tiling} do not divide evenly")
     if resolved == "cpu" and grid_steps(problem, tiling) > CPU_INTERPRET_MAX_STEPS:
         return _reference_plan(problem, (
             f"on CPU the Pallas kernel runs in TPU interpret mode, and {grid_steps(problem, tiling)} grid steps "
             f"(over {CPU_INTERPRET_MAX_STEPS}) would take far too long"))
     name = f"{problem.op}_{'triton' if kernel_backend == 'gpu' else 'mosaic'}"
     return KernelPlan(problem.op, name, resolved, tiling, GUARANTEES[problem.op], interpret=resolved == "cpu",
-                      tile_table=table)
+                      tile_table=table, variant=variant)
+
+
+def tuned_op(problem: KernelProblem) -> str:
+    """The operation's name in the tuned table: grouped ones by their rhs kind ("grouped_matmul/nf4")."""
+    return f"grouped_matmul/{problem.rhs_kind}" if problem.op == "grouped_matmul" else problem.op
+
+
+def variant_fits(problem: KernelProblem, variant: Variant, tiling: Tiling) -> bool:
+    """Whether a variant can run a problem at a tiling: the tiling passes the GPU rules, and split K ranges
+    hold whole K steps."""
+    if problem.op == "grouped_matmul" and variant.name not in GROUPED_VARIANTS:
+        return False
+    try:
+        check_tiling(problem, "gpu", tiling)
+    except KernelArgumentError:
+        return False
+    return -(-problem.k // tiling.tk) % variant.split == 0
+
+
+def fitted_rows(problem: KernelProblem, tiling: Tiling) -> Tiling:
+    """A tuned tiling with its row tile cut to the smallest power of two >= 16 that holds M, where smaller."""
+    tm = 16
+    while tm < min(problem.m, tiling.tm):
+        tm *= 2
+    return Tiling(min(tm, tiling.tm), tiling.tk, tiling.tn)
 
 
 def dtype_name(dtype) -> str:

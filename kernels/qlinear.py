@@ -29,6 +29,7 @@ from qconvert.kernels.activations import (fake_quantize_fp8_rows, fake_quantize_
 from qconvert.kernels.dense import fp8_matmul, int4_weight_matmul, int8_matmul, int8_weight_matmul, nf4_matmul
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.grouped import grouped_matmul
+from qconvert.kernels.prepared import PreparedWeight, prepared_matmul
 
 ACT_MODES = (None, "dynamic", "static")
 
@@ -66,7 +67,7 @@ def _channel_scale(q: QArray) -> jax.Array:
 
 def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None, out_dtype=None,
             backend: str = "auto", return_plan: bool = False):
-    """y = x @ W^T (+ bias) for a quantized weight W [out, in] held in a QArray.
+    """y = x @ W^T (+ bias) for a quantized weight W [out, in] held in a QArray (or a PreparedWeight).
 
     x [..., in] float, or an int8 QArray (one scale per row or per tensor) that
     goes to int8_matmul as it is. NF4 QArrays go to nf4_matmul and int4 ones to
@@ -79,6 +80,14 @@ def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None
     defaults to x's dtype (float32 for int8 activations).
     """
     _check_act(act, input_scale)
+    if isinstance(q, PreparedWeight):  # laid out once (prepared.prepare_weight): nothing to pack on this call
+        if isinstance(x, QArray):
+            raise KernelArgumentError("qlinear: a prepared weight takes float activations (quantized by act)")
+        x = jnp.asarray(x)
+        y, plan = prepared_matmul(x.reshape(-1, x.shape[-1]), q, bias, act=act, input_scale=input_scale,
+                                  out_dtype=out_dtype, backend=backend, return_plan=True)
+        y = y.reshape(*x.shape[:-1], q.n)
+        return (y, plan) if return_plan else y
     if len(q.shape) != 2:
         raise KernelArgumentError(f"qlinear: the weight must be [out, in], got a QArray of shape {q.shape}")
     if isinstance(x, QArray):

@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from qconvert.formats import QArray
-from qconvert.kernels import qgrouped_linear, qlinear
+from qconvert.kernels import KernelArgumentError, qgrouped_linear, qlinear, resolve_backend
 from qconvert.kernels.plan import KernelPlan
+from qconvert.kernels.prepared import PreparedWeight, prepare_weight
 from qconvert.verify.results import KernelChoice
 
 def kernel_choice(plan: KernelPlan) -> KernelChoice:
@@ -38,11 +39,13 @@ def deployment_dtype(q: QArray):
     return jnp.dtype(q.dtype) if jnp.issubdtype(jnp.dtype(q.dtype), jnp.floating) else jnp.float32
 
 
-def run_quantized_linear(x: jax.Array, q: QArray, bias, act: str | None, *, backend: str = "auto",
+def run_quantized_linear(x: jax.Array, q: QArray | Prepared, bias, act: str | None, *, backend: str = "auto",
                          input_scale: float | None = None) -> tuple[jax.Array, KernelPlan]:
     """y = x W^T + b through the deployment kernel (activations quantized as `act` says); (y float32, the plan)."""
-    x = jnp.asarray(x).astype(deployment_dtype(q))
+    x = jnp.asarray(x).astype(deployment_dtype(q.source if isinstance(q, Prepared) else q))
     bias = None if bias is None else jnp.asarray(bias, jnp.float32)
+    if isinstance(q, Prepared):
+        q = q.weight
     return qlinear(x, q, bias, act=act, input_scale=input_scale, out_dtype=jnp.float32,
                    backend=backend, return_plan=True)
 
@@ -54,6 +57,17 @@ def run_grouped_experts(x: jax.Array, group_sizes, qs: Sequence[QArray], act: st
     x = jnp.asarray(x).astype(deployment_dtype(qs[0]))
     return qgrouped_linear(x, qs, group_sizes, act=act, input_scales=list(input_scales) if act == "static" else (),
                            backend=backend, return_plan=True)
+
+
+class Prepared:
+    """A QArray's prepared kernel operand (prepare_weight), kept beside the QArray it was made from."""
+
+    def __init__(self, source: QArray, weight: PreparedWeight):
+        self.source, self.weight = source, weight
+
+
+# Prepared operands kept at once: enough for a layer's linears, few enough not to hold a model twice.
+PREPARED_KEPT = 16
 
 
 def is_expert(name: str) -> bool:
@@ -73,6 +87,26 @@ class KernelPath:
         self.act = quantized.layout.kernel_act(quantized.flags)
         self.choices: dict[str, KernelChoice] = {}
         self._input_scales: dict[str, float | None] = {}
+        # On a GPU or TPU each weight is laid out for its kernel once (prepare_weight), not on every call.
+        self._prepares = resolve_backend(backend) in ("gpu", "tpu")
+        self._prepared: dict[str, Prepared] = {}
+
+    def _operand(self, name: str, q: QArray) -> QArray | Prepared:
+        """q's prepared operand, made once per weight (the last PREPARED_KEPT named kept); q itself off the
+        accelerators, under a trace, or where prepare_weight takes no such weight (qlinear then says why)."""
+        if not self._prepares or isinstance(q.qvalue, jax.core.Tracer):
+            return q
+        kept = self._prepared.get(name)
+        if kept is None:  # a folder's weight under one name is one weight for the whole run
+            try:
+                kept = Prepared(q, prepare_weight(q))
+            except KernelArgumentError:
+                return q
+            self._prepared.pop(name, None)
+            while len(self._prepared) >= PREPARED_KEPT:
+                self._prepared.pop(next(iter(self._prepared)))
+            self._prepared[name] = kept
+        return kept
 
     def input_scale(self, name: str) -> float | None:
         """The folder's static input_scale of linear `name` (None unless activations are static)."""
@@ -89,7 +123,7 @@ class KernelPath:
             y, plan = run_grouped_experts(x, [x.shape[0]], [q], self.act, backend=self.backend,
                                           input_scales=[self.input_scale(name)])
         else:
-            y, plan = run_quantized_linear(x, q, bias, self.act, backend=self.backend,
+            y, plan = run_quantized_linear(x, self._operand(name, q), bias, self.act, backend=self.backend,
                                            input_scale=self.input_scale(name))
         self.choices[name] = kernel_choice(plan)
         return y.astype(jnp.float32), self.choices[name]
