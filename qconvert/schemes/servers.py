@@ -116,8 +116,8 @@ def tpu_note(key: str, family: str) -> str:
 def _as_flags(key: str, chosen: str | None = None) -> str:
     """A table key as the flags that give it; beside the `chosen` key of the same scheme, the flag that differs
     is spelled out (`w8a8 --act dynamic` next to a chosen `w8a8 --act static`, never a bare `w8a8`)."""
-    scheme, _, variant = key.partition("-")
-    same_scheme = chosen is not None and chosen.partition("-")[0] == scheme and chosen != key
+    scheme, variant = _split_key(key)
+    same_scheme = chosen is not None and _split_key(chosen)[0] == scheme and chosen != key
     if variant == "static":
         return f"{scheme} --act static"
     if variant == "channel":
@@ -125,6 +125,14 @@ def _as_flags(key: str, chosen: str | None = None) -> str:
     if variant:
         return f"{scheme} --group-size {variant[1:]}"
     if same_scheme:
-        chosen_variant = chosen.partition("-")[2]
+        chosen_variant = _split_key(chosen)[1]
         return f"{scheme} --act dynamic" if chosen_variant == "static" else f"{scheme} --group-size 128"
     return scheme
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    """(scheme, variant) of a table key: the longest scheme name it starts with (names may hold a `-`)."""
+    from qconvert.schemes import NAMES
+
+    scheme = max((n for n in NAMES if key == n or key.startswith(n + "-")), key=len, default=key.partition("-")[0])
+    return scheme, key[len(scheme) + 1:]
