@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from qconvert.formats import compressed_tensors as ct
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_fp8 import ACT_SETTING, float_args
-from qconvert.formats.layout_int4 import FORMAT, PackQuantizedInt4
+from qconvert.formats.layout_int4 import FORMAT, PackQuantizedInt4, float_activations
 
 
 def _fp8_token_activations(args: Any) -> bool:
@@ -43,14 +44,7 @@ class PackQuantizedW4A8FP8(PackQuantizedInt4):
         return config
 
     def claims(self, qconfig: dict[str, Any]) -> bool:
-        # A 4-bit pack-quantized config whose groups quantize activations to a float type: int4's own
-        # (input_activations null) stays int4's.
-        if not super().claims(qconfig):
-            return False
-        groups = qconfig.get("config_groups")
-        return isinstance(groups, dict) and any(
-            isinstance(g, dict) and isinstance(g.get("input_activations"), dict)
-            and g["input_activations"].get("type") == "float" for g in groups.values())
+        return ct.claims(qconfig, FORMAT) and ct.weight_bits(qconfig) == {4} and float_activations(qconfig)
 
     def flags_of(self, qconfig: dict[str, Any]) -> LayoutFlags:
         for name, group in qconfig["config_groups"].items():

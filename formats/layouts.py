@@ -30,9 +30,8 @@ from qconvert.formats.layout_w8a8 import INPUT_SCALE_DTYPE, IntQuantizedW8A8
 from qconvert.formats.qarray import QArray
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, TensorSpec, open_checkpoint
 
-# W4A8-FP8 before int4: both are 4-bit pack-quantized, and it claims the configs that quantize activations.
-LAYOUTS: tuple[Layout, ...] = (PackQuantizedInt8(), PackQuantizedW4A8FP8(), PackQuantizedInt4(), IntQuantizedW8A8(),
-                               FloatQuantizedFP8(), BitsandbytesNF4())
+LAYOUTS: tuple[Layout, ...] = (PackQuantizedInt8(), PackQuantizedInt4(), IntQuantizedW8A8(), FloatQuantizedFP8(),
+                               BitsandbytesNF4(), PackQuantizedW4A8FP8())
 SCHEMES = tuple(layout.scheme for layout in LAYOUTS)
 _BY_SCHEME = {layout.scheme: layout for layout in LAYOUTS}
 ACTS = ("dynamic", "static")
