@@ -63,6 +63,13 @@ TABLE: dict[tuple[str, str], str] = {
     ("int4", "gemma3_mm"): "???Y",
     ("w8a8", "gemma3_mm"): "???Y",
     ("nf4", "gemma3_mm"): "N??Y",
+    # W4A8-FP8: vLLM on a simulated H100 (bench/vllm_w4a8.py; vLLM 0.33 matches the scheme on compute capability
+    # 9.0 only), vLLM TPU by bench/vllm_tpu_w4a8.py (tpu-inference requantizes MoE experts per channel).
+    ("w4a8-fp8", "llama"): "YNYY",  # TPU default: the JAX Llama loader has no compressed-tensors weights
+    ("w4a8-fp8", "qwen3"): "YNYY",  # TPU default: the JAX Qwen3 path has no W4A8 scheme
+    ("w4a8-fp8", "gemma3"): "???Y",
+    ("w4a8-fp8", "mixtral"): "YYYY",
+    ("w4a8-fp8", "qwen3_moe"): "YYYY",
 }
 
 
