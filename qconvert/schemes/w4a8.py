@@ -46,10 +46,12 @@ class W4A8FP8(Int4):
     name = "w4a8-fp8"
     layout = PackQuantizedW4A8FP8()
     act_modes = ("dynamic",)
-    # A layer's error is int4's weight rounding (about 20 dB on Gaussian weights at group 128) plus E4M3's on
-    # the activations (about 30 dB, relative per element): int4's floors, a little under for the model. Fidelity:
-    # the kernel and the float64 reference see the same E4M3 activations; what differs is int4's dequantized
-    # weight in float32 (the activations are exact there), as for int4.
+    # int4's floors: the E4M3 activations cost next to nothing beside int4's weights. Measured on SmolLM2-135M
+    # (round-to-nearest, group 64, verify's held-out text): worst linear 11.75 dB against int4's 11.78 dB on the
+    # same weights, KL 0.467 against 0.458, top-1 0.574 against 0.598, perplexity x1.246 against x1.243; with one
+    # down_proj's scales doubled the folder's layer falls to -0.2 dB (KL 0.584, x1.351). Fidelity >= 126 dB on
+    # CPU: the kernel and the float64 reference see the same E4M3 activations; 40 dB as int4's (the weight's
+    # code times its scale rounds in float32 on a TPU's bf16 passes).
     thresholds = Thresholds(
         min_layer_sqnr_db=12.0, min_layer_cosine=0.97, max_mean_kl=0.15,
         min_top1_agreement=0.65, max_perplexity_ratio=1.35, min_pooled_cosine=0.91,
