@@ -73,7 +73,8 @@ def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None
 
     x [..., in] float, or an int8 QArray (one scale per row or per tensor) that
     goes to int8_matmul as it is. NF4 QArrays go to nf4_matmul and int4 ones to
-    int4_weight_matmul (float x only, act=None); int8 QArrays go
+    int4_weight_matmul (float x only; act=None, or act="dynamic" for W4A8-FP8:
+    E4M3 per token first, kernels.w4a8); int8 QArrays go
     to int8_weight_matmul (act=None, W8A16) or, for W8A8, through
     quantize_activations (act="dynamic": per token; act="static": the
     calibrated per-tensor input_scale) into int8_matmul. fp8 QArrays (E4M3,
@@ -194,8 +195,8 @@ def qgrouped_linear(x, qs: Sequence[QArray], group_sizes, *, act: str | None = N
                     input_scales: Sequence[float | None] = (), backend: str = "auto", return_plan: bool = False):
     """Rows of x [M, in] sorted by expert (group_sizes[e] rows for expert e) times expert e's W^T.
 
-    qs holds each expert's [out, in] QArray (int8, fp8, NF4 or int4; int4 and
-    NF4 take act=None, fp8 needs act). act="dynamic" quantizes every row per
+    qs holds each expert's [out, in] QArray (int8, fp8, NF4 or int4; NF4 takes
+    act=None, int4 act=None or "dynamic" (W4A8-FP8, kernels.w4a8), fp8 needs act). act="dynamic" quantizes every row per
     token, act="static" each expert's rows with its input_scales[e] (to int8
     for int8 experts, to E4M3 for fp8 ones); the quantized rows enter the
     grouped kernel as their float32 values x_q * x_scale, and the experts' codes
