@@ -119,7 +119,8 @@ def expert_checks(ta, model, state, ck, decompressed) -> None:
     elif count:
         how = ", ".join(f"{n} rounded {rule}" for rule, n in rules.items()) or "by neither rule"
         ta.emit("WARN" if worst > 0 else "OK", "w4a8.experts",
-                f"{count} expert weights requantized by tpu-inference after loading to codes {int(w.min())}..{int(w.max())} "
+                f"{count} expert weights requantized by tpu-inference after loading to codes "
+                f"{int(w.min())}..{int(w.max())} "
                 f"with one scale per output channel ({how} from compressed-tensors' decompression): within "
                 f"{worst:.3f} of a step of that grid (the server's lossy re-rounding, not a misreading)")
 

@@ -144,7 +144,8 @@ def test_folders_pass_verify_and_load_in_transformers_as_meant(source, capsys, t
     # GPTQ on one family (its grid is int4's, whose GPTQ every family's int4 test runs); the rest round to nearest.
     rounding = "gptq" if load_config(source)["model_type"] == "llama" else "rtn"
     out = tmp_path / "w4a8"
-    extra = ["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "32"] if rounding == "gptq" else ["--no-gptq"]
+    extra = (["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "32"] if rounding == "gptq"
+             else ["--no-gptq"])
     code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", "w4a8-fp8", "-q", *extra], capsys)
     assert code == 0, err
     record = json.loads((out / "qconvert.json").read_text())
