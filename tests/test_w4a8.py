@@ -187,3 +187,15 @@ def test_a_group_vllm_on_gpu_refuses_is_said_in_one_line(tmp_path, capsys):
                             "--group-size", "64"], capsys)
     assert code == 0, err
     assert "w4a8-fp8: group size 64 (vLLM on GPU takes group 128 only): vLLM TPU loads it" in err
+
+
+def test_experts_no_group_divides_are_refused_in_one_line(tmp_path, capsys):
+    # The shared Qwen3-MoE fixture's experts are 24 wide: int4 falls back to one scale per output channel there,
+    # which neither vLLM's nor vLLM TPU's W4A8 MoE method reads.
+    src = make_hf_checkpoint(tmp_path / "src", "qwen3_moe", layers=1)
+    capsys.readouterr()  # transformers' own progress while saving it
+    before = tree(tmp_path)
+    code, out, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "o"), "--scheme", "w4a8-fp8", "--no-gptq"],
+                             capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "needs group scales" in err
+    assert tree(tmp_path) == before
