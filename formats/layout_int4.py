@@ -21,6 +21,14 @@ from qconvert.formats.safetensors_io import TensorSpec
 FORMAT = "pack-quantized"
 
 
+def float_activations(qconfig: dict[str, Any]) -> bool:
+    """Whether a config group quantizes its input activations to a float type (FP8)."""
+    groups = qconfig.get("config_groups")
+    return isinstance(groups, dict) and any(
+        isinstance(g, dict) and isinstance(g.get("input_activations"), dict)
+        and g["input_activations"].get("type") == "float" for g in groups.values())
+
+
 class PackQuantizedInt4(Layout):
     """`--scheme int4`: symmetric int4 codes packed eight to an int32 word, group scales, float activations."""
 
@@ -66,7 +74,8 @@ class PackQuantizedInt4(Layout):
         return ct.config(FORMAT, None, ignore, weights)
 
     def claims(self, qconfig: dict[str, Any]) -> bool:
-        return ct.claims(qconfig, FORMAT) and ct.weight_bits(qconfig) == {4}
+        # A group quantizing activations to a float type is W4A8-FP8's (layout_w4a8).
+        return ct.claims(qconfig, FORMAT) and ct.weight_bits(qconfig) == {4} and not float_activations(qconfig)
 
     def loader_quantizes(self, qconfig: dict[str, Any], module: str) -> bool:
         return ct.loader_quantizes(qconfig, module)

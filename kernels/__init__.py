@@ -6,6 +6,7 @@ Rescale order of every kernel (fixed; the references define it):
   W8A16  acc_f32 (x @ int8 codes cast to x's dtype), * w_scale[n], + bias[n], cast
   NF4    acc_f32 (x @ (level[code] * absmax[block] in f32, cast to x's dtype)), + bias[n], cast
   W4A16  acc_f32 (x @ (code * scale[n, group] in f32, cast to x's dtype)), + bias[n], cast
+  W4A8-FP8  x rounded to E4M3 per token (x_scale[m]), W4A16 on those values, * x_scale[m], + bias[n], cast
 """
 
 from qconvert.kernels.activations import (fake_quantize_fp8_rows, fake_quantize_rows, quantize_activations,
@@ -25,6 +26,8 @@ from qconvert.kernels.reference import (fp8_matmul_reference, grouped_matmul_ref
 from qconvert.kernels.tiles import Tiling
 from qconvert.kernels.gpu_tuning import Variant
 from qconvert.kernels.prepared import PreparedWeight, prepare_weight, prepared_matmul
+from qconvert.kernels.reference import w4a8_fp8_matmul_reference
+from qconvert.kernels.w4a8 import w4a8_fp8_grouped_matmul, w4a8_fp8_matmul
 
 __all__ = [
     "BACKENDS", "GUARANTEES", "KernelArgumentError", "KernelPlan", "KernelProblem", "PreparedWeight", "Tiling",
@@ -35,4 +38,5 @@ __all__ = [
     "int8_weight_matmul_reference", "make_group_metadata", "nf4_dequantize_reference", "nf4_matmul", "nf4_matmul_reference",
     "qgrouped_linear", "qlinear", "quantize_activations", "quantize_fp8_activations", "resolve_backend", "select_kernel", "stack_experts",
     "transposed_grouped_matmul", "transposed_grouped_matmul_reference",
+    "w4a8_fp8_grouped_matmul", "w4a8_fp8_matmul", "w4a8_fp8_matmul_reference",
 ]

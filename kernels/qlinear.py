@@ -6,6 +6,8 @@
   int8 weight, int8 QArray x int8_matmul on x's codes and scales as they are
   nf4 weight                 nf4_matmul: codes decoded with the NF4 table x block absmax
   int4 weight                int4_weight_matmul (W4A16): codes x group (or per-channel) scale
+  int4 weight, act=dynamic   W4A8-FP8 (kernels.w4a8): E4M3 per token, int4_weight_matmul on those values,
+                             then x token scale (experts: the same ahead of grouped_matmul)
   fp8 weight, act=...        quantize_fp8_activations (E4M3 per token, or the static input_scale), then
                              fp8_matmul: E4M3 products, float32 accumulation, x_scale * w_scale rescale
   experts (qgrouped_linear)  grouped_matmul over the experts' stacked QArrays (int8, fp8, NF4 or int4);
@@ -30,6 +32,7 @@ from qconvert.kernels.dense import fp8_matmul, int4_weight_matmul, int8_matmul, 
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.grouped import grouped_matmul
 from qconvert.kernels.prepared import PreparedWeight, prepared_matmul
+from qconvert.kernels.w4a8 import w4a8_fp8_grouped_matmul, w4a8_fp8_matmul
 
 ACT_MODES = (None, "dynamic", "static")
 
@@ -71,7 +74,8 @@ def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None
 
     x [..., in] float, or an int8 QArray (one scale per row or per tensor) that
     goes to int8_matmul as it is. NF4 QArrays go to nf4_matmul and int4 ones to
-    int4_weight_matmul (float x only, act=None); int8 QArrays go
+    int4_weight_matmul (float x only; act=None, or act="dynamic" for W4A8-FP8:
+    E4M3 per token first, kernels.w4a8); int8 QArrays go
     to int8_weight_matmul (act=None, W8A16) or, for W8A8, through
     quantize_activations (act="dynamic": per token; act="static": the
     calibrated per-tensor input_scale) into int8_matmul. fp8 QArrays (E4M3,
@@ -125,8 +129,13 @@ def _fp8_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
 
 
 def _int4_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
+    if act == "dynamic" and not isinstance(lhs, tuple):  # W4A8-FP8: E4M3 per token ahead of the int4 kernel
+        _check_symmetric(q, "int4")
+        return w4a8_fp8_matmul(lhs, q.qvalue, q.scale, group_size=q.block_size, bias=bias, out_dtype=out_dtype,
+                               backend=backend, return_plan=True)
     if act is not None or isinstance(lhs, tuple):
-        raise KernelArgumentError("qlinear: int4 weights take float activations (W4A16); drop act")
+        raise KernelArgumentError("qlinear: int4 weights take float activations (W4A16) or act='dynamic' "
+                                  "(W4A8-FP8: E4M3 per token); not static or int8 activations")
     _check_symmetric(q, "int4")
     return int4_weight_matmul(lhs, q.qvalue, q.scale, group_size=q.block_size, bias=bias, out_dtype=out_dtype,
                               backend=backend, return_plan=True)
@@ -195,8 +204,8 @@ def qgrouped_linear(x, qs: Sequence[QArray], group_sizes, *, act: str | None = N
                     input_scales: Sequence[float | None] = (), backend: str = "auto", return_plan: bool = False):
     """Rows of x [M, in] sorted by expert (group_sizes[e] rows for expert e) times expert e's W^T.
 
-    qs holds each expert's [out, in] QArray (int8, fp8, NF4 or int4; int4 and
-    NF4 take act=None, fp8 needs act). act="dynamic" quantizes every row per
+    qs holds each expert's [out, in] QArray (int8, fp8, NF4 or int4; NF4 takes
+    act=None, int4 act=None or "dynamic" (W4A8-FP8, kernels.w4a8), fp8 needs act). act="dynamic" quantizes every row per
     token, act="static" each expert's rows with its input_scales[e] (to int8
     for int8 experts, to E4M3 for fp8 ones); the quantized rows enter the
     grouped kernel as their float32 values x_q * x_scale, and the experts' codes
@@ -206,12 +215,16 @@ def qgrouped_linear(x, qs: Sequence[QArray], group_sizes, *, act: str | None = N
         raise KernelArgumentError(f"qgrouped_linear: act must be None, 'dynamic' or 'static', got {act!r}")
     if (act == "static") != any(s is not None for s in input_scales):
         raise KernelArgumentError("qgrouped_linear: act='static' needs input_scales, and only it takes them")
-    if act is not None and qs and qs[0].kind.column_groups:
-        raise KernelArgumentError("qgrouped_linear: int4 experts take float activations (W4A16); drop act")
+    if act == "static" and qs and qs[0].kind.column_groups:
+        raise KernelArgumentError("qgrouped_linear: int4 experts take float activations (W4A16) or act='dynamic' "
+                                  "(W4A8-FP8: E4M3 per token); not static scales")
     if act is None and qs and qs[0].kind.float_codes:
         raise KernelArgumentError("qgrouped_linear: fp8 experts quantize float activations to E4M3 first: pass "
                                   "act='dynamic' (per token) or act='static' with input_scales")
     group_sizes = jnp.asarray(group_sizes, jnp.int32)
+    if act == "dynamic" and qs[0].kind.column_groups:
+        return w4a8_fp8_grouped_matmul(jnp.asarray(x), stack_experts(qs), group_sizes, backend=backend,
+                                       return_plan=return_plan)
     if act is not None:
         fake_quantize = fake_quantize_fp8_rows if qs[0].kind.float_codes else fake_quantize_rows
         x = int8_rows_by_expert(jnp.asarray(x), group_sizes, list(input_scales) or [None] * len(qs), fake_quantize)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from qconvert.formats.qarray import NF4_BLOCK_SIZE, NF4_LEVELS
+from qconvert.formats.quotient import f32_quotient
 
 HIGHEST = jax.lax.Precision.HIGHEST
 # The references are jitted so that XLA fuses their float rescale exactly as it
@@ -181,3 +182,26 @@ def transposed_grouped_matmul_reference(lhs, rhs, group_sizes, *, preferred_elem
         outs.append(jax.lax.dot_general(lhs, masked, (((1,), (0,)), ((), ())),
                                         preferred_element_type=jnp.float32, precision=HIGHEST))
     return jnp.stack(outs).astype(preferred_element_type)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "out_dtype"))
+def w4a8_fp8_matmul_reference(x, w_codes, w_scale, *, group_size: int | None, bias=None,
+                              out_dtype=jnp.float32) -> jax.Array:
+    """W4A8-FP8: x rounded to E4M3 per token (scale max|x[m]| / 448, 1 for a zero row; x / scale in float32,
+    clamped to +-448, round to nearest even), those values times the int4 weight dequantized in float32,
+    float32 accumulation, then * x_scale[m] + bias[n] and one cast.
+
+    w_codes int8 [N, K] in [-8, 7]; w_scale [N, K/group_size] ([N, 1] when group_size is None).
+    """
+    xf = jnp.asarray(x).astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(xf), axis=1, keepdims=True)
+    x_scale = jnp.where(absmax > 0, f32_quotient(absmax, jnp.float32(448.0)), jnp.float32(1.0))
+    x_e4m3 = jnp.clip(f32_quotient(xf, x_scale), -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    w = int4_dequantize_reference(w_codes, w_scale, group_size)
+    y = jax.lax.dot_general(
+        x_e4m3, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=HIGHEST
+    )
+    y = y * x_scale
+    if bias is not None:
+        y = y + jnp.asarray(bias, jnp.float32).reshape(1, -1)
+    return y.astype(out_dtype)

@@ -244,7 +244,8 @@ def test_console_script_is_quiet_off_a_terminal(source, tmp_path):
                             str(source), "-o", str(tmp_path / "out2"), "--verbose"], capture_output=True, text=True)
     # The servers table records vLLM TPU refusing weight-only int8 for Llama: said after the summary.
     assert shown.stdout.splitlines()[-1] == ("note: vLLM TPU 0.32 does not load --scheme int8 for llama; it loads "
-                                             "fp8 (MODEL_IMPL_TYPE=vllm), w8a8 (MODEL_IMPL_TYPE=vllm)")
+                                             "fp8 (MODEL_IMPL_TYPE=vllm), w8a8 (MODEL_IMPL_TYPE=vllm), "
+                                             "w4a8-fp8 (MODEL_IMPL_TYPE=vllm)")
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["quantize", "x", "-o", "y", "--scheme", "int9"],

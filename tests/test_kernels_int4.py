@@ -218,8 +218,8 @@ def test_qlinear_routes_an_int4_qarray_to_the_w4a16_kernel():
     assert y.shape == (2, 3, 128) and plan.name == "int4_weight_matmul_mosaic"
     assert_close_to_f64(y.reshape(6, 128), x.reshape(6, 512).astype(np.float64) @ weight.astype(np.float64).T + bias,
                         512)
-    with pytest.raises(KernelArgumentError, match="float activations"):
-        qlinear(x, q, act="dynamic")
+    with pytest.raises(KernelArgumentError, match="float activations"):  # act="dynamic" is W4A8-FP8 (test_w4a8.py)
+        qlinear(x, q, act="static", input_scale=1.0)
 
 
 def test_qgrouped_linear_stacks_int4_experts():
@@ -234,5 +234,5 @@ def test_qgrouped_linear_stacks_int4_experts():
     assert plan.name == "grouped_matmul_mosaic"
     assert_close_to_f64(y, grouped_expected(x.astype(np.float64), [w.astype(np.float64) for _, _, w in experts],
                                             sizes), 256)
-    with pytest.raises(KernelArgumentError, match="float activations"):
-        qgrouped_linear(x, qs, sizes, act="dynamic")
+    with pytest.raises(KernelArgumentError, match="float activations"):  # act="dynamic" is W4A8-FP8 (test_w4a8.py)
+        qgrouped_linear(x, qs, sizes, act="static", input_scales=[1.0, 1.0, 1.0])

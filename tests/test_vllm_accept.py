@@ -85,3 +85,56 @@ def test_vllm_tpu_says_what_the_servers_table_records(family, scheme, tmp_path, 
                               capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
         assert recorded[server] in (YES, NO)
         assert verdict_of(done.stdout) == ("OK" if recorded[server] == YES else "REFUSE"), done.stdout[-3000:]
+
+
+# W4A8-FP8 needs what vLLM's kernels take: group 128, input widths multiples of 128 (experts': 256).
+W4A8_SOURCES = {"llama": dict(hidden=256, intermediate=512, layers=1),
+                "qwen3_moe": dict(hidden=256, intermediate=256, layers=1, moe_intermediate_size=256, head_dim=64)}
+
+
+def w4a8_folder(family, tmp_path, capsys):
+    source = make_hf_checkpoint(tmp_path / "src", family, dtype="bfloat16", **W4A8_SOURCES[family])
+    out = tmp_path / "w4a8"
+    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", "w4a8-fp8", "--no-gptq", "-q"],
+                           capsys)
+    assert code == 0, err
+    return source, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(W4A8_SOURCES))
+def test_vllm_loads_w4a8_fp8_as_an_h100_would(family, tmp_path, capsys):
+    # vLLM 0.33 matches W4A8-FP8 on compute capability 9.0 only: vllm_accept.py alone refuses it on a CPU, and
+    # bench/vllm_w4a8.py runs the same check with the platform answered as an H100.
+    from qconvert.schemes.servers import YES, servers
+
+    source, out = w4a8_folder(family, tmp_path, capsys)
+    alone = subprocess.run([str(VENV_PYTHON), CHECK.name, str(out)], cwd=CHECK.parent, capture_output=True,
+                           text=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert verdict_of(alone.stdout) == "REFUSE" and "No compressed-tensors compatible scheme" in alone.stdout
+    done = subprocess.run([str(VENV_PYTHON), str(ROOT / "bench" / "vllm_w4a8.py"), str(out), "--ref", str(source),
+                           "--accept", str(CHECK)], capture_output=True, text=True,
+                          env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert verdict_of(done.stdout) == "OK", done.stdout[-3000:]
+    assert "CompressedTensorsW4A8Fp8" in done.stdout and "bit for bit" in done.stdout
+    assert servers("w4a8-fp8", family)["vLLM GPU"] == YES
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (TPU_PYTHON.exists() and TPU_CHECK.exists()),
+                    reason="vLLM TPU's check needs .vllm-tpu-venv (../shared/vllm-tpu/setup_venv.sh)")
+@pytest.mark.parametrize("family", sorted(W4A8_SOURCES))
+def test_vllm_tpu_loads_w4a8_fp8_where_the_servers_table_says(family, tmp_path, capsys):
+    from qconvert.schemes.servers import YES, servers
+
+    _, out = w4a8_folder(family, tmp_path, capsys)
+    recorded = servers("w4a8-fp8", family)
+    done = subprocess.run([str(TPU_PYTHON), str(ROOT / "bench" / "vllm_tpu_w4a8.py"), str(out), "--impl", "vllm",
+                           "--accept", str(TPU_CHECK)], capture_output=True, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert recorded["vLLM TPU MODEL_IMPL_TYPE=vllm"] == YES
+    assert verdict_of(done.stdout) == "OK", done.stdout[-3000:]
+    auto = subprocess.run([str(TPU_PYTHON), TPU_CHECK.name, str(out), "--impl", "auto"], cwd=TPU_CHECK.parent,
+                          capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    # tpu_accept.py maps no W4A8 array (it calls their values wrong); where auto does not reach them it refuses.
+    assert (verdict_of(auto.stdout) == "REFUSE") == (recorded["vLLM TPU"] != YES), auto.stdout[-3000:]

@@ -13,6 +13,8 @@ dot for the products):
   int4 (W4A16)  x in the model's float dtype  @  (code * its group's weight_scale)^T  + bias
   nf4           x in the model's float dtype @ (NF4 level * absmax, in the model's
                 float dtype)^T + bias
+  w4a8-fp8      x in the model's float dtype, E4M3 per token as fp8's (scale max|x| / 448,
+                float32); the E4M3 values @ (code * its group's weight_scale)^T, * x_scale + bias
 """
 
 from __future__ import annotations
@@ -53,10 +55,9 @@ def folder_linear_output(x: np.ndarray, q: QArray, bias, scheme: str,
     x = np.asarray(x).astype(_model_dtype(q)).astype(np.float64)
     folder_scheme = scheme_named(scheme)
     if folder_scheme.act_modes:
+        # The weight as the folder defines it (per-channel or group scales), times the quantized activations.
         codes, x_scale = folder_scheme.folder_activations(x, input_scale)
-        w_codes = np.asarray(q.qvalue).astype(np.float64)
-        w_scale = np.asarray(q.scale, np.float32).astype(np.float64).reshape(1, -1)
-        y = matmul_nt_f64(codes, w_codes) * x_scale * w_scale
+        y = matmul_nt_f64(codes, folder_scheme.folder_weight(q)) * x_scale
     else:
         y = matmul_nt_f64(x, folder_scheme.folder_weight(q))
     if bias is not None:

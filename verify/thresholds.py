@@ -13,6 +13,8 @@ fails by a wide margin:
 - int4 (16 uniform levels, absmax / 7.5 per group of 128 input columns): ~20 dB
   on Gaussian-like weights, ~16 dB per channel (one absmax over a whole row
   stretches the step). Floor: 12 dB, with whole-model floors a step below nf4's.
+- w4a8-fp8 (int4's weights, E4M3 activations per token): int4's floors. On SmolLM2-135M the
+  activations cost 0.03 dB on the worst linear and 0.009 in KL beside int4's same weights.
 
 Static per-tensor activations (w8a8 --act static) get their own row: one scale
 for every token of a linear's input costs more than per-token scales. Measured

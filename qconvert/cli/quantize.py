@@ -86,7 +86,8 @@ def _group_size(ctx, param, value):
 @click.option("--double-quant", is_flag=True, help="NF4: quantize the absmax values too (bitsandbytes).")
 @click.option("--group-size", default=None, metavar="32|64|128|channel", callback=_group_size,
               help="int4: input columns per weight scale [default: 128, else the largest of 64 and 32 that "
-                   "divides every quantized linear's input width, else channel].")
+                   "divides every quantized linear's input width, else channel]. w4a8-fp8: the same, but never "
+                   "channel (exit 2), and vLLM on GPU reads group 128 only.")
 @click.option("--scale-search/--no-scale-search", default=None,
               help="Search each scale's clipping ratio instead of using the plain absmax (same layout, "
                    "recorded in qconvert.json): int8 per output channel, nf4 per block of 64, w8a8 on "

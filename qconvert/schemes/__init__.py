@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 # name -> "module:class" under qconvert.schemes
 _CLASSES = {"int8": "int8:Int8", "int4": "int4:Int4", "w8a8": "w8a8:W8A8", "fp8": "fp8:FP8", "nf4": "nf4:NF4"}
+_CLASSES["w4a8-fp8"] = "w4a8:W4A8FP8"
 NAMES = tuple(_CLASSES)
 # name -> (what it stores, in one line; the loaders that read its layout, as measured): the scheme's own words,
 # kept here so that `quantize --help` lists them without importing the scheme modules (and JAX).
@@ -34,6 +35,8 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
             "vLLM, vLLM TPU, transformers + compressed-tensors"),
     "nf4": ("NormalFloat-4 weights, blocks of 64 (QLoRA), optional double quantization",
             "transformers + bitsandbytes only (vLLM 0.33 removed bitsandbytes)"),
+    "w4a8-fp8": ("int4 weights per group of 128 input channels, FP8 activations per token at run time (W4AFP8)",
+                 "vLLM (Hopper), vLLM TPU, transformers + compressed-tensors"),
 }
 
 __all__ = ["DESCRIPTIONS", "NAMES", "SCHEMES", "names_where", "scheme_named"]

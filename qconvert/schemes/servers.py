@@ -63,6 +63,13 @@ TABLE: dict[tuple[str, str], str] = {
     ("int4", "gemma3_mm"): "???Y",
     ("w8a8", "gemma3_mm"): "???Y",
     ("nf4", "gemma3_mm"): "N??Y",
+    # W4A8-FP8: vLLM on a simulated H100 (bench/vllm_w4a8.py; vLLM 0.33 matches the scheme on compute capability
+    # 9.0 only), vLLM TPU by bench/vllm_tpu_w4a8.py (tpu-inference requantizes MoE experts per channel).
+    ("w4a8-fp8", "llama"): "YNYY",  # TPU default: the JAX Llama loader has no compressed-tensors weights
+    ("w4a8-fp8", "qwen3"): "YNYY",  # TPU default: the JAX Qwen3 path has no W4A8 scheme
+    ("w4a8-fp8", "gemma3"): "???Y",
+    ("w4a8-fp8", "mixtral"): "YYYY",
+    ("w4a8-fp8", "qwen3_moe"): "YYYY",
 }
 
 
@@ -116,8 +123,8 @@ def tpu_note(key: str, family: str) -> str:
 def _as_flags(key: str, chosen: str | None = None) -> str:
     """A table key as the flags that give it; beside the `chosen` key of the same scheme, the flag that differs
     is spelled out (`w8a8 --act dynamic` next to a chosen `w8a8 --act static`, never a bare `w8a8`)."""
-    scheme, _, variant = key.partition("-")
-    same_scheme = chosen is not None and chosen.partition("-")[0] == scheme and chosen != key
+    scheme, variant = _split_key(key)
+    same_scheme = chosen is not None and _split_key(chosen)[0] == scheme and chosen != key
     if variant == "static":
         return f"{scheme} --act static"
     if variant == "channel":
@@ -125,6 +132,14 @@ def _as_flags(key: str, chosen: str | None = None) -> str:
     if variant:
         return f"{scheme} --group-size {variant[1:]}"
     if same_scheme:
-        chosen_variant = chosen.partition("-")[2]
+        chosen_variant = _split_key(chosen)[1]
         return f"{scheme} --act dynamic" if chosen_variant == "static" else f"{scheme} --group-size 128"
     return scheme
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    """(scheme, variant) of a table key: the longest scheme name it starts with (names may hold a `-`)."""
+    from qconvert.schemes import NAMES
+
+    scheme = max((n for n in NAMES if key == n or key.startswith(n + "-")), key=len, default=key.partition("-")[0])
+    return scheme, key[len(scheme) + 1:]
