@@ -30,6 +30,7 @@ import numpy as np
 from qconvert.calibration.observer import LayerStats
 from qconvert.cluster.share import spread
 from qconvert.formats.errors import UsageError
+from qconvert.formats.qarray import QArray
 from qconvert.formats.record import RecordedScales, SmoothingRecord
 from qconvert.methods.loop import Results, weight_elements
 from qconvert.methods.smooth import GroupScales, channel_map
@@ -71,30 +72,35 @@ def activation_mean(rows: np.ndarray) -> np.ndarray:
 
 def weight_mean(weights: Sequence[np.ndarray], chunks: Sequence[int]) -> np.ndarray:
     """Per input column, the mean over every row of the given [out, in] weights of |w| / (max|w| + 1e-6), the max
-    taken over the `chunk` consecutive elements (in row-major order) quantized together (float32 [in])."""
+    taken over the `chunk` consecutive elements (in row-major order) quantized together (float32 [in], computed in
+    float64)."""
     total, rows = np.zeros(np.shape(weights[0])[1], np.float64), 0
     for w, chunk in zip(weights, chunks):
-        w = np.abs(np.asarray(w, np.float32))
+        w = np.abs(np.asarray(w, np.float64))
         flat = w.reshape(-1)
         padded = np.pad(flat, (0, -len(flat) % chunk))  # a last partial block (NF4's) counts as its own
         blocks = padded.reshape(-1, chunk)
-        normalised = (blocks / (blocks.max(axis=1, keepdims=True) + np.float32(WEIGHT_NORM_EPS)))
-        normalised = normalised.reshape(-1)[:len(flat)].reshape(w.shape)
-        total += normalised.sum(axis=0, dtype=np.float64)
+        normalised = (blocks / (blocks.max(axis=1, keepdims=True) + WEIGHT_NORM_EPS)).reshape(-1)[:len(flat)]
+        total += normalised.reshape(w.shape).sum(axis=0)
         rows += w.shape[0]
     return (total / max(rows, 1)).astype(np.float32)
 
 
 def candidate_scales(act_mean: np.ndarray, w_mean: np.ndarray, candidate: Candidate) -> np.ndarray:
-    """s of one candidate (float32): act^a [/ (w^(1-a) + 1e-4)], clamped at 1e-4, over sqrt(max s * min s)."""
-    alpha = np.float32(candidate.alpha)
-    s = np.power(np.asarray(act_mean, np.float32), alpha)
+    """s of one candidate: act^a [/ (w^(1-a) + 1e-4)], clamped at 1e-4, over sqrt(max s * min s); computed in
+    float64 and rounded once to the float32 the fold and the record use.
+
+    The rounding matters beyond its size: a quantization group's absmax lands on a tie (+-7.5 steps for int4),
+    which the last bit of the scaled weight decides, so s is made the same way everywhere.
+    """
+    alpha = float(candidate.alpha)
+    s = np.power(np.asarray(act_mean, np.float64), alpha)
     if candidate.duo:
-        s = s / (np.power(np.asarray(w_mean, np.float32), np.float32(1) - alpha) + np.float32(MIN_AWQ_SCALE))
-    s = np.maximum(s, np.float32(MIN_AWQ_SCALE))
+        s = s / (np.power(np.asarray(w_mean, np.float64), 1.0 - alpha) + MIN_AWQ_SCALE)
+    s = np.maximum(s, MIN_AWQ_SCALE)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
-    return np.where(np.isfinite(s), s, np.float32(1)).astype(np.float32)
+        s = s / np.sqrt(s.max() * s.min())
+    return np.where(np.isfinite(s), s, 1.0).astype(np.float32)
 
 
 def quantization_chunk(shape: tuple[int, int], block_size: int | None, scale_size: int) -> int:
@@ -114,6 +120,13 @@ def _reference_outputs(x: jax.Array, w: jax.Array) -> jax.Array:
 def _squared_error(x: jax.Array, y: jax.Array, s: jax.Array, w_q: jax.Array) -> jax.Array:
     """sum ((X / s) W_q^T - Y)^2: the output error of the scaled, quantized weight."""
     return jnp.sum((jnp.matmul(x / s[None, :], w_q.T, precision=_HI) - y) ** 2)
+
+
+@jax.jit
+def _dequantized(q: QArray) -> jax.Array:
+    """QArray.dequantize in float32 as one program per shape (eagerly, its few ops cost more than the search's
+    matmuls on small linears)."""
+    return q.dequantize(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,9 +150,12 @@ def search_group(group: SmoothingGroup, inputs: GroupInputs, quantize: QuantizeD
     w_mean = _per_source(weight_mean(list(inputs.weights.values()), [chunks[m] for m in inputs.weights]), index)
     read = np.zeros(len(act), bool)
     read[index] = True
-    refs = {m: (jnp.asarray(inputs.rows[m]), _reference_outputs(jnp.asarray(inputs.rows[m]), jnp.asarray(w)))
-            for m, w in inputs.weights.items() if len(inputs.rows[m])}
-    elements = sum(int(np.prod(y.shape)) for _, y in refs.values())
+    refs = {}
+    for m, w in inputs.weights.items():
+        if len(inputs.rows[m]):
+            x = jnp.asarray(_padded_rows(inputs.rows[m]))
+            refs[m] = (x, _reference_outputs(x, jnp.asarray(w)))
+    elements = sum(len(inputs.rows[m]) * w.shape[0] for m, w in inputs.weights.items() if m in refs)
     errors: dict[str, float] = {}
     best, best_error = None, np.inf
     for candidate in CANDIDATES:
@@ -162,6 +178,14 @@ def search_group(group: SmoothingGroup, inputs: GroupInputs, quantize: QuantizeD
                          "overflows there; fix the checkpoint or convert without --awq")
     candidate, s_source, s_in = best
     return GroupScales(group, candidate.alpha, s_source, s_in), errors
+
+
+def _padded_rows(x: np.ndarray) -> np.ndarray:
+    """Rows [n, in] with zero rows up to a power of two: experts see differing token counts, and zero rows add
+    no error, so a few row counts compile a few programs instead of one per expert."""
+    n = len(x)
+    size = 1 << max(4, (n - 1).bit_length())
+    return np.pad(np.asarray(x, np.float32), ((0, size - n), (0, 0)))
 
 
 def _per_source(values: np.ndarray, index: np.ndarray) -> np.ndarray:
@@ -246,7 +270,7 @@ class AWQ:
 
     def _quantize_dequantize(self, weight: np.ndarray, dtype: np.dtype) -> np.ndarray:
         """The scheme's own rounding of `weight`, back in float32."""
-        return np.asarray(self.scheme.quantize(weight, self.flags, scale_dtype=dtype).dequantize(np.float32))
+        return np.asarray(_dequantized(self.scheme.quantize(weight, self.flags, scale_dtype=dtype)))
 
     def _chunk(self, weight: np.ndarray) -> int:
         """The elements one of the scheme's scales covers in this weight (read from its own QArray)."""
