@@ -99,6 +99,8 @@ def test_llama_int4_awq_records_real_scales_passes_verify_and_loads_in_transform
                                                   "model.layers.0.mlp.up_proj"])
     assert all(len(tried) == 40 for tried in smoothing["alpha_search"].values())
     assert any(np.abs(recorded_scales(record, s) - 1).max() > 1e-3 for s in smoothing["groups"])
+    assert "| rounding | AWQ's per-channel scales (searched on the calibration text below" in \
+        (llama_int4 / "README.md").read_text()  # the model card says so
     code, report, err = verify(llama_int4, capsys)
     assert code == 0 and report["passed"], err
     loads_near_float_in_transformers(llama, llama_int4, 0.98)
