@@ -20,7 +20,6 @@ float model's function is unchanged, and GPTQ then rounds the scaled weights.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
