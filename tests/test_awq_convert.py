@@ -184,3 +184,19 @@ def test_awq_refuses_what_it_cannot_apply_to_in_one_line(llama, tmp_path, capsys
 def test_help_documents_awq(capsys):
     code, out, _ = run_cli(["quantize", "--help"], capsys)
     assert code == 0 and "--awq / --no-awq" in out
+
+
+def test_awq_on_a_decoder_without_a_forward_is_refused_in_one_line(tmp_path, capsys):
+    import transformers
+
+    config = transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                        num_attention_heads=4, vocab_size=96, max_position_embeddings=64)
+    config.architectures = ["GPTNeoXForCausalLM"]
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "neox"))
+    capsys.readouterr()  # transformers' own progress
+    code, _, err = run_cli(["quantize", str(tmp_path / "neox"), "-o", str(tmp_path / "out"), "--scheme", "int4",
+                            "--any-architecture", "--awq", "-q"], capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        "qconvert: error: --awq needs the model's forward pass for calibration, which --any-architecture does not "
+        "have for this model; drop --awq"], err
+    assert not (tmp_path / "out").exists()

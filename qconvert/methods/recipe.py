@@ -20,8 +20,8 @@ from qconvert.calibration.data import BUILTIN, load_calibration
 from qconvert.calibration.observer import check_calibration_fits
 from qconvert.formats.act_stats import ActStats, check_stats_cover, load_act_stats
 from qconvert.formats.errors import UsageError
-from qconvert.formats.record import SmoothingRecord
 from qconvert.formats.layout_base import LayoutFlags
+from qconvert.formats.record import SmoothingRecord
 from qconvert.formats.safetensors_io import sha256_file
 from qconvert.methods.awq import AWQ, check_awq_runs
 from qconvert.methods.gptq import GPTQ, QuantizedStore, SequentialGPTQ
