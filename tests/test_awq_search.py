@@ -67,7 +67,8 @@ def test_awq_chooses_the_reference_scales_and_beats_rounding_on_held_out_rows(ou
         return np.asarray(scheme.quantize(weight, flags, scale_dtype=dtype).dequantize(np.float32))
 
     found, errors = search_group(SmoothingGroup("norm", (linear,)),
-                                 GroupInputs({linear: w}, {linear: np.dtype(np.float32)}, {linear: x}, x),
+                                 GroupInputs({linear: w}, {linear: np.dtype(np.float32)}, {linear: x},
+                                             np.abs(x.astype(np.float64)).mean(axis=0).astype(np.float32)),
                                  quantize, {linear: group})
     alpha, duo, s, error = numpy_awq(w, x, group)
     chosen = min(errors, key=errors.get)

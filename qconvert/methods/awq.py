@@ -2,14 +2,14 @@
 quantized weights give the group's linears the least output error on calibration rows, folded as SmoothQuant's is.
 
 For a group (a norm or a linear feeding some linears), input channel j gets
-s_j from two statistics: act_mean_j = mean |x_j| over the calibration rows the
-loop keeps, and w_mean_j, the mean over the group's quantized linears' rows of
+s_j from two statistics: act_mean_j = mean |x_j| over every calibration token,
+and w_mean_j, the mean over the group's quantized linears' rows of
 |w_ij| / max|w| of the quantization group (or block, or row) holding w_ij. The
 candidates are llm-compressor's AWQModifier(duo_scaling="both"), on a grid of
 alphas 0, 0.05, ..., 0.95: act_mean^a alone, and act_mean^a / (w_mean^(1-a) +
 1e-4), each clamped at >= 1e-4 and normalised by sqrt(max s * min s). A
-candidate's error is the mean squared difference between the float linears'
-outputs X W^T and (X / s) Q(W * s)^T, Q being the scheme's own quantize and
+candidate's error is the mean squared difference, on the calibration rows the
+loop keeps, between the float linears' outputs X W^T and (X / s) Q(W * s)^T, Q being the scheme's own quantize and
 dequantize, so int4, nf4, int8 and any other scheme are searched alike; the
 first least error wins (alpha 0 alone is s = 1, so AWQ never does worse than
 plain rounding on those rows). The chosen s folds into the source exactly as
@@ -62,11 +62,6 @@ class Candidate:
 
 # llm-compressor's order for "both": each alpha without duo scaling, then with it (the first least error wins).
 CANDIDATES = tuple(Candidate(a, duo) for a in AWQ_ALPHAS for duo in (False, True))
-
-
-def activation_mean(rows: np.ndarray) -> np.ndarray:
-    """mean |x| per input channel of rows [n, in] (float32 [in], summed in float64)."""
-    return np.mean(np.abs(np.asarray(rows, np.float64)), axis=0).astype(np.float32)
 
 
 def weight_mean(weights: Sequence[np.ndarray], chunks: Sequence[int]) -> np.ndarray:
@@ -131,21 +126,20 @@ def _dequantized(q: QArray) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class GroupInputs:
     """What one group's search reads: its quantized linears' float32 weights and dtypes, each one's input rows,
-    and the rows act_mean is taken over."""
+    and act_mean, the mean |x| per input channel over every calibration token (float32 [in])."""
 
     weights: dict[str, np.ndarray]
     dtypes: dict[str, np.dtype]
     rows: dict[str, np.ndarray]
-    mean_rows: np.ndarray
+    act_mean: np.ndarray
 
 
 def search_group(group: SmoothingGroup, inputs: GroupInputs, quantize: QuantizeDequantize,
                  chunks: Mapping[str, int]) -> tuple[GroupScales, dict[str, float]]:
     """The candidate whose scales give the group's quantized linears the least mean squared output error, as
     GroupScales (alpha the candidate's), and every candidate's error by its key."""
-    width = inputs.mean_rows.shape[1]
-    index = channel_map(group, width)
-    act = _per_source(activation_mean(inputs.mean_rows), index)
+    index = channel_map(group, len(inputs.act_mean))
+    act = _per_source(inputs.act_mean, index)
     w_mean = _per_source(weight_mean(list(inputs.weights.values()), [chunks[m] for m in inputs.weights]), index)
     read = np.zeros(len(act), bool)
     read[index] = True
@@ -256,13 +250,13 @@ class AWQ:
         """One group searched on its layer's rows (None where no calibration row reached its linears)."""
         samples = stats.input_samples
         quantized = [m for m in group.linears if m in self.quantized]
-        mean_rows = _rows_for_mean(group, samples)
-        if mean_rows is None or not any(len(samples[m]) for m in quantized):
+        act_mean = _group_act_mean(group, stats.input_abs_mean)
+        if act_mean is None or not any(len(samples[m]) for m in quantized):
             return None, None
         raw = {m: np.asarray(results.params[f"{m}.weight"]) for m in quantized}
         inputs = GroupInputs({m: w.astype(np.float32) for m, w in raw.items()},
                              {m: w.dtype for m, w in raw.items()},
-                             {m: np.asarray(samples[m], np.float32) for m in quantized}, mean_rows)
+                             {m: np.asarray(samples[m], np.float32) for m in quantized}, act_mean)
         chunks = {m: self._chunk(w) for m, w in raw.items()}
         scales, errors = search_group(group, inputs, self._quantize_dequantize, chunks)
         return written_scales(scales, results.params), errors
@@ -293,13 +287,13 @@ class AWQ:
             alpha_search=searched or None, method="awq")
 
 
-def _rows_for_mean(group: SmoothingGroup, samples: Mapping[str, np.ndarray]) -> np.ndarray | None:
-    """The rows act_mean is taken over: a linear of the group that reads every token (not an expert, which
-    sees only the tokens routed to it: the router or the shared expert), else the first with rows."""
-    everyone = [m for m in group.linears if ".experts." not in m and len(samples.get(m, ())) > 0]
-    routed = [m for m in group.linears if len(samples.get(m, ())) > 0]
-    chosen = (everyone or routed or [None])[0]
-    return None if chosen is None else np.asarray(samples[chosen], np.float32)
+def _group_act_mean(group: SmoothingGroup, abs_means: Mapping[str, np.ndarray]) -> np.ndarray | None:
+    """act_mean of the group's input, from a linear of the group that reads every token (not an expert, which
+    sees only the tokens routed to it: the router or the shared expert), else the first any token reached."""
+    everyone = [m for m in group.linears if ".experts." not in m and m in abs_means]
+    reached = [m for m in group.linears if m in abs_means]
+    chosen = (everyone or reached or [None])[0]
+    return None if chosen is None else np.asarray(abs_means[chosen], np.float32)
 
 
 def _encoded(found: tuple[GroupScales | None, dict[str, float] | None]) -> tuple[dict, dict]:
