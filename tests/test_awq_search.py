@@ -2,6 +2,8 @@
 duo-scaling grid, the output error with round-to-nearest int4), on linears of SmolLM2's MLP shapes with outlier
 input channels: the same candidate and scales, the same error, and a held-out output error below plain rounding's."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -92,3 +94,23 @@ def test_candidate_scales_follow_llm_compressors_formula_and_normalisation():
     np.testing.assert_allclose(candidate_scales(act, w_mean, Candidate(0.5, True)),
                                duo / np.sqrt(duo.max() * duo.min()), rtol=1e-6)
     np.testing.assert_array_equal(candidate_scales(act, w_mean, Candidate(0.0, False)), np.ones(3, np.float32))
+
+
+def test_the_observer_s_input_abs_mean_is_the_mean_over_every_token(tmp_path):
+    """Few enough tokens that the kept rows are all of them: act_mean must be their mean |x|, in three batches."""
+    from checkpoints import make_llama_checkpoint
+
+    from qconvert.calibration.data import random_windows
+    from qconvert.calibration.observer import iter_layer_stats, open_params
+    from qconvert.models import build
+
+    folder = make_llama_checkpoint(tmp_path / "src", hidden=64, layers=1, heads=4, kv_heads=2, intermediate=96,
+                                   vocab=128, outlier_channels=(3,))
+    model, params = build(json.loads((folder / "config.json").read_text())), open_params(folder)
+    keep = {"model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"}
+    stats = next(iter_layer_stats(model, params, random_windows(128, 5, 16, seed=0), batch_size=2, keep_inputs=keep))
+    for m in keep:
+        rows = stats.input_samples[m]
+        assert rows.shape == (80, stats.act_absmax[m].shape[0])
+        np.testing.assert_allclose(stats.input_abs_mean[m], np.abs(rows.astype(np.float64)).mean(axis=0), rtol=1e-6)
+    assert set(stats.input_abs_mean) == keep
