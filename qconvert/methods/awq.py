@@ -9,8 +9,9 @@ candidates are llm-compressor's AWQModifier(duo_scaling="both"), on a grid of
 alphas 0, 0.05, ..., 0.95: act_mean^a alone, and act_mean^a / (w_mean^(1-a) +
 1e-4), each clamped at >= 1e-4 and normalised by sqrt(max s * min s). A
 candidate's error is the mean squared difference, on the calibration rows the
-loop keeps, between the float linears' outputs X W^T and (X / s) Q(W * s)^T, Q being the scheme's own quantize and
-dequantize, so int4, nf4, int8 and any other scheme are searched alike; the
+loop keeps, between the float linears' outputs X W^T and (X / s) Q(W * s)^T,
+Q being the scheme's own quantize and dequantize, so int4, nf4, int8 and any
+other scheme are searched alike; the
 first least error wins (alpha 0 alone is s = 1, so AWQ never does worse than
 plain rounding on those rows). The chosen s folds into the source exactly as
 SmoothQuant's scales (smooth.TensorFold, Gemma's stored gain included), so the
