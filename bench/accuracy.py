@@ -79,6 +79,9 @@ CONFIGS = {
     "nf4-gptq": ("nf4", GPTQ, {}),
     "fp8-gptq": ("fp8", GPTQ, {}),
     "int4-default": ("int4", {}, {}),
+    "int4-g64-gptq": ("int4", {**GPTQ, "group_size": 64}, {}),
+    "int4-g64-awq": ("int4", {**RTN, "group_size": 64, "awq": True}, {}),
+    "int4-g64-awq-gptq": ("int4", {**GPTQ, "group_size": 64, "awq": True}, {}),
     "w8a8-default": ("w8a8", {}, {}),
     "w8a8-static-default": ("w8a8", {"act": "static"}, {}),
 }

@@ -160,11 +160,13 @@ def _convert_source(source: SourceModel, out: Path, options: ConvertOptions, pro
     with contextlib.ExitStack() as scratch:
         gptq = _sequential_gptq(source, plan, options, out, scratch)
         adjustments = Adjustments()
-        if (scheme.calibrates or gptq) and not (options.dry_run and (not options.static_act or plan.refusal)):
+        if (scheme.calibrates or gptq or options.awq) and not (options.dry_run
+                                                               and (not options.static_act or plan.refusal)):
             calibration_started = time.perf_counter()
             agree_run(source, options, plan)
             with stage("calibration"):
-                adjustments = prepare_adjustments(source, options, message, plan.quantized_modules, gptq)
+                adjustments = prepare_adjustments(source, options, message, plan.quantized_modules, gptq,
+                                                  plan.flags)
             if adjustments.calibration_record is not None:
                 phases.append(("calibrated", time.perf_counter() - calibration_started))
         if options.static_act and not plan.refusal:
@@ -245,7 +247,7 @@ def agree_run(source: SourceModel, options: ConvertOptions, plan: ConversionPlan
     calib = options.calibration
     cluster.agree_settings({
         "--scheme": options.scheme, "flags": options.recorded_flags(plan.flags), "--gptq": options.uses_gptq,
-        "--gptq-damp": options.gptq_damp, "--gptq-act-order": options.gptq_act_order,
+        "--gptq-damp": options.gptq_damp, "--gptq-act-order": options.gptq_act_order, "--awq": options.awq,
         "--calib-samples": calib.calib_samples if calib else None, "--calib-seqlen": calib.calib_seqlen if calib else None,
         "--alpha": calib.alpha if calib else None, "--no-smooth": (not calib.smooth) if calib else None})
     agree_source(source)

@@ -134,7 +134,8 @@ class CalibrationOptions:
 PRESENTATION_OPTIONS = ("overwrite", "dry_run", "any_architecture", "workers")
 # The calibration and smoothing choices are recorded in full as qconvert.json's
 # `calibration` and `smoothing`, not among the flags.
-RECORDED_ELSEWHERE = ("calibration", "gptq", "gptq_damp", "gptq_act_order")  # GPTQ's: as `rounding`
+RECORDED_ELSEWHERE = ("calibration", "gptq", "gptq_damp", "gptq_act_order",  # GPTQ's: as `rounding`
+                      "awq")  # AWQ's: as `smoothing`, method "awq"
 # Recorded only for the schemes that take them (so other schemes' records stay as they were).
 SCHEME_ONLY_OPTIONS = ("group_size",)
 # Recorded only when given (it changes the model card alone), under the flag's own name.
@@ -171,6 +172,8 @@ class ConvertOptions:
     gptq: bool | None = None
     gptq_damp: float | None = None    # None: qconvert.methods.gptq_core.DEFAULT_DAMP
     gptq_act_order: bool = False
+    # AWQ's per-channel scales searched on calibration rows and folded before rounding (qconvert.methods.awq).
+    awq: bool = False
     # The Hub repository (OWNER/NAME) OUT is written for (--upload-repo): the model card loads from there.
     card_repo: str | None = None
 
@@ -182,7 +185,8 @@ class ConvertOptions:
         _check_gptq(self, scheme)
         text_only = self.calibration is not None and not _smoothing_given(self.calibration) and not self.static_act
         scheme.check_options(act=self.act, double_quant=self.double_quant, group_size=self.group_size,
-                             calibrates=self.calibration is not None and not (self.uses_gptq and text_only))
+                             calibrates=self.calibration is not None
+                             and not ((self.uses_gptq or self.awq) and text_only))
         if self.group_size is not None and self.group_size not in GROUP_SIZE_CHOICES:
             raise UsageError(f"--group-size must be 32, 64, 128 or channel, not {self.group_size!r}")
         if self.max_shard_size <= 0:
@@ -194,10 +198,12 @@ class ConvertOptions:
             raise UsageError(f"--workers {self.workers} is more than {prefetch.WORKERS_PER_CORE} threads per core "
                              f"({prefetch.max_workers()} on this machine's {prefetch.available_cores()} cores); "
                              f"give at most {prefetch.max_workers()}")
-        if scheme.calibrates or self.uses_gptq:
+        if scheme.calibrates or self.uses_gptq or self.awq:
             if self.calibration is None:
                 object.__setattr__(self, "calibration", CalibrationOptions())
             _check_calibration(self.calibration)
+        if self.awq:
+            _check_awq(scheme, self.calibration)
 
     @property
     def scheme_object(self) -> Scheme:
@@ -256,6 +262,19 @@ def _check_gptq(options: ConvertOptions, scheme: Scheme) -> None:
     if (damp is not None or options.gptq_act_order) and not options.uses_gptq:
         raise UsageError("--gptq-damp and --gptq-act-order apply with GPTQ only: pass --gptq "
                          f"(on by default for --scheme {_default_gptq_schemes()})")
+
+
+def _check_awq(scheme: Scheme, calibration: CalibrationOptions) -> None:
+    """Refuse --awq where it cannot apply: a scheme SmoothQuant smooths (w8a8: the same groups, scaled for its
+    int8 activations), and a statistics file instead of calibration (it holds no rows to search on)."""
+    from qconvert.schemes import names_where
+
+    if scheme.calibrates:
+        raise UsageError(f"--awq applies to --scheme {names_where(lambda s: not s.calibrates)}; --scheme "
+                         f"{scheme.name} scales the same groups by SmoothQuant (--alpha)")
+    if calibration.act_stats is not None:
+        raise UsageError("--awq searches on calibration rows, which a statistics file does not hold; drop "
+                         "--act-stats")
 
 
 def _gptq_schemes() -> str:

@@ -79,6 +79,7 @@ CASES = {
     "llama-int4-gptq": ("llama", ["--scheme", "int4"]),
     "llama-w8a8-alpha-search-gptq": ("llama", ["--scheme", "w8a8", "--gptq"]),
     "qwen3_moe-int4-gptq": ("qwen3_moe", ["--scheme", "int4"]),
+    "llama-int4-awq-gptq": ("llama", ["--scheme", "int4", "--awq"]),
 }
 
 

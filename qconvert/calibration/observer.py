@@ -59,6 +59,9 @@ class LayerStats:
     # read the same input (q/k/v, gate/up) hold the same array. n: the tokens each saw (0: none).
     hessians: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
     hessian_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    # module -> mean |x| per input channel over every calibration token it saw (float32 [in]), for the modules
+    # whose rows are kept; absent for one no token reached.
+    input_abs_mean: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 def layer_relative(name: str) -> str:
@@ -116,6 +119,9 @@ def _observer(keep_inputs: frozenset[str], rows_per_batch: int, hessians: frozen
             index = (np.arange(min(rows_per_batch, n)) * step) % n
             out["rows"] = flat[index]
             out["valid"] = ok[index]
+            # sum |x| over every valid token (AWQ's act_mean), beside the sample of rows.
+            out["abs_sum"] = jnp.sum(jnp.where(ok[:, None], jnp.abs(flat), 0.0), axis=0)
+            out["tokens"] = jnp.sum(ok.astype(jnp.int32))
         return out
 
     return observe
@@ -183,7 +189,7 @@ def _layer_stats(index: int, observed: dict[str, list], keep_inputs: frozenset[s
     sums = {name: (per_batch[0].pop("hessian"), per_batch[0].pop("count"))
             for name, per_batch in observed.items() if "hessian" in per_batch[0]}  # stay on the device
     observed = jax.device_get(observed)  # the layer's statistics to the host in one transfer
-    absmax, samples = {}, {}
+    absmax, samples, abs_mean = {}, {}, {}
     for name, per_batch in observed.items():
         absmax[name] = np.max(np.stack([np.asarray(o["absmax"]) for o in per_batch]), axis=0)
         if not np.isfinite(absmax[name]).all():  # checked where it appears: no step ever sees NaN statistics
@@ -193,6 +199,11 @@ def _layer_stats(index: int, observed: dict[str, list], keep_inputs: frozenset[s
         if name in keep_inputs:
             rows = np.concatenate([np.asarray(o["rows"])[np.asarray(o["valid"])] for o in per_batch])
             samples[name] = rows[:sample_rows]
+            # Each batch's sum, added in batch order in float64: the same whatever device ran which batch.
+            count = sum(int(o["tokens"]) for o in per_batch)
+            if count:
+                total = np.sum(np.stack([np.asarray(o["abs_sum"], np.float64) for o in per_batch]), axis=0)
+                abs_mean[name] = (total / count).astype(np.float32)
     hessians, tokens = {}, {}
     by_relative = {layer_relative(name): name for name in observed}
     for name in observed:
@@ -203,7 +214,7 @@ def _layer_stats(index: int, observed: dict[str, list], keep_inputs: frozenset[s
             if owner not in hessians:
                 hessians[owner] = total * (2.0 / max(tokens[name], 1))
             hessians[name] = hessians[owner]
-    return LayerStats(index, absmax, samples, hessians, tokens)
+    return LayerStats(index, absmax, samples, hessians, tokens, abs_mean)
 
 
 def _head_observed(model, params: Mapping, hidden: jax.Array, attention_mask, observe,

@@ -107,6 +107,13 @@ def _group_size(ctx, param, value):
 @click.option("--gptq-act-order", is_flag=True,
               help="GPTQ rounds columns in order of decreasing Hessian diagonal; the scales stay fixed per group "
                    "(static groups), so no permutation is written.")
+@click.option("--awq/--no-awq", default=False,
+              help="AWQ: per smoothing group (norm -> q/k/v, v -> o, norm -> gate/up, up -> down; each expert's), "
+                   "search a per-channel scale on calibration rows (alpha grid 0..0.95, with and without the "
+                   "weights' mean) for the least output error of the scheme's own rounding, and fold it exactly "
+                   "into the norm or linear before it; GPTQ then rounds the scaled weights. Same layout; the "
+                   "scales are recorded in qconvert.json and verify checks them. Default: off. Not with w8a8 "
+                   "(SmoothQuant scales those groups) or --act-stats.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Threads reading and quantizing ahead of the writer [default: one per core; at most 4 per "
                    "core]; same output bytes.")
@@ -133,7 +140,7 @@ def _group_size(ctx, param, value):
 @cluster_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
              exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, group_size, scale_search: bool | None,
-             gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool, workers: int | None,
+             gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool, awq: bool, workers: int | None,
              overwrite: bool, dry_run: bool, upload_repo: str | None, public: bool, any_architecture: bool,
              quiet: bool, as_json: bool, verbose: bool, **calibration_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT.
@@ -160,7 +167,7 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
                              group_size=group_size, scale_search=scale_search, overwrite=overwrite, dry_run=dry_run,
                              act=calibration_flags["act"], any_architecture=any_architecture, workers=workers,
                              calibration=_calibration_options_from(scheme, calibration_flags), gptq=gptq, gptq_damp=gptq_damp,
-                             gptq_act_order=gptq_act_order,
+                             gptq_act_order=gptq_act_order, awq=awq,
                              card_repo=upload_repo if upload_repo and "/" in upload_repo else None)
     result = run_with_progress(
         lambda stages, progress: convert(model, out, options, progress=progress, message=stages),

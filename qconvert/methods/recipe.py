@@ -20,8 +20,10 @@ from qconvert.calibration.data import BUILTIN, load_calibration
 from qconvert.calibration.observer import check_calibration_fits
 from qconvert.formats.act_stats import ActStats, check_stats_cover, load_act_stats
 from qconvert.formats.errors import UsageError
+from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.record import SmoothingRecord
 from qconvert.formats.safetensors_io import sha256_file
+from qconvert.methods.awq import AWQ, check_awq_runs
 from qconvert.methods.gptq import GPTQ, QuantizedStore, SequentialGPTQ
 from qconvert.cluster.share import agree_settings, same_windows
 from qconvert.methods.loop import Calibration, Results, Step, run_layers
@@ -60,12 +62,15 @@ class Adjustments:
 
 
 def choose_steps(source: SourceModel, options: ConvertOptions, linears: Sequence[str],
-                 quantized_modules: Sequence[str], gptq: SequentialGPTQ | None) -> list[Step]:
+                 quantized_modules: Sequence[str], gptq: SequentialGPTQ | None,
+                 flags: LayoutFlags | None = None) -> list[Step]:
     """The run's methods, in the order they see each layer: a method is one line here."""
     scheme, calib, static = options.scheme_object, options.calibration, options.static_act
     steps: list[Step] = []
     if scheme.calibrates and calib.smooth:
         steps.append(SmoothQuant(source.model, source.family, calib, static))
+    if options.awq:  # before GPTQ, which then rounds the scaled weights
+        steps.append(AWQ(source.model, source.family, scheme, flags or LayoutFlags(), quantized_modules))
     if scheme.calibrates and options.searches_scales and calib.act_stats is None:
         steps.append(ScaleSearch(linears, static))
     if gptq is not None:
@@ -75,23 +80,26 @@ def choose_steps(source: SourceModel, options: ConvertOptions, linears: Sequence
 
 def prepare_adjustments(source: SourceModel, options: ConvertOptions,
                         progress: Reporter | Callable[[str], None] | None = None,
-                        quantized_modules: Sequence[str] = (), gptq: SequentialGPTQ | None = None) -> Adjustments:
+                        quantized_modules: Sequence[str] = (), gptq: SequentialGPTQ | None = None,
+                        flags: LayoutFlags | None = None) -> Adjustments:
     """Calibrate (or load statistics) and run the chosen steps on `source`; with `gptq`, round the quantized
-    modules by GPTQ during calibration (any scheme).
+    modules by GPTQ during calibration (any scheme); with --awq, search AWQ's scales for the layout `flags`.
 
     `source` is the pipeline's opened model: calibration reads the very weights
     that are then written. Plain per-token W8A8 (no smoothing, dynamic) without
     GPTQ needs no statistics and gets no adjustments.
     """
     calib, scheme, static = options.calibration, options.scheme_object, options.static_act
-    if gptq is None and (not scheme.calibrates or not (calib.smooth or static)):
+    if options.awq:
+        check_awq_runs(source.weight_only is not None)
+    elif gptq is None and (not scheme.calibrates or not (calib.smooth or static)):
         return Adjustments()
     progress = as_reporter(progress)
     params = source.params
     linears = source.family.linear_names(params)
     # Static scales for an included head (lm_head) too; any other included linear is refused here.
     head = head_linears_for_static(source, linears, quantized_modules) if static else []
-    steps = choose_steps(source, options, linears, quantized_modules, gptq)
+    steps = choose_steps(source, options, linears, quantized_modules, gptq, flags)
     results = Results(params)
     if calib.act_stats is not None:
         stats = _loaded_stats(calib.act_stats, params, [*linears, *head])

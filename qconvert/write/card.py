@@ -74,12 +74,14 @@ def _flags_line(record: ConversionRecord, act_applies: bool) -> str:
 
 
 def _rounding_line(record: ConversionRecord) -> str:
-    """How the weights were rounded: GPTQ with its settings, or to nearest."""
+    """How the weights were rounded: GPTQ with its settings, or to nearest (after AWQ's scales, where folded)."""
     rounding = record.rounding or {}
+    awq = ("AWQ's per-channel scales (searched on the calibration text below, folded into the norms and linears "
+           "before them), then " if record.smoothing is not None and record.smoothing.method == "awq" else "")
     if rounding.get("method") == "gptq":
-        return (f"| rounding | GPTQ (dampening {rounding.get('damp')}, act order "
+        return (f"| rounding | {awq}GPTQ (dampening {rounding.get('damp')}, act order "
                 f"{'on' if rounding.get('act_order') else 'off'}) on the calibration text below |")
-    return "| rounding | to nearest |"
+    return f"| rounding | {awq}to nearest |"
 
 
 def _calibration_line(record: ConversionRecord) -> list[str]:
