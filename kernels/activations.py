@@ -76,3 +76,17 @@ def fake_quantize_fp8_rows(x, scale=None) -> jax.Array:
     """x [M, K] through quantize_fp8_activations and back: the E4M3 codes times their scale, in float32."""
     x_q, x_scale = quantize_fp8_activations(x, scale)
     return x_q.astype(jnp.float32) * (x_scale[:, None] if scale is None else x_scale[0])
+
+
+def e4m3_rows(x) -> tuple[jax.Array, jax.Array]:
+    """(E4M3 values of x [M, K] per token, in float32; their scales [M, 1] float32)."""
+    x_q, x_scale = quantize_fp8_activations(x)
+    return x_q.astype(jnp.float32), x_scale.reshape(-1, 1)
+
+
+def rescale_rows(y: jax.Array, x_scale: jax.Array, bias, out_dtype) -> jax.Array:
+    """W4A8-FP8's epilogue: y [M, N] (the dot of E4M3 values) times each token's scale [M, 1], plus the bias."""
+    y = y * x_scale
+    if bias is not None:
+        y = y + jnp.asarray(bias, jnp.float32).reshape(1, -1)
+    return y.astype(out_dtype)

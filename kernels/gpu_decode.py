@@ -73,7 +73,7 @@ def split_partials(x_parts, w, scales, zero, *, fmt_name: str, tiling: Tiling, s
     steps = kp // tk // split
     acc_type = acc_dtype(fmt, x_parts[0].dtype)
     mt, nt = mp // tm, np_ // tn
-    per_channel = fmt.step_scales and fmt.name == "int4" and group_size is None
+    per_channel = fmt.column_groups and group_size is None
     operands = list(x_parts) + [w]
     if mode == "swapab":
         grid = (nt, mt, split)

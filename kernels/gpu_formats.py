@@ -33,7 +33,12 @@ class WeightFormat:
     reads tk/2 bytes); codes_dot: x is int8 or E4M3 codes that meet the weight's
     codes undecoded (W8A8: x_scale and w_scale in the epilogue); channel_scale:
     the epilogue multiplies by a per-output-channel scale; step_scales: scale
-    columns per K step (NF4 absmax blocks, int4 groups) decoded into the tile.
+    columns per K step (NF4 absmax blocks, int4 groups) decoded into the tile;
+    lookup: codes index NF4's table (high nibble first, fixed 64-blocks);
+    column_groups: a scale per group of input columns, or one per channel when
+    the group size is None (int4, low nibble first); float_codes: x's codes are
+    E4M3 (fp8), else int8; weight_only: the format the same weight serves as
+    with float x (act None), where there is one (int8 codes as W8A16).
     """
 
     name: str
@@ -42,14 +47,18 @@ class WeightFormat:
     codes_dot: bool = False
     channel_scale: bool = False
     step_scales: bool = False
+    lookup: bool = False
+    column_groups: bool = False
+    float_codes: bool = False
+    weight_only: str | None = None
 
 
 FORMATS = {f.name: f for f in (
-    WeightFormat("int8", "int8_matmul", codes_dot=True, channel_scale=True),
-    WeightFormat("fp8", "fp8_matmul", codes_dot=True, channel_scale=True),
+    WeightFormat("int8", "int8_matmul", codes_dot=True, channel_scale=True, weight_only="w8a16"),
+    WeightFormat("fp8", "fp8_matmul", codes_dot=True, channel_scale=True, float_codes=True),
     WeightFormat("w8a16", "int8_weight_matmul", channel_scale=True),
-    WeightFormat("nf4", "nf4_matmul", packed=True, step_scales=True),
-    WeightFormat("int4", "int4_weight_matmul", packed=True, step_scales=True),
+    WeightFormat("nf4", "nf4_matmul", packed=True, step_scales=True, lookup=True),
+    WeightFormat("int4", "int4_weight_matmul", packed=True, step_scales=True, column_groups=True),
 )}
 
 
@@ -60,7 +69,7 @@ def acc_dtype(fmt: WeightFormat, x_dtype) -> jnp.dtype:
 
 def step_columns(fmt: WeightFormat, tk: int, group_size: int | None) -> int:
     """Scale columns one K step of tk codes reads: tk/64 NF4 blocks, tk/group int4 groups (1 per channel)."""
-    if fmt.name == "nf4":
+    if fmt.lookup:
         return tk // NF4_BLOCK_SIZE
     return 1 if group_size is None else tk // group_size
 
@@ -91,11 +100,11 @@ def step_pairs(fmt: WeightFormat, x_refs, w_ref, s_ref, z_ref, k, *, tk: int, co
     w = _at(w_ref, g, cols)
     if fmt.codes_dot:
         return [(xs[0], w)]
-    if fmt.name == "w8a16":
+    if not fmt.step_scales:  # W8A16: int8 codes cast exactly, the channel scale after the dot
         return [(xs[0], w.astype(xs[0].dtype))]
     packed = w.astype(jnp.int32)
     scales = _scale_columns(s_ref, k, columns, per_channel, g)
-    if fmt.name == "nf4":
+    if fmt.lookup:
         # High nibbles are the earlier columns (bitsandbytes); 32 bytes share one absmax.
         scale = group_scale_columns(scales, packed.shape, NF4_BLOCK_SIZE // 2)
         first, second = nf4_level(packed >> 4), nf4_level(packed & 0xF)

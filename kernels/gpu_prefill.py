@@ -111,7 +111,7 @@ def pipelined_matmul(x_parts, w, scales, zero, x_scale, w_scale, bias, *, fmt_na
     if bias is not None:
         operands.append(bias)
         in_specs.append(col_vec())
-    per_channel = fmt.name == "int4" and group_size is None
+    per_channel = fmt.column_groups and group_size is None
     kernel = functools.partial(_pipelined_kernel, fmt=fmt, tk=tk, steps=kp // tk, n_x=len(x_parts),
                                has_scales=scales is not None, has_zero=zero is not None, per_channel=per_channel,
                                columns=step_columns(fmt, tk, group_size), acc_type=acc_dtype(fmt, x_parts[0].dtype),

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from qconvert.formats.qarray import NF4_BLOCK_SIZE, NF4_LEVELS, QArray
 from qconvert.kernels import gpu_decode, gpu_dense, gpu_prefill, reference, tpu_dense
-from qconvert.kernels.activations import quantize_activations, quantize_fp8_activations
+from qconvert.kernels.activations import e4m3_rows, quantize_activations, quantize_fp8_activations, rescale_rows
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.gpu_formats import FORMATS
 from qconvert.kernels.gpu_tuning import Variant
@@ -86,11 +86,11 @@ def prepare_int4(codes, scale, group_size: int | None, zero=None) -> PreparedWei
 def dequantize(weight: PreparedWeight, dtype) -> jax.Array:
     """The weight [N, K] in `dtype` as the kernels decode it: int8 / E4M3 codes cast (their scale applies after
     the dot), NF4 level * absmax and int4 (q - z) * scale in float32, then cast."""
-    n, k = weight.n, weight.k
-    if weight.kind in ("int8", "fp8"):
+    n, k, fmt = weight.n, weight.k, FORMATS[weight.kind]
+    if fmt.codes_dot:
         return weight.w.astype(dtype)
     packed = weight.w.astype(jnp.int32)
-    if weight.kind == "nf4":
+    if fmt.lookup:
         codes = jnp.stack([packed >> 4, packed & 0xF], axis=-1).reshape(n, k)
         values = jnp.asarray(NF4_LEVELS, jnp.float32)[codes]
         scale, zero = jnp.repeat(weight.scale, NF4_BLOCK_SIZE, axis=1), None
@@ -105,12 +105,13 @@ def dequantize(weight: PreparedWeight, dtype) -> jax.Array:
 
 
 def _format(weight: PreparedWeight, act: str | None) -> str:
-    if weight.kind == "int8":
-        return "w8a16" if act is None else "int8"
-    if weight.kind == "fp8" and act is None:
-        raise KernelArgumentError("prepared_matmul: fp8 weights quantize float activations to E4M3 first: pass "
+    fmt = FORMATS[weight.kind]
+    if act is None and fmt.weight_only:
+        return fmt.weight_only
+    if fmt.codes_dot and act is None:
+        raise KernelArgumentError(f"prepared_matmul: {weight.kind} weights quantize float activations first: pass "
                                   "act='dynamic' (per token) or act='static' with input_scale")
-    if weight.kind in ("nf4", "int4") and act is not None:
+    if not fmt.codes_dot and act is not None:
         raise KernelArgumentError(f"prepared_matmul: {weight.kind} weights take float activations; drop act")
     return weight.kind
 
@@ -121,7 +122,7 @@ def prepared_matmul(x, weight: PreparedWeight, bias=None, *, act: str | None = N
     """y [M, N] = x [M, K] . W^T (+ bias) for a prepared weight, through the kernel its plan names.
 
     act (None, "dynamic" or "static" with input_scale) quantizes x to int8 or E4M3 first for int8 (W8A8) and
-    fp8 weights, as qlinear does. tiling and variant (gpu_tuning.Variant) override the plan's choice on GPU.
+    fp8 weights, as qlinear does; act="dynamic" on an int4 weight is W4A8-FP8 (E4M3 per token, kernels.w4a8). tiling and variant (gpu_tuning.Variant) override the plan's choice on GPU.
     """
     x = jnp.asarray(x)
     if x.ndim != 2 or x.shape[1] != weight.k:
@@ -131,14 +132,21 @@ def prepared_matmul(x, weight: PreparedWeight, bias=None, *, act: str | None = N
                                   f"takes input_scale), got act={act!r}")
     if bias is not None and jnp.size(bias) != weight.n:
         raise KernelArgumentError(f"prepared_matmul: bias must be [{weight.n}], got shape {jnp.shape(bias)}")
+    if act == "dynamic" and FORMATS[weight.kind].column_groups:
+        # W4A8-FP8: E4M3 per token ahead of the int4 kernel, the token scale after it (kernels.w4a8).
+        x_e4m3, x_scale = e4m3_rows(x)
+        y, plan = prepared_matmul(x_e4m3, weight, out_dtype=jnp.float32, backend=backend, tiling=tiling,
+                                  variant=variant, return_plan=True)
+        return plan_result(rescale_rows(y, x_scale, bias, jnp.dtype(x.dtype if out_dtype is None else out_dtype)),
+                           plan, return_plan)
     fmt_name = _format(weight, act)
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     x_scale = None
-    if fmt_name in ("int8", "fp8"):
-        quantize = quantize_activations if fmt_name == "int8" else quantize_fp8_activations
-        x, x_scale = quantize(x, input_scale)
     fmt = FORMATS[fmt_name]
-    group = weight.group_size if weight.kind == "int4" else None
+    if fmt.codes_dot:
+        quantize = quantize_fp8_activations if fmt.float_codes else quantize_activations
+        x, x_scale = quantize(x, input_scale)
+    group = _column_group(weight)
     problem = KernelProblem(fmt.op, x.shape[0], weight.k, weight.n, dtype_name(x.dtype), dtype_name(out_dtype),
                             group_size=group)
     plan = select_kernel(problem, backend, tiling, variant=variant)
@@ -174,6 +182,11 @@ def run_plan(plan: KernelPlan, x, weight: PreparedWeight, x_scale, bias, *, fmt_
     return _launch(x, weight, x_scale, bias, plan=plan, fmt_name=fmt_name, out_dtype=jnp.dtype(out_dtype))
 
 
+def _column_group(weight: PreparedWeight) -> int | None:
+    """The int4 group size the kernels take (None: per channel, or a format without column groups)."""
+    return weight.group_size if FORMATS[weight.kind].column_groups else None
+
+
 def _col(v, n: int, np_: int):
     return None if v is None else pad2d(jnp.asarray(v, jnp.float32).reshape(1, n), 1, np_)
 
@@ -196,7 +209,7 @@ def _launch(x, weight: PreparedWeight, x_scale, bias, *, plan: KernelPlan, fmt_n
     ws = _col(weight.scale, n, np_) if fmt.channel_scale else None
     scales = zero = None
     if fmt.step_scales:
-        per_step = weight.kind == "int4" and weight.group_size is None
+        per_step = FORMATS[weight.kind].column_groups and weight.group_size is None
         columns = 1 if per_step else kp // (weight.group_size or NF4_BLOCK_SIZE)
         scales = pad2d(weight.scale, np_, columns)
         zero = None if weight.zero is None else pad2d(weight.zero, np_, columns)
@@ -205,13 +218,13 @@ def _launch(x, weight: PreparedWeight, x_scale, bias, *, plan: KernelPlan, fmt_n
         y = _tiled(plan, fmt_name, weight, x_parts, w, scales, xs, ws, _col(bias, n, np_), np_, kp, out_dtype)
     elif variant.name == "pipelined":
         y = gpu_prefill.pipelined_matmul(x_parts, w, scales, zero, xs, ws, _col(bias, n, np_), fmt_name=fmt_name,
-                                         tiling=t, group_size=weight.group_size if weight.kind == "int4" else None,
+                                         tiling=t, group_size=_column_group(weight),
                                          out_dtype=out_dtype, group_m=variant.group_m, num_warps=variant.num_warps,
                                          num_stages=variant.num_stages, interpret=plan.interpret)
     else:
         partials = gpu_decode.split_partials(
             x_parts, w, scales, zero, fmt_name=fmt_name, tiling=t, split=variant.split, mode=variant.name,
-            group_size=weight.group_size if weight.kind == "int4" else None, num_warps=variant.num_warps,
+            group_size=_column_group(weight), num_warps=variant.num_warps,
             num_stages=variant.num_stages, interpret=plan.interpret)
         y = gpu_decode.epilogue(partials, fmt_name, xs, ws, _col(bias, n, np_), out_dtype)
     return y[:m, :n]
@@ -224,29 +237,31 @@ def _tiled(plan, fmt_name, weight, x_parts, w, scales, xs, ws, bias, np_, kp, ou
     bias = jnp.zeros((1, np_), jnp.float32) if bias is None else bias
     common = dict(tiling=plan.tiling, out_dtype=out_dtype, has_bias=has_bias, interpret=plan.interpret)
     module, suffix = (gpu_dense, "gpu") if gpu else (tpu_dense, "tpu")
-    if fmt_name in ("int8", "fp8"):
-        return getattr(module, f"{fmt_name}_matmul_{suffix}")(x_parts[0], w, xs, ws, bias, **common)
-    if fmt_name == "w8a16":
-        return getattr(module, f"int8_weight_matmul_{suffix}")(x_parts[0], w, ws, bias, **common)
-    if fmt_name == "nf4":
-        return getattr(module, f"nf4_matmul_{suffix}")(*x_parts, w, scales, bias, **common)
+    fmt = FORMATS[fmt_name]
+    kernel = getattr(module, f"{fmt.op}_{suffix}")
+    if fmt.codes_dot:
+        return kernel(x_parts[0], w, xs, ws, bias, **common)
+    if not fmt.step_scales:  # W8A16
+        return kernel(x_parts[0], w, ws, bias, **common)
+    if fmt.lookup:
+        return kernel(*x_parts, w, scales, bias, **common)
     tk, group = plan.tiling.tk, weight.group_size or plan.tiling.tk
     if weight.group_size is None:
         scales = jnp.broadcast_to(scales, (np_, kp // tk))  # the kernels take one scale column per K tile
     if not gpu:
         scales = jnp.moveaxis(scales.reshape(np_, kp // tk, tk // group), -2, -3)
-    return getattr(module, f"int4_weight_matmul_{suffix}")(*x_parts, w, scales, bias, **common)
+    return kernel(*x_parts, w, scales, bias, **common)
 
 
 def _reference(x, weight: PreparedWeight, x_scale, bias, fmt_name: str, out_dtype):
     """reference.py's function of the weight's kernel (the contract), codes unpacked where it takes codes."""
-    if fmt_name == "int8":
-        return reference.int8_matmul_reference(x, weight.w, x_scale, weight.scale, bias=bias, out_dtype=out_dtype)
-    if fmt_name == "fp8":
-        return reference.fp8_matmul_reference(x, weight.w, x_scale, weight.scale, bias=bias, out_dtype=out_dtype)
-    if fmt_name == "w8a16":
-        return reference.int8_weight_matmul_reference(x, weight.w, weight.scale, bias=bias, out_dtype=out_dtype)
-    if fmt_name == "nf4":
+    fmt = FORMATS[fmt_name]
+    function = getattr(reference, f"{fmt.op}_reference")
+    if fmt.codes_dot:
+        return function(x, weight.w, x_scale, weight.scale, bias=bias, out_dtype=out_dtype)
+    if not fmt.step_scales:  # W8A16
+        return function(x, weight.w, weight.scale, bias=bias, out_dtype=out_dtype)
+    if fmt.lookup:
         return reference.nf4_matmul_reference(x, weight.w.reshape(-1), weight.scale.reshape(-1),
                                               shape=(weight.n, weight.k), bias=bias, out_dtype=out_dtype)
     codes = jnp.stack(int4_nibbles(weight.w.astype(jnp.int32)), axis=-1).reshape(weight.n, weight.k)

@@ -13,22 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from qconvert.kernels.activations import quantize_fp8_activations
+from qconvert.kernels.activations import e4m3_rows, rescale_rows
 from qconvert.kernels.dense import int4_weight_matmul
 from qconvert.kernels.grouped import grouped_matmul
-
-
-def e4m3_rows(x) -> tuple[jax.Array, jax.Array]:
-    """(E4M3 values of x [M, K] per token, in float32; their scales [M, 1] float32)."""
-    x_q, x_scale = quantize_fp8_activations(x)
-    return x_q.astype(jnp.float32), x_scale.reshape(-1, 1)
-
-
-def _rescale(y: jax.Array, x_scale: jax.Array, bias, out_dtype) -> jax.Array:
-    y = y * x_scale
-    if bias is not None:
-        y = y + jnp.asarray(bias, jnp.float32).reshape(1, -1)
-    return y.astype(out_dtype)
 
 
 def w4a8_fp8_matmul(x, w_codes, w_scale, *, group_size: int | None, bias=None, out_dtype=jnp.float32,
@@ -41,7 +28,7 @@ def w4a8_fp8_matmul(x, w_codes, w_scale, *, group_size: int | None, bias=None, o
     x_e4m3, x_scale = e4m3_rows(x)
     y, plan = int4_weight_matmul(x_e4m3, w_codes, w_scale, group_size=group_size, out_dtype=jnp.float32,
                                  backend=backend, return_plan=True)
-    y = _rescale(y, x_scale, bias, out_dtype)
+    y = rescale_rows(y, x_scale, bias, out_dtype)
     return (y, plan) if return_plan else y
 
 
@@ -52,5 +39,5 @@ def w4a8_fp8_grouped_matmul(x, rhs, group_sizes, *, backend: str = "auto", retur
     """
     x_e4m3, x_scale = e4m3_rows(x)
     y, plan = grouped_matmul(x_e4m3, rhs, group_sizes, transpose_rhs=True, backend=backend, return_plan=True)
-    y = _rescale(y, x_scale, None, jnp.float32)
+    y = rescale_rows(y, x_scale, None, jnp.float32)
     return (y, plan) if return_plan else y

@@ -147,7 +147,7 @@ def test_prepared_operand_is_the_qarray_contract_bit_for_bit():
     int8 = QArray(jnp.asarray(RNG.integers(-127, 128, (16, 256)).astype(np.int8)),
                   jnp.asarray(RNG.uniform(0.01, 0.02, (16, 1)).astype(np.float32)), kind="int8", shape=(16, 256),
                   dtype=jnp.bfloat16)
-    for q, act in ((int4, None), (int8, None), (int8, "dynamic")):
+    for q, act in ((int4, None), (int4, "dynamic"), (int8, None), (int8, "dynamic")):  # int4 dynamic: W4A8-FP8
         w = prepared.prepare_weight(q)
         assert w.w.shape == ((16, 128) if q is int4 else (16, 256))
         want = qlinear(x, q, act=act, backend="xla")
