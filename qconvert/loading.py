@@ -29,7 +29,7 @@ from typing import Any, Union
 import jax
 import jax.numpy as jnp
 
-from qconvert.formats.errors import FormatError, InvalidCheckpointError, require_converted_folder
+from qconvert.formats.errors import FormatError, InvalidCheckpointError, UsageError, require_converted_folder
 from qconvert.formats.jsonfile import read_config
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.qarray import QArray
@@ -137,6 +137,8 @@ def load(folder, prepare: bool = False) -> Params:
     prepare=True (for serving) gives each dense quantized weight as its
     prepared kernel operand instead, made once here (`prepare_params`).
     """
+    if not isinstance(prepare, bool):
+        raise UsageError(f"qconvert.load: prepare must be True or False, got {prepare!r}")
     params = unflatten_params(load_flat(folder))
     return prepare_params(params) if prepare else params
 

@@ -13,6 +13,7 @@ import qconvert.kernels.tiles as tiles
 from qconvert import models, ops
 from qconvert.convert import ConvertOptions, convert
 from qconvert.formats import QArray
+from qconvert.formats.errors import UsageError
 from qconvert.kernels.prepared import PreparedWeight
 from qconvert.ops.dispatch import PREPARED
 
@@ -134,3 +135,8 @@ def test_ops_other_than_a_linear_refuse_a_prepared_weight(folders):
         ops.grouped_linear(["e0", "e1"], x, [prepared, prepared], jnp.array([1, 1], jnp.int32))
     with pytest.raises(ops.PreparedWeightError):
         ops.einsum("mk,nk->mn", x, prepared)
+
+
+def test_prepare_takes_only_a_bool(folders):
+    with pytest.raises(UsageError, match="prepare must be True or False"):
+        qconvert.load(folders["int8"], prepare="yes")
