@@ -131,6 +131,8 @@ def test_ops_other_than_a_linear_refuse_a_prepared_weight(folders):
     x = jnp.ones((2, 64), jnp.float32)
     with pytest.raises(ops.PreparedWeightError, match="only as x"):
         ops.dot_general(x, prepared, (((1,), (0,)), ((), ())))  # contracted on its out axis
+    with pytest.raises(ops.PreparedWeightError, match="float result"):
+        ops.dot_general(x, prepared, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
     with pytest.raises(ops.PreparedWeightError):
         ops.grouped_linear(["e0", "e1"], x, [prepared, prepared], jnp.array([1, 1], jnp.int32))
     with pytest.raises(ops.PreparedWeightError):

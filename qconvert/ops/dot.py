@@ -78,10 +78,12 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
 
 def _prepared_dot_general(lhs, rhs, dn, preferred_element_type, op: str) -> jax.Array:
     """x [..., K] . W^T for a prepared weight W [N, K], the one form its kernel operand takes."""
-    if (isinstance(lhs, QArray) or kernel_calls.is_prepared(lhs)
-            or dn != (((jnp.ndim(lhs) - 1,), (1,)), ((), ()))):
+    if isinstance(lhs, QArray) or kernel_calls.is_prepared(lhs) or dn != (((jnp.ndim(lhs) - 1,), (1,)), ((), ())):
         raise kernel_calls.PreparedWeightError(f"ops.{op}: {kernel_calls.PREPARED_ONLY_LINEAR}")
     out_dtype = jnp.dtype(jnp.result_type(lhs) if preferred_element_type is None else preferred_element_type)
+    if not jnp.issubdtype(out_dtype, jnp.floating):  # the kernels write float outputs only
+        raise kernel_calls.PreparedWeightError(f"ops.{op}: a prepared weight gives a float result, "
+                                               f"not {out_dtype}")
     decision = choose_path(op, lhs, rhs, lhs_contracting=dn[0][0], rhs_contracting=dn[0][1], out_dtype=out_dtype,
                            matmul_form=MatmulForm(rhs_layout="nk"))
     assert decision.path == PREPARED
