@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 # Loading pulls in JAX; resolve these names on first use so `import qconvert` stays light.
 _LAZY = {"load": "qconvert.loading", "load_config": "qconvert.loading", "flatten_params": "qconvert.loading",
-         "unflatten_params": "qconvert.loading"}
+         "unflatten_params": "qconvert.loading", "prepare_params": "qconvert.loading"}
 
 
 def __getattr__(name: str):

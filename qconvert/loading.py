@@ -1,4 +1,4 @@
-"""Load a converted folder as JAX parameters, quantized weights kept packed as QArrays.
+"""Load a converted folder as JAX parameters, quantized weights kept packed as QArrays (or prepared once).
 
     import json, qconvert
     from qconvert import models, ops
@@ -6,6 +6,18 @@
     flat = qconvert.flatten_params(params)
     model = models.build(qconvert.load_config(OUT), flat)      # the tensor names: where the model lies
     logits = model.forward(flat, input_ids, linear=ops.linear)
+
+To serve, `qconvert.load(OUT, prepare=True)` (or `qconvert.prepare_params(params)`
+on a tree already loaded) lays each dense quantized weight out for its kernel
+once (kernels.prepared.prepare_weight: int4 codes packed two a byte, scales and
+zero point placed), so `ops.linear` runs the kernel on it as it is instead of
+repacking per matmul. Prepared weights are inference-only (a gradient through
+them raises ops.PreparedWeightError); training and ops.ste take the default
+QArrays. Left as QArrays: expert weights (".experts." in the name; the grouped
+path stacks QArrays), fp8 weights (ops multiply their activation unquantized,
+while the fp8 kernel quantizes it to E4M3 first), and any weight
+prepare_weight takes no operand for (e.g. NF4 with in-features not a multiple
+of 64, an int8 weight with a zero point): ops run those as before.
 """
 
 from __future__ import annotations
@@ -17,7 +29,7 @@ from typing import Any, Union
 import jax
 import jax.numpy as jnp
 
-from qconvert.formats.errors import FormatError, InvalidCheckpointError, require_converted_folder
+from qconvert.formats.errors import FormatError, InvalidCheckpointError, UsageError, require_converted_folder
 from qconvert.formats.jsonfile import read_config
 from qconvert.formats.layouts import open_quantized
 from qconvert.formats.qarray import QArray
@@ -92,14 +104,43 @@ def flatten_params(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any
     return flat
 
 
-def load(folder) -> Params:
+def _prepared_leaf(name: str, leaf: Any) -> Any:
+    """The prepared kernel operand of one quantized dense weight, or the leaf as it is (see the module doc)."""
+    from qconvert.kernels import KernelArgumentError  # the kernels load only when asked to prepare
+    from qconvert.kernels.prepared import prepare_weight
+
+    if not isinstance(leaf, QArray) or len(leaf.shape) != 2 or leaf.kind.float_codes or ".experts." in name:
+        return leaf
+    try:
+        return prepare_weight(leaf)
+    except KernelArgumentError:  # no prepared operand for this layout: ops keeps the QArray path
+        return leaf
+
+
+def prepare_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """params (nested as `load` gives them, or flat by dotted name) with every dense quantized weight
+    prepared once for its kernel (a kernels.prepared.PreparedWeight leaf, a pytree that passes through
+    jax.jit); every other leaf as it is. Inference only: see the module doc."""
+    def walk(node: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+        return {key: walk(value, f"{prefix}{key}.") if isinstance(value, Mapping)
+                else _prepared_leaf(f"{prefix}{key}", value) for key, value in node.items()}
+
+    return walk(params, "")
+
+
+def load(folder, prepare: bool = False) -> Params:
     """A converted folder as a nested dict of jax.Array and QArray leaves (weights stay packed).
 
     The nesting follows the dotted tensor names ("model" -> "layers" -> "0" ->
     ...). The dict is a pytree (QArray is registered), so it passes to jax.jit;
     `flatten_params` gives the flat form the qconvert.models forwards take.
+    prepare=True (for serving) gives each dense quantized weight as its
+    prepared kernel operand instead, made once here (`prepare_params`).
     """
-    return unflatten_params(load_flat(folder))
+    if not isinstance(prepare, bool):
+        raise UsageError(f"qconvert.load: prepare must be True or False, got {prepare!r}")
+    params = unflatten_params(load_flat(folder))
+    return prepare_params(params) if prepare else params
 
 
 def load_config(folder) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from qconvert.models.family import LayerStack, SmoothingGroup
 from qconvert.models.llama import (LAYER_LINEARS, LLAMA_REMEDY, UP_DOWN_GROUP, DecoderArgs, DecoderBlock,
                                    attention_bias, rms_norm, value_output_group)
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
+from qconvert.ops.shapes import is_prepared
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Gemma 2 alternates sliding and global layers; Gemma 3 has five sliding layers per global one.
@@ -234,8 +235,8 @@ class GemmaModel(DecoderBlock, LayerStack):
         computed in it (a bf16 table gives sqrt(2304) = 48.0, not 48.0000...).
         """
         table = params[f"{self.prefix}.embed_tokens.weight"]
-        if isinstance(table, QArray):
-            table = table.dequantize(jnp.float32)
+        if isinstance(table, QArray) or is_prepared(table):  # rows are looked up in the decoded table
+            table = as_float32(table)
         table = jnp.asarray(table)
         rows = jnp.take(table, jnp.asarray(input_ids), axis=0)
         scale = jnp.asarray(np.sqrt(np.float32(self.args.hidden_size)), dtype=table.dtype)

@@ -30,15 +30,20 @@ import jax
 import jax.numpy as jnp
 
 from qconvert.formats import QArray
+from qconvert.ops.shapes import is_prepared
 
 LinearHook = Callable[[str, jax.Array, Any, Any], jax.Array]
 GroupedLinearHook = Callable[[Sequence[str], jax.Array, Sequence[Any], jax.Array], jax.Array]
 
 
 def as_float32(weight: Any) -> jax.Array:
-    """A weight as a float32 jax array; a QArray is dequantized."""
+    """A weight as a float32 jax array; a QArray (or a prepared weight) is dequantized."""
     if isinstance(weight, QArray):
         return weight.dequantize(jnp.float32)
+    if is_prepared(weight):
+        from qconvert.kernels.prepared import weight_values
+
+        return weight_values(weight, jnp.float32)
     return jnp.asarray(weight).astype(jnp.float32)
 
 

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from qconvert.formats import QArray
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, dense_grouped_linear,
                                    dense_linear)
+from qconvert.ops.shapes import is_prepared
 
 # observe(module_name, x [..., in], valid bool [...]) -> any pytree of arrays.
 # `valid` marks the rows of x that come from real tokens (attention_mask) and,
@@ -51,11 +52,11 @@ class LayerResult:
 
 
 def read_tensors(params: Mapping, names: Sequence[str]) -> dict[str, Any]:
-    """Read `names` from a (possibly lazy) Mapping into jax arrays; QArrays stay QArrays."""
+    """Read `names` from a (possibly lazy) Mapping into jax arrays; QArrays (and prepared weights) stay as they are."""
     out = {}
     for name in names:
         value = params[name]
-        out[name] = value if isinstance(value, QArray) else jnp.asarray(np.asarray(value))
+        out[name] = value if isinstance(value, QArray) or is_prepared(value) else jnp.asarray(np.asarray(value))
     return out
 
 

@@ -17,13 +17,18 @@ chosen while tracing), jax.grad (w.r.t. float operands; the kernel paths carry
 their own VJP) and jax.vmap. int8 QArrays may be vmapped along any axis (shapes
 are read from the payload); an NF4 QArray is packed flat, so it must stay
 unbatched (in_axes=None) while the float operand is mapped.
+
+A prepared weight (qconvert.load(OUT, prepare=True)) is laid out for its
+kernel once; `linear` (x . W^T) hands it to the kernel as it is, under jit too.
+It is inference-only: a gradient through it, or any other op on it, raises
+PreparedWeightError (use the QArray for those).
 """
 
 from qconvert.ops.conv import conv_general_dilated
 from qconvert.ops.dispatch import PATHS, PathDecision, choose_path, record_paths
 from qconvert.ops.dot import dot, dot_general, linear
 from qconvert.ops.einsum import einsum
-from qconvert.ops.kernel_calls import use_kernels
+from qconvert.ops.kernel_calls import PreparedWeightError, use_kernels
 from qconvert.ops.layout import PackedLayoutError, reshape, slice_in_dim, stack, transpose
 from qconvert.ops.ragged import grouped_linear, ragged_dot, ragged_dot_general
 from qconvert.ops.ste import ste
@@ -32,6 +37,7 @@ __all__ = [
     "PATHS",
     "PackedLayoutError",
     "PathDecision",
+    "PreparedWeightError",
     "choose_path",
     "conv_general_dilated",
     "dot",

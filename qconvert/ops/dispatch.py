@@ -18,6 +18,10 @@ jit) and then follows the answer:
                a symmetric int4 weight (group or per-channel scales) times a
                float activation of the same dtype, plain matmul: the Pallas
                W4A16 kernel, which unpacks nibbles tile by tile.
+  prepared     a prepared weight (qconvert.load(..., prepare=True)) times a
+               float activation, x . W^T: kernels.prepared_matmul on the
+               operand as it was laid out at load time (its kernel where
+               kernels run, else the kernels' XLA reference); nothing is packed.
   dequantize   everything else: dequantize the QArray operand(s) to their float
                dtype and run the jax.lax op; XLA fuses the dequantization.
                An fp8 weight always takes it here: an op multiplies the
@@ -47,8 +51,9 @@ INT8_INT32 = "int8_int32"
 INT8_WEIGHT_KERNEL = "int8_weight_kernel"
 NF4_KERNEL = "nf4_kernel"
 INT4_WEIGHT_KERNEL = "int4_weight_kernel"
+PREPARED = "prepared"
 DEQUANTIZE = "dequantize"
-PATHS = (INT8_KERNEL, INT8_INT32, INT8_WEIGHT_KERNEL, NF4_KERNEL, INT4_WEIGHT_KERNEL, DEQUANTIZE)
+PATHS = (INT8_KERNEL, INT8_INT32, INT8_WEIGHT_KERNEL, NF4_KERNEL, INT4_WEIGHT_KERNEL, PREPARED, DEQUANTIZE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +91,8 @@ def describe(x) -> str:
     """A short text for an operand: 'int8 QArray[4, 8]' or 'float32[4, 8]'."""
     if isinstance(x, QArray):
         return f"{x.kind} QArray{list(operand_shape(x))}"
+    if kernel_calls.is_prepared(x):
+        return f"prepared {x.kind}[{x.n}, {x.k}]"
     return f"{jnp.result_type(x)}{list(jnp.shape(x))}"
 
 
@@ -134,6 +141,11 @@ def choose_path(
 
 
 def _decide(lhs, rhs, lhs_contracting, rhs_contracting, out_dtype, matmul_form, int8_blocker):
+    if kernel_calls.is_prepared(rhs):  # dot_general lets a prepared weight in only as x . W^T
+        backend, reason = kernel_calls.kernel_backend()
+        if backend is None:
+            return PREPARED, f"prepared {rhs.kind} weight; the kernels' XLA reference: {reason}"
+        return PREPARED, f"prepared {rhs.kind} weight; its {backend} kernel"
     if not isinstance(lhs, QArray) and not isinstance(rhs, QArray):
         return DEQUANTIZE, "no quantized operand"
     if not jnp.issubdtype(out_dtype, jnp.floating):

@@ -16,6 +16,7 @@ from qconvert.ops.dispatch import (
     INT4_WEIGHT_KERNEL,
     INT8_WEIGHT_KERNEL,
     NF4_KERNEL,
+    PREPARED,
     MatmulForm,
     choose_path,
     operand_shape,
@@ -48,6 +49,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     weight in a plain matmul goes to its kernel; anything else dequantizes first.
     """
     dn = _normalize(dimension_numbers)
+    if kernel_calls.is_prepared(lhs) or kernel_calls.is_prepared(rhs):
+        return _prepared_dot_general(lhs, rhs, dn, preferred_element_type, _op)
     out = jax.eval_shape(
         functools.partial(jax.lax.dot_general, dimension_numbers=dn, precision=precision,
                           preferred_element_type=preferred_element_type),
@@ -71,6 +74,20 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     assert decision.path == DEQUANTIZE
     return jax.lax.dot_general(as_float(lhs), as_float(rhs), dn, precision=precision,
                                preferred_element_type=preferred_element_type)
+
+
+def _prepared_dot_general(lhs, rhs, dn, preferred_element_type, op: str) -> jax.Array:
+    """x [..., K] . W^T for a prepared weight W [N, K], the one form its kernel operand takes."""
+    if isinstance(lhs, QArray) or kernel_calls.is_prepared(lhs) or dn != (((jnp.ndim(lhs) - 1,), (1,)), ((), ())):
+        raise kernel_calls.PreparedWeightError(f"ops.{op}: {kernel_calls.PREPARED_ONLY_LINEAR}")
+    out_dtype = jnp.dtype(jnp.result_type(lhs) if preferred_element_type is None else preferred_element_type)
+    if not jnp.issubdtype(out_dtype, jnp.floating):  # the kernels write float outputs only
+        raise kernel_calls.PreparedWeightError(f"ops.{op}: a prepared weight gives a float result, "
+                                               f"not {out_dtype}")
+    decision = choose_path(op, lhs, rhs, lhs_contracting=dn[0][0], rhs_contracting=dn[0][1], out_dtype=out_dtype,
+                           matmul_form=MatmulForm(rhs_layout="nk"))
+    assert decision.path == PREPARED
+    return kernel_calls.prepared_matmul(lhs, rhs, out_dtype)
 
 
 def int8_dot_general(lhs: QArray, rhs: QArray, dimension_numbers, out_dtype) -> jax.Array:
@@ -109,7 +126,9 @@ def linear(name: str, x: jax.Array, weight, bias=None) -> jax.Array:
     """A linear hook for qconvert.models forwards: y = x W^T + b with W [out, in] float or QArray.
 
     Runs through dot_general, so an NF4 or int4 weight goes to its kernel and an
-    int8 weight (weight-only) is dequantized next to the matmul.
+    int8 weight (weight-only) is dequantized next to the matmul. A prepared
+    weight (qconvert.load(..., prepare=True)) goes to its kernel as it was laid
+    out at load time, nothing repacked per call; it is inference-only.
     """
     del name
     y = dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32, _op="linear")

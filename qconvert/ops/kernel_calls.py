@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qconvert.formats.errors import QConvertError
 from qconvert.formats.qarray import QArray
-from qconvert.ops.shapes import MatmulForm, operand_shape
+from qconvert.ops.shapes import MatmulForm, is_prepared, operand_shape
 
 _KERNEL_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("qconvert_ops_kernels", default="auto")
 
@@ -36,6 +37,16 @@ def use_kernels(backend: str | None) -> Iterator[None]:
         yield
     finally:
         _KERNEL_BACKEND.reset(token)
+
+
+class PreparedWeightError(QConvertError):
+    """A prepared weight (kernels.prepared.PreparedWeight) used where only its QArray works."""
+
+    exit_code = 2
+
+
+PREPARED_ONLY_LINEAR = ("a prepared weight (qconvert.load(..., prepare=True)) runs only as x [..., in] . W^T with "
+                        "a float x, as ops.linear calls it; pass its QArray (load without prepare) to other ops")
 
 
 def _kernels():
@@ -159,3 +170,25 @@ def _weight_only_matmul(lhs, rhs: QArray, out_dtype) -> jax.Array:
         return _kernels().qlinear(x, weight, out_dtype=out_dtype, backend=backend)
 
     return _with_dequantized_grad(run, lhs, rhs)
+
+
+def prepared_matmul(lhs, weight, out_dtype) -> jax.Array:
+    """Float lhs [..., K] times a prepared weight [N, K] as it is (nothing packed on the call): its kernel where
+    kernels run, else the kernels' XLA reference. Inference only: a gradient through it raises
+    PreparedWeightError."""
+    backend, _ = kernel_backend()
+
+    @jax.custom_vjp
+    def matmul(x, prepared):
+        return _kernels().qlinear(x, prepared, out_dtype=out_dtype, backend=backend or "xla")
+
+    def fwd(x, prepared):
+        return matmul(x, prepared), None
+
+    def bwd(_, g):
+        # Pallas kernels have no autodiff rule, and the packed codes are no parameter to train.
+        raise PreparedWeightError("a prepared weight is inference-only: no gradient flows through it; load with "
+                                  "prepare=False (QArray weights) to differentiate, or ops.ste for training")
+
+    matmul.defvjp(fwd, bwd)
+    return matmul(lhs, weight)

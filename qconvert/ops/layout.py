@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from qconvert.formats.errors import QConvertError
 from qconvert.formats.qarray import QArray
+from qconvert.ops import kernel_calls
 from qconvert.ops.dispatch import operand_shape
 
 
@@ -198,6 +199,9 @@ def stack(operands: Sequence, axis: int = 0):
     the stacked tensor when every operand fills whole blocks. Plain arrays go
     to jnp.stack.
     """
+    if any(kernel_calls.is_prepared(x) for x in operands):
+        # The grouped (MoE) path stacks experts' QArrays; prepared operands are per dense weight.
+        raise kernel_calls.PreparedWeightError(f"ops.stack: {kernel_calls.PREPARED_ONLY_LINEAR}")
     if not any(isinstance(x, QArray) for x in operands):
         return jnp.stack(operands, axis=axis)
     first = operands[0]

@@ -15,11 +15,18 @@ import jax
 import jax.numpy as jnp
 
 from qconvert.formats.qarray import QArray
+from qconvert.ops import kernel_calls
 from qconvert.ops.dispatch import operand_shape
+
+
+def _refuse_prepared(x) -> None:
+    if kernel_calls.is_prepared(x):
+        raise kernel_calls.PreparedWeightError(kernel_calls.PREPARED_ONLY_LINEAR)
 
 
 def float_aval(x) -> jax.ShapeDtypeStruct:
     """The shape and dtype `x` has as a float operand (a QArray's dequantized form)."""
+    _refuse_prepared(x)
     if isinstance(x, QArray):
         return jax.ShapeDtypeStruct(operand_shape(x), jnp.dtype(x.dtype))
     return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
@@ -27,6 +34,7 @@ def float_aval(x) -> jax.ShapeDtypeStruct:
 
 def as_float(x) -> jax.Array:
     """A QArray dequantized to its own float dtype; any other operand as it is."""
+    _refuse_prepared(x)
     return x.dequantize() if isinstance(x, QArray) else x
 
 

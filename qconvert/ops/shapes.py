@@ -1,8 +1,9 @@
-"""Shapes of op operands: the logical shape of a QArray and the plain-matmul reading of a dot."""
+"""Shapes of op operands: the logical shape of a QArray (or prepared weight) and the plain-matmul reading of a dot."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import jax.numpy as jnp
 
@@ -20,8 +21,16 @@ class MatmulForm:
     rhs_layout: str
 
 
+def is_prepared(x) -> bool:
+    """Whether x is a kernels PreparedWeight (without importing the kernels: none exists before they load)."""
+    prepared = sys.modules.get("qconvert.kernels.prepared")
+    return prepared is not None and isinstance(x, prepared.PreparedWeight)
+
+
 def operand_shape(x) -> tuple[int, ...]:
     """Logical shape; for int8 QArrays read from the payload so it stays right under vmap."""
     if isinstance(x, QArray):
         return tuple(x.qvalue.shape) if x.kind.int8 else tuple(x.shape)
+    if is_prepared(x):
+        return (x.n, x.k)
     return tuple(jnp.shape(x))
