@@ -66,7 +66,8 @@ class PackQuantizedInt4(Layout):
         return ct.config(FORMAT, None, ignore, weights)
 
     def claims(self, qconfig: dict[str, Any]) -> bool:
-        return ct.claims(qconfig, FORMAT) and ct.weight_bits(qconfig) == {4}
+        # Zero points (symmetric false) are int4-asym's layout.
+        return ct.claims(qconfig, FORMAT) and ct.weight_bits(qconfig) == {4} and not ct.weights_asymmetric(qconfig)
 
     def loader_quantizes(self, qconfig: dict[str, Any], module: str) -> bool:
         return ct.loader_quantizes(qconfig, module)

@@ -20,7 +20,7 @@ ALLOWED = ("qconvert/schemes/", "formats/qarray.py", "formats/layout", "formats/
 
 def test_the_readme_scheme_table_lists_the_registry_in_order():
     readme = (ROOT / "README.md").read_text()
-    rows = re.findall(r"^\| `(\w+)` \| .* \| (?:compressed-tensors|bitsandbytes)", readme, re.MULTILINE)
+    rows = re.findall(r"^\| `([\w-]+)` \| .* \| (?:compressed-tensors|bitsandbytes)", readme, re.MULTILINE)
     assert tuple(rows) == NAMES
 
 

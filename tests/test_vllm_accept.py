@@ -85,3 +85,24 @@ def test_vllm_tpu_says_what_the_servers_table_records(family, scheme, tmp_path, 
                               capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
         assert recorded[server] in (YES, NO)
         assert verdict_of(done.stdout) == ("OK" if recorded[server] == YES else "REFUSE"), done.stdout[-3000:]
+
+
+ZERO_POINTS = ROOT / "bench" / "vllm_zero_points.py"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("rounding", ["rtn", "gptq"])
+def test_vllm_loads_int4_folders_with_zero_points(family, rounding, tmp_path, capsys):
+    """vllm_accept.py's checks with vLLM's reading of weight_zero_point (bench/vllm_zero_points.py): its WNA16
+    scheme and WNA16 MoE method load the folder and read (q - z) * s as compressed-tensors decompresses it."""
+    source = bf16_source(tmp_path / "src", family)
+    out = tmp_path / f"int4-asym-{rounding}"
+    flags = CALIB if rounding == "gptq" else ["--no-gptq"]
+    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", "int4-asym", "-q", *flags], capsys)
+    assert code == 0, err
+    ref = ["--ref", str(source)] if rounding == "rtn" else []
+    done = subprocess.run([str(VENV_PYTHON), str(ZERO_POINTS), str(out), *ref, "--check", str(CHECK)],
+                          capture_output=True, text=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert verdict_of(done.stdout) == "OK", done.stdout[-3000:]
+    assert "OK          dequant.vs_compressed_tensors" in done.stdout

@@ -63,6 +63,13 @@ TABLE: dict[tuple[str, str], str] = {
     ("int4", "gemma3_mm"): "???Y",
     ("w8a8", "gemma3_mm"): "???Y",
     ("nf4", "gemma3_mm"): "N??Y",
+    # Zero points: vLLM by bench/vllm_zero_points.py (vllm_accept.py reading weight_zero_point); transformers 5.24
+    # with CompressedTensorsConfig(dequantize=True), which decompresses fused experts without their zero points.
+    ("int4-asym", "llama"): "Y??Y",
+    ("int4-asym", "qwen3"): "???Y",
+    ("int4-asym", "gemma3"): "???Y",
+    ("int4-asym", "mixtral"): "???N",
+    ("int4-asym-channel", "qwen3_moe"): "Y??N",
 }
 
 
@@ -113,11 +120,20 @@ def tpu_note(key: str, family: str) -> str:
     return f"vLLM TPU 0.32 does not load --scheme {_as_flags(key)} for {family}; {instead}"
 
 
+def _split_key(key: str) -> tuple[str, str]:
+    """(scheme, variant) of a table key: the variant is its last part when that is one (static, channel, gNN), so
+    a scheme named with a hyphen (int4-asym) stays whole."""
+    scheme, _, variant = key.rpartition("-")
+    if scheme and (variant in ("static", "channel") or (variant[:1] == "g" and variant[1:].isdigit())):
+        return scheme, variant
+    return key, ""
+
+
 def _as_flags(key: str, chosen: str | None = None) -> str:
     """A table key as the flags that give it; beside the `chosen` key of the same scheme, the flag that differs
     is spelled out (`w8a8 --act dynamic` next to a chosen `w8a8 --act static`, never a bare `w8a8`)."""
-    scheme, _, variant = key.partition("-")
-    same_scheme = chosen is not None and chosen.partition("-")[0] == scheme and chosen != key
+    scheme, variant = _split_key(key)
+    same_scheme = chosen is not None and _split_key(chosen)[0] == scheme and chosen != key
     if variant == "static":
         return f"{scheme} --act static"
     if variant == "channel":
@@ -125,6 +141,6 @@ def _as_flags(key: str, chosen: str | None = None) -> str:
     if variant:
         return f"{scheme} --group-size {variant[1:]}"
     if same_scheme:
-        chosen_variant = chosen.partition("-")[2]
+        chosen_variant = _split_key(chosen)[1]
         return f"{scheme} --act dynamic" if chosen_variant == "static" else f"{scheme} --group-size 128"
     return scheme
