@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
+MOE = ("mixtral", "qwen3_moe")
 # (family, rounding): every family by plain rounding; a dense and an MoE family by GPTQ on a few random windows.
 CASES = [("llama", "rtn"), ("qwen3", "rtn"), ("gemma3", "rtn"), ("mixtral", "rtn"), ("qwen3_moe", "rtn"),
          ("llama", "gptq"), ("qwen3_moe", "gptq")]
