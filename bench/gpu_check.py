@@ -1,4 +1,5 @@
-"""int4 (W4A16, with and without zero points) and FP8 kernels on a GPU against their pure-jnp references, at real shapes.
+"""int4 (W4A16, with and without zero points) and FP8 kernels on a GPU against their pure-jnp references, at real
+shapes.
 
     python bench/gpu_check.py          # on a machine where jax sees a GPU
 

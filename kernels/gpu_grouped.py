@@ -24,7 +24,8 @@ from jax.experimental.pallas import triton as pltr
 
 from qconvert.formats.qarray import NF4_BLOCK_SIZE
 from qconvert.kernels.gpu_dense import int4_step_dot, int4_step_scales, nf4_step_dot
-from qconvert.kernels.tiles import Tiling, int4_group_operand, int4_weight_operands, rhs_kind_of, round_up, split_even_odd_columns
+from qconvert.kernels.tiles import (Tiling, int4_group_operand, int4_weight_operands, rhs_kind_of, round_up,
+                                   split_even_odd_columns)
 
 NN_DIMS = (((1,), (0,)), ((), ()))
 NT_DIMS = (((1,), (1,)), ((), ()))

@@ -14,6 +14,7 @@ from compressed_tensors.quantization import QuantizationArgs, preset_name_to_sch
 from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 
+import qconvert.schemes.rowwise as rowwise
 from checkpoints import make_llama_checkpoint
 from cli_helpers import run as run_cli
 from qconvert.formats.layout_int4_asym import pack_zero_points, unpack_zero_points
@@ -78,6 +79,18 @@ def test_the_dequantized_weight_is_compressed_tensors_dequantization():
     theirs = dequantize(codes, scale, zero_point, args).float().numpy()  # (q - z) * s in bf16, as loaders do
     ours = np.asarray(quantize_int4_asym(w, 128).dequantize(ml_dtypes.bfloat16)).astype(np.float32)
     np.testing.assert_array_equal(ours, theirs)
+
+
+def test_streamed_rows_give_the_whole_tensor_quantization(monkeypatch):
+    monkeypatch.setattr(rowwise, "BLOCK_BYTES", 3_000)  # blocks of a few rows
+    w = awkward_weight((37, 256), ml_dtypes.bfloat16, 64)
+    scheme = scheme_named("int4-asym")
+    flags = scheme.layout_flags(group_size=64, shapes={"m": w.shape})
+    streamed = scheme.quantize_rows(lambda a, b: w[a:b], w.shape, w.dtype, flags)
+    codes, scale, zero_point, _ = compressed_tensors_int4_asym(w, 64)
+    np.testing.assert_array_equal(streamed.qvalue, codes.numpy())
+    np.testing.assert_array_equal(np.asarray(streamed.scale).astype(np.float32), scale.float().numpy())
+    np.testing.assert_array_equal(streamed.zero_point, zero_point.numpy())
 
 
 def test_zero_point_packing_hand_worked_case():
@@ -147,3 +160,26 @@ def test_an_unknown_scheme_names_the_presets_too(tmp_path, capsys):
     src = make_llama_checkpoint(tmp_path / "src")
     code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "o"), "--scheme", "W3A16"], capsys)
     assert code == 2 and "W3A16" in err and not (tmp_path / "o").exists()
+
+
+def test_quantize_help_names_the_preset_aliases(capsys):
+    code, out, _ = run_cli(["quantize", "--help"], capsys)
+    text = " ".join(out.split())
+    assert code == 0 and "[int8|int4|w8a8|fp8|nf4|int4-asym]" in text  # the choices stay the scheme names
+    for alias, name in (("W4A16", "int4"), ("W4A16_ASYM", "int4-asym"), ("W8A16", "int8"), ("W8A8", "w8a8"),
+                        ("FP8_DYNAMIC", "fp8")):
+        assert f"{alias} ({name})" in text
+
+
+def test_the_compressed_tensors_w4a16_asym_preset_reads_as_int4_asym_with_groups_of_128():
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from qconvert.formats.layout_base import LayoutFlags
+    from qconvert.formats.layouts import layout_for, layout_for_config
+
+    qconfig = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("W4A16_ASYM", ["Linear"])},
+                                 format="pack-quantized", quantization_status="compressed").model_dump()
+    assert layout_for_config(qconfig) == (layout_for("int4-asym"), LayoutFlags(group_size=128))
+    symmetric = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("W4A16", ["Linear"])},
+                                   format="pack-quantized", quantization_status="compressed").model_dump()
+    assert layout_for_config(symmetric)[0] == layout_for("int4")

@@ -164,7 +164,8 @@ def quantize_row_chunks(w: np.ndarray, kernel, codes_dtype, scale_cols: int, sca
     zero points [rows, scale_cols] when the kernel gives them.
 
     `kernel(part, scale_dtype, clip_part)` returns (codes, scales, finite hint) of a
-    block of rows, or (codes, scales, zero points, finite hint). Rows go through it in chunks of a power-of-two row count (about
+    block of rows, or (codes, scales, zero points, finite hint). Rows go through it
+    in chunks of a power-of-two row count (about
     CHUNK_ELEMENTS values); a tail chunk is padded with zero rows, whose codes are
     dropped. `clip` ([rows, scale_cols] ratios, optional) is chunked alongside.
     Raises InvalidWeightError for NaN/Inf values.
