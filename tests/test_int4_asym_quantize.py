@@ -183,3 +183,21 @@ def test_the_compressed_tensors_w4a16_asym_preset_reads_as_int4_asym_with_groups
     symmetric = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("W4A16", ["Linear"])},
                                    format="pack-quantized", quantization_status="compressed").model_dump()
     assert layout_for_config(symmetric)[0] == layout_for("int4")
+
+
+def test_group_sizes_fall_back_and_are_refused_as_int4s(tmp_path, capsys):
+    src = make_llama_checkpoint(tmp_path / "src", hidden=128, intermediate=192)
+    out = tmp_path / "out"
+    code, _, err = run_cli(["quantize", str(src), "-o", str(out), "--scheme", "int4-asym", "--no-gptq"], capsys)
+    assert code == 0, err
+    assert "qconvert: int4-asym: group size 64 (128 does not divide every input width)" in err
+    assert json.loads((out / "qconvert.json").read_text())["flags"]["group_size"] == 64
+    folder = open_quantized(out)
+    q = folder.qarray("model.layers.0.mlp.down_proj")
+    assert q.block_size == 64 and np.shape(q.zero_point) == (128, 3)
+    folder.close()
+    code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "o"), "--scheme", "int4-asym", "--no-gptq",
+                            "--group-size", "128"], capsys)
+    assert code == 2 and not (tmp_path / "o").exists()
+    assert err.strip().splitlines()[-1] == ("qconvert: error: --group-size 128 does not divide "
+                                            "model.layers.0.mlp.down_proj's input width 192; use 64 or 32 or channel")

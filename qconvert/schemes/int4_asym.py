@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -111,6 +112,11 @@ class Int4Asym(Int4):
     name = "int4-asym"
     layout = PackQuantizedInt4Asym()
     clip = ClipSearch(INT4_CLIP_GRID, "per output row and group: min and max times c, scale = c * (max - min) / 15")
+
+    def group_note(self, group_size: int | str | None, shapes: Mapping[str, tuple[int, int]]) -> str:
+        """int4's line about the default group size falling back, naming this scheme."""
+        note = super().group_note(group_size, shapes)
+        return f"{self.name}:{note.partition(':')[2]}" if note else ""
 
     def quantize(self, weight: np.ndarray, flags: LayoutFlags, *, scale_dtype, clip=None) -> QArray:
         return quantize_int4_asym(weight, flags.group_size, scale_dtype=scale_dtype, clip=clip)
