@@ -65,12 +65,13 @@ TABLE: dict[tuple[str, str], str] = {
     ("nf4", "gemma3_mm"): "N??Y",
     # Zero points: vLLM by bench/vllm_zero_points.py (vllm_accept.py reading weight_zero_point); transformers 5.24
     # with CompressedTensorsConfig(dequantize=True), which decompresses fused experts without their zero points;
-    # vLLM TPU 0.32 as for int4 (Llama: its JAX loader has no weight_packed path, its torchax path no WNA16 scheme).
+    # vLLM TPU 0.32 refuses it (Llama's JAX loader has no weight_packed path; its torchax path, Qwen3-MoE's on both,
+    # finds no compressed-tensors scheme for it).
     ("int4-asym", "llama"): "YNNY",
     ("int4-asym", "qwen3"): "???Y",
     ("int4-asym", "gemma3"): "???Y",
     ("int4-asym", "mixtral"): "???N",
-    ("int4-asym-channel", "qwen3_moe"): "Y??N",
+    ("int4-asym-channel", "qwen3_moe"): "YNNN",
 }
 
 
