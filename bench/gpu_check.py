@@ -1,4 +1,5 @@
-"""int4 (W4A16) and FP8 kernels on a GPU against their pure-jnp references, at real shapes.
+"""int4 (W4A16, with and without zero points) and FP8 kernels on a GPU against their pure-jnp references, at real
+shapes.
 
     python bench/gpu_check.py          # on a machine where jax sees a GPU
 
@@ -55,6 +56,12 @@ def main() -> int:
                  lambda: K.int4_weight_matmul(x, codes, s, group_size=g, out_dtype=jnp.float32, backend="gpu",
                                               return_plan=True),
                  lambda: K.int4_weight_matmul_reference(x, codes, s, group_size=g, out_dtype=jnp.float32), 2e-2, fails)
+            z = jnp.asarray(rng.integers(-8, 8, s.shape).astype(np.int8))  # int4-asym: (code - zero) * scale
+            case(f"int4 zero points M={m} K={k} N={n} group={g}",
+                 lambda: K.int4_weight_matmul(x, codes, s, group_size=g, out_dtype=jnp.float32, backend="gpu",
+                                              return_plan=True, w_zero=z),
+                 lambda: K.int4_weight_matmul_reference(x, codes, s, group_size=g, out_dtype=jnp.float32, w_zero=z),
+                 2e-2, fails)
         x_q, x_s = K.quantize_fp8_activations(x)
         w_q = jnp.asarray(rng.normal(size=(n, k)).astype(np.float32) * 50).astype(jnp.float8_e4m3fn)
         w_s = jnp.asarray(rng.uniform(1e-3, 1e-2, n).astype(np.float32))

@@ -79,6 +79,14 @@ def weight_bits(qconfig: dict[str, Any]) -> set:
             else None for g in groups.values()}
 
 
+def weights_asymmetric(qconfig: dict[str, Any]) -> bool:
+    """Whether any config group's weights are asymmetric (`"symmetric": false`: zero points stored)."""
+    groups = qconfig.get("config_groups")
+    return isinstance(groups, dict) and any(
+        isinstance(g, dict) and isinstance(g.get("weights"), dict) and g["weights"].get("symmetric") is False
+        for g in groups.values())
+
+
 def _is_int8(args: Any) -> bool:
     return (isinstance(args, dict) and args.get("num_bits") == 8 and args.get("type", "int") == "int"
             and args.get("symmetric", True) is True)

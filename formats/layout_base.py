@@ -64,6 +64,9 @@ class Layout(abc.ABC):
     # the experts float, which transformers 5.x holds fused in one 3-D parameter (bitsandbytes 4-bit).
     loader_replaces_conv1d: bool = False
     loader_keeps_experts_float: bool = False
+    # The config transformers' from_pretrained needs to read the layout right ("" for none): a Python expression
+    # of the transformers namespace, passed as quantization_config=.
+    transformers_quantization_config: str = ""
 
     def kernel_act(self, flags: LayoutFlags) -> str | None:
         """How the deployment kernels quantize this layout's activations: "dynamic" (per token), "static"

@@ -74,8 +74,10 @@ class PackQuantizedInt4(Layout):
         return ct.config(FORMAT, None, ignore, weights)
 
     def claims(self, qconfig: dict[str, Any]) -> bool:
-        # A group quantizing activations to a float type is W4A8-FP8's (layout_w4a8).
-        return ct.claims(qconfig, FORMAT) and ct.weight_bits(qconfig) == {4} and not float_activations(qconfig)
+        # A group quantizing activations to a float type is W4A8-FP8's (layout_w4a8); zero points (symmetric
+        # false) are int4-asym's.
+        return (ct.claims(qconfig, FORMAT) and ct.weight_bits(qconfig) == {4} and not float_activations(qconfig)
+                and not ct.weights_asymmetric(qconfig))
 
     def loader_quantizes(self, qconfig: dict[str, Any], module: str) -> bool:
         return ct.loader_quantizes(qconfig, module)

@@ -2,6 +2,7 @@
 
     "int8"  compressed-tensors pack-quantized, 8 bits   (layout_int8.PackQuantizedInt8)
     "int4"  compressed-tensors pack-quantized, 4 bits   (layout_int4.PackQuantizedInt4)
+    "int4-asym"  the same with zero points              (layout_int4_asym.PackQuantizedInt4Asym)
     "w8a8"  compressed-tensors int-quantized            (layout_w8a8.IntQuantizedW8A8)
     "fp8"   compressed-tensors float-quantized          (layout_fp8.FloatQuantizedFP8)
     "w4a8-fp8"  pack-quantized, 4 bits, fp8 activations (layout_w4a8.PackQuantizedW4A8FP8)
@@ -23,6 +24,7 @@ from qconvert.formats.jsonfile import CONFIG_NAME, read_config
 from qconvert.formats.layout_base import FLOAT_DTYPES, Layout, LayoutFlags
 from qconvert.formats.layout_fp8 import FloatQuantizedFP8
 from qconvert.formats.layout_int4 import PackQuantizedInt4
+from qconvert.formats.layout_int4_asym import PackQuantizedInt4Asym
 from qconvert.formats.layout_int8 import PackQuantizedInt8
 from qconvert.formats.layout_w4a8 import PackQuantizedW4A8FP8
 from qconvert.formats.layout_nf4 import NF4_BLOCK_SIZE, NF4_STATE_SUFFIX, BitsandbytesNF4, nf4_state_blob
@@ -30,8 +32,8 @@ from qconvert.formats.layout_w8a8 import INPUT_SCALE_DTYPE, IntQuantizedW8A8
 from qconvert.formats.qarray import QArray
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, TensorSpec, open_checkpoint
 
-LAYOUTS: tuple[Layout, ...] = (PackQuantizedInt8(), PackQuantizedInt4(), IntQuantizedW8A8(), FloatQuantizedFP8(),
-                               BitsandbytesNF4(), PackQuantizedW4A8FP8())
+LAYOUTS: tuple[Layout, ...] = (PackQuantizedInt8(), PackQuantizedInt4(), PackQuantizedInt4Asym(), IntQuantizedW8A8(),
+                               FloatQuantizedFP8(), BitsandbytesNF4(), PackQuantizedW4A8FP8())
 SCHEMES = tuple(layout.scheme for layout in LAYOUTS)
 _BY_SCHEME = {layout.scheme: layout for layout in LAYOUTS}
 ACTS = ("dynamic", "static")

@@ -20,7 +20,8 @@ Kinds:
           for stacked experts); scale has the same rank, one value per output channel and group of
           `block_size` consecutive input columns ([out, in / block_size]; [out, 1] per channel, when
           block_size is None). value = qvalue * scale[..., col // block_size]. Nibble packing
-          belongs to the layouts and to the kernels' operand preparation.
+          belongs to the layouts and to the kernels' operand preparation. An asymmetric int4 QArray also
+          has zero_point int8 [out, in / block_size] in [-8, 7]: value = (qvalue - zero) * scale.
   "fp8"   qvalue float8_e4m3fn codes at the logical shape ([out, in]; [G, out, in] for stacked experts);
           scale float [out, 1] per output channel ([G, out, 1]). value = float(qvalue) * scale.
 """
@@ -173,11 +174,16 @@ def unpack_nf4_codes(packed: jax.Array, n: int) -> jax.Array:
 
 def group_scale(q: QArray) -> jax.Array:
     """The float32 scale broadcast to q's logical shape: each group's scale repeated over its columns."""
-    scale = jnp.asarray(q.scale).astype(jnp.float32)
-    groups = scale.shape[-1]
+    return group_columns(q.scale, q)
+
+
+def group_columns(values, q: QArray) -> jax.Array:
+    """float32 per-group values (a scale or a zero point, [..., groups]) broadcast to q's logical shape."""
+    values = jnp.asarray(values).astype(jnp.float32)
+    groups = values.shape[-1]
     if groups not in (1, q.shape[-1]):
-        scale = jnp.repeat(scale, q.shape[-1] // groups, axis=-1)
-    return jnp.broadcast_to(scale, q.shape)
+        values = jnp.repeat(values, q.shape[-1] // groups, axis=-1)
+    return jnp.broadcast_to(values, q.shape)
 
 
 def dequantize(q: QArray, dtype=None) -> jax.Array:
@@ -186,7 +192,7 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
     if q.kind.integer:
         values = jnp.asarray(q.qvalue).astype(jnp.float32)
         if q.zero_point is not None:
-            values = values - jnp.asarray(q.zero_point).astype(jnp.float32)
+            values = values - group_columns(q.zero_point, q)
         return (values * group_scale(q)).astype(out_dtype)
     n = q.size
     codes = unpack_nf4_codes(q.qvalue, n)

@@ -126,8 +126,9 @@ def check_nf4_matmul(x, w_packed, absmax, shape, blocksize, bias, out_dtype) -> 
     return m, k, n
 
 
-def check_int4_weight_matmul(x, w_codes, w_scale, group_size, bias, out_dtype) -> tuple[int, int, int]:
-    """Check W4A16 arguments (codes at the logical shape, group or per-channel scales); returns (M, K, N)."""
+def check_int4_weight_matmul(x, w_codes, w_scale, group_size, bias, out_dtype, w_zero=None) -> tuple[int, int, int]:
+    """Check W4A16 arguments (codes at the logical shape, group or per-channel scales, and zero points shaped as
+    the scales where given); returns (M, K, N)."""
     op = "int4_weight_matmul"
     m, k = require_matrix(op, "x", x, None, "[M, K]")
     require_float(op, "x", x)
@@ -148,6 +149,10 @@ def check_int4_weight_matmul(x, w_codes, w_scale, group_size, bias, out_dtype) -
         if _shape(w_scale) != (n, k // group_size):
             raise KernelArgumentError(f"{op}: w_scale has shape {_shape(w_scale)}; a ({n}, {k}) weight in groups "
                                       f"of {group_size} needs [{n}, {k // group_size}]")
+    if w_zero is not None and (_shape(w_zero) != _shape(w_scale)
+                               or not jnp.issubdtype(jnp.asarray(w_zero).dtype, jnp.integer)):
+        raise KernelArgumentError(f"{op}: w_zero must be integer zero points shaped as w_scale {_shape(w_scale)}, "
+                                  f"got {_shape(w_zero)} {jnp.asarray(w_zero).dtype}")
     if bias is not None:
         require_vector(op, "bias", bias, (n,), f"[{n}]")
     require_floatdtype_of(op, out_dtype)

@@ -17,7 +17,7 @@ from qconvert.kernels import gpu_dense, prepared, reference, tpu_dense
 from qconvert.kernels.checks import (check_fp8_matmul, check_int4_weight_matmul, check_int8_matmul,
                                      check_int8_weight_matmul, check_nf4_matmul)
 from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
-from qconvert.kernels.tiles import int4_weight_operands, pad2d, round_up, split_even_odd_columns
+from qconvert.kernels.tiles import int4_group_operand, int4_weight_operands, pad2d, round_up, split_even_odd_columns
 
 
 def _padded(plan: KernelPlan, m: int, k: int, n: int, k_multiple: int = 1) -> tuple[int, int, int]:
@@ -71,15 +71,18 @@ def _nf4_matmul_launch(x, w_packed, absmax, bias, *, plan: KernelPlan, n: int, o
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "group_size", "out_dtype"))
-def _int4_weight_matmul_launch(x, w_codes, w_scale, bias, *, plan: KernelPlan, group_size: int | None, out_dtype):
+def _int4_weight_matmul_launch(x, w_codes, w_scale, bias, w_zero=None, *, plan: KernelPlan, group_size: int | None,
+                               out_dtype):
     (m, k), n = x.shape, w_codes.shape[0]
     mp, kp, np_ = _padded(plan, m, k, n)
     gpu = plan.backend == "gpu"
     w_bytes, scales = int4_weight_operands(w_codes, w_scale, group_size, np_, kp, plan.tiling.tk, tpu_layout=not gpu)
+    zeros = None if w_zero is None else int4_group_operand(jnp.asarray(w_zero).reshape(n, -1), group_size, np_, kp,
+                                                           plan.tiling.tk, tpu_layout=not gpu)
     x_even, x_odd = split_even_odd_columns(pad2d(jnp.asarray(x), mp, kp))
     kernel = gpu_dense.int4_weight_matmul_gpu if gpu else tpu_dense.int4_weight_matmul_tpu
     y = kernel(x_even, x_odd, w_bytes, scales, _col_vector(bias, n, np_), tiling=plan.tiling, out_dtype=out_dtype,
-               has_bias=bias is not None, interpret=plan.interpret)
+               has_bias=bias is not None, interpret=plan.interpret, zeros=zeros)
     return y[:m, :n]
 
 
@@ -193,7 +196,7 @@ def nf4_matmul(x, w_packed, absmax, *, shape, blocksize: int = NF4_BLOCK_SIZE, b
 
 
 def int4_weight_matmul(x, w_codes, w_scale, *, group_size: int | None, bias=None, out_dtype=jnp.float32,
-                       backend: str = "auto", tiling: Tiling | None = None, return_plan: bool = False):
+                       backend: str = "auto", tiling: Tiling | None = None, return_plan: bool = False, w_zero=None):
     """W4A16 matmul: y = x @ W^T + bias[n], W [N, K] the int4 weight q[n, k] * w_scale[n, k // group_size].
 
     x float [M, K] (bf16/f16/f32); w_codes int8 [N, K], codes in [-8, 7] at the
@@ -202,20 +205,22 @@ def int4_weight_matmul(x, w_codes, w_scale, *, group_size: int | None, bias=None
     be a multiple of group_size. The launch packs two codes per byte, so the
     kernels read half the weight bytes; they sign-extend each nibble, multiply it
     by its group's scale in float32, cast to x's dtype and accumulate in float32.
+    w_zero (optional, asymmetric int4: W4A16_ASYM) holds integer zero points shaped as w_scale; each code then
+    dequantizes to (q - zero) * scale.
     """
-    m, k, n = check_int4_weight_matmul(x, w_codes, w_scale, group_size, bias, out_dtype)
+    m, k, n = check_int4_weight_matmul(x, w_codes, w_scale, group_size, bias, out_dtype, w_zero)
     group_size = None if group_size is None else int(group_size)
     problem = KernelProblem("int4_weight_matmul", m, k, n, dtype_name(x.dtype), dtype_name(out_dtype),
                             group_size=group_size)
     plan = select_kernel(problem, backend, tiling)
     if plan.is_reference:
         y = reference.int4_weight_matmul_reference(x, w_codes, w_scale, group_size=group_size, bias=bias,
-                                                   out_dtype=out_dtype)
+                                                   out_dtype=out_dtype, w_zero=w_zero)
         return plan_result(y, plan, return_plan)
-    if plan.variant is not None:
-        y = prepared.run_plan(plan, x, prepared.prepare_int4(w_codes, w_scale, group_size), None, bias,
+    if plan.variant is not None and plan.variant.name != "tiled":
+        y = prepared.run_plan(plan, x, prepared.prepare_int4(w_codes, w_scale, group_size, w_zero), None, bias,
                               fmt_name="int4", out_dtype=out_dtype)
         return plan_result(y, plan, return_plan)
-    y = _int4_weight_matmul_launch(x, w_codes, w_scale, bias, plan=plan, group_size=group_size,
+    y = _int4_weight_matmul_launch(x, w_codes, w_scale, bias, w_zero, plan=plan, group_size=group_size,
                                    out_dtype=jnp.dtype(out_dtype))
     return plan_result(y, plan, return_plan)

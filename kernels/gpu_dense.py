@@ -122,9 +122,11 @@ def int8_weight_matmul_gpu(x, w_q, w_scale, bias, *, tiling: Tiling, out_dtype, 
                    tiling=tiling, mp=mp, np_=np_, out_dtype=out_dtype, interpret=interpret)
 
 
-def _packed4_kernel(xe_ref, xo_ref, w_ref, s_ref, b_ref, o_ref, *, step_dot, tk, has_bias):
+def _packed4_kernel(xe_ref, xo_ref, w_ref, s_ref, *refs, step_dot, tk, has_bias, has_zero=False):
     """NF4 and int4: two codes a byte, x split into even and odd columns; each K step's tile decoded and
-    multiplied by `step_dot` with the step's scale columns (tk/64 absmax blocks, or its int4 groups)."""
+    multiplied by `step_dot` with the step's scale columns (tk/64 absmax blocks, or its int4 groups, and with
+    zero points their columns too: their ref follows the scales')."""
+    z_ref, (b_ref, o_ref) = (refs[0] if has_zero else None), refs[-2:]
     half = tk // 2
     steps = w_ref.shape[1] // half
     groups = s_ref.shape[1] // steps  # scale columns per K step
@@ -132,7 +134,8 @@ def _packed4_kernel(xe_ref, xo_ref, w_ref, s_ref, b_ref, o_ref, *, step_dot, tk,
     def step(k, acc):
         cols = pl.ds(pl.multiple_of(k * half, half), half)
         scales = int4_step_scales(s_ref, k, groups)
-        return step_dot(acc, xe_ref[:, cols], xo_ref[:, cols], w_ref[:, cols].astype(jnp.int32), scales)
+        zero = () if z_ref is None else (int4_step_scales(z_ref, k, groups),)
+        return step_dot(acc, xe_ref[:, cols], xo_ref[:, cols], w_ref[:, cols].astype(jnp.int32), scales, *zero)
 
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, jnp.float32))
     if has_bias:
@@ -141,13 +144,16 @@ def _packed4_kernel(xe_ref, xo_ref, w_ref, s_ref, b_ref, o_ref, *, step_dot, tk,
 
 
 def _packed4_call(name, step_dot, x_even, x_odd, w_bytes, scales, bias, *, tiling: Tiling, out_dtype,
-                  has_bias: bool, interpret: bool):
-    # NF4 and int4: two codes a byte (Kp/2 byte columns), x split into even and odd columns, the scales' whole row.
+                  has_bias: bool, interpret: bool, zeros=None):
+    # NF4 and int4: two codes a byte (Kp/2 byte columns), x split into even and odd columns, the scales' whole row
+    # (and int4's zero points', laid out as the scales).
     (mp, kp_half), np_ = x_even.shape, w_bytes.shape[0]
-    return _launch(functools.partial(_packed4_kernel, step_dot=step_dot, tk=tiling.tk, has_bias=has_bias),
-                   (x_even, x_odd, w_bytes, scales, bias),
+    with_zero = () if zeros is None else (zeros,)
+    return _launch(functools.partial(_packed4_kernel, step_dot=step_dot, tk=tiling.tk, has_bias=has_bias,
+                                     has_zero=bool(with_zero)),
+                   (x_even, x_odd, w_bytes, scales, *with_zero, bias),
                    [_rows(tiling, kp_half), _rows(tiling, kp_half), _cols(tiling, kp_half),
-                    _cols(tiling, scales.shape[1]), _col_vec(tiling)],
+                    *[_cols(tiling, scales.shape[1])] * (1 + len(with_zero)), _col_vec(tiling)],
                    tiling=tiling, mp=mp, np_=np_, out_dtype=out_dtype, interpret=interpret, name=name)
 
 
@@ -178,18 +184,23 @@ def nf4_matmul_gpu(x_even, x_odd, w_bytes, absmax, bias, *, tiling: Tiling, out_
                          out_dtype=out_dtype, has_bias=has_bias, interpret=interpret)
 
 
-def int4_step_dot(acc, xe, xo, packed, group_scales):
+def int4_step_dot(acc, xe, xo, packed, group_scales, group_zeros=None):
     """acc + one K step's products: packed int32 [tn, tk/2] bytes (sign-extended), group_scales the step's
-    scale columns [tn, 1], one per group (a single one for a per-channel scale).
+    scale columns [tn, 1], one per group (a single one for a per-channel scale), and group_zeros its zero
+    point columns alike (asymmetric int4; None: symmetric).
 
-    Each code is sign-extended from its nibble, times its group's scale in
-    float32 and cast to the activation dtype; low nibbles meet xe [tm, tk/2],
-    high nibbles xo, and both products accumulate in float32.
+    Each code is sign-extended from its nibble, less its group's zero point,
+    times its group's scale in float32 and cast to the activation dtype; low
+    nibbles meet xe [tm, tk/2], high nibbles xo, and both products accumulate in float32.
     """
-    scale = group_scale_columns(group_scales, packed.shape, packed.shape[1] // len(group_scales))
-    low, high = int4_nibbles(packed)
-    w_low = (low.astype(jnp.float32) * scale).astype(xe.dtype)
-    w_high = (high.astype(jnp.float32) * scale).astype(xe.dtype)
+    group_bytes = packed.shape[1] // len(group_scales)
+    scale = group_scale_columns(group_scales, packed.shape, group_bytes)
+    low, high = (c.astype(jnp.float32) for c in int4_nibbles(packed))
+    if group_zeros is not None:
+        zero = group_scale_columns(group_zeros, packed.shape, group_bytes)
+        low, high = low - zero, high - zero
+    w_low = (low * scale).astype(xe.dtype)
+    w_high = (high * scale).astype(xe.dtype)
     acc = acc + jax.lax.dot_general(xe, w_low, NT_DIMS, preferred_element_type=jnp.float32, precision=HIGHEST)
     return acc + jax.lax.dot_general(xo, w_high, NT_DIMS, preferred_element_type=jnp.float32, precision=HIGHEST)
 
@@ -203,8 +214,8 @@ def int4_step_scales(s_ref, k, groups: int, g=None):
 
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
 def int4_weight_matmul_gpu(x_even, x_odd, w_bytes, scales, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
-                           interpret: bool = False):
+                           interpret: bool = False, zeros=None):
     """Padded operands: x_even/x_odd [Mp, Kp/2], w_bytes [Np, Kp/2] i8 (int4_weight_operands),
-    scales [Np, Kp/group] f32, bias [1, Np]."""
+    scales [Np, Kp/group] f32, bias [1, Np]; zeros (optional) the zero points [Np, Kp/group] f32."""
     return _packed4_call("_int4_kernel", int4_step_dot, x_even, x_odd, w_bytes, scales, bias, tiling=tiling,
-                         out_dtype=out_dtype, has_bias=has_bias, interpret=interpret)
+                         out_dtype=out_dtype, has_bias=has_bias, interpret=interpret, zeros=zeros)

@@ -24,7 +24,8 @@ from jax.experimental.pallas import triton as pltr
 
 from qconvert.formats.qarray import NF4_BLOCK_SIZE
 from qconvert.kernels.gpu_dense import int4_step_dot, int4_step_scales, nf4_step_dot
-from qconvert.kernels.tiles import Tiling, int4_weight_operands, rhs_kind_of, round_up, split_even_odd_columns
+from qconvert.kernels.tiles import (Tiling, int4_group_operand, int4_weight_operands, rhs_kind_of, round_up,
+                                   split_even_odd_columns)
 
 NN_DIMS = (((1,), (0,)), ((), ()))
 NT_DIMS = (((1,), (1,)), ((), ()))
@@ -71,8 +72,9 @@ def live_count(count, live) -> jax.Array:
 
 
 def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rhs, tiling):
-    if rhs_kind.packs_nibbles:
-        xe_ref, xo_ref, w_ref, a_ref, o_ref = refs
+    zero = ()
+    if rhs_kind.packs_nibbles:  # int4 with zero points: their ref follows the scales'
+        xe_ref, xo_ref, w_ref, a_ref, *zero, o_ref = refs
     elif rhs_kind.channel_scaled:
         x_ref, w_ref, s_ref, o_ref = refs
     else:
@@ -101,7 +103,8 @@ def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rh
             def step(k, acc):
                 cols = pl.ds(pl.multiple_of(k * half, half), half)
                 return int4_step_dot(acc, xe_ref[:, cols], xo_ref[:, cols], w_ref[g, :, cols].astype(jnp.int32),
-                                     int4_step_scales(a_ref, k, groups, g))
+                                     int4_step_scales(a_ref, k, groups, g),
+                                     *[int4_step_scales(z_ref, k, groups, g) for z_ref in zero])
 
             return step, steps
 
@@ -153,8 +156,9 @@ def grouped_matmul_gpu(local_offsets, tile_first, tile_count, lhs_operands, rhs_
         w_spec = pl.BlockSpec((num_local, w.shape[1], tn), lambda i, j: (0, 0, j))
     in_specs = [_whole(local_offsets.shape), _whole(tile_first.shape), _whole(tile_count.shape)]
     in_specs += [pl.BlockSpec((tm, kp_x), lambda i, j: (i, 0))] * len(lhs_operands) + [w_spec]
-    if rhs_kind.packs_nibbles:
-        in_specs.append(pl.BlockSpec((num_local, tn, rhs_operands[1].shape[2]), lambda i, j: (0, j, 0)))
+    if rhs_kind.packs_nibbles:  # the scales, and int4's zero points laid out as them
+        in_specs += [pl.BlockSpec((num_local, tn, rhs_operands[1].shape[2]), lambda i, j: (0, j, 0))] * (
+            len(rhs_operands) - 1)
     elif rhs_kind.channel_scaled:
         in_specs.append(pl.BlockSpec((num_local, tn), lambda i, j: (0, j)))
     return pl.pallas_call(
@@ -214,12 +218,14 @@ def transposed_grouped_matmul_gpu(local_offsets, lhs, rhs, *, tiling: Tiling, ou
 
 
 def run_grouped_matmul(lhs, rhs_kind: str, rhs_data, rhs_aux, group_sizes, *, offset: int, num_local: int, n: int,
-                       tiling: Tiling, out_dtype, transpose_rhs: bool, group_size: int | None = None) -> jax.Array:
+                       tiling: Tiling, out_dtype, transpose_rhs: bool, group_size: int | None = None,
+                       rhs_zero=None) -> jax.Array:
     """Lay out checked grouped_matmul operands for the Triton kernel, launch it, return [M, N].
 
     rhs_data/rhs_aux as grouped.py's _rhs_parts gives them (float or int8 rhs and
     the int8 scale [G, N]; NF4 bytes and float32 absmax, flat; or int4 codes
-    [G, N, K] and float32 scales [G, N, K/group_size], [G, N, 1] per channel).
+    [G, N, K] and float32 scales [G, N, K/group_size], [G, N, 1] per channel, with rhs_zero the zero points
+    shaped as the scales or None).
     """
     rhs_kind = rhs_kind_of(rhs_kind)
     m, k = lhs.shape
@@ -235,6 +241,8 @@ def run_grouped_matmul(lhs, rhs_kind: str, rhs_data, rhs_aux, group_sizes, *, of
     elif rhs_kind.column_groups:
         lhs_ops = split_even_odd_columns(lhs_p)
         rhs_ops = int4_weight_operands(rhs_data, rhs_aux, group_size, np_, kp, tiling.tk, tpu_layout=False)
+        if rhs_zero is not None:
+            rhs_ops += (int4_group_operand(rhs_zero, group_size, np_, kp, tiling.tk, tpu_layout=False),)
     else:
         lhs_ops = (lhs_p,)
         rhs_ops = (_pad(rhs_data, (num_local, np_, kp) if transpose_rhs else (num_local, kp, np_)),)

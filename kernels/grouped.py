@@ -21,7 +21,7 @@ from qconvert.kernels.checks import dtype_of as _dtype
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.grouped_metadata import make_group_metadata
 from qconvert.kernels.plan import FLOAT, KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
-from qconvert.kernels.tiles import int4_weight_operands, round_up, split_even_odd_columns
+from qconvert.kernels.tiles import int4_group_operand, int4_weight_operands, round_up, split_even_odd_columns
 
 OP = "grouped_matmul"
 
@@ -57,8 +57,6 @@ def _int4_parts(rhs: QArray):
     """The checked codes [G, N, K] and float32 scales [G, N, K/group] (or [G, N, 1]) of an int4 QArray."""
     g, n, k = rhs.shape
     group = rhs.block_size
-    if rhs.zero_point is not None:
-        raise KernelArgumentError(f"{OP}: int4 rhs must be symmetric (no zero point)")
     if tuple(jnp.shape(rhs.qvalue)) != (g, n, k) or _dtype(rhs.qvalue) != jnp.int8:
         raise KernelArgumentError(f"{OP}: int4 rhs codes must be int8 [G, N, K] = {(g, n, k)}, got "
                                   f"{jnp.shape(rhs.qvalue)} {_dtype(rhs.qvalue)}")
@@ -68,6 +66,10 @@ def _int4_parts(rhs: QArray):
     if tuple(jnp.shape(rhs.scale)) != scale_shape:
         raise KernelArgumentError(f"{OP}: int4 rhs scale has shape {jnp.shape(rhs.scale)}; expected {scale_shape} "
                                   f"(group size {group})")
+    if rhs.zero_point is not None and (tuple(jnp.shape(rhs.zero_point)) != scale_shape
+                                       or not jnp.issubdtype(_dtype(rhs.zero_point), jnp.integer)):
+        raise KernelArgumentError(f"{OP}: int4 rhs zero points must be integers shaped as its scales {scale_shape}, "
+                                  f"got {jnp.shape(rhs.zero_point)} {_dtype(rhs.zero_point)}")
     return jnp.asarray(rhs.qvalue), jnp.asarray(rhs.scale, jnp.float32)
 
 
@@ -138,6 +140,8 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
     _check_common(OP, lhs, group_sizes, preferred_element_type)
     lhs = jnp.asarray(lhs)
     rhs_kind, rhs_data, rhs_aux, g_local, k_w, n, blocksize = _rhs_parts(lhs, rhs, rhs_scale, transpose_rhs)
+    # int4 with zero points (W4A16_ASYM): each code dequantizes to (q - zero) * scale.
+    rhs_zero = rhs.zero_point if isinstance(rhs, QArray) and rhs.kind.column_groups else None
     m, k = lhs.shape
     if k_w != k:
         raise KernelArgumentError(f"{OP}: lhs has K={k} but rhs has K={k_w}; check transpose_rhs")
@@ -156,9 +160,9 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
         plan = dataclasses.replace(plan, variant=None)  # a tuned gemv entry for the other layout: the tiled kernel
     if plan.is_reference:
         y = _grouped_reference(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, g_local, k, n, blocksize,
-                               preferred_element_type, offset, transpose_rhs)
+                               preferred_element_type, offset, transpose_rhs, rhs_zero)
         return plan_result(y, plan, return_plan)
-    y = _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, plan=plan, rhs_kind=rhs_kind, offset=offset,
+    y = _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, rhs_zero, plan=plan, rhs_kind=rhs_kind, offset=offset,
                         g_local=g_local, n=n, out_dtype=jnp.dtype(preferred_element_type), transpose_rhs=transpose_rhs,
                         group_size=blocksize if rhs_kind.column_groups else None)
     return plan_result(y, plan, return_plan)
@@ -168,9 +172,10 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
 # one compiled call (an eager call pays the checks, a cached plan and one dispatch).
 @functools.partial(jax.jit, static_argnames=("plan", "rhs_kind", "offset", "g_local", "n", "out_dtype",
                                              "transpose_rhs", "group_size"))
-def _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, *, plan: KernelPlan, rhs_kind: str, offset: int,
-                    g_local: int, n: int, out_dtype, transpose_rhs: bool, group_size: int | None = None):
-    if plan.backend == "gpu" and plan.variant is not None and plan.variant.name == "gemv":
+def _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, rhs_zero=None, *, plan: KernelPlan, rhs_kind: str,
+                    offset: int, g_local: int, n: int, out_dtype, transpose_rhs: bool, group_size: int | None = None):
+    gemv = plan.backend == "gpu" and plan.variant is not None and plan.variant.name == "gemv"
+    if gemv and rhs_zero is None:  # the GEMV variant has no zero-point operand; the tiled kernel has
         v = plan.variant
         return gpu_grouped_decode.run_grouped_gemv(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, offset=offset,
                                                    num_local=g_local, n=n, tiling=plan.tiling, split=v.split,
@@ -179,7 +184,7 @@ def _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, *, plan: KernelPlan, rh
     if plan.backend == "gpu":
         return gpu_grouped.run_grouped_matmul(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, offset=offset,
                                               num_local=g_local, n=n, tiling=plan.tiling, out_dtype=out_dtype,
-                                              transpose_rhs=transpose_rhs, group_size=group_size)
+                                              transpose_rhs=transpose_rhs, group_size=group_size, rhs_zero=rhs_zero)
     m, k = lhs.shape
     t = plan.tiling
     mp, kp, np_ = round_up(m, t.tm), round_up(k, t.tk), round_up(n, t.tn)
@@ -193,6 +198,8 @@ def _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, *, plan: KernelPlan, rh
     elif rhs_kind.column_groups:
         lhs_ops = split_even_odd_columns(lhs_p)
         rhs_ops = int4_weight_operands(rhs_data, rhs_aux, group_size, np_, kp, t.tk, tpu_layout=True)
+        if rhs_zero is not None:
+            rhs_ops += (int4_group_operand(rhs_zero, group_size, np_, kp, t.tk, tpu_layout=True),)
     else:
         lhs_ops = (lhs_p,)
         rhs_ops = (_pad(rhs_data, (g_local, np_, kp) if transpose_rhs else (g_local, kp, np_)),)
@@ -213,12 +220,12 @@ def _local_rows(group_sizes, m: int, offset: int, g_local: int) -> jax.Array:
 
 
 def _grouped_reference(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, g_local, k, n, blocksize, out_dtype, offset,
-                       transpose_rhs):
+                       transpose_rhs, rhs_zero=None):
     if rhs_kind.packs_nibbles:
         if rhs_kind.flat_blocks:
             dense = reference.nf4_dequantize_reference(rhs_data, rhs_aux, (g_local * n, k), blocksize)
         else:
-            dense = reference.int4_dequantize_reference(rhs_data, rhs_aux, blocksize)
+            dense = reference.int4_dequantize_reference(rhs_data, rhs_aux, blocksize, rhs_zero)
         return reference.grouped_matmul_reference(lhs, dense.reshape(g_local, n, k).astype(lhs.dtype), group_sizes,
                                                   preferred_element_type=out_dtype, group_offset=offset,
                                                   transpose_rhs=True)

@@ -5,7 +5,8 @@
                              int8_matmul: int32 accumulation, x_scale * w_scale rescale
   int8 weight, int8 QArray x int8_matmul on x's codes and scales as they are
   nf4 weight                 nf4_matmul: codes decoded with the NF4 table x block absmax
-  int4 weight                int4_weight_matmul (W4A16): codes x group (or per-channel) scale
+  int4 weight                int4_weight_matmul (W4A16): codes (less their zero point, W4A16_ASYM) x group
+                             (or per-channel) scale
   int4 weight, act=dynamic   W4A8-FP8 (kernels.w4a8): E4M3 per token, int4_weight_matmul on those values,
                              then x token scale (experts: the same ahead of grouped_matmul)
   fp8 weight, act=...        quantize_fp8_activations (E4M3 per token, or the static input_scale), then
@@ -136,9 +137,8 @@ def _int4_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
     if act is not None or isinstance(lhs, tuple):
         raise KernelArgumentError("qlinear: int4 weights take float activations (W4A16) or act='dynamic' "
                                   "(W4A8-FP8: E4M3 per token); not static or int8 activations")
-    _check_symmetric(q, "int4")
     return int4_weight_matmul(lhs, q.qvalue, q.scale, group_size=q.block_size, bias=bias, out_dtype=out_dtype,
-                              backend=backend, return_plan=True)
+                              backend=backend, return_plan=True, w_zero=q.zero_point)
 
 
 def _int8_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
@@ -170,8 +170,12 @@ def stack_experts(qs: Sequence[QArray]) -> QArray:
     if first.kind.column_groups:
         if any(not q.kind.column_groups or q.block_size != first.block_size or q.shape != first.shape for q in qs):
             raise KernelArgumentError("stack_experts: int4 experts must share one shape and group size")
+        if any((q.zero_point is None) != (first.zero_point is None) for q in qs):
+            raise KernelArgumentError("stack_experts: int4 experts must all have zero points or none")
+        zero_point = None if first.zero_point is None else jnp.stack(
+            [jnp.asarray(q.zero_point).reshape(n, -1) for q in qs])
         return QArray(jnp.stack([jnp.asarray(q.qvalue) for q in qs]),
-                      jnp.stack([jnp.asarray(q.scale, jnp.float32).reshape(n, -1) for q in qs]),
+                      jnp.stack([jnp.asarray(q.scale, jnp.float32).reshape(n, -1) for q in qs]), zero_point,
                       kind="int4", block_size=first.block_size, shape=(g, n, k), dtype=first.dtype)
     # NF4 blocks run over the flattened weight; experts concatenate cleanly when
     # each one holds whole blocks (n * k % 64 == 0, which the kernel needs anyway).

@@ -105,25 +105,30 @@ def nf4_matmul_reference(x, w_packed, absmax, *, shape, blocksize: int = NF4_BLO
 
 
 @functools.partial(jax.jit, static_argnames=("group_size",))
-def int4_dequantize_reference(w_codes, w_scale, group_size: int | None) -> jax.Array:
-    """The float32 weight [..., N, K] of int4 codes: q[n, k] * scale[n, k // group_size] (scale[n] when None)."""
+def int4_dequantize_reference(w_codes, w_scale, group_size: int | None, w_zero=None) -> jax.Array:
+    """The float32 weight [..., N, K] of int4 codes: q[n, k] * scale[n, k // group_size] (scale[n] when None);
+    with zero points w_zero (shaped as w_scale): (q[n, k] - zero[n, k // group_size]) * scale[n, k // group_size]."""
     codes = jnp.asarray(w_codes).astype(jnp.float32)
-    scale = jnp.asarray(w_scale, jnp.float32).reshape(*codes.shape[:-1], -1)
-    if group_size is not None:
-        scale = jnp.repeat(scale, group_size, axis=-1)
-    return codes * scale
+
+    def per_code(values):
+        values = jnp.asarray(values, jnp.float32).reshape(*codes.shape[:-1], -1)
+        return values if group_size is None else jnp.repeat(values, group_size, axis=-1)
+
+    if w_zero is not None:
+        codes = codes - per_code(w_zero)
+    return codes * per_code(w_scale)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "out_dtype"))
 def int4_weight_matmul_reference(x, w_codes, w_scale, *, group_size: int | None, bias=None,
-                                 out_dtype=jnp.float32) -> jax.Array:
+                                 out_dtype=jnp.float32, w_zero=None) -> jax.Array:
     """W4A16: y = x @ W^T + bias[n], W the int4 weight dequantized in float32 and cast to x's dtype.
 
     w_codes int8 [N, K] in [-8, 7]; w_scale [N, K/group_size] ([N, 1] per channel
-    when group_size is None). Accumulation is float32.
+    when group_size is None); w_zero (optional) zero points shaped as w_scale. Accumulation is float32.
     """
     x = jnp.asarray(x)
-    w = int4_dequantize_reference(w_codes, w_scale, group_size).astype(x.dtype)
+    w = int4_dequantize_reference(w_codes, w_scale, group_size, w_zero).astype(x.dtype)
     y = jax.lax.dot_general(
         x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=HIGHEST
     )

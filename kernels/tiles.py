@@ -121,13 +121,23 @@ def int4_weight_operands(codes, scale, group_size: int | None, np_: int, kp: int
     """
     codes = jnp.asarray(codes)
     lead, (n, k) = codes.shape[:-2], codes.shape[-2:]
-    scale = jnp.asarray(scale, jnp.float32).reshape(*lead, n, -1)
-    group = tk if group_size is None else group_size
-    if group_size is None:
-        scale = jnp.broadcast_to(scale, (*lead, n, kp // tk))
     pad = [(0, 0)] * len(lead)
     w_bytes = pack_int4_pairs(jnp.pad(codes, pad + [(0, np_ - n), (0, kp - k)]))
-    scale = jnp.pad(scale, pad + [(0, np_ - n), (0, kp // group - scale.shape[-1])])
+    scale = jnp.asarray(scale, jnp.float32).reshape(*lead, n, -1)
+    return w_bytes, int4_group_operand(scale, group_size, np_, kp, tk, tpu_layout)
+
+
+def int4_group_operand(values, group_size: int | None, np_: int, kp: int, tk: int, tpu_layout: bool) -> jax.Array:
+    """Per-group values [..., N, K/group_size] ([..., N, 1] per channel) as float32 in the kernels' scale layout
+    (int4_weight_operands'): the scales, and the zero points of asymmetric int4, which ride beside them.
+    Padding adds zeros."""
+    values = jnp.asarray(values, jnp.float32)
+    lead, n = values.shape[:-2], values.shape[-2]
+    group = tk if group_size is None else group_size
+    if group_size is None:
+        values = jnp.broadcast_to(values, (*lead, n, kp // tk))
+    pad = [(0, 0)] * len(lead)
+    values = jnp.pad(values, pad + [(0, np_ - n), (0, kp // group - values.shape[-1])])
     if tpu_layout:
-        scale = jnp.moveaxis(scale.reshape(*lead, np_, kp // tk, tk // group), -2, -3)
-    return w_bytes, scale
+        values = jnp.moveaxis(values.reshape(*lead, np_, kp // tk, tk // group), -2, -3)
+    return values

@@ -188,13 +188,19 @@ def nf4_chunks(tile_bytes: int) -> list[tuple[int, int]]:
     return [(start, min(NF4_CHUNK_BYTES, tile_bytes - start)) for start in range(0, tile_bytes, NF4_CHUNK_BYTES)]
 
 
-def _packed4_kernel(xe_ref, xo_ref, w_ref, s_ref, b_ref, o_ref, acc_ref, *, tile_dot, has_bias):
-    """NF4 and int4: two codes a byte, x split into even and odd columns; tile_dot decodes and multiplies a tile."""
+def _packed4_kernel(xe_ref, xo_ref, w_ref, s_ref, *refs, tile_dot, has_bias, has_zero=False):
+    """NF4 and int4: two codes a byte, x split into even and odd columns; tile_dot decodes and multiplies a tile
+    (int4 with zero points: their ref follows the scales')."""
+    z_ref, (b_ref, o_ref, acc_ref) = (refs[0] if has_zero else None), refs[-3:]
+
     @pl.when(pl.program_id(2) == 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    acc_ref[...] = tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, s_ref)
+    if has_zero:
+        acc_ref[...] = tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, s_ref, z_ref)
+    else:
+        acc_ref[...] = tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, s_ref)
 
     @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
     def _store():
@@ -205,17 +211,19 @@ def _packed4_kernel(xe_ref, xo_ref, w_ref, s_ref, b_ref, o_ref, acc_ref, *, tile
 
 
 def _packed4_call(name, tile_dot, scale_spec, x_even, x_odd, w_bytes, scales, bias, *, tiling: Tiling, out_dtype,
-                  has_bias: bool, interpret: bool):
-    # K tiles of tk codes are tk/2 bytes; scale_spec is the scales' block (NF4 per 64-block, int4 per K tile).
+                  has_bias: bool, interpret: bool, zeros=None):
+    # K tiles of tk codes are tk/2 bytes; scale_spec is the scales' block (NF4 per 64-block, int4 per K tile), and
+    # the block of int4's zero points too (laid out as the scales).
     mp = x_even.shape[0]
     np_, kp_half = w_bytes.shape
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
-    return _launch(functools.partial(_packed4_kernel, tile_dot=tile_dot, has_bias=has_bias),
-                   (x_even, x_odd, w_bytes, scales, bias),
+    with_zero = () if zeros is None else (zeros,)
+    return _launch(functools.partial(_packed4_kernel, tile_dot=tile_dot, has_bias=has_bias, has_zero=bool(with_zero)),
+                   (x_even, x_odd, w_bytes, scales, *with_zero, bias),
                    [pl.BlockSpec((tm, tk // 2), lambda i, j, k: (i, k)),
                     pl.BlockSpec((tm, tk // 2), lambda i, j, k: (i, k)),
                     pl.BlockSpec((tn, tk // 2), lambda i, j, k: (j, k)),
-                    scale_spec, _col_vec(tiling)],
+                    scale_spec, *[scale_spec] * len(with_zero), _col_vec(tiling)],
                    tiling=tiling, mp=mp, np_=np_, kp=2 * kp_half, out_dtype=out_dtype, acc_dtype=jnp.float32,
                    interpret=interpret, name=name)
 
@@ -229,16 +237,18 @@ def nf4_matmul_tpu(x_even, x_odd, w_bytes, absmax, bias, *, tiling: Tiling, out_
                          out_dtype=out_dtype, has_bias=has_bias, interpret=interpret)
 
 
-def int4_tile_dot(acc, xe_ref, xo_ref, w_ref, s_ref):
-    """acc + one tile's products: packed int4 bytes w_ref [tn, tile_bytes] with scales s_ref [tn, groups].
+def int4_tile_dot(acc, xe_ref, xo_ref, w_ref, s_ref, z_ref=None):
+    """acc + one tile's products: packed int4 bytes w_ref [tn, tile_bytes] with scales s_ref [tn, groups] (and
+    zero points z_ref, float32 laid out as the scales, for asymmetric int4).
 
     Low nibbles meet xe_ref, high nibbles xo_ref. Each code is sign-extended,
-    times its group's scale in float32 and cast to the activation dtype (the
-    reference's dequantize); both products accumulate in float32. The tile
-    holds whole groups (one per channel scale: a single group).
+    less its group's zero point, times its group's scale in float32 and cast to
+    the activation dtype (the reference's dequantize); both products accumulate
+    in float32. The tile holds whole groups (one per channel scale: a single group).
     """
     tn, tile_bytes = w_ref.shape
     scales = s_ref[...]  # the tile's [tn, groups] scales: one load, then a column per group
+    zeros = None if z_ref is None else z_ref[...]
     group_bytes = tile_bytes // scales.shape[1]
     compute_dtype = xe_ref.dtype
     for start, width in nf4_chunks(tile_bytes):  # the same chunking as NF4: small float planes, whole tile
@@ -246,9 +256,13 @@ def int4_tile_dot(acc, xe_ref, xo_ref, w_ref, s_ref):
         first, last = start // group_bytes, (start + width - 1) // group_bytes
         scale = group_scale_columns([scales[:, g:g + 1] for g in range(first, last + 1)], (tn, width), group_bytes,
                                     start - first * group_bytes)
-        low, high = int4_nibbles(w_ref[:, cols].astype(jnp.int32))
-        w_low = (low.astype(jnp.float32) * scale).astype(compute_dtype)
-        w_high = (high.astype(jnp.float32) * scale).astype(compute_dtype)
+        low, high = (c.astype(jnp.float32) for c in int4_nibbles(w_ref[:, cols].astype(jnp.int32)))
+        if zeros is not None:
+            zero = group_scale_columns([zeros[:, g:g + 1] for g in range(first, last + 1)], (tn, width),
+                                       group_bytes, start - first * group_bytes)
+            low, high = low - zero, high - zero
+        w_low = (low * scale).astype(compute_dtype)
+        w_high = (high * scale).astype(compute_dtype)
         acc += jax.lax.dot_general(xe_ref[:, cols], w_low, NT_DIMS,
                                    preferred_element_type=jnp.float32, precision=HIGHEST)
         acc += jax.lax.dot_general(xo_ref[:, cols], w_high, NT_DIMS,
@@ -258,9 +272,10 @@ def int4_tile_dot(acc, xe_ref, xo_ref, w_ref, s_ref):
 
 @functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
 def int4_weight_matmul_tpu(x_even, x_odd, w_bytes, scales, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
-                           interpret: bool):
+                           interpret: bool, zeros=None):
     """Padded operands: x_even/x_odd [Mp, Kp/2], w_bytes [Np, Kp/2] i8 (int4_weight_operands),
-    scales [Kp/tk, Np, groups per K tile] f32, bias [1, Np]."""
+    scales [Kp/tk, Np, groups per K tile] f32, bias [1, Np]; zeros (optional) the zero points, laid out as the
+    scales (tiles.int4_group_operand)."""
     scale_spec = pl.BlockSpec((None, tiling.tn, scales.shape[2]), lambda i, j, k: (k, j, 0))
     return _packed4_call("_int4_kernel", int4_tile_dot, scale_spec, x_even, x_odd, w_bytes, scales, bias, tiling=tiling,
-                         out_dtype=out_dtype, has_bias=has_bias, interpret=interpret)
+                         out_dtype=out_dtype, has_bias=has_bias, interpret=interpret, zeros=zeros)

@@ -37,8 +37,10 @@ def _row_mask(shape, axis, tm, m_tile, start, end):
 
 def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *refs, rhs_kind, transpose_rhs,
                 tm):
-    if rhs_kind.packs_nibbles:
-        xe_ref, xo_ref, w_ref, a_ref, o_ref, acc_ref = refs
+    z_ref = None
+    if rhs_kind.packs_nibbles:  # int4 with zero points: their ref follows the scales'
+        xe_ref, xo_ref, w_ref, a_ref, *zero, o_ref, acc_ref = refs
+        z_ref = zero[0] if zero else None
     elif rhs_kind.channel_scaled:
         x_ref, w_ref, s_ref, o_ref, acc_ref = refs
     else:
@@ -55,7 +57,7 @@ def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *
         if rhs_kind.flat_blocks:
             acc_ref[...] = nf4_tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, a_ref)
         elif rhs_kind.column_groups:
-            acc_ref[...] = int4_tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, a_ref)
+            acc_ref[...] = int4_tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, a_ref, z_ref)
         else:
             x = x_ref[...]
             w = w_ref[...].astype(x.dtype)
@@ -111,7 +113,8 @@ def grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs_operands, rhs_oper
     """Padded operands. lhs_operands: (lhs [Mp, Kp],) or, for NF4 and int4, (lhs_even, lhs_odd) [Mp, Kp/2].
     rhs_operands: float/int8/fp8 (rhs [G, Kp, Np] or [G, Np, Kp] transposed,) plus int8/fp8 scale [G, 1, Np];
     NF4 (bytes [G, Np, Kp/2], absmax [G, Np, Kp/64]); int4 (bytes [G, Np, Kp/2] i8, scales
-    [G, Kp/tk, Np, groups per K tile], as int4_weight_operands lays them out)."""
+    [G, Kp/tk, Np, groups per K tile], as int4_weight_operands lays them out, and optionally the zero points
+    laid out as the scales)."""
     rhs_kind = rhs_kind_of(rhs_kind)
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
     group_offsets, group_ids, m_tile_ids = metadata
@@ -126,6 +129,7 @@ def grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs_operands, rhs_oper
     grid = (np_ // tn, group_ids.shape[0], kp // tk)
     in_specs = _gmm_in_specs(rhs_kind, tiling, transpose_rhs, num_local,
                              rhs_operands[1].shape[3] if rhs_kind.column_groups else 0)
+    in_specs += in_specs[-1:] * (len(rhs_operands) - 2 if rhs_kind.column_groups else 0)  # zero points: as scales
     return pl.pallas_call(
         functools.partial(_gmm_kernel, rhs_kind=rhs_kind, transpose_rhs=transpose_rhs, tm=tm),
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),

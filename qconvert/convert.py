@@ -305,7 +305,8 @@ def card_facts(source: SourceModel, plan: ConversionPlan, options: ConvertOption
         unchanged_tensors=sum(t.module is None for t in plan.tensors),
         input_bytes=sum(ckpt.nbytes(name) for name in ckpt.tensor_names),
         output_bytes=sum(spec.nbytes for spec in plan.specs), pip_packages=scheme.layout.pip_packages,
-        act_applies=bool(scheme.act_modes), repo=options.card_repo)
+        act_applies=bool(scheme.act_modes), repo=options.card_repo,
+        transformers_quantization_config=scheme.layout.transformers_quantization_config)
 
 
 def check_output_target(model: str, out: Path, overwrite: bool) -> None:

@@ -181,6 +181,7 @@ class ConvertOptions:
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "exclude", tuple(self.exclude))
         scheme = scheme_named(self.scheme)
+        object.__setattr__(self, "scheme", scheme.name)  # a preset name given (W4A16) is recorded as the scheme's
         object.__setattr__(self, "_scheme", scheme)  # looked up once, the Scheme carried
         _check_gptq(self, scheme)
         text_only = self.calibration is not None and not _smoothing_given(self.calibration) and not self.static_act

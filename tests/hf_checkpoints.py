@@ -84,13 +84,13 @@ def load_config(folder) -> dict:
     return json.loads((Path(folder) / "config.json").read_text())
 
 
-def reference_logits(folder, ids, mask) -> np.ndarray:
-    """transformers' float32 logits of the checkpoint in `folder`."""
+def reference_logits(folder, ids, mask, **load_args) -> np.ndarray:
+    """transformers' float32 logits of the checkpoint in `folder` (`load_args` go to from_pretrained)."""
     import torch
     import transformers
 
     model = generic_bitsandbytes_path(
-        transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval())
+        transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **load_args).eval())
     with torch.no_grad():
         return model(input_ids=torch.tensor(np.asarray(ids), dtype=torch.long),
                      attention_mask=torch.tensor(np.asarray(mask), dtype=torch.long)).logits.numpy()

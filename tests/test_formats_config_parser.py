@@ -53,8 +53,8 @@ def test_the_compressed_tensors_w8a8_preset_is_w8a8_with_dynamic_activations():
 @pytest.mark.parametrize("fmt, weights, acts, words", [
     # A 2-bit pack-quantized model is neither an int8 nor an int4 one, whatever its format says.
     ("pack-quantized", dict(num_bits=2, type="int", symmetric=True, strategy="channel"), None, "8-bit"),
-    ("pack-quantized", dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128), None,
-     "symmetric int4"),
+    ("pack-quantized", dict(num_bits=4, type="int", symmetric=False, strategy="tensor"), None,
+     "zero points per group or per output channel"),
     ("pack-quantized", dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128), INT8_TOKEN,
      "keeps them in float"),
     ("pack-quantized", dict(num_bits=8, type="int", symmetric=True, strategy="group", group_size=128), None,

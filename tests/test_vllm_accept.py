@@ -138,3 +138,24 @@ def test_vllm_tpu_loads_w4a8_fp8_where_the_servers_table_says(family, tmp_path, 
                           capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     # tpu_accept.py maps no W4A8 array (it calls their values wrong); where auto does not reach them it refuses.
     assert (verdict_of(auto.stdout) == "REFUSE") == (recorded["vLLM TPU"] != YES), auto.stdout[-3000:]
+
+
+ZERO_POINTS = ROOT / "bench" / "vllm_zero_points.py"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("rounding", ["rtn", "gptq"])
+def test_vllm_loads_int4_folders_with_zero_points(family, rounding, tmp_path, capsys):
+    """vllm_accept.py's checks with vLLM's reading of weight_zero_point (bench/vllm_zero_points.py): its WNA16
+    scheme and WNA16 MoE method load the folder and read (q - z) * s as compressed-tensors decompresses it."""
+    source = bf16_source(tmp_path / "src", family)
+    out = tmp_path / f"int4-asym-{rounding}"
+    flags = CALIB if rounding == "gptq" else ["--no-gptq"]
+    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", "int4-asym", "-q", *flags], capsys)
+    assert code == 0, err
+    ref = ["--ref", str(source)] if rounding == "rtn" else []
+    done = subprocess.run([str(VENV_PYTHON), str(ZERO_POINTS), str(out), *ref, "--check", str(CHECK)],
+                          capture_output=True, text=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert verdict_of(done.stdout) == "OK", done.stdout[-3000:]
+    assert "OK          dequant.vs_compressed_tensors" in done.stdout

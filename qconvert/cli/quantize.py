@@ -11,6 +11,7 @@ import click
 from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, check_model,
                                  cluster_options, hub_messages, is_leader, join_cluster, note_out, out_path,
                                  print_document, run_with_progress, with_options)
+from qconvert.schemes import ALIASES as SCHEME_ALIASES
 from qconvert.schemes import NAMES as SCHEME_NAMES
 
 
@@ -58,8 +59,21 @@ class _SchemeOption(click.Option):
         from qconvert.schemes import DESCRIPTIONS
 
         self.help = "; ".join(f"{name}: {summary}, loads in {loads_in}"
-                              for name, (summary, loads_in) in DESCRIPTIONS.items()) + "."
+                              for name, (summary, loads_in) in DESCRIPTIONS.items()) + ". " + (
+            "compressed-tensors' preset names are taken too, in any case: "
+            + ", ".join(f"{alias} ({name})" for alias, name in SCHEME_ALIASES.items()) + ".")
         return super().get_help_record(ctx)
+
+
+class _SchemeChoice(click.Choice):
+    """The scheme names, and compressed-tensors' preset names (any case) turned into the scheme they name."""
+
+    def convert(self, value, param, ctx):
+        from qconvert.schemes import canonical_name
+
+        if isinstance(value, str) and value.upper() in {a.upper() for a in SCHEME_ALIASES}:
+            return canonical_name(value)
+        return super().convert(value, param, ctx)
 
 
 
@@ -76,7 +90,7 @@ def _group_size(ctx, param, value):
 @click.argument("model")
 @click.option("-o", "--out", "out", required=True, callback=out_path,
               help="Output folder (written beside, then renamed into place).")
-@click.option("--scheme", type=click.Choice(SCHEME_NAMES), default="int8", show_default=True, cls=_SchemeOption)
+@click.option("--scheme", type=_SchemeChoice(SCHEME_NAMES), default="int8", show_default=True, cls=_SchemeOption)
 @click.option("--revision", default=None, help="Hub branch, tag or commit (Hub ids only).")
 @click.option("--include", multiple=True, metavar="PATTERN",
               help="Also quantize modules matching a glob or re:REGEX (repeatable), e.g. lm_head.")

@@ -46,7 +46,9 @@ class QuantizedStore:
     def put(self, module: str, q: QArray) -> None:
         index = len(self._meta)
         leaves = {}
-        for leaf in ("qvalue", "scale"):
+        for leaf in ("qvalue", "scale", "zero_point"):
+            if getattr(q, leaf) is None:  # a symmetric scheme's zero point
+                continue
             array = np.ascontiguousarray(np.asarray(getattr(q, leaf)))
             try:
                 (self.folder / f"{index}.{leaf}").write_bytes(array.tobytes())
@@ -146,6 +148,8 @@ class SequentialGPTQ:
         for m, (q, values, dtype) in solved.items():
             arrays.update({f"{m}:qvalue": np.asarray(q.qvalue), f"{m}:scale": np.asarray(q.scale),
                            f"{m}:values": values})
+            if q.zero_point is not None:
+                arrays[f"{m}:zero_point"] = np.asarray(q.zero_point)
             meta[m] = {"kind": str(q.kind), "block_size": q.block_size, "shape": list(q.shape), "dtype": q.dtype,
                        "source_dtype": np.dtype(dtype).name, "errors": self.errors[m],
                        "search": self.searches.records.get(m)}  # a clip searched on the weight here
@@ -158,7 +162,8 @@ class SequentialGPTQ:
             self.errors[m] = info["errors"]
             if info["search"] is not None:
                 self.searches.records[m] = info["search"]
-            q = QArray(qvalue=arrays[f"{m}:qvalue"], scale=arrays[f"{m}:scale"], kind=info["kind"],
+            q = QArray(qvalue=arrays[f"{m}:qvalue"], scale=arrays[f"{m}:scale"],
+                       zero_point=arrays.get(f"{m}:zero_point"), kind=info["kind"],
                        block_size=info["block_size"], shape=tuple(info["shape"]), dtype=info["dtype"])
             solved[m] = (q, arrays[f"{m}:values"], jnp.dtype(info["source_dtype"]))
         return solved
@@ -183,8 +188,10 @@ class SequentialGPTQ:
             raise self._singular(group[0], h.shape[0], tokens)
         stacked = jnp.asarray(np.concatenate([np.asarray(weights[m], np.float32) for m in group]))
         steps = jnp.asarray(np.concatenate([self.scheme.gptq_steps(rtn[m], self.flags) for m in group]))
+        offsets = [self.scheme.gptq_offsets(rtn[m], self.flags) for m in group]  # zero points, asymmetric grids
+        offsets = None if offsets[0] is None else jnp.asarray(np.concatenate(offsets))
         codes, values = round_columns(stacked, steps, u, perm, dead, grid=self.scheme.gptq_grid(),
-                                      block_size=self.config.block_size)
+                                      block_size=self.config.block_size, offsets=offsets)
         if not bool(jnp.isfinite(values).all()):  # checked where produced: NaN never reaches a code or a record
             raise self._singular(group[0], h.shape[0], tokens)
         rtn_values = np.concatenate([np.asarray(rtn[m].dequantize(np.float32)) for m in group])

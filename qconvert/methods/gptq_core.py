@@ -53,24 +53,25 @@ def inverse_cholesky(h: jax.Array) -> jax.Array:
     return jax.scipy.linalg.solve_triangular(upper, jnp.eye(h.shape[0], dtype=h.dtype), lower=False)
 
 
-def _round_block(w1, s1, u1, grid: RoundingGrid):
+def _round_block(w1, s1, u1, grid: RoundingGrid, z1=None):
     """One block of columns rounded in order, each error fed into the block's later columns at once.
 
     Returns the block's codes, its dequantized values (grid value * step) and the scaled errors. The loop
     carries the block alone: column j's error moves only the columns after it, so once the loop is done
     column j still holds the value it was rounded from, and the codes, values and errors of every column
-    come out of one pass over the block, the same numbers the loop computed."""
+    come out of one pass over the block, the same numbers the loop computed. z1 holds the block's zero points
+    (an asymmetric grid's), None for a symmetric grid."""
     later = jnp.arange(w1.shape[1])[None, :] > jnp.arange(w1.shape[1])[:, None]  # [j, k]: k after j
     steps = jnp.where(s1 == 0, 1, s1)
 
     def column(j, w1):
         x = w1[:, j]
-        _, value = grid.round(x / steps[:, j])
+        _, value = grid.round(x / steps[:, j], *(() if z1 is None else (z1[:, j],)))
         error = (x - value * s1[:, j]) / u1[j, j]
         return w1 - error[:, None] * jnp.where(later[j], u1[j], 0)[None, :]
 
     rounded_from = jax.lax.fori_loop(0, w1.shape[1], column, w1)
-    codes, values = grid.round(rounded_from / steps)
+    codes, values = grid.round(rounded_from / steps, *(() if z1 is None else (z1,)))
     q = values * s1
     return codes, q, (rounded_from - q) / jnp.diagonal(u1)[None, :]
 
@@ -93,10 +94,11 @@ def hessian_factor(h: jax.Array, damp, *, act_order: bool = False) -> tuple[jax.
 
 @functools.partial(jax.jit, static_argnames=("grid", "block_size"))
 def round_columns(w: jax.Array, steps: jax.Array, u: jax.Array, perm: jax.Array, dead: jax.Array, *,
-                  grid: RoundingGrid, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[jax.Array, jax.Array]:
+                  grid: RoundingGrid, block_size: int = DEFAULT_BLOCK_SIZE, offsets: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
     """GPTQ's codes [out, in] (in the grid's terms, in w's dtype) of w [out, in] with hessian_factor's (U, perm,
-    dead), and the weight they stand for (code value * step); steps [out, in] holds each weight's scale,
-    fixed beforehand."""
+    dead), and the weight they stand for (code value * step); steps [out, in] holds each weight's scale, and
+    offsets [out, in] its zero point on an asymmetric grid (None: symmetric), both fixed beforehand."""
     rows, n = w.shape
     dtype = w.dtype
     w = jnp.where(dead[None, :], 0, w)[:, perm]
@@ -105,6 +107,8 @@ def round_columns(w: jax.Array, steps: jax.Array, u: jax.Array, perm: jax.Array,
     # Padding columns: weight 0, unit step, identity in U; their error is 0 and touches nothing.
     w = jnp.pad(w, ((0, 0), (0, padded - n)))
     steps = jnp.pad(steps, ((0, 0), (0, padded - n)), constant_values=1)
+    if offsets is not None:
+        offsets = jnp.pad(offsets.astype(dtype)[:, perm], ((0, 0), (0, padded - n)))
     u = jnp.pad(u.astype(dtype), ((0, padded - n), (0, padded - n))) + jnp.diag(jnp.arange(padded) >= n).astype(dtype)
     columns = jnp.arange(padded)
 
@@ -115,7 +119,8 @@ def round_columns(w: jax.Array, steps: jax.Array, u: jax.Array, perm: jax.Array,
         s1 = jax.lax.dynamic_slice(steps, (0, start), (rows, block_size))
         u_rows = jax.lax.dynamic_slice(u, (start, 0), (block_size, padded))
         u1 = jax.lax.dynamic_slice(u_rows, (0, start), (block_size, block_size))
-        block_codes, block_values, errors = _round_block(w1, s1, u1, grid)
+        z1 = None if offsets is None else jax.lax.dynamic_slice(offsets, (0, start), (rows, block_size))
+        block_codes, block_values, errors = _round_block(w1, s1, u1, grid, z1)
         later = jnp.where(columns[None, :] >= start + block_size, u_rows, 0)
         w = w - errors @ later
         return (w, jax.lax.dynamic_update_slice(codes, block_codes, (0, start)),
@@ -128,12 +133,14 @@ def round_columns(w: jax.Array, steps: jax.Array, u: jax.Array, perm: jax.Array,
 
 
 def gptq_codes(w: jax.Array, h: jax.Array, steps: jax.Array, damp, *, grid: RoundingGrid,
-               block_size: int = DEFAULT_BLOCK_SIZE, act_order: bool = False) -> jax.Array:
+               block_size: int = DEFAULT_BLOCK_SIZE, act_order: bool = False, offsets=None) -> jax.Array:
     """GPTQ's codes [out, in] of a weight w [out, in] on its input Hessian h [in, in] (any positive multiple
-    of X^T X), computed in w's dtype; `damp`: the fraction of the mean diagonal added to it."""
+    of X^T X), computed in w's dtype; `damp`: the fraction of the mean diagonal added to it; `offsets` [out, in]:
+    the zero points of an asymmetric grid."""
     w = jnp.asarray(w)
     u, perm, dead = hessian_factor(jnp.asarray(h, w.dtype), damp, act_order=act_order)
-    return round_columns(w, jnp.asarray(steps), u, perm, dead, grid=grid, block_size=block_size)[0]
+    offsets = None if offsets is None else jnp.asarray(offsets)
+    return round_columns(w, jnp.asarray(steps), u, perm, dead, grid=grid, block_size=block_size, offsets=offsets)[0]
 
 
 @jax.jit

@@ -19,9 +19,20 @@ if TYPE_CHECKING:
     from qconvert.schemes.base import Scheme
 
 # name -> "module:class" under qconvert.schemes
-_CLASSES = {"int8": "int8:Int8", "int4": "int4:Int4", "w8a8": "w8a8:W8A8", "fp8": "fp8:FP8", "nf4": "nf4:NF4"}
-_CLASSES["w4a8-fp8"] = "w4a8:W4A8FP8"
+_CLASSES = {"int8": "int8:Int8", "int4": "int4:Int4", "w8a8": "w8a8:W8A8", "fp8": "fp8:FP8", "nf4": "nf4:NF4",
+            "int4-asym": "int4_asym:Int4Asym", "w4a8-fp8": "w4a8:W4A8FP8"}
 NAMES = tuple(_CLASSES)
+# compressed-tensors' preset names (what llm-compressor users write), taken in any case for the scheme that writes
+# that preset; an entry whose scheme this build lacks is left out.
+_PRESETS = {
+    "W4A16": "int4",
+    "W4A16_ASYM": "int4-asym",
+    "W8A16": "int8",
+    "W8A8": "w8a8",
+    "FP8_DYNAMIC": "fp8",
+    "W4AFP8": "w4a8-fp8",
+}
+ALIASES = {alias: name for alias, name in _PRESETS.items() if name in _CLASSES}
 # name -> (what it stores, in one line; the loaders that read its layout, as measured): the scheme's own words,
 # kept here so that `quantize --help` lists them without importing the scheme modules (and JAX).
 DESCRIPTIONS: dict[str, tuple[str, str]] = {
@@ -35,11 +46,13 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
             "vLLM, vLLM TPU, transformers + compressed-tensors"),
     "nf4": ("NormalFloat-4 weights, blocks of 64 (QLoRA), optional double quantization",
             "transformers + bitsandbytes only (vLLM 0.33 removed bitsandbytes)"),
+    "int4-asym": ("int4 weights with a scale and a zero point per group of input channels, float activations "
+                  "(W4A16_ASYM)", "vLLM (dense and MoE), transformers + compressed-tensors"),
     "w4a8-fp8": ("int4 weights per group of 128 input channels, FP8 activations per token at run time (W4AFP8)",
                  "vLLM (Hopper), vLLM TPU, transformers + compressed-tensors"),
 }
 
-__all__ = ["DESCRIPTIONS", "NAMES", "SCHEMES", "names_where", "scheme_named"]
+__all__ = ["ALIASES", "DESCRIPTIONS", "NAMES", "SCHEMES", "canonical_name", "names_where", "scheme_named"]
 
 
 @functools.cache
@@ -48,11 +61,21 @@ def _load(name: str) -> Scheme:
     return getattr(importlib.import_module(f"qconvert.schemes.{module}"), cls)()
 
 
+def canonical_name(name: str) -> str:
+    """The scheme name `name` stands for: a scheme's name or a compressed-tensors preset name (ALIASES), in any
+    case; UsageError naming the choices otherwise."""
+    if isinstance(name, str):
+        for known, canonical in [*((n, n) for n in NAMES), *ALIASES.items()]:
+            if name.lower() == known.lower():
+                return canonical
+    raise UsageError(f"unknown scheme {name!r}; choose one of {', '.join(NAMES)} "
+                     f"(or a compressed-tensors preset name: {', '.join(ALIASES)})")
+
+
 def scheme_named(name: str) -> Scheme:
-    """The scheme called `name`; UsageError naming the choices otherwise."""
-    if not isinstance(name, str) or name not in _CLASSES:
-        raise UsageError(f"unknown scheme {name!r}; choose one of {', '.join(NAMES)}")
-    return _load(name)
+    """The scheme called `name` (or the preset name `name`, canonical_name's); UsageError naming the choices
+    otherwise."""
+    return _load(canonical_name(name))
 
 
 def names_where(test: Callable[[Scheme], bool]) -> str:

@@ -126,6 +126,10 @@ class Scheme(abc.ABC):
             scale = np.repeat(scale, q.shape[-1] // scale.shape[-1], axis=-1)
         return np.ascontiguousarray(np.broadcast_to(scale, q.shape))
 
+    def gptq_offsets(self, q: QArray, flags: LayoutFlags) -> np.ndarray | None:
+        """float32 [out, in]: each weight's zero point in `q`, which GPTQ keeps (None: a symmetric grid)."""
+        return None
+
     def gptq_qarray(self, q: QArray, codes: np.ndarray) -> QArray:
         """`q` with GPTQ's codes [out, in] (the grid's) in place of round-to-nearest's: the same scales."""
         return dataclasses.replace(q, qvalue=np.asarray(codes).astype(np.asarray(q.qvalue).dtype))

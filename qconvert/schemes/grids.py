@@ -11,15 +11,19 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class IntegerGrid:
-    """Symmetric integer codes in [qmin, qmax]: code = clip(round(x)), value = code (int8, int4)."""
+    """Integer codes in [qmin, qmax]: code = clip(round(x)), value = code (int8, int4); with zero points z
+    (asymmetric int4), code = clip(round(x) + z) and value = code - z."""
 
     qmin: int
     qmax: int
 
-    def round(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(codes, values) of x given in units of its scale, both in x's dtype."""
-        code = jnp.clip(jnp.round(x), self.qmin, self.qmax)
-        return code, code
+    def round(self, x: jax.Array, offset: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """(codes, values) of x given in units of its scale, both in x's dtype; `offset`: x's zero points."""
+        if offset is None:
+            code = jnp.clip(jnp.round(x), self.qmin, self.qmax)
+            return code, code
+        code = jnp.clip(jnp.round(x) + offset, self.qmin, self.qmax)
+        return code, code - offset
 
 
 @dataclasses.dataclass(frozen=True)

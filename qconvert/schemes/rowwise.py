@@ -58,7 +58,7 @@ def quantize_rows(quantize: Callable[[np.ndarray], QArray], read_rows: Callable[
     """
     rows, cols = shape
     step = block_rows(rows, cols, np.dtype(dtype).itemsize)
-    codes = scale = first = None
+    codes = scale = zero = first = None
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         part = quantize(read_rows(start, stop))
@@ -66,11 +66,15 @@ def quantize_rows(quantize: Callable[[np.ndarray], QArray], read_rows: Callable[
             first = part
             codes = np.empty((rows, cols), np.asarray(part.qvalue).dtype)
             scale = np.empty((rows,) + np.shape(part.scale)[1:], np.asarray(part.scale).dtype)
+            if part.zero_point is not None:
+                zero = np.empty((rows,) + np.shape(part.zero_point)[1:], np.asarray(part.zero_point).dtype)
         codes[start:stop] = part.qvalue
         scale[start:stop] = np.asarray(part.scale)
+        if zero is not None:
+            zero[start:stop] = np.asarray(part.zero_point)
         del part
-    return QArray(qvalue=codes, scale=scale, kind=first.kind, block_size=first.block_size, shape=(rows, cols),
-                  dtype=np.dtype(dtype))
+    return QArray(qvalue=codes, scale=scale, zero_point=zero, kind=first.kind, block_size=first.block_size,
+                  shape=(rows, cols), dtype=np.dtype(dtype))
 
 
 def quantize_nf4_rows(quantize: Callable[[np.ndarray], QArray], read_rows: Callable[[int, int], np.ndarray],
@@ -155,11 +159,13 @@ def check_finite(w: np.ndarray, hints) -> None:
 
 
 def quantize_row_chunks(w: np.ndarray, kernel, codes_dtype, scale_cols: int, scale_dtype, clip=None
-                        ) -> tuple[np.ndarray, np.ndarray]:
-    """(codes [rows, cols], scales [rows, scale_cols]) of a 2-D weight from a per-row jitted `kernel`.
+                        ) -> tuple[np.ndarray, ...]:
+    """(codes [rows, cols], scales [rows, scale_cols]) of a 2-D weight from a per-row jitted `kernel`, and
+    zero points [rows, scale_cols] when the kernel gives them.
 
     `kernel(part, scale_dtype, clip_part)` returns (codes, scales, finite hint) of a
-    block of rows. Rows go through it in chunks of a power-of-two row count (about
+    block of rows, or (codes, scales, zero points, finite hint). Rows go through it
+    in chunks of a power-of-two row count (about
     CHUNK_ELEMENTS values); a tail chunk is padded with zero rows, whose codes are
     dropped. `clip` ([rows, scale_cols] ratios, optional) is chunked alongside.
     Raises InvalidWeightError for NaN/Inf values.
@@ -177,11 +183,14 @@ def quantize_row_chunks(w: np.ndarray, kernel, codes_dtype, scale_cols: int, sca
             length = bucket(part.shape[0], step)
             part_clip = None if ratios is None else pad_rows(ratios[start:start + step], length)
             pending.append((start, part.shape[0], kernel(pad_rows(part, length), scale_dtype, part_clip)))
-        for start, count, (q_part, scale_part, _) in pending:
-            codes[start:start + count] = np.asarray(q_part)[:count]
-            scale[start:start + count] = np.asarray(scale_part)[:count]
-        check_finite(w, [hint for _, _, (_, _, hint) in pending])
-    return codes, scale
+        zero = np.empty((rows, scale_cols), np.int8) if pending and len(pending[0][2]) == 4 else None
+        for start, count, outputs in pending:
+            codes[start:start + count] = np.asarray(outputs[0])[:count]
+            scale[start:start + count] = np.asarray(outputs[1])[:count]
+            if zero is not None:
+                zero[start:start + count] = np.asarray(outputs[2])[:count]
+        check_finite(w, [outputs[-1] for _, _, outputs in pending])
+    return (codes, scale) if zero is None else (codes, scale, zero)
 
 
 def quantize_per_row(w, kernel, codes_dtype, kind: str, *, scale_dtype=None, clip=None,
@@ -200,5 +209,6 @@ def quantize_per_row(w, kernel, codes_dtype, kind: str, *, scale_dtype=None, cli
         raise ValueError(f"{kind} group size {group_size} does not divide the input width {cols}")
     scale_cols = 1 if group_size is None else cols // group_size
     scale_dtype = jnp.dtype(scale_dtype if scale_dtype is not None else w.dtype)
-    codes, scale = quantize_row_chunks(w, kernel, codes_dtype, scale_cols, scale_dtype, clip)
-    return QArray(qvalue=codes, scale=scale, kind=kind, block_size=group_size, shape=w.shape, dtype=w.dtype)
+    codes, scale, *zero = quantize_row_chunks(w, kernel, codes_dtype, scale_cols, scale_dtype, clip)
+    return QArray(qvalue=codes, scale=scale, zero_point=zero[0] if zero else None, kind=kind,
+                  block_size=group_size, shape=w.shape, dtype=w.dtype)

@@ -70,6 +70,15 @@ TABLE: dict[tuple[str, str], str] = {
     ("w4a8-fp8", "gemma3"): "???Y",
     ("w4a8-fp8", "mixtral"): "YYYY",
     ("w4a8-fp8", "qwen3_moe"): "YYYY",
+    # Zero points: vLLM by bench/vllm_zero_points.py (vllm_accept.py reading weight_zero_point); transformers 5.24
+    # with CompressedTensorsConfig(dequantize=True), which decompresses fused experts without their zero points;
+    # vLLM TPU 0.32 refuses it (Llama's JAX loader has no weight_packed path; its torchax path, Qwen3-MoE's on both,
+    # finds no compressed-tensors scheme for it).
+    ("int4-asym", "llama"): "YNNY",
+    ("int4-asym", "qwen3"): "???Y",
+    ("int4-asym", "gemma3"): "???Y",
+    ("int4-asym", "mixtral"): "???N",
+    ("int4-asym-channel", "qwen3_moe"): "YNNN",
 }
 
 
@@ -120,6 +129,15 @@ def tpu_note(key: str, family: str) -> str:
     return f"vLLM TPU 0.32 does not load --scheme {_as_flags(key)} for {family}; {instead}"
 
 
+def _split_key(key: str) -> tuple[str, str]:
+    """(scheme, variant) of a table key: the variant is its last part when that is one (static, channel, gNN), so
+    a scheme named with a hyphen (int4-asym) stays whole."""
+    scheme, _, variant = key.rpartition("-")
+    if scheme and (variant in ("static", "channel") or (variant[:1] == "g" and variant[1:].isdigit())):
+        return scheme, variant
+    return key, ""
+
+
 def _as_flags(key: str, chosen: str | None = None) -> str:
     """A table key as the flags that give it; beside the `chosen` key of the same scheme, the flag that differs
     is spelled out (`w8a8 --act dynamic` next to a chosen `w8a8 --act static`, never a bare `w8a8`)."""
@@ -135,11 +153,3 @@ def _as_flags(key: str, chosen: str | None = None) -> str:
         chosen_variant = _split_key(chosen)[1]
         return f"{scheme} --act dynamic" if chosen_variant == "static" else f"{scheme} --group-size 128"
     return scheme
-
-
-def _split_key(key: str) -> tuple[str, str]:
-    """(scheme, variant) of a table key: the longest scheme name it starts with (names may hold a `-`)."""
-    from qconvert.schemes import NAMES
-
-    scheme = max((n for n in NAMES if key == n or key.startswith(n + "-")), key=len, default=key.partition("-")[0])
-    return scheme, key[len(scheme) + 1:]

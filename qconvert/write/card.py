@@ -45,6 +45,7 @@ class CardFacts:
     pip_packages: tuple[str, ...] = ()  # beside transformers, to load the folder (default: quant_method's)
     act_applies: bool = True  # the scheme quantizes activations, so the act flag shaped the folder
     repo: str | None = None  # the Hub repository the folder is uploaded to (--upload-repo): loads name it
+    transformers_quantization_config: str = ""  # the layout's quantization_config= for from_pretrained, if any
 
 
 def _mib(n: int) -> str:
@@ -111,9 +112,12 @@ def _transformers_snippet(facts: CardFacts) -> list[str]:
            "print(model(**inputs).last_hidden_state.mean(dim=1))")
     packages = " ".join(facts.pip_packages or (facts.quant_method,))
     where = facts.repo or FOLDER
+    qconfig = facts.transformers_quantization_config
+    names = ", ".join([auto, "AutoTokenizer"] + ([qconfig.split("(")[0]] if qconfig else []))
+    load_args = f'"{where}"' + (f", quantization_config={qconfig}" if qconfig else "")
     return [f"transformers (with `pip install transformers {packages}`):", "", "```python",
-            f"from transformers import {auto}, AutoTokenizer", "",
-            f'model = {auto}.from_pretrained("{where}")', f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
+            f"from transformers import {names}", "",
+            f'model = {auto}.from_pretrained({load_args})', f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
             *use, "```", ""]
 
 
