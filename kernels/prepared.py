@@ -108,7 +108,7 @@ def weight_values(weight: PreparedWeight, dtype=jnp.float32) -> jax.Array:
     """The weight [N, K] as numbers in `dtype`: dequantize's values with an int8 / E4M3 channel scale applied
     too (the float view a reference matmul takes)."""
     values = dequantize(weight, jnp.float32)
-    if weight.kind in ("int8", "fp8"):
+    if FORMATS[weight.kind].channel_scale:
         values = values * weight.scale.reshape(weight.n, 1)
     return values.astype(dtype)
 
