@@ -103,9 +103,9 @@ def _group_size(ctx, param, value):
                    "round-to-nearest without it.")
 @click.option("--gptq-damp", type=float, default=None, metavar="FRACTION",
               help="GPTQ dampening: this fraction of the mean Hessian diagonal is added to it [default: 0.1].")
-@click.option("--gptq-act-order", is_flag=True,
+@click.option("--gptq-act-order/--no-gptq-act-order", default=None,
               help="GPTQ rounds columns in order of decreasing Hessian diagonal; the scales stay fixed per group "
-                   "(static groups), so no permutation is written.")
+                   "(static groups), so no permutation is written [default: on].")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Threads reading and quantizing ahead of the writer [default: one per core; at most 4 per "
                    "core]; same output bytes.")
@@ -132,7 +132,7 @@ def _group_size(ctx, param, value):
 @cluster_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
              exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, group_size, scale_search: bool | None,
-             gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool, workers: int | None,
+             gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool | None, workers: int | None,
              overwrite: bool, dry_run: bool, upload_repo: str | None, public: bool, any_architecture: bool,
              quiet: bool, as_json: bool, verbose: bool, **calibration_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT.
