@@ -120,10 +120,10 @@ def _observer(keep_inputs: frozenset[str], rows_per_batch: int, hessians: frozen
     return observe
 
 
-# The linears that read an attention block's input (q/k/v, fused or not, in the families' spellings): the
-# keys and values every later token attends to come out of them.
+# The linears that compute an attention block's queries, keys and values (fused or not, low-rank or not, in
+# the families' spellings): the keys and values every later token attends to come out of them.
 ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "W_pack", "Wqkv", "c_attn",
-                    "q_a_proj", "kv_a_proj_with_mqa", "query", "key", "value")
+                    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "query", "key", "value")
 
 
 def reads_attention_input(name: str) -> bool:
