@@ -72,6 +72,7 @@ def test_two_gptq_runs_give_identical_bytes(tmp_path, capsys):
 @pytest.mark.parametrize("flags,message", [
     (["--scheme", "w8a8", "--gptq", "--act-stats", "stats.safetensors"], "--gptq needs calibration activations"),
     (["--scheme", "int8", "--gptq-damp", "0.1"], "apply with GPTQ only"),
+    (["--scheme", "int8", "--no-gptq-act-order"], "apply with GPTQ only"),
     (["--scheme", "int4", "--gptq-damp", "0"], "--gptq-damp must be a fraction"),
     (["--scheme", "nf4", "--calib", "random"], "also with --gptq"),
     (["--scheme", "int4", "--alpha", "0.5"], "apply to --scheme w8a8 only"),
