@@ -32,7 +32,7 @@ from qconvert.write.upload import Upload
 from qconvert.methods.scale_search import ScaleSearches
 from qconvert.source.resolve import SourceModel, open_source, resolve_source
 from qconvert.stages import stage
-from qconvert.methods.gptq_core import DEFAULT_DAMP, GPTQConfig
+from qconvert.methods.gptq_core import DEFAULT_ACT_ORDER, DEFAULT_DAMP, GPTQConfig
 from qconvert.methods.gptq import RTN_RECORD, DiscardedStore, QuantizedStore, SequentialGPTQ
 from qconvert.methods.recipe import Adjustments, prepare_adjustments
 
@@ -226,7 +226,7 @@ def _sequential_gptq(source: SourceModel, plan: ConversionPlan, options: Convert
     # Of several processes, only process 0 keeps the codes (it writes them).
     store = QuantizedStore(scratch.enter_context(scratch_folder(out))) if cluster.is_leader() else DiscardedStore()
     config = GPTQConfig(damp=DEFAULT_DAMP if options.gptq_damp is None else float(options.gptq_damp),
-                        act_order=options.gptq_act_order)
+                        act_order=DEFAULT_ACT_ORDER if options.gptq_act_order is None else bool(options.gptq_act_order))
     return SequentialGPTQ(source.params, options.scheme_object, plan.flags, config,
                           store, ScaleSearches(options.searches_scales, {}, {}))
 

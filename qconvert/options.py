@@ -171,7 +171,7 @@ class ConvertOptions:
     # replace calibration; opt-in for w8a8, where it cost real LLMs perplexity after smoothing).
     gptq: bool | None = None
     gptq_damp: float | None = None    # None: qconvert.methods.gptq_core.DEFAULT_DAMP
-    gptq_act_order: bool = False
+    gptq_act_order: bool | None = None  # None: qconvert.methods.gptq_core.DEFAULT_ACT_ORDER
     # AWQ's per-channel scales searched on calibration rows and folded before rounding (qconvert.methods.awq).
     awq: bool = False
     # The Hub repository (OWNER/NAME) OUT is written for (--upload-repo): the model card loads from there.
@@ -260,7 +260,7 @@ def _check_gptq(options: ConvertOptions, scheme: Scheme) -> None:
     damp = options.gptq_damp
     if damp is not None and (isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 < damp <= 1):
         raise UsageError(f"--gptq-damp must be a fraction in (0, 1] of the mean Hessian diagonal, not {damp!r}")
-    if (damp is not None or options.gptq_act_order) and not options.uses_gptq:
+    if (damp is not None or options.gptq_act_order is not None) and not options.uses_gptq:
         raise UsageError("--gptq-damp and --gptq-act-order apply with GPTQ only: pass --gptq "
                          f"(on by default for --scheme {_default_gptq_schemes()})")
 

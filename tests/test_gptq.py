@@ -139,3 +139,47 @@ def test_float32_gptq_beats_round_to_nearest_on_held_out_rows(shape, name, flags
     h64 = x.astype(np.float64).T @ x
     relative = float(output_error(w, gptq_w.astype(np.float32), h))
     assert relative == pytest.approx(_err(w, gptq_w, h64) / _err(w, 0 * w, h64), rel=1e-4)
+
+
+def sink_windows(rng, mix, sink, windows, seqlen=32):
+    """Calibration-like windows [windows, seqlen, in] whose first token is an attention sink, nearly the same vector
+    in every window with one channel near a thousand (a trained LLM's window start: SmolLM2-135M's reach 3,500);
+    the other tokens correlated normals."""
+    x = rng.standard_normal((windows, seqlen, mix.shape[0])) @ mix
+    x[:, 0] = sink + 0.1 * rng.standard_normal((windows, mix.shape[0]))
+    return x
+
+
+def test_gptq_hessian_leaves_out_the_window_start_that_made_gptq_lose_to_round_to_nearest():
+    from qconvert.calibration.observer import hessian_sum
+
+    rng = np.random.default_rng(3)
+    out_f, in_f = 32, 192
+    w = (rng.standard_normal((out_f, in_f)) * 0.02).astype(np.float32)
+    mix = rng.standard_normal((in_f, in_f)) / np.sqrt(in_f) + np.eye(in_f)
+    sink = rng.standard_normal(in_f)
+    sink[7] = 1000.0
+    calibration, held_out = sink_windows(rng, mix, sink, 48), sink_windows(rng, mix, sink, 48)
+    scheme, flags = scheme_named("int4"), LayoutFlags(group_size=64)
+    q, steps = steps_of(scheme, w, flags)
+    rtn = np.asarray(q.dequantize(np.float32), np.float64)
+    rest = held_out[:, 1:].reshape(-1, in_f)
+    rest_h = rest.T @ rest  # the held-out tokens that are not window starts
+
+    # The cause, in the plain float64 algorithm: on every token's Hessian (the sink's rows hold most of it),
+    # GPTQ fits the window starts and the other tokens' output error exceeds round-to-nearest's.
+    every = calibration.reshape(-1, in_f)
+    before = reference_gptq(w, 2 * every.T @ every / len(every), steps, int_round(-8, 7), damp=0.1) * steps
+    assert _err(w, before, rest_h) > 1.5 * _err(w, rtn, rest_h)
+
+    # The Hessian calibration builds now: 2 X^T X / n over the tokens past each window's start.
+    total, count = hessian_sum(calibration.astype(np.float32), np.ones(calibration.shape[:2], bool))
+    past_start = calibration[:, 1:].reshape(-1, in_f)
+    assert int(count) == len(past_start)
+    h = 2 * np.asarray(total, np.float64) / int(count)
+    np.testing.assert_allclose(h, 2 * past_start.T @ past_start / len(past_start), rtol=1e-4,
+                               atol=1e-5 * np.abs(h).max())
+    codes = np.asarray(gptq_codes(w, h.astype(np.float32), steps.astype(np.float32), 0.1, grid=scheme.gptq_grid()))
+    after = codes.astype(np.float64) * steps
+    np.testing.assert_array_equal(codes, reference_gptq(w, h, steps, int_round(-8, 7), damp=0.1))
+    assert _err(w, after, rest_h) < 0.75 * _err(w, rtn, rest_h)

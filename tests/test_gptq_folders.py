@@ -72,6 +72,7 @@ def test_two_gptq_runs_give_identical_bytes(tmp_path, capsys):
 @pytest.mark.parametrize("flags,message", [
     (["--scheme", "w8a8", "--gptq", "--act-stats", "stats.safetensors"], "--gptq needs calibration activations"),
     (["--scheme", "int8", "--gptq-damp", "0.1"], "apply with GPTQ only"),
+    (["--scheme", "int8", "--no-gptq-act-order"], "apply with GPTQ only"),
     (["--scheme", "int4", "--gptq-damp", "0"], "--gptq-damp must be a fraction"),
     (["--scheme", "nf4", "--calib", "random"], "also with --gptq"),
     (["--scheme", "int4", "--alpha", "0.5"], "apply to --scheme w8a8 only"),
@@ -83,7 +84,7 @@ def test_gptq_flags_that_do_not_fit_are_usage_errors(tmp_path, capsys, flags, me
     assert not (tmp_path / "out").exists()
 
 
-def test_hessians_are_two_xtx_over_n_shared_by_the_linears_of_one_input(tmp_path):
+def test_hessians_are_two_xtx_over_n_window_starts_left_to_qkv_shared_by_the_linears_of_one_input(tmp_path):
     import jax
     import jax.numpy as jnp
 
@@ -98,8 +99,9 @@ def test_hessians_are_two_xtx_over_n_shared_by_the_linears_of_one_input(tmp_path
     stats = next(iter_layer_stats(model, params, ids, batch_size=2, hessians=frozenset(wanted)))
     inputs = {}
 
-    def capture(name, x, weight, bias):
-        inputs[name] = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+    def capture(name, x, weight, bias):  # every window's first token (the attention sink) left out but for q/k/v
+        start = 0 if name.endswith(("q_proj", "k_proj", "v_proj")) else 1
+        inputs[name] = np.asarray(x, np.float64)[:, start:].reshape(-1, x.shape[-1])
         return dense_linear(name, x, weight, bias)
 
     with jax.disable_jit():
@@ -109,7 +111,8 @@ def test_hessians_are_two_xtx_over_n_shared_by_the_linears_of_one_input(tmp_path
         expected = 2 * x.T @ x / x.shape[0]
         np.testing.assert_allclose(np.asarray(stats.hessians[module]), expected, rtol=1e-4,
                                    atol=1e-5 * np.abs(expected).max())
-        assert stats.hessian_tokens[module] == ids.size
+        assert stats.hessian_tokens[module] == len(x)
+    assert stats.hessian_tokens[wanted[2]] == ids.size - ids.shape[0]
     assert stats.hessians[wanted[0]] is stats.hessians[wanted[1]]  # q and k read one input: one H
     assert "model.layers.0.self_attn.v_proj" not in stats.hessians
 

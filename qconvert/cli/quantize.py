@@ -118,9 +118,9 @@ def _group_size(ctx, param, value):
                    "round-to-nearest without it.")
 @click.option("--gptq-damp", type=float, default=None, metavar="FRACTION",
               help="GPTQ dampening: this fraction of the mean Hessian diagonal is added to it [default: 0.1].")
-@click.option("--gptq-act-order", is_flag=True,
+@click.option("--gptq-act-order/--no-gptq-act-order", default=None,
               help="GPTQ rounds columns in order of decreasing Hessian diagonal; the scales stay fixed per group "
-                   "(static groups), so no permutation is written.")
+                   "(static groups), so no permutation is written [default: on].")
 @click.option("--awq/--no-awq", default=False,
               help="AWQ: per smoothing group (norm -> q/k/v, v -> o, norm -> gate/up, up -> down; each expert's), "
                    "search a per-channel scale on calibration rows (alpha grid 0..0.95, with and without the "
@@ -154,7 +154,7 @@ def _group_size(ctx, param, value):
 @cluster_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
              exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, group_size, scale_search: bool | None,
-             gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool, awq: bool, workers: int | None,
+             gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool | None, awq: bool, workers: int | None,
              overwrite: bool, dry_run: bool, upload_repo: str | None, public: bool, any_architecture: bool,
              quiet: bool, as_json: bool, verbose: bool, **calibration_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT.

@@ -28,6 +28,7 @@ from qconvert.schemes.grids import RoundingGrid
 
 DEFAULT_DAMP = 0.1         # of the mean Hessian diagonal, added to the diagonal (docs/ACCURACY.md: why not 0.01)
 DEFAULT_BLOCK_SIZE = 128   # columns per lazy batch update
+DEFAULT_ACT_ORDER = True   # static groups: no permutation written (docs/ACCURACY.md: why it is on)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,7 @@ class GPTQConfig:
 
     damp: float = DEFAULT_DAMP
     block_size: int = DEFAULT_BLOCK_SIZE
-    act_order: bool = False
+    act_order: bool = DEFAULT_ACT_ORDER
 
     def record(self) -> dict:
         return {"method": "gptq", "damp": self.damp, "block_size": self.block_size, "act_order": self.act_order}
