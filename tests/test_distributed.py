@@ -76,10 +76,10 @@ def sources(tmp_path_factory) -> dict[str, Path]:
 
 
 CASES = {
-    "llama-int4-gptq": ("llama", ["--scheme", "int4"]),
+    # AWQ's search, then GPTQ on the scaled weights: both spread over the devices
+    "llama-int4-awq-gptq": ("llama", ["--scheme", "int4", "--awq"]),
     "llama-w8a8-alpha-search-gptq": ("llama", ["--scheme", "w8a8", "--gptq"]),
     "qwen3_moe-int4-gptq": ("qwen3_moe", ["--scheme", "int4"]),
-    "llama-int4-awq-gptq": ("llama", ["--scheme", "int4", "--awq"]),
 }
 
 
