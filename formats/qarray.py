@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -199,3 +200,10 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
     levels = jnp.asarray(NF4_LEVELS)[codes]
     absmax = jnp.repeat(jnp.asarray(q.scale, jnp.float32), q.block_size)[:n]
     return (levels * absmax).reshape(q.shape).astype(out_dtype)
+
+
+def is_prepared(x) -> bool:
+    """Whether x is a kernels PreparedWeight (a weight laid out once for its kernel), asked without importing the
+    kernels, which sit above this layer: none exists before they load."""
+    prepared = sys.modules.get("qconvert.kernels.prepared")
+    return prepared is not None and isinstance(x, prepared.PreparedWeight)

@@ -40,6 +40,10 @@ class PreparedWeight:
     scale: jax.Array
     zero: jax.Array | None = None
 
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The weight [n, k] as numbers in `dtype` (weight_values), as QArray.dequantize gives a QArray's."""
+        return weight_values(self, dtype)
+
 
 jax.tree_util.register_dataclass(PreparedWeight, data_fields=["w", "scale", "zero"],
                                  meta_fields=["kind", "n", "k", "group_size"])

@@ -171,7 +171,7 @@ def test_group_size_is_refused_for_other_schemes(tmp_path, capsys):
     src = make_llama_checkpoint(tmp_path / "src")
     code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "o"), "--scheme", "int8",
                             "--group-size", "64"], capsys)
-    assert code == 2 and "--group-size applies to --scheme int4 or int4-asym only" in err
+    assert code == 2 and "--group-size applies to --scheme int4, int4-asym or w4a8-fp8 only" in err
 
 
 @pytest.mark.parametrize("magnitude", [4e-4, 2e-5, 1e-6, 3e-8])

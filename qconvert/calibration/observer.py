@@ -104,7 +104,8 @@ def _observer(keep_inputs: frozenset[str], rows_per_batch: int, hessians: frozen
         flat = x.astype(jnp.float32).reshape(-1, x.shape[-1])
         ok = valid.reshape(-1)
         # Padding (and, for experts, tokens routed elsewhere) count as 0 in the max.
-        out = {"absmax": jnp.max(jnp.where(ok[:, None], jnp.abs(flat), 0.0), axis=0)}
+        magnitude = jnp.where(ok[:, None], jnp.abs(flat), 0.0)  # one array for both reductions (one fusion)
+        out = {"absmax": jnp.max(magnitude, axis=0)}
         relative = layer_relative(name)
         if relative in hessian_relative and sharing.owner(relative, x, valid) == relative:
             out["hessian"], out["count"] = hessian_sum(x, valid, window_start=reads_attention_input(name))
@@ -119,7 +120,7 @@ def _observer(keep_inputs: frozenset[str], rows_per_batch: int, hessians: frozen
             out["rows"] = flat[index]
             out["valid"] = ok[index]
             # sum |x| over every valid token (AWQ's act_mean), beside the sample of rows.
-            out["abs_sum"] = jnp.sum(jnp.where(ok[:, None], jnp.abs(flat), 0.0), axis=0)
+            out["abs_sum"] = jnp.sum(magnitude, axis=0)
             out["tokens"] = jnp.sum(ok.astype(jnp.int32))
         return out
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.formats import QArray
+from qconvert.formats.qarray import is_prepared
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, dense_grouped_linear,
                                    dense_linear)
 from qconvert.models.activations import check_activation
@@ -20,7 +21,6 @@ from qconvert.models.family import LayerStack, SmoothingGroup
 from qconvert.models.llama import (LAYER_LINEARS, LLAMA_REMEDY, UP_DOWN_GROUP, DecoderArgs, DecoderBlock,
                                    attention_bias, rms_norm, value_output_group)
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
-from qconvert.ops.shapes import is_prepared
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Gemma 2 alternates sliding and global layers; Gemma 3 has five sliding layers per global one.

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from qconvert.formats import QArray
-from qconvert.ops.shapes import is_prepared
+from qconvert.formats.qarray import is_prepared
 
 LinearHook = Callable[[str, jax.Array, Any, Any], jax.Array]
 GroupedLinearHook = Callable[[Sequence[str], jax.Array, Sequence[Any], jax.Array], jax.Array]
@@ -41,9 +41,7 @@ def as_float32(weight: Any) -> jax.Array:
     if isinstance(weight, QArray):
         return weight.dequantize(jnp.float32)
     if is_prepared(weight):
-        from qconvert.kernels.prepared import weight_values
-
-        return weight_values(weight, jnp.float32)
+        return weight.dequantize(jnp.float32)
     return jnp.asarray(weight).astype(jnp.float32)
 
 

@@ -23,9 +23,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qconvert.formats import QArray
+from qconvert.formats.qarray import is_prepared
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, dense_grouped_linear,
                                    dense_linear)
-from qconvert.ops.shapes import is_prepared
 
 # observe(module_name, x [..., in], valid bool [...]) -> any pytree of arrays.
 # `valid` marks the rows of x that come from real tokens (attention_mask) and,

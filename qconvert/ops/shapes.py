@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import jax.numpy as jnp
 
-from qconvert.formats.qarray import QArray
+from qconvert.formats.qarray import QArray, is_prepared
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,12 +18,6 @@ class MatmulForm:
     """
 
     rhs_layout: str
-
-
-def is_prepared(x) -> bool:
-    """Whether x is a kernels PreparedWeight (without importing the kernels: none exists before they load)."""
-    prepared = sys.modules.get("qconvert.kernels.prepared")
-    return prepared is not None and isinstance(x, prepared.PreparedWeight)
 
 
 def operand_shape(x) -> tuple[int, ...]:
