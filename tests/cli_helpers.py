@@ -8,6 +8,11 @@ import pytest
 
 from qconvert.cli.main import main
 
+# A child process's own peak resident memory in bytes, as Python source to run in the child: /proc/self/status's
+# VmHWM belongs to the memory map exec made. getrusage's ru_maxrss does not: Linux carries the parent's high-water
+# mark into it across fork and exec, so a child of a large pytest process reports at least the parent's peak.
+PEAK_RSS_BYTES = "int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')).split()[1]) * 1024"
+
 
 def run(argv, capsys):
     """Run the console entry point in-process; returns (exit code, stdout, stderr)."""
