@@ -163,15 +163,6 @@ def prepared_matmul(x, weight: PreparedWeight, bias=None, *, act: str | None = N
     problem = KernelProblem(fmt.op, x.shape[0], weight.k, weight.n, dtype_name(x.dtype), dtype_name(out_dtype),
                             group_size=group)
     plan = select_kernel(problem, backend, tiling, variant=variant)
-    if weight.zero is not None and not plan.is_reference:
-        if plan.backend != "gpu":
-            plan = dataclasses.replace(plan, name=f"{fmt.op}_reference", backend="reference", tiling=None,
-                                       interpret=False, fallback_reason="the Mosaic int4 kernel takes no zero point")
-        elif plan.variant is None or plan.variant.name == "tiled":
-            # gpu_dense's int4 kernel has no zero-point operand; the variants do.
-            decode = plan.tiling.tm <= 16
-            plan = dataclasses.replace(plan, variant=Variant("splitk") if decode else
-                                       Variant("pipelined", num_warps=8, num_stages=4))
     y = run_plan(plan, x, weight, x_scale, bias, fmt_name=fmt_name, out_dtype=out_dtype)
     return plan_result(y, plan, return_plan)
 
@@ -208,7 +199,7 @@ def _col(v, n: int, np_: int):
 def _launch(x, weight: PreparedWeight, x_scale, bias, *, plan: KernelPlan, fmt_name: str, out_dtype):
     fmt = FORMATS[fmt_name]
     if plan.is_reference or (plan.variant is not None and plan.variant.name == "xla"):
-        if plan.is_reference and weight.zero is None:
+        if plan.is_reference:
             return _reference(x, weight, x_scale, bias, fmt_name, out_dtype)
         return gpu_prefill.xla_matmul(x, weight, fmt_name, x_scale, bias, out_dtype)
     (m, k), n, t = x.shape, weight.n, plan.tiling
@@ -228,7 +219,8 @@ def _launch(x, weight: PreparedWeight, x_scale, bias, *, plan: KernelPlan, fmt_n
         zero = None if weight.zero is None else pad2d(weight.zero, np_, columns)
     variant = plan.variant
     if variant is None or variant.name == "tiled":
-        y = _tiled(plan, fmt_name, weight, x_parts, w, scales, xs, ws, _col(bias, n, np_), np_, kp, out_dtype)
+        y = _tiled(plan, fmt_name, weight, x_parts, w, scales, zero, xs, ws, _col(bias, n, np_), np_, kp,
+                   out_dtype)
     elif variant.name == "pipelined":
         y = gpu_prefill.pipelined_matmul(x_parts, w, scales, zero, xs, ws, _col(bias, n, np_), fmt_name=fmt_name,
                                          tiling=t, group_size=_column_group(weight),
@@ -243,7 +235,7 @@ def _launch(x, weight: PreparedWeight, x_scale, bias, *, plan: KernelPlan, fmt_n
     return y[:m, :n]
 
 
-def _tiled(plan, fmt_name, weight, x_parts, w, scales, xs, ws, bias, np_, kp, out_dtype):
+def _tiled(plan, fmt_name, weight, x_parts, w, scales, zero, xs, ws, bias, np_, kp, out_dtype):
     """gpu_dense's (or, on TPU and in interpret mode, tpu_dense's) kernel on the prepared operands."""
     gpu = plan.backend == "gpu"
     has_bias = bias is not None
@@ -259,11 +251,13 @@ def _tiled(plan, fmt_name, weight, x_parts, w, scales, xs, ws, bias, np_, kp, ou
     if fmt.lookup:
         return kernel(*x_parts, w, scales, bias, **common)
     tk, group = plan.tiling.tk, weight.group_size or plan.tiling.tk
-    if weight.group_size is None:
-        scales = jnp.broadcast_to(scales, (np_, kp // tk))  # the kernels take one scale column per K tile
-    if not gpu:
-        scales = jnp.moveaxis(scales.reshape(np_, kp // tk, tk // group), -2, -3)
-    return kernel(*x_parts, w, scales, bias, **common)
+
+    def per_tile(columns):  # the kernels take one scale (and zero point) column per K tile; TPU's [K tiles, N, groups]
+        if weight.group_size is None:
+            columns = jnp.broadcast_to(columns, (np_, kp // tk))
+        return columns if gpu else jnp.moveaxis(columns.reshape(np_, kp // tk, tk // group), -2, -3)
+
+    return kernel(*x_parts, w, per_tile(scales), bias, **common, zeros=None if zero is None else per_tile(zero))
 
 
 def _reference(x, weight: PreparedWeight, x_scale, bias, fmt_name: str, out_dtype):
@@ -279,4 +273,5 @@ def _reference(x, weight: PreparedWeight, x_scale, bias, fmt_name: str, out_dtyp
                                               shape=(weight.n, weight.k), bias=bias, out_dtype=out_dtype)
     codes = jnp.stack(int4_nibbles(weight.w.astype(jnp.int32)), axis=-1).reshape(weight.n, weight.k)
     return reference.int4_weight_matmul_reference(x, codes.astype(jnp.int8), weight.scale,
-                                                  group_size=weight.group_size, bias=bias, out_dtype=out_dtype)
+                                                  group_size=weight.group_size, bias=bias, out_dtype=out_dtype,
+                                                  w_zero=weight.zero)

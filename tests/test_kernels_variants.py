@@ -96,13 +96,13 @@ def test_variant_at_real_k_matches_float64(variants_interpreted, fmt, variant):
 
 
 def test_int4_zero_point_in_every_kernel_variant(variants_interpreted):
-    for name in ("splitk", "swapab", "gemv", "pipelined", "xla"):
+    for name in ("splitk", "swapab", "gemv", "pipelined", "xla", "tiled"):
         check("int4", 5, 512, 32, VARIANTS[name], Tiling(16, 128, 32), zero=True)
-    # the tiled kernel has no zero-point operand: the plan takes a variant that has one
+    # the tiled kernel (no variant chosen) takes the zero point too: no other variant is swapped in for it
     w, value, _ = weights("int4", 32, 512, zero=True)
     x = jnp.asarray(RNG.normal(size=(2, 512)).astype(np.float32))
     y, plan = prepared.prepared_matmul(x, w, backend="gpu", tiling=Tiling(16, 128, 32), return_plan=True)
-    assert plan.variant.name == "splitk"
+    assert plan.variant is None and plan.fallback_reason is None
     np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(x, np.float64) @ value.T, rtol=2e-5, atol=1e-4)
 
 
@@ -115,7 +115,7 @@ def test_int4_per_channel_scale_in_every_variant(variants_interpreted):
     for with_zero in (False, True):
         w = prepared.prepare_int4(codes, scale.reshape(-1), None, zero if with_zero else None)
         value = (codes - (zero if with_zero else 0)) * scale.astype(np.float64)
-        names = ("gemv", "pipelined", "xla") if with_zero else ("splitk", "tiled")
+        names = ("gemv", "pipelined", "xla", "tiled") if with_zero else ("splitk", "tiled")
         for name in names:
             y = prepared.prepared_matmul(x, w, backend="gpu", variant=VARIANTS[name], tiling=Tiling(16, 128, 32))
             np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(x, np.float64) @ value.T, rtol=2e-5,
@@ -128,13 +128,13 @@ def test_every_variant_lowers_for_cuda_through_the_verifier(fmt):
     x = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16)  # Llama-sized lowering: real operands, real tiles
     before = mlir_verify.verified["triton"]
     for name, variant in VARIANTS.items():
-        if name == "xla" or (name == "tiled" and fmt == "int4"):
-            continue  # XLA's dot is no Triton module; the tiled int4 kernel takes no zero point
+        if name == "xla":
+            continue  # XLA's dot is no Triton module
         tiling = Tiling(64 if name == "pipelined" else 16, 256, 64)
         fn = jax.jit(lambda x, w: prepared.prepared_matmul(x, w, act=act, backend="gpu", variant=variant,
                                                            tiling=tiling))
         assert "triton" in fn.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-    assert mlir_verify.verified["triton"] - before == len(VARIANTS) - 1 - (fmt == "int4")
+    assert mlir_verify.verified["triton"] - before == len(VARIANTS) - 1
 
 
 def test_prepared_operand_is_the_qarray_contract_bit_for_bit():
@@ -164,10 +164,15 @@ def test_prepared_int4_and_nf4_on_the_tpu_kernels_in_interpret_mode():
         assert plan.name == name and plan.interpret
         np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(x, np.float64) @ value.T, rtol=1e-5,
                                    atol=1e-4)
-    # an int4 zero point has no Mosaic operand: the reference runs, and the plan says why
+    # an int4 zero point is one more Mosaic operand, laid out as the scales are; it also lowers for TPU
     w, value, _ = weights("int4", 128, 512, zero=True)
     y, plan = qlinear(x, w, backend="cpu", return_plan=True)
-    assert plan.backend == "reference" and "takes no zero point" in plan.fallback_reason
+    assert plan.name == "int4_weight_matmul_mosaic" and plan.fallback_reason is None
+    np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(x, np.float64) @ value.T, rtol=1e-5, atol=1e-4)
+    tpu = jax.jit(lambda x, w: qlinear(x, w, backend="tpu"))
+    assert "tpu_custom_call" in tpu.trace(x, w).lower(lowering_platforms=("tpu",)).as_text()
+    # ... and the reference (the contract) takes it as well
+    y = qlinear(x, w, backend="reference")
     np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(x, np.float64) @ value.T, rtol=1e-5, atol=1e-4)
 
 
