@@ -10,8 +10,10 @@ Per layer, a conversion with GPTQ does (T calibration tokens, D devices over p p
              tokens): split over the D devices
   GPTQ       per group of linears sharing an input, 2 rows in^2 (the column loop) + 4/3 in^3 (factor and
              inverse): groups spread over the devices, the largest first, so the layer waits for the largest
-  gathers    every process receives the layer's outputs (T h 4 bytes, twice with GPTQ), every batch's Hessian
-             (b sum(in^2) 4 bytes, b batches) and every rounded weight (5 bytes a parameter)
+  gathers    every process receives the layer's outputs (T h 4 bytes, twice with GPTQ), the layer's summed
+             Hessians once (sum(in^2) 4 bytes) and every rounded weight (5 bytes a parameter); each device
+             sends and receives about one layer's Hessians per group of batches it runs (b / D groups of b
+             batches) while they are summed in batch order, a block of rows on each device
   read       every process reads the whole checkpoint; write: process 0 writes the output
 
 The device rates are the ones measured: `--check` prints the model's figures beside the measured ones
@@ -119,7 +121,8 @@ def predict(m: Model, dev: Device, devices: int, per_host: int = 8) -> dict[str,
         seconds["forward"] += count * (2 * forward + hess) / (devices * dev.flops)
         seconds["gptq"] += count * spread(groups, devices) / dev.solve_flops
         batches = TOKENS // (SEQLEN * BATCH)
-        gathered = 2 * TOKENS * m.hidden * 4 + batches * hessian_bytes(m, moe) + 5 * weights
+        groups_run = -(-batches // devices)  # the Hessians' ordered sum: an all-to-all per group of batches
+        gathered = 2 * TOKENS * m.hidden * 4 + (groups_run + 1) * hessian_bytes(m, moe) + 5 * weights
         if devices > 1:
             link = dev.link if processes > 1 else 25e9  # one host: device to host
             seconds["gathers"] += count * gathered / link

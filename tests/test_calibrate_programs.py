@@ -112,9 +112,9 @@ _DEVICES_SCRIPT = textwrap.dedent("""
     runs = {}
     for label, devices in (("four", jax.devices()), ("one", jax.devices()[:1])):
         runs[label] = list(iter_layer_stats(model, params, ids, batch_size=2, keep_inputs=keep,
-                                            sample_rows=40, devices=devices))
+                                            sample_rows=40, devices=devices, hessians=keep))
     report = {"devices": len(jax.devices()), "modules": 0, "absmax_equal": True, "rows_equal": True,
-              "rows": 0}
+              "rows": 0, "hessians": 0, "hessians_equal": True}
     for a, b in zip(runs["four"], runs["one"]):
         assert sorted(a.act_absmax) == sorted(b.act_absmax)
         for m in a.act_absmax:
@@ -124,12 +124,18 @@ _DEVICES_SCRIPT = textwrap.dedent("""
             if m in keep:
                 report["rows_equal"] &= bool(np.array_equal(a.input_samples[m], b.input_samples[m]))
                 report["rows"] += len(b.input_samples[m])
+        assert sorted(a.hessians) == sorted(b.hessians) and a.hessian_tokens == b.hessian_tokens
+        for m in b.hessians:
+            report["hessians"] += 1
+            report["hessians_equal"] &= bool(np.array_equal(np.asarray(a.hessians[m]), np.asarray(b.hessians[m])))
     print(json.dumps(report))
 """)
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
-@pytest.mark.parametrize("samples", [8, 11])  # 4 batches of 2: one per device; 11: 5 whole batches and a half
+# 8: 4 batches of 2, one per device; 19: two groups of four batches (the sums carried from one to the next), a
+# batch and a half left over
+@pytest.mark.parametrize("samples", [8, 19])
 def test_statistics_on_four_devices_equal_one_device(tmp_path, family, samples):
     if family == "llama":
         folder = make_llama_checkpoint(tmp_path / "m", layers=2, outlier_channels=(3,))
@@ -141,9 +147,9 @@ def test_statistics_on_four_devices_equal_one_device(tmp_path, family, samples):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["devices"] == 4
-    assert report["modules"] > 0 and report["rows"] > 0
-    # Bit-equal: the per-channel maxima and the sampled input rows of every linear.
-    assert report["absmax_equal"] and report["rows_equal"], report
+    assert report["modules"] > 0 and report["rows"] > 0 and report["hessians"] > 0
+    # Bit-equal: the per-channel maxima, the sampled input rows and the Hessians of every linear.
+    assert report["absmax_equal"] and report["rows_equal"] and report["hessians_equal"], report
 
 
 def test_iter_layer_stats_one_device_matches_separate_programs(tmp_path):

@@ -229,18 +229,23 @@ class _LayerRunner:
         """Layer i over every sample: its output and what `observe` returned, one entry per batch."""
         rep, group, b = self.programs.representative(i), self.group, self.batch_size
         outs, observed, sinks = [], {}, []
+        running = None  # the SUMMED entries' sums so far, folded on the devices (_sharded_step)
         for s in range(0, self.split, group):  # whole groups: one batch per device
-            out, sink = self.sharded_step(rep, layer_params, hidden[s:s + group], mask[s:s + group])
+            out, sink, running = self.sharded_step(rep, layer_params, hidden[s:s + group], mask[s:s + group],
+                                                   running)
             outs.append(out)
             sinks.append(sink)
             _bound_in_flight(outs)
         # One transfer for all groups, once they are all dispatched; then one entry per batch.
-        outs, sinks = _gathered(outs), _to_host(sinks)
+        outs, sinks, totals = _gathered(outs), _to_host(sinks), _to_host(running)
         for sink in sinks:
             for name, value in sink.items():
                 for d in range(self.mesh.size):
                     add_observed(observed, self.programs.rename(name, rep, i),
                                  jax.tree.map(lambda a, d=d: a[d], value))
+        for name, sums in (totals or {}).items():  # the groups' sums, as the first batch's entry holds them
+            first = observed[self.programs.rename(name, rep, i)][0]
+            first.update({key: _unfolded(value) for key, value in sums.items()})
         for s in range(self.split, hidden.shape[0], b):  # the rest: on this process's first device
             out, sink = self.step(rep, layer_params, hidden[s:s + b], mask[s:s + b])
             outs.append(out)
@@ -294,29 +299,73 @@ def _bound_in_flight(outs: list) -> None:
 
 def _sharded_step(run_layer, mesh: Mesh, observes: bool = True):
     """run_layer over a [devices * batch] group: each device runs its own batch, weights replicated. The mesh may
-    span several processes (each then hands in the same group; the results are sharded over all devices)."""
+    span several processes (each then hands in the same group; the results are sharded over all devices).
+
+    Observing, it returns (output, what `observe` returned less its SUMMED entries, one leading entry per device,
+    and `running`: those entries' sums over every batch so far, this group's added on the devices). A sum is
+    folded in batch order (_ordered_fold), so it holds the very floats one device's running sum holds, and only
+    one sum, sharded by rows over the devices, moves; not one [in, in] matrix per batch to every host.
+    """
     data, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-    out_specs = (P("data"), P("data")) if observes else P("data")
+    devices = mesh.size
 
     @functools.partial(jax.jit, static_argnums=0)
-    def step(i, layer_params, hidden, mask):
-        def local(layer_params, hidden, mask):
+    def step(i, layer_params, hidden, mask, running):
+        def local(layer_params, hidden, mask, running):
             if not observes:
                 return run_layer(i, layer_params, hidden, mask)
             out, sink = run_layer(i, layer_params, hidden, mask)
+            sums = {name: {k: value[k] for k in SUMMED if k in value} for name, value in sink.items()
+                    if isinstance(value, dict) and any(k in value for k in SUMMED)}
+            rest = {name: ({k: v for k, v in value.items() if k not in SUMMED} if name in sums else value)
+                    for name, value in sink.items()}
+            folded = {name: {k: _ordered_fold(v, None if running is None else running[name][k], devices)
+                             for k, v in entries.items()} for name, entries in sums.items()}
             # One leading entry per device: gathered along the data axis.
-            return out, jax.tree.map(lambda a: a[None], sink)
+            return out, jax.tree.map(lambda a: a[None], rest), folded
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
-                             out_specs=out_specs, check_vma=False)(layer_params, hidden, mask)
+        out_specs = (P("data"), P("data"), P("data")) if observes else P("data")
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")),
+                             out_specs=out_specs, check_vma=False)(layer_params, hidden, mask, running)
 
-    def run(i, layer_params, hidden, mask):
+    def run(i, layer_params, hidden, mask, running=None):
         if jax.process_count() > 1:  # arrays of this process become the global ones through the host
             layer_params, hidden, mask = jax.tree.map(np.asarray, (layer_params, hidden, mask))
         layer_params = jax.device_put(layer_params, replicated)
-        return step(i, layer_params, jax.device_put(hidden, data), jax.device_put(mask, data))
+        return step(i, layer_params, jax.device_put(hidden, data), jax.device_put(mask, data), running)
 
     return run
+
+
+def _ordered_fold(value: jax.Array, running: jax.Array | None, devices: int) -> jax.Array:
+    """Inside shard_map over `data`: this group's values (one batch per device, device order = batch order) added
+    to the running sum in batch order, as add_observed adds them on one device: ((running + v_0) + v_1) + ...
+    (v_0 + v_1 + ... in the first group). Each device folds one block of rows of every device's value (an
+    all-to-all: each sends and receives about one value's bytes) and keeps that block of the sum: [rows / devices
+    rounded up, in], the last block padded. A scalar (a count) is all-gathered and held whole: [1] per device.
+    `running` is this function's earlier result."""
+    if value.ndim == 0:
+        parts = jax.lax.all_gather(value, "data")
+        total = parts[0] if running is None else running[0] + parts[0]
+        for j in range(1, devices):
+            total = total + parts[j]
+        return total[None]
+    if value.ndim != 2 or value.shape[0] != value.shape[1]:
+        raise ValueError(f"a summed observation is a scalar or a square matrix, not {value.shape}")
+    rows = value.shape[0]
+    block = -(-rows // devices)
+    padded = jnp.pad(value, [(0, block * devices - rows)] + [(0, 0)] * (value.ndim - 1))
+    parts = jax.lax.all_to_all(padded, "data", 0, 0, tiled=True).reshape((devices, block) + value.shape[1:])
+    total = parts[0] if running is None else running + parts[0]
+    for j in range(1, devices):
+        total = total + parts[j]
+    return total
+
+
+def _unfolded(value: np.ndarray) -> np.ndarray:
+    """A sum _ordered_fold left over the devices, gathered: the array as one device's sum holds it (a scalar's
+    copies, one per device, are one; a square matrix's padded rows go)."""
+    return value[0] if value.ndim == 1 else value[:value.shape[1]]
 
 
 def forward_layerwise(model, params: Mapping, input_ids, attention_mask=None, *,
