@@ -109,10 +109,18 @@ def test_calibrate_and_verify_run_as_several_processes(sources, tmp_path):
 
     folder = tmp_path / "int8"
     assert run_one(["quantize", str(sources["llama"]), "-o", str(folder), "-q"]).returncode == 0
-    results = finish(start_run(lambda i: ["verify", str(folder), "--quick", "--backend", "xla", "--json"]))
+    verify = ["verify", str(folder), "--quick", "--backend", "xla", "--json"]
+    results = finish(start_run(lambda i: verify))
     assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
-    assert json.loads(results[0][1])["passed"] is True  # stdout holds the JSON alone (no native chatter)
+    spread = json.loads(results[0][1])  # stdout holds the JSON alone (no native chatter)
+    assert spread["passed"] is True
     assert results[1][1] == ""  # process 0 speaks for the run
+    # The linears were compared where they landed, over both processes' devices: the report is one process's,
+    # but for its time and the devices it names.
+    one = run_one(verify)
+    assert one.returncode == 0, one.stderr
+    assert len(spread["devices"]) == 4
+    assert {**json.loads(one.stdout), "seconds": 0, "devices": 0} == {**spread, "seconds": 0, "devices": 0}
 
 
 def test_a_killed_process_ends_the_run_within_the_bound(sources, tmp_path):

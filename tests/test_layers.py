@@ -28,8 +28,8 @@ ALLOWED = {
     "methods": {"formats", "models", "schemes", "base", "cluster", "source", "calibration", "options"},
     "pipeline": {"formats", "kernels", "models", "ops", "schemes", "base", "cluster", "source", "calibration",
                  "write", "options", "methods"},
-    "verify": {"formats", "kernels", "models", "ops", "schemes", "base", "source", "calibration", "methods",
-               "pipeline"},
+    "verify": {"formats", "kernels", "models", "ops", "schemes", "base", "cluster", "source", "calibration",
+               "methods", "pipeline"},
     "cli": {"formats", "kernels", "models", "ops", "schemes", "base", "cluster", "source", "calibration", "write",
             "options", "methods", "pipeline", "verify"},
 }

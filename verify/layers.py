@@ -20,15 +20,17 @@ from collections.abc import Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from qconvert.cluster import share
+from qconvert.cluster.runtime import active
 from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.models import iterate_layers, read_tensors
 from qconvert.models.hooks import dense_linear
 from qconvert.verify.fidelity import FolderLinear
-from qconvert.verify.metrics import tensor_metrics
+from qconvert.verify.metrics import TensorMetrics, tensor_metrics
 from qconvert.verify.kernel_path import KernelPath
-from qconvert.verify.results import LayerResult
+from qconvert.verify.results import KernelChoice, LayerResult
 from qconvert.verify.smoothing import SmoothingFactors
-from qconvert.verify.thresholds import Thresholds, check
+from qconvert.verify.thresholds import Check, Thresholds, check
 
 
 def captured_inputs(observed: Mapping[str, list], modules: set[str]) -> dict[str, np.ndarray]:
@@ -138,6 +140,42 @@ def verify_layers(model, reference: Mapping, converted: Mapping, input_ids, atte
 
 
 def _compare_captured(observed: Mapping[str, list], wanted: set[str], **compare_args) -> list[LayerResult]:
-    """compare_linear for each wanted module among the captured inputs, in name order."""
+    """compare_linear for each wanted module among the captured inputs, in name order.
+
+    In a run of several processes the linears are spread over every device of every process (the largest
+    input first, `share.spread`), each compared once where it lands, and every process receives every result.
+    """
     inputs = captured_inputs(observed, wanted)
-    return [compare_linear(name, inputs[name], **compare_args) for name in sorted(inputs)]
+    names = sorted(inputs)
+    if not active():
+        return [compare_linear(name, inputs[name], **compare_args) for name in names]
+    results = share.spread(names, [float(inputs[name].size) for name in names],
+                           lambda name, device: compare_linear(name, inputs[name], **compare_args),
+                           _encode_result, _decode_result)
+    return [results[name] for name in names]
+
+
+def _encode_result(result: LayerResult) -> tuple[dict, dict]:
+    """A LayerResult as share.spread carries it: no arrays, every field as JSON (a float's repr round-trips)."""
+    def floats(values: dict) -> dict:
+        return {k: v.item() if isinstance(v, np.generic) else v for k, v in values.items()}
+
+    return {}, {"name": result.name, "kernel": result.kernel.as_dict(), "metrics": floats(result.metrics.as_dict()),
+                "tokens": int(result.tokens), "checks": [floats(c.as_dict()) for c in result.checks],
+                "fidelity": None if result.fidelity is None else floats(result.fidelity.as_dict()),
+                "fidelity_checks": [floats(c.as_dict()) for c in result.fidelity_checks]}
+
+
+def _decode_result(name: str, arrays: dict, meta: dict) -> LayerResult:
+    del name, arrays
+
+    def floats(values: dict) -> dict:  # a metric or a check's value as the float it was
+        return {k: float(v) if k in ("value", "limit") or k in _METRIC_FIELDS else v for k, v in values.items()}
+
+    return LayerResult(meta["name"], KernelChoice(**meta["kernel"]), TensorMetrics(**floats(meta["metrics"])),
+                       meta["tokens"], tuple(Check(**floats(c)) for c in meta["checks"]),
+                       None if meta["fidelity"] is None else TensorMetrics(**floats(meta["fidelity"])),
+                       tuple(Check(**floats(c)) for c in meta["fidelity_checks"]))
+
+
+_METRIC_FIELDS = frozenset(TensorMetrics.__dataclass_fields__)
