@@ -23,7 +23,6 @@ from qconvert.kernels import gpu_decode, gpu_dense, gpu_prefill, reference, tpu_
 from qconvert.kernels.activations import e4m3_rows, quantize_activations, quantize_fp8_activations, rescale_rows
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.gpu_formats import FORMATS
-from qconvert.kernels.gpu_tuning import Variant
 from qconvert.kernels.plan import KernelPlan, KernelProblem, dtype_name, plan_result, select_kernel
 from qconvert.kernels.tiles import Tiling, int4_nibbles, pad2d, round_up, split_even_odd_columns
 

@@ -105,10 +105,18 @@ def _group_errors(w: jax.Array, grid: jax.Array, group: int) -> jax.Array:
 def int4_clip_search(w: np.ndarray, group_size: int | None, grid: tuple[float, ...] = INT4_CLIP_GRID
                      ) -> SearchResult:
     """Per output row and group, the absmax ratio c minimising the group's squared weight error."""
+    return grid_search_per_group(_group_errors, w, group_size, grid)
+
+
+def grid_search_per_group(group_errors, w: np.ndarray, group_size: int | None, grid: tuple[float, ...]
+                          ) -> SearchResult:
+    """Per output row and group, the ratio of `grid` (largest first) whose error is least: `group_errors(w,
+    grid, group)` gives [ratios, rows, groups] errors of the float32 weight; the first minimum (the largest
+    ratio) wins a tie."""
     w32 = np.asarray(w, np.float32)
-    errors = np.asarray(_group_errors(jnp.asarray(w32), jnp.asarray(grid, jnp.float32), group_size or w32.shape[1]),
+    errors = np.asarray(group_errors(jnp.asarray(w32), jnp.asarray(grid, jnp.float32), group_size or w32.shape[1]),
                         np.float64)
-    best = np.argmin(errors, axis=0)  # the first minimum: the largest ratio
+    best = np.argmin(errors, axis=0)
     chosen = np.take_along_axis(errors, best[None], axis=0)[0]
     return SearchResult(np.asarray(grid, np.float32)[best], float(errors[0].sum()), float(chosen.sum()))
 

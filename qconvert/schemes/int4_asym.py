@@ -28,7 +28,7 @@ from qconvert.formats.layout_int4_asym import PackQuantizedInt4Asym
 from qconvert.formats.qarray import INT4_QMAX, INT4_QMIN, QArray, group_scale
 from qconvert.formats.quotient import f32_quotient
 from qconvert.schemes.base import ClipSearch, SearchResult
-from qconvert.schemes.int4 import INT4_CLIP_GRID, Int4, in_dtype
+from qconvert.schemes.int4 import INT4_CLIP_GRID, Int4, grid_search_per_group, in_dtype
 from qconvert.schemes.rowwise import all_finite_hint, quantize_per_row
 
 LEVELS = INT4_QMAX - INT4_QMIN  # 15: compressed-tensors' asymmetric scale divisor
@@ -90,12 +90,7 @@ def _group_errors(w: jax.Array, grid: jax.Array, group: int) -> jax.Array:
 def int4_asym_clip_search(w: np.ndarray, group_size: int | None, grid: tuple[float, ...] = INT4_CLIP_GRID
                           ) -> SearchResult:
     """Per output row and group, the range ratio c minimising the group's squared weight error."""
-    w32 = np.asarray(w, np.float32)
-    errors = np.asarray(_group_errors(jnp.asarray(w32), jnp.asarray(grid, jnp.float32), group_size or w32.shape[1]),
-                        np.float64)
-    best = np.argmin(errors, axis=0)  # the first minimum: the largest ratio
-    chosen = np.take_along_axis(errors, best[None], axis=0)[0]
-    return SearchResult(np.asarray(grid, np.float32)[best], float(errors[0].sum()), float(chosen.sum()))
+    return grid_search_per_group(_group_errors, w, group_size, grid)
 
 
 def _per_weight(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
