@@ -10,6 +10,7 @@ import pytest
 from ops_helpers import int4_qarray, int4_values
 
 from qconvert import ops
+from qconvert.formats import QArray
 from qconvert.ops.dispatch import DEQUANTIZE, INT4_WEIGHT_KERNEL
 
 DN = (((2,), (1,)), ((), ()))  # x [b, t, k] . w [n, k]
@@ -25,6 +26,28 @@ def test_int4_weight_takes_its_kernel_matches_numpy_and_has_a_gradient(group_siz
         grad = jax.grad(lambda a: jnp.sum(ops.dot_general(a, w, DN) ** 2))(x)
     assert decisions[0].path == INT4_WEIGHT_KERNEL
     w_float = int4_values(w).astype(np.float64)
+    ref = np.einsum("btk,nk->btn", x, w_float)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(grad), 2 * np.einsum("btn,nk->btk", ref, w_float), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("group_size", [64, None])
+def test_an_int4_weight_with_zero_points_takes_the_kernel_too(group_size):
+    # W4A16_ASYM: each code less its group's integer zero point, times the group's scale.
+    rng = np.random.default_rng(2)
+    n, k = 48, 256
+    groups = 1 if group_size is None else k // group_size
+    codes = rng.integers(-8, 8, (n, k)).astype(np.int8)
+    scale = rng.uniform(0.01, 0.03, (n, groups)).astype(np.float32)
+    zero = rng.integers(-4, 5, (n, groups)).astype(np.int8)
+    w = QArray(codes, scale, zero, kind="int4", block_size=group_size, shape=(n, k), dtype="float32")
+    w_float = (codes.astype(np.float64) - np.repeat(zero, k // groups, axis=1)) * np.repeat(scale, k // groups,
+                                                                                              axis=1)
+    x = rng.standard_normal((2, 3, k)).astype(np.float32)
+    with ops.use_kernels("cpu"), ops.record_paths() as decisions:
+        out = jax.jit(lambda a, b: ops.dot_general(a, b, DN))(x, w)
+        grad = jax.grad(lambda a: jnp.sum(ops.dot_general(a, w, DN) ** 2))(x)
+    assert decisions[0].path == INT4_WEIGHT_KERNEL, decisions[0]
     ref = np.einsum("btk,nk->btn", x, w_float)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(grad), 2 * np.einsum("btn,nk->btk", ref, w_float), rtol=1e-4, atol=1e-3)

@@ -89,8 +89,9 @@ def _weight_only_blocker(lhs, rhs: QArray, form: MatmulForm) -> str | None:
         return f"the {rhs.kind} weight is contracted on its first axis; the kernel takes [N, K] contracted on K"
     if rhs.kind.int8 and (rhs.zero_point is not None or rhs.scale.ndim != 2 or rhs.scale.shape[1] != 1):
         return "the weight scale is not one per output channel"
-    if rhs.kind.column_groups and (rhs.zero_point is not None or rhs.scale.ndim != 2):
-        return "the int4 weight has a zero point or scales that are not [N, groups]"
+    if rhs.kind.column_groups and (rhs.scale.ndim != 2 or (rhs.zero_point is not None
+                                                          and jnp.shape(rhs.zero_point) != jnp.shape(rhs.scale))):
+        return "the int4 weight's scales (or zero points) are not [N, groups]"
     if jnp.result_type(lhs) != jnp.dtype(rhs.dtype):
         return f"activation dtype {jnp.result_type(lhs)} differs from the weight's {rhs.dtype}"
     if _rows(operand_shape(lhs)) == 0 or 0 in operand_shape(rhs):
@@ -124,26 +125,31 @@ def int8_matmul(lhs: QArray, rhs: QArray, form: MatmulForm, out_dtype) -> jax.Ar
 
 
 def _with_dequantized_grad(kernel_fn, lhs, rhs: QArray):
-    """kernel_fn(x, qvalue, scale) with d/dx given by x's cotangent g @ W (W dequantized).
+    """kernel_fn(x, weight) with d/dx given by x's cotangent g @ W (W dequantized, its zero point included).
 
     Pallas kernels have no autodiff rule; the weight payload gets no gradient.
     """
+    def weight_of(qvalue, scale, zero):
+        return QArray(qvalue, scale, zero, kind=rhs.kind, block_size=rhs.block_size, shape=rhs.shape,
+                      dtype=rhs.dtype)
 
     @jax.custom_vjp
-    def matmul(x, qvalue, scale):
-        return kernel_fn(x, qvalue, scale)
+    def matmul(x, qvalue, scale, zero):
+        return kernel_fn(x, weight_of(qvalue, scale, zero))
 
-    def fwd(x, qvalue, scale):
-        return kernel_fn(x, qvalue, scale), (qvalue, scale)
+    def fwd(x, qvalue, scale, zero):
+        return kernel_fn(x, weight_of(qvalue, scale, zero)), (qvalue, scale, zero)
 
     def bwd(residuals, g):
-        qvalue, scale = residuals
-        weight = QArray(qvalue, scale, kind=rhs.kind, block_size=rhs.block_size, shape=rhs.shape, dtype=rhs.dtype)
+        qvalue, scale, zero = residuals
+        weight = weight_of(qvalue, scale, zero)
         dx = jnp.matmul(g.astype(jnp.float32), weight.dequantize(jnp.float32)).astype(jnp.result_type(lhs))
-        return dx, np.zeros(qvalue.shape, jax.dtypes.float0), jnp.zeros_like(scale)
+        no_grad = np.zeros(jnp.shape(zero), jax.dtypes.float0) if zero is not None and not jnp.issubdtype(
+            jnp.result_type(zero), jnp.floating) else (None if zero is None else jnp.zeros_like(zero))
+        return dx, np.zeros(qvalue.shape, jax.dtypes.float0), jnp.zeros_like(scale), no_grad
 
     matmul.defvjp(fwd, bwd)
-    return matmul(lhs, rhs.qvalue, rhs.scale)
+    return matmul(lhs, rhs.qvalue, rhs.scale, rhs.zero_point)
 
 
 def int8_weight_matmul(lhs, rhs: QArray, out_dtype) -> jax.Array:
@@ -165,8 +171,7 @@ def _weight_only_matmul(lhs, rhs: QArray, out_dtype) -> jax.Array:
     """Float lhs [..., K] times a quantized weight [N, K] through its kind's kernel (kernels.qlinear routes it)."""
     backend, _ = kernel_backend()
 
-    def run(x, qvalue, scale):
-        weight = QArray(qvalue, scale, kind=rhs.kind, block_size=rhs.block_size, shape=rhs.shape, dtype=rhs.dtype)
+    def run(x, weight):
         return _kernels().qlinear(x, weight, out_dtype=out_dtype, backend=backend)
 
     return _with_dequantized_grad(run, lhs, rhs)
