@@ -98,6 +98,16 @@ def test_gptq_adds_the_hessians_and_a_fourth_copy_of_the_hidden_states_by_hand()
     assert gptq.device_bytes - plain.device_bytes == 2 * 4 * (3 * 64 + 256) + 4 * 4 * 16 * 24 + hidden
 
 
+def test_split_over_devices_each_adds_the_blocks_of_the_hessians_it_sums_by_hand():
+    shapes = ModelShapes(hidden=8, heads=2, layer_bytes=1000, layer_elements=500, layer_width=40,
+                         embed_bytes=300, embed_elements=150, head_bytes=200, layer_inputs=24,
+                         hessian_elements=3 * 8 * 8 + 16 * 16, largest_linear=16 * (16 + 8))
+    one = estimate(shapes, samples=4, seqlen=3, batch_size=2, hessians=True, sequential=True)
+    four = estimate(shapes, samples=4, seqlen=3, batch_size=2, hessians=True, sequential=True, devices=4)
+    # beside its batch's product and the received blocks: its block of the running sum, before and after
+    assert four.device_bytes - one.device_bytes == 2 * (448 * 4) // 4
+
+
 def test_a_70b_down_proj_hessian_lowers_the_batch():
     # Llama-70B's down_proj reads 28672 features: its Hessian alone is 28672^2 float32 (3.3 GB).
     shapes = ModelShapes(hidden=8192, heads=64, layer_bytes=2 * 856 * 10**6, layer_elements=856 * 10**6,

@@ -95,9 +95,12 @@ class MemoryEstimate:
 
 
 def estimate(shapes: ModelShapes, samples: int, seqlen: int, batch_size: int,
-             sample_rows: int = 512, *, hessians: bool = False, sequential: bool = False) -> MemoryEstimate:
+             sample_rows: int = 512, *, hessians: bool = False, sequential: bool = False,
+             devices: int = 1) -> MemoryEstimate:
     """The peak memory of calibrating on `samples` x `seqlen` tokens, `batch_size` samples per batch and device;
-    `hessians`: with GPTQ's Hessians, `sequential`: with each layer run again on its quantized weights."""
+    `hessians`: with GPTQ's Hessians, `sequential`: with each layer run again on its quantized weights;
+    `devices`: how many the batches are split over (each then also holds the blocks of every device's Hessians
+    it adds, and its block of the running sum, old and new: runner._ordered_fold)."""
     n, t, b = samples, seqlen, min(batch_size, samples)
     hidden = n * t * shapes.hidden * F32
     # Two batches in flight at most (the runner waits for the one before the last).
@@ -105,7 +108,8 @@ def estimate(shapes: ModelShapes, samples: int, seqlen: int, batch_size: int,
     embed_phase = 2 * hidden + shapes.embed_bytes + shapes.embed_elements * F32
     layer_phase = (4 if sequential else 3) * hidden + shapes.layer_bytes + shapes.layer_elements * F32 + batch
     if hessians:
-        layer_phase += 2 * shapes.hessian_elements * F32 + 4 * shapes.largest_linear * F32
+        copies = 2 if devices <= 1 else 2 + 2 / devices  # one batch's product, and the sum (or, split: its blocks)
+        layer_phase += copies * shapes.hessian_elements * F32 + 4 * shapes.largest_linear * F32
     head_phase = hidden + shapes.head_bytes
     device = max(embed_phase, layer_phase, head_phase)
     rows = min(sample_rows, n * t) * shapes.layer_inputs * F32
@@ -120,10 +124,11 @@ def device_budget(device) -> int | None:
 
 
 def fit_batch_size(shapes: ModelShapes, samples: int, seqlen: int, batch_size: int, budget: int, *,
-                   hessians: bool = False, sequential: bool = False) -> int:
+                   hessians: bool = False, sequential: bool = False, devices: int = 1) -> int:
     """The largest batch size up to `batch_size` whose estimate fits `budget` bytes (at least 1)."""
     for b in range(max(1, batch_size), 0, -1):
-        if estimate(shapes, samples, seqlen, b, hessians=hessians, sequential=sequential).device_bytes <= budget:
+        if estimate(shapes, samples, seqlen, b, hessians=hessians, sequential=sequential,
+                    devices=devices).device_bytes <= budget:
             return b
     return 1
 
@@ -161,13 +166,13 @@ def host_available_bytes() -> int | None:
 
 def check_fits(shapes: ModelShapes, samples: int, seqlen: int, device_limit: int | None, *, hessians: bool = False,
                sequential: bool = False, what: str = "calibrating", flags: str = "--calib-samples or a shorter "
-               "--calib-seqlen") -> None:
+               "--calib-seqlen", devices: int = 1) -> None:
     """UsageError (exit 2, one line naming the estimate) when `samples` x `seqlen` tokens cannot fit even one
     window a batch: on a device that states its memory (`device_limit`), its limit; on a CPU (None), the
     memory this machine has available. Checked before the windows are made, so nothing is allocated first."""
     from qconvert.formats.errors import UsageError
 
-    need = estimate(shapes, samples, seqlen, 1, hessians=hessians, sequential=sequential)
+    need = estimate(shapes, samples, seqlen, 1, hessians=hessians, sequential=sequential, devices=devices)
     if device_limit is not None:
         have, bytes_needed, where = device_limit, need.device_bytes, "on each device"
     else:

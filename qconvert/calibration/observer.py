@@ -199,9 +199,10 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
         stated = device_budget(local[0])
         shapes = checkpoint_shapes(model, params)
         batch_size = fit_batch_size(shapes, n, t, batch_size, stated or HOST_BUDGET_BYTES,
-                                    hessians=bool(hessians), sequential=replace is not None)
+                                    hessians=bool(hessians), sequential=replace is not None, devices=len(devices))
         if stated is not None:  # a device that states its memory: refuse what cannot fit it, before any work
-            check_fits(shapes, n, t, stated, hessians=bool(hessians), sequential=replace is not None)
+            check_fits(shapes, n, t, stated, hessians=bool(hessians), sequential=replace is not None,
+                       devices=len(devices))
     batches = math.ceil(n / max(1, batch_size))
     sharing = _HessianSharing()
     observe = _observer(keep_inputs, max(1, math.ceil(sample_rows / batches)), frozenset(hessians), sharing)
