@@ -47,8 +47,8 @@ from qconvert.formats.errors import QConvertError  # noqa: E402
 from qconvert.models import build  # noqa: E402
 from qconvert.options import CalibrationOptions  # noqa: E402
 
-RECIPES = {"gptq": {"gptq": True}, "awq": {"gptq": False, "awq": True}, "awq-gptq": {"gptq": True, "awq": True},
-           "rtn": {"gptq": False}}
+RECIPES = {"gptq": {"gptq": True, "awq": False}, "awq": {"gptq": False, "awq": True},
+           "awq-gptq": {"gptq": True, "awq": True}, "rtn": {"gptq": False, "awq": False}}
 LC_RECIPES = ("awq-gptq-asym", "gptq-asym", "gptq-sym")
 OUT = Path(__file__).resolve().parent / "out" / "int4_defaults"
 
