@@ -61,8 +61,8 @@ HI = jax.lax.Precision.HIGHEST
 
 # name -> (scheme, ConvertOptions extras, CalibrationOptions extras: calibration, smoothing); "family" and "auto
 # --no-scale-search" are the explicit flags a user had before the defaults changed. Every row but the
-# "-default" ones pins GPTQ (on: "-gptq"), so that a name keeps its meaning whatever the defaults.
-RTN, GPTQ = {"gptq": False}, {"gptq": True}
+# "-default" ones pins GPTQ (on: "-gptq") and AWQ (off), so that a name keeps its meaning whatever the defaults.
+RTN, GPTQ = {"gptq": False, "awq": False}, {"gptq": True, "awq": False}
 CONFIGS = {
     "int8": ("int8", RTN, None),
     "int8-scale-search": ("int8", {**RTN, "scale_search": True}, None),

@@ -30,8 +30,9 @@ FLAG_SETS = {
     "int8": ["--scheme", "int8"],
     "int8-scale-search": ["--scheme", "int8", "--scale-search"],
     "int8-gptq": ["--scheme", "int8", "--gptq", *CALIB],
-    "int4": ["--scheme", "int4", "--no-gptq"],
-    "int4-gptq": ["--scheme", "int4", *CALIB],
+    "int4": ["--scheme", "int4", "--no-gptq", "--no-awq"],
+    "int4-gptq": ["--scheme", "int4", "--no-awq", *CALIB],
+    "int4-awq-gptq": ["--scheme", "int4", *CALIB],  # int4's default
     "nf4": ["--scheme", "nf4"],
     "nf4-double-quant": ["--scheme", "nf4", "--double-quant"],
     "fp8": ["--scheme", "fp8"],
@@ -41,7 +42,7 @@ FLAG_SETS = {
     "w8a8-family-gptq": ["--scheme", "w8a8", "--alpha", "family", "--gptq", *CALIB],
     "w8a8-no-smooth": ["--scheme", "w8a8", "--no-smooth", *CALIB],
 }
-SKIP = {("bert", "int4-gptq"), ("bert", "int8-gptq"), ("bert", "w8a8-family-gptq"), ("mixtral", "nf4"),
+SKIP = {("bert", "int4-gptq"), ("bert", "int4-awq-gptq"), ("bert", "int8-gptq"), ("bert", "w8a8-family-gptq"), ("mixtral", "nf4"),
         ("mixtral", "nf4-double-quant"), ("qwen3_moe", "nf4"), ("qwen3_moe", "nf4-double-quant")}
 
 

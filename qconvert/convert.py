@@ -34,7 +34,7 @@ from qconvert.source.resolve import SourceModel, open_source, resolve_source
 from qconvert.stages import stage
 from qconvert.methods.gptq_core import DEFAULT_ACT_ORDER, DEFAULT_DAMP, GPTQConfig
 from qconvert.methods.gptq import RTN_RECORD, DiscardedStore, QuantizedStore, SequentialGPTQ
-from qconvert.methods.recipe import Adjustments, prepare_adjustments
+from qconvert.methods.recipe import Adjustments, prepare_adjustments, runs_awq
 
 # The exponent bits of each float weight dtype: all ones exactly for NaN and Inf.
 EXPONENT_BITS = {"float32": (np.uint32, 0x7F800000), "float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80)}
@@ -160,7 +160,7 @@ def _convert_source(source: SourceModel, out: Path, options: ConvertOptions, pro
     with contextlib.ExitStack() as scratch:
         gptq = _sequential_gptq(source, plan, options, out, scratch)
         adjustments = Adjustments()
-        if (scheme.calibrates or gptq or options.awq) and not (options.dry_run
+        if (scheme.calibrates or gptq or runs_awq(source, options)) and not (options.dry_run
                                                                and (not options.static_act or plan.refusal)):
             calibration_started = time.perf_counter()
             agree_run(source, options, plan)
@@ -247,7 +247,7 @@ def agree_run(source: SourceModel, options: ConvertOptions, plan: ConversionPlan
     calib = options.calibration
     cluster.agree_settings({
         "--scheme": options.scheme, "flags": options.recorded_flags(plan.flags), "--gptq": options.uses_gptq,
-        "--gptq-damp": options.gptq_damp, "--gptq-act-order": options.gptq_act_order, "--awq": options.awq,
+        "--gptq-damp": options.gptq_damp, "--gptq-act-order": options.gptq_act_order, "--awq": options.uses_awq,
         "--calib-samples": calib.calib_samples if calib else None, "--calib-seqlen": calib.calib_seqlen if calib else None,
         "--alpha": calib.alpha if calib else None, "--no-smooth": (not calib.smooth) if calib else None})
     agree_source(source)

@@ -172,8 +172,9 @@ class ConvertOptions:
     gptq: bool | None = None
     gptq_damp: float | None = None    # None: qconvert.methods.gptq_core.DEFAULT_DAMP
     gptq_act_order: bool | None = None  # None: qconvert.methods.gptq_core.DEFAULT_ACT_ORDER
-    # AWQ's per-channel scales searched on calibration rows and folded before rounding (qconvert.methods.awq).
-    awq: bool = False
+    # AWQ's per-channel scales searched on calibration rows and folded before rounding (qconvert.methods.awq);
+    # None: the scheme's default (on for int4 and int4-asym, unless activation statistics replace calibration).
+    awq: bool | None = None
     # The Hub repository (OWNER/NAME) OUT is written for (--upload-repo): the model card loads from there.
     card_repo: str | None = None
 
@@ -187,7 +188,7 @@ class ConvertOptions:
         text_only = self.calibration is not None and not _smoothing_given(self.calibration) and not self.static_act
         scheme.check_options(act=self.act, double_quant=self.double_quant, group_size=self.group_size,
                              calibrates=self.calibration is not None
-                             and not ((self.uses_gptq or self.awq) and text_only))
+                             and not ((self.uses_gptq or self.uses_awq) and text_only))
         if self.group_size is not None and self.group_size not in GROUP_SIZE_CHOICES:
             raise UsageError(f"--group-size must be 32, 64, 128 or channel, not {self.group_size!r}")
         if self.max_shard_size <= 0:
@@ -199,7 +200,7 @@ class ConvertOptions:
             raise UsageError(f"--workers {self.workers} is more than {prefetch.WORKERS_PER_CORE} threads per core "
                              f"({prefetch.max_workers()} on this machine's {prefetch.available_cores()} cores); "
                              f"give at most {prefetch.max_workers()}")
-        if scheme.calibrates or self.uses_gptq or self.awq:
+        if scheme.calibrates or self.uses_gptq or self.uses_awq:
             if self.calibration is None:
                 object.__setattr__(self, "calibration", CalibrationOptions())
             _check_calibration(self.calibration)
@@ -235,6 +236,15 @@ class ConvertOptions:
         """Whether scales are searched (clipping ratios) rather than plain absmax: --scale-search."""
         return self.scheme_object.default_scale_search if self.scale_search is None else bool(self.scale_search)
 
+
+    @property
+    def uses_awq(self) -> bool:
+        """Whether AWQ's scales are searched: --awq/--no-awq, else the scheme's default (off when a statistics
+        file replaces calibration: it holds no rows). A model with no forward takes rounding instead
+        (methods.recipe.runs_awq)."""
+        if self.awq is not None:
+            return bool(self.awq)
+        return self.scheme_object.default_awq and (self.calibration is None or self.calibration.act_stats is None)
 
     @property
     def uses_gptq(self) -> bool:

@@ -157,15 +157,21 @@ def family_source(root: Path, family: str) -> Path:
 
 
 def dequantized_float_folder(source, out, folder) -> Path:
-    """The float model with each quantized linear replaced by qconvert's own dequantization of folder `out`."""
+    """The float model as folder `out` holds it: each quantized linear qconvert's own dequantization of it, every
+    other tensor the folder's own (norms AWQ or SmoothQuant scaled differ from the source's)."""
     import shutil
 
+    from safetensors import safe_open
     from safetensors.numpy import load_file, save_file
 
     from qconvert.formats.layouts import open_quantized
 
     weights = load_file(str(Path(source) / "model.safetensors"))
     quantized = open_quantized(out)
+    replaced = {f"{module}.weight" for module in quantized.quantized_modules}
+    for shard in sorted(Path(out).glob("*.safetensors")):
+        with safe_open(str(shard), framework="numpy") as f:
+            weights.update({name: f.get_tensor(name) for name in f.keys() if name in weights and name not in replaced})
     for module in quantized.quantized_modules:
         weights[f"{module}.weight"] = np.asarray(quantized.qarray(module).dequantize(np.float32))
     quantized.close()

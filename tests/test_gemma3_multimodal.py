@@ -29,7 +29,7 @@ from qconvert.models.registry import language_config  # noqa: E402
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 # w8a8 calibrates the language model on text (SmoothQuant); int4 rounds to nearest, the quickest folder of its layout.
-FLAGS = {"w8a8": ("--calib", "random", "--calib-samples", "4", "--calib-seqlen", "32"), "int4": ("--no-gptq",)}
+FLAGS = {"w8a8": ("--calib", "random", "--calib-samples", "4", "--calib-seqlen", "32"), "int4": ("--no-gptq", "--no-awq",)}
 IDS = np.random.default_rng(1).integers(0, 125, size=(2, 12))  # 12 tokens > the sliding window of 4
 MASK = np.ones_like(IDS)
 MASK[1, -3:] = 0

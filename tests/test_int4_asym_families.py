@@ -28,7 +28,7 @@ CASES = [("llama", "gptq"), ("qwen3", "rtn"), ("gemma3", "rtn"), ("mixtral", "rt
 def test_converts_passes_verify_and_loads_in_transformers(family, rounding, tmp_path, capsys):
     source, out = family_source(tmp_path, family), tmp_path / "int4-asym"
     flags = (["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "32"] if rounding == "gptq"
-             else ["--no-gptq"])
+             else ["--no-gptq", "--no-awq"])
     code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", "W4A16_ASYM", "-q", *flags], capsys)
     assert code == 0, err
     record = json.loads((out / "qconvert.json").read_text())

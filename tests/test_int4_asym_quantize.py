@@ -116,7 +116,7 @@ def test_clip_search_never_does_worse_than_the_plain_range():
 def test_the_quantization_config_is_the_compressed_tensors_w4a16_asym_preset(tmp_path, capsys):
     src = make_llama_checkpoint(tmp_path / "src", hidden=128, intermediate=256)
     out = tmp_path / "out"
-    code, _, err = run_cli(["quantize", str(src), "-o", str(out), "--scheme", "w4a16_asym", "--no-gptq", "-q"], capsys)
+    code, _, err = run_cli(["quantize", str(src), "-o", str(out), "--scheme", "w4a16_asym", "--no-gptq", "--no-awq", "-q"], capsys)
     assert code == 0, err
     qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
     weights = qconfig["config_groups"]["group_0"]["weights"]
@@ -141,7 +141,7 @@ def test_a_zero_point_tensor_that_does_not_fit_is_one_line_naming_it(tmp_path, c
 
     src = make_llama_checkpoint(tmp_path / "src", hidden=128, intermediate=256)
     out = tmp_path / "out"
-    assert run_cli(["quantize", str(src), "-o", str(out), "--scheme", "int4-asym", "--no-gptq", "-q"], capsys)[0] == 0
+    assert run_cli(["quantize", str(src), "-o", str(out), "--scheme", "int4-asym", "--no-gptq", "--no-awq", "-q"], capsys)[0] == 0
     tensors = load_file(str(out / "model.safetensors"))
     name = next(k for k in tensors if k.endswith(".weight_zero_point"))
     tensors[name] = np.zeros((tensors[name].shape[0] * 8, tensors[name].shape[1]), np.int32)  # left unpacked
@@ -188,7 +188,7 @@ def test_the_compressed_tensors_w4a16_asym_preset_reads_as_int4_asym_with_groups
 def test_group_sizes_fall_back_and_are_refused_as_int4s(tmp_path, capsys):
     src = make_llama_checkpoint(tmp_path / "src", hidden=128, intermediate=192)
     out = tmp_path / "out"
-    code, _, err = run_cli(["quantize", str(src), "-o", str(out), "--scheme", "int4-asym", "--no-gptq"], capsys)
+    code, _, err = run_cli(["quantize", str(src), "-o", str(out), "--scheme", "int4-asym", "--no-gptq", "--no-awq"], capsys)
     assert code == 0, err
     assert "qconvert: int4-asym: group size 64 (128 does not divide every input width)" in err
     assert json.loads((out / "qconvert.json").read_text())["flags"]["group_size"] == 64
@@ -196,7 +196,7 @@ def test_group_sizes_fall_back_and_are_refused_as_int4s(tmp_path, capsys):
     q = folder.qarray("model.layers.0.mlp.down_proj")
     assert q.block_size == 64 and np.shape(q.zero_point) == (128, 3)
     folder.close()
-    code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "o"), "--scheme", "int4-asym", "--no-gptq",
+    code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "o"), "--scheme", "int4-asym", "--no-gptq", "--no-awq",
                             "--group-size", "128"], capsys)
     assert code == 2 and not (tmp_path / "o").exists()
     assert err.strip().splitlines()[-1] == ("qconvert: error: --group-size 128 does not divide "

@@ -112,7 +112,7 @@ def test_clip_search_never_does_worse_than_the_plain_scale():
 def test_the_quantization_config_is_the_compressed_tensors_w4a16_preset(tmp_path, capsys):
     src = make_llama_checkpoint(tmp_path / "src", hidden=128, intermediate=256)
     out = tmp_path / "int4"
-    code, _, err = run_cli(["quantize", str(src), "-o", str(out), "--scheme", "int4", "--no-gptq", "-q"], capsys)
+    code, _, err = run_cli(["quantize", str(src), "-o", str(out), "--scheme", "int4", "--no-gptq", "--no-awq", "-q"], capsys)
     assert code == 0, err
     qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
     parsed = QuantizationConfig.model_validate(qconfig)
@@ -137,7 +137,7 @@ def test_the_quantization_config_is_the_compressed_tensors_w4a16_preset(tmp_path
 def test_the_default_group_size_falls_back_and_says_so(tmp_path, capsys, intermediate, group, note):
     src = make_llama_checkpoint(tmp_path / "src", hidden=128, intermediate=intermediate)
     out = tmp_path / "int4"
-    code, _, err = run_cli(["quantize", str(src), "-o", str(out), "--scheme", "int4", "--no-gptq"], capsys)
+    code, _, err = run_cli(["quantize", str(src), "-o", str(out), "--scheme", "int4", "--no-gptq", "--no-awq"], capsys)
     assert code == 0, err
     assert f"qconvert: {note}" in err
     assert json.loads((out / "qconvert.json").read_text())["flags"]["group_size"] == group
@@ -147,7 +147,7 @@ def test_the_default_group_size_falls_back_and_says_so(tmp_path, capsys, interme
 
 def test_a_group_size_that_does_not_divide_is_a_usage_error(tmp_path, capsys):
     src = make_llama_checkpoint(tmp_path / "src", hidden=128, intermediate=192)
-    code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "o"), "--scheme", "int4", "--no-gptq",
+    code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "o"), "--scheme", "int4", "--no-gptq", "--no-awq",
                             "--group-size", "128"], capsys)
     assert code == 2
     assert err.strip().splitlines()[-1] == ("qconvert: error: --group-size 128 does not divide model.layers.0.mlp.down_proj's "
@@ -158,7 +158,7 @@ def test_a_group_size_that_does_not_divide_is_a_usage_error(tmp_path, capsys):
 def test_per_channel_int4_writes_one_scale_per_row(tmp_path, capsys):
     src = make_llama_checkpoint(tmp_path / "src", hidden=64, intermediate=96)
     out = tmp_path / "int4"
-    code, _, err = run_cli(["quantize", str(src), "-o", str(out), "--scheme", "int4", "--no-gptq",
+    code, _, err = run_cli(["quantize", str(src), "-o", str(out), "--scheme", "int4", "--no-gptq", "--no-awq",
                             "--group-size", "channel", "-q"], capsys)
     assert code == 0, err
     qconfig = json.loads((out / "config.json").read_text())["quantization_config"]

@@ -29,7 +29,7 @@ def folders(tmp_path_factory):
     outs = {}
     for scheme in SCHEMES:
         outs[scheme] = root / scheme
-        convert(str(src), outs[scheme], ConvertOptions(scheme=scheme, gptq=False))  # int4: round to nearest
+        convert(str(src), outs[scheme], ConvertOptions(scheme=scheme, gptq=False, awq=False))  # int4: round to nearest
     return outs
 
 

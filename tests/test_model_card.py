@@ -144,7 +144,8 @@ def test_the_card_says_how_the_weights_were_rounded_and_what_loading_needs(tmp_p
     source = make_llama_checkpoint(tmp_path / "src")
     for scheme, extra, install, rounding in (
             ("int4", ["--calib", "random"], "pip install transformers compressed-tensors`",
-             "| rounding | GPTQ (dampening 0.1, act order on) on the calibration text below |"),
+             "| rounding | AWQ's per-channel scales (searched on the calibration text below, folded into the norms "
+             "and linears before them), then GPTQ (dampening 0.1, act order on) on the calibration text below |"),
             ("nf4", [], "pip install transformers bitsandbytes accelerate`", "| rounding | to nearest |")):
         out = tmp_path / scheme
         assert run(["quantize", str(source), "-o", str(out), "--scheme", scheme, *extra, "-q"], capsys)[0] == 0

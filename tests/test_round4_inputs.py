@@ -231,7 +231,7 @@ def test_inspect_names_per_channel_int4_apart_from_group_128(llama, tmp_path, ca
     from qconvert.schemes.servers import scheme_key
 
     out = tmp_path / "out"
-    assert run(["quantize", str(llama), "-o", str(out), "--scheme", "int4", "--group-size", "channel", "--no-gptq",
+    assert run(["quantize", str(llama), "-o", str(out), "--scheme", "int4", "--group-size", "channel", "--no-gptq", "--no-awq",
                 "-q"], capsys)[0] == 0
     code, text, _ = run(["inspect", str(out), "--json"], capsys)
     assert code == 0

@@ -29,7 +29,7 @@ TPU_CHECK = ROOT.parent / "shared" / "vllm-tpu" / "tpu_accept.py"
 CALIB = ["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "16"]
 # Each scheme's folder as round-to-nearest writes it, so --ref can hold every code within half a step of the float
 # weight; "int4-gptq" is int4's default (GPTQ, whose error feedback moves codes further), judged without --ref.
-SCHEMES = {"int8": [], "int4": ["--no-gptq"], "int4-gptq": CALIB, "fp8": [], "w8a8": CALIB}
+SCHEMES = {"int8": [], "int4": ["--no-gptq", "--no-awq"], "int4-gptq": CALIB, "fp8": [], "w8a8": CALIB}
 # bf16, as served: a float32 checkpoint is cast to bf16 on load, which the check reports as lossy. Qwen3-MoE has no
 # dense MLP, so its intermediate_size may not exceed what its weights hold; DeepSeek-V3's second layer is its
 # first with experts, its widths (hidden a multiple of 128, latents of 128) ones vLLM's MoE kernels and int4's
@@ -95,7 +95,7 @@ W4A8_SOURCES = {"llama": dict(hidden=256, intermediate=512, layers=1),
 def w4a8_folder(family, tmp_path, capsys):
     source = make_hf_checkpoint(tmp_path / "src", family, dtype="bfloat16", **W4A8_SOURCES[family])
     out = tmp_path / "w4a8"
-    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", "w4a8-fp8", "--no-gptq", "-q"],
+    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", "w4a8-fp8", "--no-gptq", "--no-awq", "-q"],
                            capsys)
     assert code == 0, err
     return source, out
@@ -151,7 +151,7 @@ def test_vllm_loads_int4_folders_with_zero_points(family, rounding, tmp_path, ca
     scheme and WNA16 MoE method load the folder and read (q - z) * s as compressed-tensors decompresses it."""
     source = bf16_source(tmp_path / "src", family)
     out = tmp_path / f"int4-asym-{rounding}"
-    flags = CALIB if rounding == "gptq" else ["--no-gptq"]
+    flags = CALIB if rounding == "gptq" else ["--no-gptq", "--no-awq"]
     code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", "int4-asym", "-q", *flags], capsys)
     assert code == 0, err
     ref = ["--ref", str(source)] if rounding == "rtn" else []

@@ -121,13 +121,14 @@ def _group_size(ctx, param, value):
 @click.option("--gptq-act-order/--no-gptq-act-order", default=None,
               help="GPTQ rounds columns in order of decreasing Hessian diagonal; the scales stay fixed per group "
                    "(static groups), so no permutation is written [default: on].")
-@click.option("--awq/--no-awq", default=False,
+@click.option("--awq/--no-awq", default=None,
               help="AWQ: per smoothing group (norm -> q/k/v, v -> o, norm -> gate/up, up -> down; each expert's), "
                    "search a per-channel scale on calibration rows (alpha grid 0..0.95, with and without the "
                    "weights' mean) for the least output error of the scheme's own rounding, and fold it exactly "
                    "into the norm or linear before it; GPTQ then rounds the scaled weights. Same layout; the "
-                   "scales are recorded in qconvert.json and verify checks them. Default: off. Not with w8a8 "
-                   "(SmoothQuant scales those groups) or --act-stats.")
+                   "scales are recorded in qconvert.json and verify checks them. Default: on for int4 and "
+                   "int4-asym (AWQ then GPTQ: docs/ACCURACY.md), off otherwise. Not with w8a8 (SmoothQuant "
+                   "scales those groups) or --act-stats.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Threads reading and quantizing ahead of the writer [default: one per core; at most 4 per "
                    "core]; same output bytes.")
@@ -154,7 +155,7 @@ def _group_size(ctx, param, value):
 @cluster_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
              exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, group_size, scale_search: bool | None,
-             gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool | None, awq: bool, workers: int | None,
+             gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool | None, awq: bool | None, workers: int | None,
              overwrite: bool, dry_run: bool, upload_repo: str | None, public: bool, any_architecture: bool,
              quiet: bool, as_json: bool, verbose: bool, **calibration_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT.

@@ -61,6 +61,19 @@ class Adjustments:
         return self.weight_transform if self.folds else None
 
 
+def runs_awq(source: SourceModel, options: ConvertOptions) -> bool:
+    """Whether AWQ runs on `source`: --awq, or the scheme's default (ConvertOptions.uses_awq). A model with no
+    forward pass (--any-architecture's weight-only decoders) refuses an explicit --awq (exit 2) and gives way to
+    round-to-nearest by default, as GPTQ's default does."""
+    if not options.uses_awq:
+        return False
+    if source.weight_only is not None:
+        if options.awq:
+            check_awq_runs(True)
+        return False
+    return True
+
+
 def choose_steps(source: SourceModel, options: ConvertOptions, linears: Sequence[str],
                  quantized_modules: Sequence[str], gptq: SequentialGPTQ | None,
                  flags: LayoutFlags | None = None) -> list[Step]:
@@ -69,7 +82,7 @@ def choose_steps(source: SourceModel, options: ConvertOptions, linears: Sequence
     steps: list[Step] = []
     if scheme.calibrates and calib.smooth:
         steps.append(SmoothQuant(source.model, source.family, calib, static))
-    if options.awq:  # before GPTQ, which then rounds the scaled weights
+    if runs_awq(source, options):  # before GPTQ, which then rounds the scaled weights
         steps.append(AWQ(source.model, source.family, scheme, flags or LayoutFlags(), quantized_modules))
     if scheme.calibrates and options.searches_scales and calib.act_stats is None:
         steps.append(ScaleSearch(linears, static))
@@ -90,9 +103,7 @@ def prepare_adjustments(source: SourceModel, options: ConvertOptions,
     GPTQ needs no statistics and gets no adjustments.
     """
     calib, scheme, static = options.calibration, options.scheme_object, options.static_act
-    if options.awq:
-        check_awq_runs(source.weight_only is not None)
-    elif gptq is None and (not scheme.calibrates or not (calib.smooth or static)):
+    if not runs_awq(source, options) and gptq is None and (not scheme.calibrates or not (calib.smooth or static)):
         return Adjustments()
     progress = as_reporter(progress)
     params = source.params

@@ -64,6 +64,7 @@ class Scheme(abc.ABC):
     calibrates: bool = False         # takes calibration and smoothing (--calib, --alpha, ...)
     default_scale_search: bool = False
     default_gptq: bool = False       # GPTQ rounding unless --no-gptq (a scheme that calibrates anyway)
+    default_awq: bool = False        # AWQ's scales before rounding unless --no-awq (docs/ACCURACY.md)
     takes_double_quant: bool = False
     takes_group_size: bool = False
 

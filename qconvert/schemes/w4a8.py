@@ -46,6 +46,7 @@ class W4A8FP8(Int4):
     name = "w4a8-fp8"
     layout = PackQuantizedW4A8FP8()
     act_modes = ("dynamic",)
+    default_awq = False  # int4's recipe was measured with float activations; here AWQ is opt-in (--awq)
     # int4's floors: the E4M3 activations cost next to nothing beside int4's weights. Measured on SmolLM2-135M
     # (round-to-nearest, group 64, verify's held-out text): worst linear 11.75 dB against int4's 11.78 dB on the
     # same weights, KL 0.467 against 0.458, top-1 0.574 against 0.598, perplexity x1.246 against x1.243; with one
