@@ -186,6 +186,21 @@ def test_help_documents_awq(capsys):
     assert code == 0 and "--awq / --no-awq" in out
 
 
+def test_awq_then_gptq_is_int4s_default_and_only_int4s(llama, tmp_path, capsys):
+    """int4 and int4-asym search AWQ's scales unasked, then GPTQ rounds; --no-awq and w4a8-fp8 do not."""
+    methods = {}
+    for name, flags in (("int4", ["--scheme", "int4"]), ("int4-asym", ["--scheme", "W4A16_ASYM"]),
+                        ("no-awq", ["--scheme", "int4", "--no-awq"]), ("w4a8", ["--scheme", "w4a8-fp8"])):
+        out = tmp_path / name
+        code, _, err = run_cli(["quantize", str(llama), "-o", str(out), "--group-size", "32", *CALIB, "-q", *flags],
+                               capsys)
+        assert code == 0, err
+        record = json.loads((out / "qconvert.json").read_text())
+        methods[name] = ((record.get("smoothing") or {}).get("method"), record["rounding"]["method"])
+    assert methods == {"int4": ("awq", "gptq"), "int4-asym": ("awq", "gptq"), "no-awq": (None, "gptq"),
+                       "w4a8": (None, "gptq")}
+
+
 def test_awq_on_a_decoder_without_a_forward_is_refused_in_one_line(tmp_path, capsys):
     import transformers
 
@@ -200,3 +215,9 @@ def test_awq_on_a_decoder_without_a_forward_is_refused_in_one_line(tmp_path, cap
         "qconvert: error: --awq needs the model's forward pass for calibration, which --any-architecture does not "
         "have for this model; drop --awq"], err
     assert not (tmp_path / "out").exists()
+    # int4's default AWQ (and GPTQ) give way to round-to-nearest there, as asked of no flag
+    code, _, err = run_cli(["quantize", str(tmp_path / "neox"), "-o", str(tmp_path / "out"), "--scheme", "int4",
+                            "--any-architecture", "-q"], capsys)
+    assert code == 0, err
+    record = json.loads((tmp_path / "out" / "qconvert.json").read_text())
+    assert record.get("smoothing") is None and record["rounding"]["method"] == "rtn"
