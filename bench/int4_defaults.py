@@ -7,8 +7,8 @@ int4's defaults (docs/ACCURACY.md).
         --lc none                                   # qconvert's rows alone
     python bench/int4_defaults.py /tmp/smollm2-135m --calib /tmp/licenses.txt --recipes none   # llm-compressor's
 
-Rows: every recipe of --recipes (gptq: GPTQ, qconvert's int4 default; awq: `--awq` with round-to-nearest; awq-gptq:
-`--awq` then GPTQ; rtn: round-to-nearest, `--no-gptq`) times every scheme of --schemes (int4: symmetric; int4-asym:
+Rows: every recipe of --recipes (gptq: GPTQ alone, `--no-awq`; awq: AWQ with round-to-nearest, `--no-gptq`;
+awq-gptq: AWQ then GPTQ, qconvert's int4 default; rtn: round-to-nearest, `--no-gptq --no-awq`) times every scheme of --schemes (int4: symmetric; int4-asym:
 zero points) times every group of --groups, converted by `qconvert quantize`'s own functions; plus, for each group,
 llm-compressor 0.14's recipes of --lc (awq-gptq-asym: AWQModifier(duo_scaling="both") then GPTQModifier, W4A16_ASYM;
 gptq-asym; gptq-sym), run by bench/lc_int4.py in --lc-venv on the same token windows. A recipe, scheme or option this
