@@ -1,6 +1,7 @@
 """One calibrating conversion as one process and as several (jax.distributed on 127.0.0.1), side by side.
 
     python bench/distributed.py [--hidden 512] [--layers 4] [--samples 64] [--seqlen 128] [--scheme int4]
+        [--awq | --no-awq]
 
 Builds a Llama-shaped bfloat16 checkpoint (the tests' builder) once, then runs `qconvert quantize` (GPTQ on,
 random calibration ids) three ways, each a fresh set of processes:
@@ -74,6 +75,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--seqlen", type=int, default=128)
     parser.add_argument("--scheme", default="int4")
+    parser.add_argument("--awq", action=argparse.BooleanOptionalAction, default=None,
+                        help="AWQ before GPTQ (default: the scheme's own default; --no-awq: GPTQ alone)")
     opts = parser.parse_args()
     from checkpoints import make_llama_checkpoint
 
@@ -83,7 +86,8 @@ def main() -> None:
         make_llama_checkpoint(source, hidden=opts.hidden, layers=opts.layers, heads=8, kv_heads=4,
                               intermediate=opts.hidden * 11 // 4, vocab=1024, dtype="bfloat16")
         base = ["quantize", str(source), "--scheme", opts.scheme, "--gptq", "--calib", "random",
-                "--calib-samples", str(opts.samples), "--calib-seqlen", str(opts.seqlen), "--json"]
+                "--calib-samples", str(opts.samples), "--calib-seqlen", str(opts.seqlen), "--json",
+                *([] if opts.awq is None else ["--awq" if opts.awq else "--no-awq"])]
         rows, reference = [], None
         for name, processes, devices in (("one", 1, 1), ("devices", 1, 2), ("procs", 2, 1)):
             out = tmp / name
@@ -92,7 +96,8 @@ def main() -> None:
             reference = reference or files(out)
             rows.append((name, processes, devices, seconds, same, summary["phases"]))
         baseline = rows[0][3]
-        print(f"llama-shaped hidden {opts.hidden}, {opts.layers} layers, {opts.scheme} GPTQ, "
+        recipe = {None: "the scheme's default", True: "AWQ then GPTQ", False: "GPTQ alone"}[opts.awq]
+        print(f"llama-shaped hidden {opts.hidden}, {opts.layers} layers, {opts.scheme} ({recipe}), "
               f"{opts.samples} x {opts.seqlen} tokens; {os.cpu_count()} cores")
         print(f"{'run':<8} {'procs':>5} {'dev/proc':>8} {'seconds':>8} {'one/run':>8} {'same bytes':>10}  phases")
         for name, processes, devices, seconds, same, phases in rows:
