@@ -345,19 +345,20 @@ def _ordered_fold(value: jax.Array, running: jax.Array | None, devices: int) -> 
     rounded up, in], the last block padded. A scalar (a count) is all-gathered and held whole: [1] per device.
     `running` is this function's earlier result."""
     if value.ndim == 0:
-        parts = jax.lax.all_gather(value, "data")
-        total = parts[0] if running is None else running[0] + parts[0]
-        for j in range(1, devices):
-            total = total + parts[j]
-        return total[None]
+        return _in_batch_order(jax.lax.all_gather(value, "data"), None if running is None else running[0])[None]
     if value.ndim != 2 or value.shape[0] != value.shape[1]:
         raise ValueError(f"a summed observation is a scalar or a square matrix, not {value.shape}")
-    rows = value.shape[0]
+    rows, width = value.shape
     block = -(-rows // devices)
-    padded = jnp.pad(value, [(0, block * devices - rows)] + [(0, 0)] * (value.ndim - 1))
-    parts = jax.lax.all_to_all(padded, "data", 0, 0, tiled=True).reshape((devices, block) + value.shape[1:])
+    padded = jnp.pad(value, [(0, block * devices - rows), (0, 0)])
+    parts = jax.lax.all_to_all(padded, "data", 0, 0, tiled=True).reshape(devices, block, width)
+    return _in_batch_order(parts, running)
+
+
+def _in_batch_order(parts: jax.Array, running: jax.Array | None) -> jax.Array:
+    """((running + parts[0]) + parts[1]) + ...; parts[0] + parts[1] + ... without a running sum."""
     total = parts[0] if running is None else running + parts[0]
-    for j in range(1, devices):
+    for j in range(1, parts.shape[0]):
         total = total + parts[j]
     return total
 

@@ -144,12 +144,17 @@ def _with_dequantized_grad(kernel_fn, lhs, rhs: QArray):
         qvalue, scale, zero = residuals
         weight = weight_of(qvalue, scale, zero)
         dx = jnp.matmul(g.astype(jnp.float32), weight.dequantize(jnp.float32)).astype(jnp.result_type(lhs))
-        no_grad = np.zeros(jnp.shape(zero), jax.dtypes.float0) if zero is not None and not jnp.issubdtype(
-            jnp.result_type(zero), jnp.floating) else (None if zero is None else jnp.zeros_like(zero))
-        return dx, np.zeros(qvalue.shape, jax.dtypes.float0), jnp.zeros_like(scale), no_grad
+        return dx, _no_gradient(qvalue), jnp.zeros_like(scale), None if zero is None else _no_gradient(zero)
 
     matmul.defvjp(fwd, bwd)
     return matmul(lhs, rhs.qvalue, rhs.scale, rhs.zero_point)
+
+
+def _no_gradient(a):
+    """The zero cotangent of a weight operand: float0 for integer codes or zero points, zeros for floats."""
+    if jnp.issubdtype(jnp.result_type(a), jnp.floating):
+        return jnp.zeros_like(a)
+    return np.zeros(jnp.shape(a), jax.dtypes.float0)
 
 
 def int8_weight_matmul(lhs, rhs: QArray, out_dtype) -> jax.Array:
