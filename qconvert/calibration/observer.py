@@ -177,7 +177,7 @@ def check_calibration_fits(model, params: Mapping, config: Mapping, samples: int
 def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_mask=None, *,
                      batch_size: int = DEFAULT_BATCH_SIZE, keep_inputs=frozenset(),
                      sample_rows: int = SAMPLE_ROWS, devices=None, hessians=frozenset(),
-                     replace=None) -> Iterator[LayerStats]:
+                     replace=None, shard_experts: bool | None = None) -> Iterator[LayerStats]:
     """Yield each layer's LayerStats in order; `keep_inputs` modules also get up to `sample_rows` input rows,
     `hessians` modules their input Hessian (for GPTQ).
 
@@ -208,7 +208,8 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
     observe = _observer(keep_inputs, max(1, math.ceil(sample_rows / batches)), frozenset(hessians), sharing)
     result = None
     for result in iterate_layers(model, params, input_ids, attention_mask, observe=observe,
-                                 batch_size=batch_size, devices=devices, replace=replace):
+                                 batch_size=batch_size, devices=devices, replace=replace,
+                                 shard_experts=bool(shard_experts)):
         interrupts.check()  # between layers: a signal that a callee swallowed still stops calibration
         yield _layer_stats(result.index, result.observed, keep_inputs, sample_rows, sharing)
     if result is not None:  # the last layer's output, on its replaced weights where it had some
