@@ -32,7 +32,7 @@ def check_stats_target(out: Path, overwrite: bool, source: Path | None = None) -
 def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples: int = 128,
                     seqlen: int = 512, revision: str | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
                     overwrite: bool = False, message=None,
-                    dataset: DatasetSelection | None = None) -> dict[str, Any]:
+                    dataset: DatasetSelection | None = None, shard_experts: bool | None = None) -> dict[str, Any]:
     """`qconvert calibrate`: statistics of MODEL (folder or Hub id) on `calib` (of a whole Hub dataset, the part
     `dataset` picks), saved to `out`; a summary.
 
@@ -55,14 +55,15 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
         source.check_weights()
         agree_source(source)  # of several processes, every one reads what process 0 reads
         resolved, params = source.resolved, source.params
-        check_calibration_fits(source.model, params, resolved.config, samples, seqlen)  # before any window is made
+        check_calibration_fits(source.model, params, resolved.config, samples, seqlen,
+                               shard_experts=shard_experts)  # before any window is made
         data = load_calibration(calib or BUILTIN, resolved.folder, resolved.config, samples=samples, seqlen=seqlen,
                                 dataset=dataset)
         agree_settings(same_windows(data.record()), "calibration")  # several processes: the same windows
         if message is not None:
             message(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
-        stats = collect_act_stats(source.model, params, data.input_ids,
-                                  batch_size=batch_size, calibration=data.record(), progress=message)
+        stats = collect_act_stats(source.model, params, data.input_ids, batch_size=batch_size,
+                                  shard_experts=shard_experts, calibration=data.record(), progress=message)
     if writes:
         save_act_stats(out, stats, model=resolved.model_id,
                        recheck=lambda: check_stats_target(out, overwrite, resolved.folder))

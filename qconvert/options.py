@@ -103,6 +103,7 @@ class CalibrationOptions:
     smooth: bool = True
     act_stats: Path | None = None     # a `qconvert calibrate` file instead of calibrating
     batch_size: int | None = None     # calibration windows per forward; None: calibration's default
+    shard_experts: bool | None = None  # split MoE layers' experts over the devices; None: where they do not fit
 
     def __post_init__(self):
         check_calibration_source(self.calib, self.dataset)

@@ -142,3 +142,62 @@ def test_a_device_that_cannot_hold_even_one_window_is_refused_before_any_work(tm
     code, _, err = run(["quantize", str(folder), "-o", str(tmp_path / "out"), "--scheme", "int4", "--calib",
                         "random", "--calib-samples", "16", "--calib-seqlen", "32", "-q"], capsys)
     assert code == 0, err
+
+
+def _moe_shapes():
+    # A layer of 4 experts (each projection 16 x 8 / 8 x 16) beside 400 bytes of other tensors.
+    return ModelShapes(hidden=8, heads=2, layer_bytes=1000, layer_elements=500, layer_width=40,
+                       embed_bytes=300, embed_elements=150, head_bytes=200, layer_inputs=24,
+                       hessian_elements=3 * 8 * 8 + 4 * (2 * 8 * 8 + 16 * 16), largest_linear=16 * (16 + 8),
+                       experts=4, expert_bytes=600, expert_elements=300,
+                       expert_hessian_elements=4 * (2 * 8 * 8 + 16 * 16), routed_width=2 * 3 * (16 + 8))
+
+
+def test_experts_split_over_devices_by_hand():
+    shapes = _moe_shapes()
+    whole = estimate(shapes, samples=4, seqlen=3, batch_size=2, hessians=True, sequential=True, devices=4)
+    split = estimate(shapes, samples=4, seqlen=3, batch_size=2, hessians=True, sequential=True, devices=4,
+                     experts_split=True)
+    # each device: one of the 4 experts (stored and float32), its Hessians (sum and one batch's product) instead
+    # of every expert's as the dense linears' (2 + 2/4 copies), and every device's routed rows (two batches)
+    weights = 600 * 3 / 4 + 300 * 3 / 4 * 4
+    hessians = (2 + 2 / 4) * 1536 * 4 - 2 * (1 / 4) * 1536 * 4
+    rows = 2 * 4 * 2 * 3 * 144 * 4
+    assert whole.device_bytes - split.device_bytes == int(weights + hessians - rows)
+    assert split.host_bytes - whole.host_bytes == 600  # the experts stacked for placing
+    # one device: nothing to split over
+    assert estimate(shapes, 4, 3, 2, experts_split=True) == estimate(shapes, 4, 3, 2)
+
+
+def test_experts_are_split_where_the_whole_layer_does_not_fit_and_refused_where_even_split_does_not():
+    from qconvert.calibration.memory import check_fits, split_experts
+    from qconvert.formats.errors import UsageError
+
+    shapes = _moe_shapes()
+    whole = estimate(shapes, 4, 1, 1, hessians=True, devices=4).device_bytes
+    split = estimate(shapes, 4, 1, 1, hessians=True, devices=4, experts_split=True).device_bytes
+    assert split < whole
+    assert not split_experts(shapes, 4, 1, whole, devices=4, hessians=True)   # fits with every expert
+    assert split_experts(shapes, 4, 1, whole - 1, devices=4, hessians=True)
+    assert not split_experts(shapes, 4, 1, whole - 1, devices=1, hessians=True)  # one device: nowhere to split
+    assert not split_experts(shapes, 4, 1, None, devices=4, hessians=True)      # a CPU states no limit
+    dense = ModelShapes(**{**shapes.__dict__, "experts": 0, "expert_bytes": 0, "expert_elements": 0,
+                           "expert_hessian_elements": 0, "routed_width": 0})
+    assert not split_experts(dense, 4, 1, 1, devices=4, hessians=True)
+    check_fits(shapes, 4, 1, split, hessians=True, devices=4, experts_split=True)
+    with pytest.raises(UsageError, match="GiB on each device with the experts split over 4 devices even one "
+                                         "window at a time"):
+        check_fits(shapes, 4, 1, split - 1, hessians=True, devices=4, experts_split=True)
+
+
+def test_a_moe_checkpoints_shapes_name_its_experts(tmp_path):
+    from checkpoints import make_mixtral_checkpoint
+
+    folder = make_mixtral_checkpoint(tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    shapes = checkpoint_shapes(build(config), open_params(folder))
+    hidden, inter, experts = config["hidden_size"], config["intermediate_size"], config["num_local_experts"]
+    assert shapes.experts == experts
+    assert shapes.expert_elements == experts * 3 * hidden * inter
+    assert shapes.expert_hessian_elements == experts * (2 * hidden**2 + inter**2)
+    assert shapes.routed_width == config["num_experts_per_tok"] * 3 * (hidden + inter)

@@ -166,3 +166,75 @@ def test_iter_layer_stats_one_device_matches_separate_programs(tmp_path):
     for layer, ref in zip(got, separate):
         for name, values in ref.observed.items():
             np.testing.assert_array_equal(layer.act_absmax[name], np.max(np.stack(values), axis=0))
+
+
+_SPLIT_EXPERTS_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    from qconvert.calibration.data import random_windows
+    from qconvert.calibration.observer import iter_layer_stats, open_params
+    from qconvert.models import build
+    from qconvert.models.hooks import dense_grouped_linear, dense_linear
+    from qconvert.models.runner import Mesh, _expert_parallel_step, expert_stacks
+
+    folder, samples = sys.argv[1], int(sys.argv[2])
+    config = json.load(open(folder + "/config.json"))
+    model, params = build(config), open_params(folder)
+    ids = random_windows(int(config["vocab_size"]), samples, 16, seed=5)
+    keep = {m for i in range(model.num_layers) for m in model.layer_linears(i)}
+    runs = {}
+    for label, devices, split in (("four", jax.devices(), True), ("one", jax.devices()[:1], False)):
+        runs[label] = list(iter_layer_stats(model, params, ids, batch_size=2, keep_inputs=keep, sample_rows=40,
+                                            devices=devices, hessians=keep, shard_experts=split))
+    report = {"devices": len(jax.devices()), "equal": [], "differ": [], "worst": 0.0, "tokens_equal": True}
+    for a, b in zip(runs["four"], runs["one"]):
+        assert sorted(a.act_absmax) == sorted(b.act_absmax) and sorted(a.hessians) == sorted(b.hessians)
+        report["tokens_equal"] &= a.hessian_tokens == b.hessian_tokens
+        for m in b.hessians:
+            x, y = np.asarray(a.hessians[m]), np.asarray(b.hessians[m])
+            (report["equal"] if np.array_equal(x, y) else report["differ"]).append(m)
+        for x, y in [(a.hessians[m], b.hessians[m]) for m in b.hessians] + \\
+                    [(a.act_absmax[m], b.act_absmax[m]) for m in b.act_absmax] + \\
+                    [(a.input_samples[m], b.input_samples[m]) for m in b.input_samples]:
+            x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+            report["worst"] = max(report["worst"], float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-30)))
+    # Where layer 0's experts live: each device its own whole expert of every projection.
+    names = model.layer_tensor_names(0)
+    tensors = {n: np.asarray(params[n]) for n in names}
+    step = _expert_parallel_step(model, dense_linear, dense_grouped_linear, lambda *a: None,
+                                 Mesh(np.asarray(jax.devices()), ("data",)))
+    placed = step.place(tensors)
+    report["stacks"] = {}
+    for key, experts in expert_stacks(names).items():
+        shards = sorted(placed.stacks[key].addressable_shards, key=lambda s: s.device.id)
+        report["stacks"][key] = [[list(s.data.shape), s.device.id,
+                                  bool(np.array_equal(np.asarray(s.data)[0], tensors[experts[k]]))]
+                                 for k, s in enumerate(shards)]
+    report["dense_outside_stacks"] = sorted(set(placed.dense) & {n for e in expert_stacks(names).values() for n in e})
+    print(json.dumps(report))
+""")
+
+
+def test_experts_split_over_four_devices_hold_one_each_and_agree_with_one_device(tmp_path):
+    """shard_experts: a Mixtral layer's 4 experts, one a device. What comes before any expert's output (layer 0's
+    attention, router, w1 and w3 inputs) is bit for bit one device's, each expert's Hessian summed by its owner
+    alone as one device sums it; the rest within float32 rounding (a ragged_dot over fewer experts)."""
+    folder = make_mixtral_checkpoint(tmp_path / "m")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    # 19 samples at 2 a batch: two groups of four batches, then a batch and a half that every device runs
+    proc = subprocess.run([sys.executable, "-c", _SPLIT_EXPERTS_SCRIPT, str(folder), "19"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["devices"] == 4 and report["tokens_equal"]
+    layer0 = [m for m in report["equal"] + report["differ"] if ".layers.0." in m]
+    before_experts_out = [m for m in layer0 if not m.endswith(".w2")]
+    assert len(before_experts_out) == 4 + 1 + 4 * 2 and sorted(before_experts_out) == sorted(
+        m for m in report["equal"] if ".layers.0." in m)
+    assert report["worst"] < 1e-5, report
+    assert set(report["stacks"]) == {"model.layers.0.block_sparse_moe.experts.*.w1.weight",
+                                     "model.layers.0.block_sparse_moe.experts.*.w2.weight",
+                                     "model.layers.0.block_sparse_moe.experts.*.w3.weight"}
+    for shards in report["stacks"].values():  # device d: [1, out, in], expert d
+        assert [(shape[0], device, same) for shape, device, same in shards] == [(1, d, True) for d in range(4)]
+    assert report["dense_outside_stacks"] == []

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert import interrupts
-from qconvert.calibration.memory import check_fits, checkpoint_shapes, device_budget, fit_batch_size
+from qconvert.calibration.memory import check_fits, checkpoint_shapes, device_budget, fit_batch_size, split_experts
 from qconvert.formats.act_stats import ActStats
 from qconvert.formats.errors import FormatError, InvalidCheckpointError, InvalidWeightError
 from qconvert.formats.checkpoint_params import CheckpointParams
@@ -162,16 +162,21 @@ def hessian_sum(x: jax.Array, valid: jax.Array, *, window_start: bool = False) -
 def check_calibration_fits(model, params: Mapping, config: Mapping, samples: int, seqlen: int, *,
                            hessians: bool = False,
                            sequential: bool = False, what: str = "calibrating",
-                           flags: str = "--calib-samples or a shorter --calib-seqlen") -> None:
+                           flags: str = "--calib-samples or a shorter --calib-seqlen",
+                           shard_experts: bool | None = None) -> None:
     """Before any window is made: UsageError when `samples` x `seqlen` tokens (the seqlen capped at the model's
     positions) cannot fit this process's first device, or this machine's memory on a CPU, even a window at a
-    time (calibration_memory.check_fits)."""
+    time (calibration_memory.check_fits), with a MoE layer's experts split over every device unless
+    `shard_experts` is False."""
     if not hasattr(params, "checkpoint"):
         return
     positions = language_config(config).get("max_position_embeddings")
     seqlen = min(seqlen, int(positions)) if isinstance(positions, int) and positions > 0 else seqlen
-    check_fits(checkpoint_shapes(model, params), samples, seqlen, device_budget(jax.local_devices()[0]),
-               hessians=hessians, sequential=sequential, what=what, flags=flags)
+    shapes, limit, devices = checkpoint_shapes(model, params), device_budget(jax.local_devices()[0]), jax.device_count()
+    split = shard_experts if shard_experts is not None else split_experts(
+        shapes, samples, seqlen, limit, devices=devices, hessians=hessians, sequential=sequential)
+    check_fits(shapes, samples, seqlen, limit, hessians=hessians, sequential=sequential, what=what, flags=flags,
+               devices=devices, experts_split=split)
 
 
 def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_mask=None, *,
@@ -190,6 +195,10 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
     batches are split across them and the statistics are the same as on one). `batch_size` is lowered where the
     estimate of calib_memory says it would not fit the device (its allocator's
     limit; on a CPU, HOST_BUDGET_BYTES).
+
+    shard_experts: split each MoE layer's experts over the devices (runner._expert_parallel_step; the
+    statistics then differ from one device's by float32 rounding); None: only where the layer would not fit a
+    device that states its memory with every expert on it (calibration.memory.split_experts).
     """
     keep_inputs = frozenset(keep_inputs)
     n, t = np.asarray(input_ids).shape
@@ -198,11 +207,15 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
         local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
         stated = device_budget(local[0])
         shapes = checkpoint_shapes(model, params)
+        if shard_experts is None:
+            shard_experts = split_experts(shapes, n, t, stated, devices=len(devices), hessians=bool(hessians),
+                                          sequential=replace is not None)
         batch_size = fit_batch_size(shapes, n, t, batch_size, stated or HOST_BUDGET_BYTES,
-                                    hessians=bool(hessians), sequential=replace is not None, devices=len(devices))
+                                    hessians=bool(hessians), sequential=replace is not None, devices=len(devices),
+                                    experts_split=bool(shard_experts))
         if stated is not None:  # a device that states its memory: refuse what cannot fit it, before any work
             check_fits(shapes, n, t, stated, hessians=bool(hessians), sequential=replace is not None,
-                       devices=len(devices))
+                       devices=len(devices), experts_split=bool(shard_experts))
     batches = math.ceil(n / max(1, batch_size))
     sharing = _HessianSharing()
     observe = _observer(keep_inputs, max(1, math.ceil(sample_rows / batches)), frozenset(hessians), sharing)
@@ -277,7 +290,7 @@ def _head_observed(model, params: Mapping, hidden: jax.Array, attention_mask, ob
 
 
 def collect_act_stats(model, params: Mapping, input_ids: np.ndarray, attention_mask=None, *,
-                      batch_size: int = DEFAULT_BATCH_SIZE,
+                      batch_size: int = DEFAULT_BATCH_SIZE, shard_experts: bool | None = None,
                       calibration: dict[str, Any] | None = None, progress=None) -> ActStats:
     """Per-channel max|x| of every linear's input over all samples, layer by layer (`progress` hears each)."""
     from qconvert.progress import as_reporter
@@ -285,7 +298,8 @@ def collect_act_stats(model, params: Mapping, input_ids: np.ndarray, attention_m
     progress = as_reporter(progress)
     act_absmax: dict[str, np.ndarray] = {}
     progress.step(CALIBRATING, 0, model.num_layers)
-    for layer in iter_layer_stats(model, params, input_ids, attention_mask, batch_size=batch_size):
+    for layer in iter_layer_stats(model, params, input_ids, attention_mask, batch_size=batch_size,
+                                  shard_experts=shard_experts):
         act_absmax.update(layer.act_absmax)
         if layer.index < model.num_layers:  # the last LayerStats holds the head's inputs: no layer of its own
             progress.step(CALIBRATING, layer.index + 1, model.num_layers)

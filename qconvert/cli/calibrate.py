@@ -8,7 +8,7 @@ import click
 
 from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, check_model,
                                  cluster_options, hub_messages, is_leader, join_cluster, note_out, out_path,
-                                 print_document, run_with_progress, verbose_option)
+                                 print_document, run_with_progress, shard_experts_choice, verbose_option)
 
 
 @click.command(epilog=EXIT_CODES_EPILOG,
@@ -26,7 +26,7 @@ from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_j
 @cluster_options
 def calibrate(model: str, out: Path, revision: str | None, calib: str | None, calib_samples: int | None,
               calib_seqlen: int | None, calib_split: str | None, calib_column: str | None, calib_config: str | None,
-              overwrite: bool, quiet: bool, as_json: bool, verbose: bool, **cluster_flags) -> int:
+              shard_experts: str | None, overwrite: bool, quiet: bool, as_json: bool, verbose: bool, **cluster_flags) -> int:
     """Run calibration text through MODEL and save every linear input's max|x| to OUT.
 
     `qconvert quantize MODEL --scheme w8a8 --act-stats OUT` reuses the file.
@@ -45,7 +45,8 @@ def calibrate(model: str, out: Path, revision: str | None, calib: str | None, ca
     summary = run_with_progress(
         lambda stages, _: calibrate_model(model, out, calib=calib, samples=calib_samples or DEFAULT_SAMPLES,
                                           seqlen=calib_seqlen or DEFAULT_SEQLEN, revision=revision,
-                                          overwrite=overwrite, message=stages, dataset=dataset),
+                                          overwrite=overwrite, message=stages, dataset=dataset,
+                                          shard_experts=shard_experts_choice(shard_experts)),
         silent=quiet or as_json or not is_leader())
     if not is_leader():  # one of several processes: process 0 writes and speaks for the run
         return 0

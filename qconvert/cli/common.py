@@ -142,7 +142,21 @@ def calibration_options(command):
                           "with the model's own chat template."),
         click.option("--calib-config", default=None, metavar="NAME",
                      help="A whole Hub dataset's config (its README's configs; default: the default one)."),
+        click.option("--shard-experts", type=click.Choice(list(SHARD_EXPERTS)), default=None,
+                     help="Split each MoE layer's experts over the devices while calibrating (each device holds "
+                          "its own whole experts and their Hessians): auto (the default) where a layer with every "
+                          "expert does not fit one device, always, or never. Split, the statistics differ from "
+                          "one device's by float32 rounding."),
     ])
+
+
+# --shard-experts: what each choice passes on (None: calibration decides by the memory estimate).
+SHARD_EXPERTS = {"auto": None, "always": True, "never": False}
+
+
+def shard_experts_choice(value: str | None) -> bool | None:
+    """--shard-experts as calibration takes it."""
+    return SHARD_EXPERTS[value or "auto"]
 
 
 

@@ -10,7 +10,7 @@ import click
 
 from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, check_model,
                                  cluster_options, hub_messages, is_leader, join_cluster, note_out, out_path,
-                                 print_document, run_with_progress, with_options)
+                                 print_document, run_with_progress, shard_experts_choice, with_options)
 from qconvert.schemes import ALIASES as SCHEME_ALIASES
 from qconvert.schemes import NAMES as SCHEME_NAMES
 
@@ -225,12 +225,14 @@ def _calibration_options_from(scheme: str, flags: dict):
 
     if not scheme_named(scheme).calibrates and flags["act"] == "dynamic" and all(
             flags[k] in (None, False) for k in ("calib", "calib_samples", "calib_seqlen", "calib_split",
-                                                "calib_column", "calib_config", "alpha", "no_smooth", "act_stats")):
+                                                "calib_column", "calib_config", "alpha", "no_smooth", "act_stats",
+                                                "shard_experts")):
         return None
     return CalibrationOptions(calib=flags["calib"], calib_samples=flags["calib_samples"] or DEFAULT_SAMPLES,
                        calib_seqlen=flags["calib_seqlen"] or DEFAULT_SEQLEN, calib_split=flags["calib_split"],
                        calib_column=flags["calib_column"], calib_config=flags["calib_config"], alpha=flags["alpha"],
-                       smooth=not flags["no_smooth"], act_stats=flags["act_stats"])
+                       smooth=not flags["no_smooth"], act_stats=flags["act_stats"],
+                       shard_experts=shard_experts_choice(flags["shard_experts"]))
 
 
 

@@ -82,6 +82,7 @@ class Calibration:
 
     input_ids: np.ndarray
     batch_size: int | None = None
+    shard_experts: bool | None = None  # MoE layers' experts split over the devices (None: where they do not fit)
 
 
 def run_layers(model, calibration: Calibration, steps: Sequence[Step], results: Results,
@@ -94,7 +95,8 @@ def run_layers(model, calibration: Calibration, steps: Sequence[Step], results: 
     for step in steps:
         step.start(progress)
     for stats in iter_layer_stats(model, results.params, calibration.input_ids, keep_inputs=keep,
-                                  hessians=hessians, replace=_replacement(steps), **batching):
+                                  hessians=hessians, replace=_replacement(steps),
+                                  shard_experts=calibration.shard_experts, **batching):
         results.act_absmax.update(stats.act_absmax)
         if stats.index < model.num_layers:  # the last LayerStats holds the head's inputs
             progress.step(CALIBRATING, stats.index + 1, model.num_layers)

@@ -117,13 +117,15 @@ def prepare_adjustments(source: SourceModel, options: ConvertOptions,
         results.act_absmax.update(stats.act_absmax)
     else:
         check_calibration_fits(source.model, params, source.config, calib.calib_samples, calib.calib_seqlen,
-                               hessians=gptq is not None, sequential=gptq is not None)  # before any window
+                               hessians=gptq is not None, sequential=gptq is not None,
+                               shard_experts=calib.shard_experts)  # before any window
         data = load_calibration(calib.calib or BUILTIN, source.folder, source.config,
                                 samples=calib.calib_samples, seqlen=calib.calib_seqlen, dataset=calib.dataset)
         # Several processes: the same windows everywhere (a copy of the text may sit at another path).
         agree_settings(same_windows(data.record()), "calibration")
         progress(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
-        run_layers(source.model, Calibration(data.input_ids, calib.batch_size), steps, results, progress)
+        run_layers(source.model, Calibration(data.input_ids, calib.batch_size, calib.shard_experts), steps,
+                   results, progress)
         stats = ActStats(results.act_absmax, data.tokens, data.record())
     for step in steps:
         step.finish(results)
