@@ -101,6 +101,39 @@ def hessian_bytes(m: Model, moe: bool) -> float:
     return 4 * (3 * h * h + f * f)
 
 
+def layer_peak(m: Model, moe: bool, devices: int, split: bool, batch: int = 0) -> float:
+    """Bytes on each device while a layer calibrates: its weights (bf16), every sample's hidden states (in and
+    out, float32) and its Hessians; with the experts split (--shard-experts), ceil(E / D) experts' weights and
+    Hessians a device, beside every device's routed rows of a group (two batches in flight) of `batch` windows
+    (default BATCH)."""
+    _, _, _, weights = layer_work(m, moe)
+    hidden, hessians = 2 * TOKENS * m.hidden * 4, hessian_bytes(m, moe)
+    if not split:
+        return 2 * weights + hidden + hessians
+    share = -(-m.experts // devices) / m.experts
+    expert_weights = 3 * m.hidden * m.experts * m.intermediate
+    expert_hessians = 4 * m.experts * (m.hidden ** 2 + m.intermediate ** 2)
+    return (2 * (weights - (1 - share) * expert_weights) + hidden + hessians - (1 - share) * expert_hessians
+            + 2 * routed_rows_bytes(m, devices, batch or BATCH))
+
+
+def split_batch(m: Model, dev: Device, devices: int) -> int:
+    """The windows a batch with the experts split: the most up to BATCH whose peak fits (calibration lowers the
+    batch so: calibration.memory.fit_batch_size), at least 1."""
+    return next((b for b in range(BATCH, 0, -1) if layer_peak(m, True, devices, True, b) <= dev.memory), 1)
+
+
+def routed_rows_bytes(m: Model, devices: int, batch: int = BATCH) -> float:
+    """One group's routed rows on each device with the experts split: every device's batch, each token's
+    `active` rows, in and out of gate/up (h, f) and down (f, h), float32."""
+    return devices * batch * SEQLEN * m.active * (2 * m.hidden + 2 * m.intermediate) * 4
+
+
+def splits_experts(m: Model, dev: Device, devices: int, moe: bool) -> bool:
+    """--shard-experts auto: a MoE layer with every expert does not fit one device, and there are several."""
+    return moe and devices > 1 and layer_peak(m, moe, devices, False) > dev.memory
+
+
 def spread(costs: list[float], devices: int) -> float:
     """The largest device's load when `costs` are bin-packed the largest first."""
     load = [0.0] * devices
@@ -122,14 +155,23 @@ def predict(m: Model, dev: Device, devices: int, per_host: int = 8) -> dict[str,
         seconds["gptq"] += count * spread(groups, devices) / dev.solve_flops
         batches = TOKENS // (SEQLEN * BATCH)
         groups_run = -(-batches // devices)  # the Hessians' ordered sum: an all-to-all per group of batches
-        gathered = 2 * TOKENS * m.hidden * 4 + (groups_run + 1) * hessian_bytes(m, moe) + 5 * weights
+        split = splits_experts(m, dev, devices, moe)
+        hessians = hessian_bytes(m, moe)
+        if split:  # the experts' Hessians stay with their owners until the layer's end: gathered once; every
+            # group gathers its routed rows to every device instead
+            experts = 4 * m.experts * (m.hidden ** 2 + m.intermediate ** 2)
+            moved = (groups_run + 1) * (hessians - experts) + experts + groups_run * routed_rows_bytes(m, devices, split_batch(m, dev, devices)) * BATCH // split_batch(m, dev, devices)
+        else:
+            moved = (groups_run + 1) * hessians
+        gathered = 2 * TOKENS * m.hidden * 4 + moved + 5 * weights
         if devices > 1:
             link = dev.link if processes > 1 else 25e9  # one host: device to host
             seconds["gathers"] += count * gathered / link
-        peak = max(peak, 2 * weights + 2 * TOKENS * m.hidden * 4 + hessian_bytes(m, moe) / (1 if not moe else 1))
+        peak = max(peak, layer_peak(m, moe, devices, split, split_batch(m, dev, devices) if split else 0))
+        seconds["split"] = seconds.get("split", False) or split
     seconds["read"] = m.params_b * 2e9 / READ_BPS
     seconds["write"] = m.params_b * 0.6e9 / WRITE_BPS  # int4 with scales, about 0.6 bytes a parameter
-    seconds["total"] = sum(seconds.values())
+    seconds["total"] = sum(v for k, v in seconds.items() if k != "split")
     seconds["peak_gb"] = peak / 1e9
     return seconds
 
@@ -143,6 +185,7 @@ def table() -> str:
             for devices in (1, 8, 32):
                 p = predict(m, dev, devices)
                 fits = "" if p["peak_gb"] * 1e9 <= dev.memory else " (does not fit)"
+                fits += ", experts split" if p.get("split") else ""
                 lines.append(f"| {m.name} | {dev.name} | {devices} | {p['forward'] / 60:.0f} min | "
                              f"{p['gptq'] / 60:.0f} min | {p['gathers'] / 60:.0f} min | "
                              f"{(p['read'] + p['write']) / 60:.0f} min | {p['total'] / 60:.0f} min | "

@@ -97,7 +97,8 @@ def test_a_family_without_signatures_compiles_each_layer(tmp_path):
     assert model.traces == 3
 
 
-_DEVICES_SCRIPT = textwrap.dedent("""
+# Both scripts: the checkpoint folder and sample count from argv, the model, its windows and every linear.
+_SCRIPT_SETUP = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
     from qconvert.calibration.data import random_windows
@@ -110,6 +111,9 @@ _DEVICES_SCRIPT = textwrap.dedent("""
     ids = random_windows(int(config["vocab_size"]), samples, 16, seed=5)
     keep = {m for i in range(model.num_layers) for m in model.layer_linears(i)}
     runs = {}
+""")
+
+_DEVICES_SCRIPT = _SCRIPT_SETUP + textwrap.dedent("""
     for label, devices in (("four", jax.devices()), ("one", jax.devices()[:1])):
         runs[label] = list(iter_layer_stats(model, params, ids, batch_size=2, keep_inputs=keep,
                                             sample_rows=40, devices=devices, hessians=keep))
@@ -168,21 +172,10 @@ def test_iter_layer_stats_one_device_matches_separate_programs(tmp_path):
             np.testing.assert_array_equal(layer.act_absmax[name], np.max(np.stack(values), axis=0))
 
 
-_SPLIT_EXPERTS_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import jax, numpy as np
-    from qconvert.calibration.data import random_windows
-    from qconvert.calibration.observer import iter_layer_stats, open_params
-    from qconvert.models import build
+_SPLIT_EXPERTS_SCRIPT = _SCRIPT_SETUP + textwrap.dedent("""
     from qconvert.models.hooks import dense_grouped_linear, dense_linear
     from qconvert.models.runner import Mesh, _expert_parallel_step, expert_stacks
 
-    folder, samples = sys.argv[1], int(sys.argv[2])
-    config = json.load(open(folder + "/config.json"))
-    model, params = build(config), open_params(folder)
-    ids = random_windows(int(config["vocab_size"]), samples, 16, seed=5)
-    keep = {m for i in range(model.num_layers) for m in model.layer_linears(i)}
-    runs = {}
     for label, devices, split in (("four", jax.devices(), True), ("one", jax.devices()[:1], False)):
         runs[label] = list(iter_layer_stats(model, params, ids, batch_size=2, keep_inputs=keep, sample_rows=40,
                                             devices=devices, hessians=keep, shard_experts=split))

@@ -99,6 +99,36 @@ def test_two_processes_of_two_devices_write_the_bytes_of_one_device(case, source
         assert tree(tmp_path / "four") == tree(tmp_path / "one")
 
 
+def test_experts_split_over_two_processes_convert_within_rounding_of_one_device(sources, tmp_path):
+    """--shard-experts always: Qwen3-MoE's 4 experts a layer, one on each device of 2 processes x 2. The folder
+    verifies and holds one device's tensors; the tensors rounded before any expert's output enters (layer 0's
+    attention, its experts' gate and up: the same Hessians, each expert's summed by its owner as one device sums
+    it) are one device's bytes, and the rest differ in a few int4 codes at most (float32 rounding)."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    args = ["quantize", str(sources["qwen3_moe"]), "--scheme", "int4", "--no-awq", *CALIB, "-q"]
+    alone = run_one([*args, "-o", str(tmp_path / "one")])
+    assert alone.returncode == 0, alone.stderr
+    results = finish(start_run(lambda i: [*args, "--shard-experts", "always", "-o", str(tmp_path / "two")]))
+    assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
+    one, two = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("one", "two"))
+    assert sorted(one) == sorted(two)
+    first = [k for k in one if k.startswith("model.layers.0.") and not k.startswith("model.layers.0.mlp.experts.")
+             or "layers.0.mlp.experts." in k and ("gate_proj" in k or "up_proj" in k)]
+    assert first and all(np.array_equal(one[k], two[k]) for k in first)
+    codes = [k for k in one if k.endswith(".weight_packed")]
+    nibbles = sum(one[k].size * 8 for k in codes)
+    changed = sum(int(np.sum((one[k][..., None] >> np.arange(0, 32, 4)) & 15 != (two[k][..., None] >>
+                                                                                np.arange(0, 32, 4)) & 15))
+                  for k in codes)
+    assert changed <= nibbles // 100, (changed, nibbles)
+    verified = subprocess.run(command(["verify", str(tmp_path / "two"), "--json"]), env=env(1),
+                              capture_output=True, text=True, timeout=300)
+    assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-2000:]
+
+
 def test_calibrate_and_verify_run_as_several_processes(sources, tmp_path):
     stats_args = ["calibrate", str(sources["llama"]), *CALIB, "-q"]
     alone = run_one([*stats_args, "-o", str(tmp_path / "one.safetensors")])
