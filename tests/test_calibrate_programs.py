@@ -204,6 +204,32 @@ _SPLIT_EXPERTS_SCRIPT = _SCRIPT_SETUP + textwrap.dedent("""
                                   bool(np.array_equal(np.asarray(s.data)[0], tensors[experts[k]]))]
                                  for k, s in enumerate(shards)]
     report["dense_outside_stacks"] = sorted(set(placed.dense) & {n for e in expert_stacks(names).values() for n in e})
+    # --shard-experts auto on devices that state their memory: between what the layer needs split and whole it
+    # runs split (the very statistics `always` gives); below what it needs split it is refused.
+    from qconvert.calibration import observer
+    from qconvert.calibration.memory import checkpoint_shapes, estimate
+    shapes = checkpoint_shapes(model, params)
+    need = {split: estimate(shapes, samples, 16, 1, hessians=True, devices=4, experts_split=split).device_bytes
+            for split in (False, True)}
+    report["need"] = need[True] < need[False]
+
+    def stats(budget, split):
+        observer.device_budget = lambda device: budget
+        try:
+            return list(iter_layer_stats(model, params, ids, batch_size=2, keep_inputs=keep, sample_rows=40,
+                                         hessians=keep, shard_experts=split))
+        except Exception as err:
+            return str(err)
+
+    auto, always, never = (stats(need[False] - 1, split) for split in (None, True, False))
+    report["auto_is_split"] = all(np.array_equal(np.asarray(a.hessians[m]), np.asarray(b.hessians[m]))
+                                  for a, b in zip(auto, always) for m in b.hessians)
+    report["auto_differs_from_whole"] = any(
+        not np.array_equal(np.asarray(a.hessians[m]), np.asarray(b.hessians[m]))
+        for a, b in zip(auto, runs["one"]) for m in b.hessians)
+    report["never"] = never if isinstance(never, str) else "ran"
+    report["too_small"] = stats(need[True] - 1, None)
+    report["too_small"] = report["too_small"] if isinstance(report["too_small"], str) else "ran"
     print(json.dumps(report))
 """)
 
@@ -231,3 +257,7 @@ def test_experts_split_over_four_devices_hold_one_each_and_agree_with_one_device
     for shards in report["stacks"].values():  # device d: [1, out, in], expert d
         assert [(shape[0], device, same) for shape, device, same in shards] == [(1, d, True) for d in range(4)]
     assert report["dense_outside_stacks"] == []
+    # auto: split where the layer does not fit whole, refused (one line) where it does not fit split either
+    assert report["need"] and report["auto_is_split"] and report["auto_differs_from_whole"], report
+    assert "GiB on each device even one window at a time" in report["never"], report["never"]
+    assert "GiB on each device with the experts split over 4 devices even one window" in report["too_small"]
