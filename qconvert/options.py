@@ -308,6 +308,9 @@ def _check_calibration(options: CalibrationOptions) -> None:
         raise UsageError("--alpha has no effect with --no-smooth; drop one of them")
     if options.act_stats is not None and options.calib is not None:
         raise UsageError("--act-stats replaces calibration; drop --calib (or --act-stats)")
+    if options.act_stats is not None and options.shard_experts is not None:
+        raise UsageError("--act-stats replaces calibration, whose experts --shard-experts splits; drop "
+                         "--shard-experts (or --act-stats)")
     if options.act_stats is not None and spec.auto and options.alpha is not None:
         raise UsageError("--alpha auto searches on calibration activations, which a statistics file "
                          "does not hold; drop --act-stats or give a fixed --alpha")

@@ -79,6 +79,9 @@ def test_alpha_auto_records_the_search(model, tmp_path):
     (["--scheme", "w8a8", "--calib", "missing.txt"], "does not exist"),
     (["--scheme", "w8a8", "--act-stats", "missing.safetensors"], "does not exist"),
     (["--scheme", "w8a8", "--act-stats", "s.safetensors", "--calib", "random"], "drop --calib"),
+    (["--scheme", "w8a8", "--act-stats", "s.safetensors", "--shard-experts", "always"], "drop --shard-experts"),
+    (["--scheme", "int8", "--shard-experts", "never"], "--shard-experts also with --gptq or --awq"),
+    (["--scheme", "w8a8", "--shard-experts", "sometimes"], "'sometimes' is not one of"),
 ])
 def test_bad_calibration_flags_exit_2_with_one_line(model, tmp_path, capsys, argv, message):
     assert run(["quantize", str(model), "-o", str(tmp_path / "o"), *argv]) == 2
