@@ -173,8 +173,7 @@ def test_iter_layer_stats_one_device_matches_separate_programs(tmp_path):
 
 
 _SPLIT_EXPERTS_SCRIPT = _SCRIPT_SETUP + textwrap.dedent("""
-    from qconvert.models.hooks import dense_grouped_linear, dense_linear
-    from qconvert.models.runner import Mesh, _expert_parallel_step, expert_stacks
+    from qconvert.models.runner import Mesh, expert_stacks, place_experts
 
     for label, devices, split in (("four", jax.devices(), True), ("one", jax.devices()[:1], False)):
         runs[label] = list(iter_layer_stats(model, params, ids, batch_size=2, keep_inputs=keep, sample_rows=40,
@@ -194,9 +193,7 @@ _SPLIT_EXPERTS_SCRIPT = _SCRIPT_SETUP + textwrap.dedent("""
     # Where layer 0's experts live: each device its own whole expert of every projection.
     names = model.layer_tensor_names(0)
     tensors = {n: np.asarray(params[n]) for n in names}
-    step = _expert_parallel_step(model, dense_linear, dense_grouped_linear, lambda *a: None,
-                                 Mesh(np.asarray(jax.devices()), ("data",)))
-    placed = step.place(tensors)
+    placed = place_experts(tensors, Mesh(np.asarray(jax.devices()), ("data",)))
     report["stacks"] = {}
     for key, experts in expert_stacks(names).items():
         shards = sorted(placed.stacks[key].addressable_shards, key=lambda s: s.device.id)

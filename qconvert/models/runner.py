@@ -295,7 +295,7 @@ class _LayerRunner:
         devices: whole groups of one batch a device, then each batch left over on every device at once (its
         experts are everywhere but nowhere whole), in batch order."""
         step = self.expert_step if observes else self.expert_plain
-        placed = step.place(layer_params)
+        placed = place_experts(layer_params, self.mesh)
         b, devices = self.batch_size, self.mesh.size
         n = hidden.shape[0]
         whole = n - n % self.group
@@ -453,23 +453,6 @@ def _expert_parallel_step(model, linear, grouped_linear, observe: Observer, mesh
         return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), batch, batch, P("data")),
                              out_specs=out_specs, check_vma=False)(dense, stacks, hidden, mask, running)
 
-    def place(layer_params: Mapping[str, Any]) -> _PlacedLayer:
-        stacked = expert_stacks(layer_params)
-        in_stacks = {name for names in stacked.values() for name in names}
-        dense = {name: value for name, value in layer_params.items() if name not in in_stacks}
-        if jax.process_count() > 1:
-            dense = jax.tree.map(np.asarray, dense)
-        stacks = {}
-        for key, names in stacked.items():
-            per = -(-len(names) // devices)
-            first = np.asarray(layer_params[names[0]])
-            whole = np.zeros((per * devices,) + first.shape, first.dtype)
-            for e, name in enumerate(names):
-                whole[e] = np.asarray(layer_params[name])
-            stacks[key] = jax.device_put(whole, split)
-        modules = {key: tuple(name[:-len(".weight")] for name in names) for key, names in stacked.items()}
-        return _PlacedLayer(jax.device_put(dense, replicated), stacks, modules, tuple(sorted(modules.items())))
-
     def run(i, copies, placed: _PlacedLayer, hidden, mask, running=None):
         where = split if copies > 1 else replicated
         if jax.process_count() > 1:
@@ -477,8 +460,29 @@ def _expert_parallel_step(model, linear, grouped_linear, observe: Observer, mesh
         return program(i, copies, placed.layout, placed.dense, placed.stacks, jax.device_put(hidden, where),
                        jax.device_put(mask, where), running)
 
-    run.place = place
     return run
+
+
+def place_experts(layer_params: Mapping[str, Any], mesh: Mesh) -> _PlacedLayer:
+    """A MoE layer's tensors (numpy, or arrays of this process) placed for _expert_parallel_step: the experts of
+    each projection stacked on the host and split over the mesh, the rest replicated."""
+    devices = mesh.size
+    split, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    stacked = expert_stacks(layer_params)
+    in_stacks = {name for names in stacked.values() for name in names}
+    dense = {name: value for name, value in layer_params.items() if name not in in_stacks}
+    if jax.process_count() > 1:
+        dense = jax.tree.map(np.asarray, dense)
+    stacks = {}
+    for key, names in stacked.items():
+        per = -(-len(names) // devices)
+        first = np.asarray(layer_params[names[0]])
+        whole = np.zeros((per * devices,) + first.shape, first.dtype)
+        for e, name in enumerate(names):
+            whole[e] = np.asarray(layer_params[name])
+        stacks[key] = jax.device_put(whole, split)
+    modules = {key: tuple(name[:-len(".weight")] for name in names) for key, names in stacked.items()}
+    return _PlacedLayer(jax.device_put(dense, replicated), stacks, modules, tuple(sorted(modules.items())))
 
 
 def _own_experts_rows(grouped_linear, names, x: jax.Array, w: jax.Array, group_sizes: jax.Array,
