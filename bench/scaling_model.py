@@ -160,7 +160,8 @@ def predict(m: Model, dev: Device, devices: int, per_host: int = 8) -> dict[str,
         if split:  # the experts' Hessians stay with their owners until the layer's end: gathered once; every
             # group gathers its routed rows to every device instead
             experts = 4 * m.experts * (m.hidden ** 2 + m.intermediate ** 2)
-            moved = (groups_run + 1) * (hessians - experts) + experts + groups_run * routed_rows_bytes(m, devices, split_batch(m, dev, devices)) * BATCH // split_batch(m, dev, devices)
+            rows = TOKENS * m.active * (2 * m.hidden + 2 * m.intermediate) * 4  # every token's, to each
+            moved = (groups_run + 1) * (hessians - experts) + experts + rows
         else:
             moved = (groups_run + 1) * hessians
         gathered = 2 * TOKENS * m.hidden * 4 + moved + 5 * weights

@@ -76,7 +76,8 @@ class ModelShapes:
         layers = [size(model.layer_tensor_names(i)) for i in range(model.num_layers)] or [(0, 0)]
         big = max(range(len(layers)), key=lambda i: layers[i][0])
         linears = [shape(f"{m}.weight") for m in model.layer_linears(big) if _has(shape, f"{m}.weight")]
-        stacks = [[n for n in names if _has(shape, n)] for names in expert_stacks(model.layer_tensor_names(big)).values()]
+        stacks = [[n for n in names if _has(shape, n)]
+                  for names in expert_stacks(model.layer_tensor_names(big)).values()]
         stacks = [names for names in stacks if names]
         expert_bytes, expert_elements = size([n for names in stacks for n in names])
         top_k = int(getattr(getattr(model, "moe", None), "num_experts_per_tok", 0) or 1)

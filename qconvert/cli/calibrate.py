@@ -26,7 +26,8 @@ from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_j
 @cluster_options
 def calibrate(model: str, out: Path, revision: str | None, calib: str | None, calib_samples: int | None,
               calib_seqlen: int | None, calib_split: str | None, calib_column: str | None, calib_config: str | None,
-              shard_experts: str | None, overwrite: bool, quiet: bool, as_json: bool, verbose: bool, **cluster_flags) -> int:
+              shard_experts: str | None, overwrite: bool, quiet: bool, as_json: bool, verbose: bool,
+              **cluster_flags) -> int:
     """Run calibration text through MODEL and save every linear input's max|x| to OUT.
 
     `qconvert quantize MODEL --scheme w8a8 --act-stats OUT` reuses the file.
