@@ -115,6 +115,8 @@ def test_experts_split_over_two_processes_convert_within_rounding_of_one_device(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
     one, two = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("one", "two"))
     assert sorted(one) == sorted(two)
+    records = [json.loads((tmp_path / name / "qconvert.json").read_text())["calibration"] for name in ("one", "two")]
+    assert "experts_split_over" not in records[0] and records[1]["experts_split_over"] == 4
     first = [k for k in one if k.startswith("model.layers.0.") and not k.startswith("model.layers.0.mlp.experts.")
              or "layers.0.mlp.experts." in k and ("gate_proj" in k or "up_proj" in k)]
     assert first and all(np.array_equal(one[k], two[k]) for k in first)

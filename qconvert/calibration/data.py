@@ -59,8 +59,9 @@ class CalibrationData:
     def tokens(self) -> int:
         return int(self.input_ids.size)
 
-    def record(self) -> dict[str, Any]:
-        """The calibration entry of qconvert.json."""
+    def record(self, experts_split_over: int = 0) -> dict[str, Any]:
+        """The calibration entry of qconvert.json; `experts_split_over`: the devices a MoE layer's experts were
+        split over (--shard-experts), recorded where they were (the statistics then may round otherwise)."""
         return {
             "source": self.source,
             "description": self.description,
@@ -74,6 +75,7 @@ class CalibrationData:
             **({"seed": self.seed} if self.seed is not None else {}),
             **({"stream_tokens": [0, self.stream_tokens]} if self.stream_tokens is not None else {}),
             **({"dataset": self.dataset} if self.dataset is not None else {}),
+            **({"experts_split_over": experts_split_over} if experts_split_over else {}),
         }
 
 

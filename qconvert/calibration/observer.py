@@ -27,7 +27,7 @@ from qconvert.formats.checkpoint_params import CheckpointParams
 from qconvert.formats.safetensors_io import open_checkpoint
 from qconvert.models import iterate_layers, read_tensors
 from qconvert.models.registry import language_config
-from qconvert.models.runner import add_observed
+from qconvert.models.runner import add_observed, expert_stacks
 
 DEFAULT_BATCH_SIZE = 8
 SAMPLE_ROWS = 512  # tokens kept per linear input for the alpha and scale searches
@@ -63,6 +63,7 @@ class LayerStats:
     # module -> mean |x| per input channel over every calibration token it saw (float32 [in]), for the modules
     # whose rows are kept; absent for one no token reached.
     input_abs_mean: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    experts_split_over: int = 0  # the devices a MoE layer's experts were split over (0: not split)
 
 
 def layer_relative(name: str) -> str:
@@ -217,6 +218,8 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
             check_fits(shapes, n, t, stated, hessians=bool(hessians), sequential=replace is not None,
                        devices=len(devices), experts_split=bool(shard_experts))
     batches = math.ceil(n / max(1, batch_size))
+    split_over = len(devices) if shard_experts and len(devices) > 1 and any(
+        expert_stacks(model.layer_tensor_names(i)) for i in range(model.num_layers)) else 0
     sharing = _HessianSharing()
     observe = _observer(keep_inputs, max(1, math.ceil(sample_rows / batches)), frozenset(hessians), sharing)
     result = None
@@ -224,11 +227,13 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
                                  batch_size=batch_size, devices=devices, replace=replace,
                                  shard_experts=bool(shard_experts)):
         interrupts.check()  # between layers: a signal that a callee swallowed still stops calibration
-        yield _layer_stats(result.index, result.observed, keep_inputs, sample_rows, sharing)
+        yield dataclasses.replace(_layer_stats(result.index, result.observed, keep_inputs, sample_rows, sharing),
+                                  experts_split_over=split_over)
     if result is not None:  # the last layer's output, on its replaced weights where it had some
         observed = _head_observed(model, params, result.hidden, attention_mask, observe, batch_size)
         if observed:
-            yield _layer_stats(model.num_layers, observed, keep_inputs, sample_rows, sharing)
+            yield dataclasses.replace(_layer_stats(model.num_layers, observed, keep_inputs, sample_rows, sharing),
+                                      experts_split_over=split_over)
 
 
 def _layer_stats(index: int, observed: dict[str, list], keep_inputs: frozenset[str],
@@ -301,6 +306,8 @@ def collect_act_stats(model, params: Mapping, input_ids: np.ndarray, attention_m
     for layer in iter_layer_stats(model, params, input_ids, attention_mask, batch_size=batch_size,
                                   shard_experts=shard_experts):
         act_absmax.update(layer.act_absmax)
+        if layer.experts_split_over and calibration is not None:
+            calibration = {**calibration, "experts_split_over": layer.experts_split_over}
         if layer.index < model.num_layers:  # the last LayerStats holds the head's inputs: no layer of its own
             progress.step(CALIBRATING, layer.index + 1, model.num_layers)
     tokens = int(np.sum(attention_mask)) if attention_mask is not None else int(np.asarray(input_ids).size)

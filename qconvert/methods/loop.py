@@ -33,6 +33,7 @@ class Results:
     clips: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)      # module -> weight clip ratios
     searches: dict[str, Any] = dataclasses.field(default_factory=dict)  # module -> its LinearSearch (scale_search)
     smoothing_record: Any = None  # qconvert.json's `smoothing` (formats.record.SmoothingRecord), once smoothed
+    experts_split_over: int = 0   # the devices calibration split MoE layers' experts over (0: not split)
 
     def folds(self) -> dict[str, TensorFold]:
         """The smoothing chosen so far, as a fold per tensor it touches."""
@@ -98,6 +99,7 @@ def run_layers(model, calibration: Calibration, steps: Sequence[Step], results: 
                                   hessians=hessians, replace=_replacement(steps),
                                   shard_experts=calibration.shard_experts, **batching):
         results.act_absmax.update(stats.act_absmax)
+        results.experts_split_over = stats.experts_split_over
         if stats.index < model.num_layers:  # the last LayerStats holds the head's inputs
             progress.step(CALIBRATING, stats.index + 1, model.num_layers)
         for step in steps:

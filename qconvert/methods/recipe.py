@@ -126,7 +126,7 @@ def prepare_adjustments(source: SourceModel, options: ConvertOptions,
         progress(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
         run_layers(source.model, Calibration(data.input_ids, calib.batch_size, calib.shard_experts), steps,
                    results, progress)
-        stats = ActStats(results.act_absmax, data.tokens, data.record())
+        stats = ActStats(results.act_absmax, data.tokens, data.record(results.experts_split_over))
     for step in steps:
         step.finish(results)
     return _adjustments(results, stats, options, [*linears, *head], gptq)
