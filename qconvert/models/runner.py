@@ -255,13 +255,9 @@ class _LayerRunner:
         # One transfer for all groups, once they are all dispatched; then one entry per batch.
         outs, sinks, totals = _gathered(outs), _to_host(sinks), _to_host(running)
         for sink in sinks:
-            for name, value in sink.items():
-                for d in range(self.mesh.size):
-                    add_observed(observed, self.programs.rename(name, rep, i),
-                                 jax.tree.map(lambda a, d=d: a[d], value))
-        for name, sums in (totals or {}).items():  # the groups' sums, as the first batch's entry holds them
-            first = observed[self.programs.rename(name, rep, i)][0]
-            first.update({key: _unfolded(value) for key, value in sums.items()})
+            self._add_entries(observed, sink, self.mesh.size, rep, i)
+        self._add_sums(observed, {name: {key: _unfolded(value) for key, value in sums.items()}
+                                  for name, sums in (totals or {}).items()}, rep, i)
         for s in range(self.split, hidden.shape[0], b):  # the rest: on this process's first device
             out, sink = self.step(rep, layer_params, hidden[s:s + b], mask[s:s + b])
             outs.append(out)
@@ -317,19 +313,27 @@ class _LayerRunner:
             return hidden_out
         observed: dict[str, list[Any]] = {}
         for (_, _, copies), sink in zip(spans, _to_host(sinks)):
-            for name, value in sink.items():
-                for d in range(copies):
-                    add_observed(observed, self.programs.rename(name, rep, i),
-                                 jax.tree.map(lambda a, d=d: a[d], value) if copies > 1 else value)
+            self._add_entries(observed, sink, copies, rep, i)
         dense, owned = _to_host(running)
-        for name, sums in dense.items():
-            observed[self.programs.rename(name, rep, i)][0].update(
-                {key: _unfolded(value) for key, value in sums.items()})
-        for key, sums in owned.items():
-            for e, name in enumerate(placed.modules[key]):
-                observed[self.programs.rename(name, rep, i)][0].update(
-                    {k: value[e] for k, value in sums.items()})
+        self._add_sums(observed, {name: {key: _unfolded(value) for key, value in sums.items()}
+                                  for name, sums in dense.items()}, rep, i)
+        self._add_sums(observed, {name: {k: value[e] for k, value in sums.items()}
+                                  for key, sums in owned.items() for e, name in enumerate(placed.modules[key])},
+                       rep, i)
         return hidden_out, observed
+
+    def _add_entries(self, observed: dict[str, list[Any]], sink: dict, copies: int, rep: int, i: int) -> None:
+        """One sharded step's observations, under layer i's names: with `copies` > 1, one leading entry per
+        device (one batch each, in batch order); with 1, the one batch every device ran."""
+        for name, value in sink.items():
+            for d in range(copies):
+                add_observed(observed, self.programs.rename(name, rep, i),
+                             jax.tree.map(lambda a, d=d: a[d], value) if copies > 1 else value)
+
+    def _add_sums(self, observed: dict[str, list[Any]], sums: dict[str, dict], rep: int, i: int) -> None:
+        """The SUMMED entries summed on the devices, as one device's first batch entry holds them."""
+        for name, entries in sums.items():
+            observed[self.programs.rename(name, rep, i)][0].update(entries)
 
 
 _EXPERT_WEIGHT = re.compile(r"^(|.*\.)experts\.(\d+)\.(.+)\.weight$")
@@ -342,13 +346,14 @@ def expert_stacks(names) -> dict[str, list[str]]:
     for name in names:
         match = _EXPERT_WEIGHT.match(name)
         if match:
-            found.setdefault(f"{match[1]}experts.*.{match[3]}.weight", {})[int(match[2])] = name
+            found.setdefault(_stack_key(name), {})[int(match[2])] = name
     return {key: [by_index[e] for e in range(len(by_index))] for key, by_index in found.items()
             if sorted(by_index) == list(range(len(by_index)))}
 
 
-def _stack_key(module: str) -> str:
-    match = _EXPERT_WEIGHT.match(f"{module}.weight")
+def _stack_key(weight: str) -> str:
+    """The stack an expert weight's name belongs to (its expert index as `*`); "" for any other name."""
+    match = _EXPERT_WEIGHT.match(weight)
     return f"{match[1]}experts.*.{match[3]}.weight" if match else ""
 
 
@@ -409,7 +414,7 @@ def _expert_parallel_step(model, linear, grouped_linear, observe: Observer, mesh
             hooks = _observing_hooks(linear, grouped_linear, observe, valid, sink) if observes else (linear, None)
 
             def grouped(names, x, weights, group_sizes):
-                key = _stack_key(names[0])
+                key = _stack_key(f"{names[0]}.weight")
                 w = stacks[key]  # [per, out, in]: this device's experts
                 per = w.shape[0]
                 if observes:  # this device's own batch, every expert: all but the sums
