@@ -127,7 +127,7 @@ def estimate(shapes: ModelShapes, samples: int, seqlen: int, batch_size: int,
     layer's experts split over them too (each holds its own experts and their Hessians, and every device's
     routed rows)."""
     n, t, b = samples, seqlen, min(batch_size, samples)
-    split = experts_split and devices > 1 and shapes.experts > 0
+    split = _splits(shapes, experts_split, devices)
     # Of the experts, the share a device holds: all of them, or ceil(E / devices) whole ones.
     share = -(-shapes.experts // devices) / shapes.experts if split else 1.0
     hidden = n * t * shapes.hidden * F32
@@ -153,12 +153,17 @@ def estimate(shapes: ModelShapes, samples: int, seqlen: int, batch_size: int,
     return MemoryEstimate(int(device), int(host), int(batch))
 
 
+def _splits(shapes: ModelShapes, experts_split: bool, devices: int) -> bool:
+    """Whether `experts_split` splits anything: a MoE layer, and more than one device to split it over."""
+    return experts_split and devices > 1 and shapes.experts > 0
+
+
 def split_experts(shapes: ModelShapes, samples: int, seqlen: int, device_limit: int | None, *, devices: int,
                   hessians: bool = False, sequential: bool = False) -> bool:
     """Whether calibration splits a MoE layer's experts over the devices (--shard-experts auto): with more
     than one device that states its memory, when the layer with every expert on each device does not fit it
     even a window a batch."""
-    if shapes.experts == 0 or devices <= 1 or device_limit is None:
+    if not _splits(shapes, True, devices) or device_limit is None:
         return False
     return estimate(shapes, samples, seqlen, 1, hessians=hessians, sequential=sequential,
                     devices=devices).device_bytes > device_limit
@@ -222,10 +227,9 @@ def check_fits(shapes: ModelShapes, samples: int, seqlen: int, device_limit: int
 
     need = estimate(shapes, samples, seqlen, 1, hessians=hessians, sequential=sequential, devices=devices,
                     experts_split=experts_split)
-    split = experts_split and devices > 1 and shapes.experts > 0
     if device_limit is not None:
         have, bytes_needed, where = device_limit, need.device_bytes, "on each device"
-        if split:
+        if _splits(shapes, experts_split, devices):
             where += f" with the experts split over {devices} devices"
     else:
         have, bytes_needed, where = host_available_bytes(), need.total_on_cpu(), "of this machine's memory"

@@ -303,13 +303,15 @@ def collect_act_stats(model, params: Mapping, input_ids: np.ndarray, attention_m
     progress = as_reporter(progress)
     act_absmax: dict[str, np.ndarray] = {}
     progress.step(CALIBRATING, 0, model.num_layers)
+    split_over = 0
     for layer in iter_layer_stats(model, params, input_ids, attention_mask, batch_size=batch_size,
                                   shard_experts=shard_experts):
         act_absmax.update(layer.act_absmax)
-        if layer.experts_split_over and calibration is not None:
-            calibration = {**calibration, "experts_split_over": layer.experts_split_over}
+        split_over = layer.experts_split_over
         if layer.index < model.num_layers:  # the last LayerStats holds the head's inputs: no layer of its own
             progress.step(CALIBRATING, layer.index + 1, model.num_layers)
+    if split_over and calibration is not None:
+        calibration = {**calibration, "experts_split_over": split_over}
     tokens = int(np.sum(attention_mask)) if attention_mask is not None else int(np.asarray(input_ids).size)
     return ActStats(act_absmax, tokens, calibration)
 
