@@ -112,9 +112,14 @@ def layer_peak(m: Model, moe: bool, devices: int, split: bool, batch: int = 0) -
         return 2 * weights + hidden + hessians
     share = -(-m.experts // devices) / m.experts
     expert_weights = 3 * m.hidden * m.experts * m.intermediate
-    expert_hessians = 4 * m.experts * (m.hidden ** 2 + m.intermediate ** 2)
+    expert_hessians = expert_hessian_bytes(m)
     return (2 * (weights - (1 - share) * expert_weights) + hidden + hessians - (1 - share) * expert_hessians
             + 2 * routed_rows_bytes(m, devices, batch or BATCH))
+
+
+def expert_hessian_bytes(m: Model) -> float:
+    """A MoE layer's routed experts' Hessians (gate/up's input, down's), float32."""
+    return 4 * m.experts * (m.hidden ** 2 + m.intermediate ** 2)
 
 
 def split_batch(m: Model, dev: Device, devices: int) -> int:
@@ -145,7 +150,7 @@ def spread(costs: list[float], devices: int) -> float:
 def predict(m: Model, dev: Device, devices: int, per_host: int = 8) -> dict[str, float]:
     processes = max(1, devices // per_host)
     seconds = {"forward": 0.0, "gptq": 0.0, "gathers": 0.0}
-    peak = 0.0
+    peak, split_any = 0.0, False
     for moe, count in ((False, m.dense_layers if m.experts else m.layers), (True, m.layers - m.dense_layers
                                                                             if m.experts else 0)):
         if not count:
@@ -159,7 +164,7 @@ def predict(m: Model, dev: Device, devices: int, per_host: int = 8) -> dict[str,
         hessians = hessian_bytes(m, moe)
         if split:  # the experts' Hessians stay with their owners until the layer's end: gathered once; every
             # group gathers its routed rows to every device instead
-            experts = 4 * m.experts * (m.hidden ** 2 + m.intermediate ** 2)
+            experts = expert_hessian_bytes(m)
             rows = TOKENS * m.active * (2 * m.hidden + 2 * m.intermediate) * 4  # every token's, to each
             moved = (groups_run + 1) * (hessians - experts) + experts + rows
         else:
@@ -169,11 +174,12 @@ def predict(m: Model, dev: Device, devices: int, per_host: int = 8) -> dict[str,
             link = dev.link if processes > 1 else 25e9  # one host: device to host
             seconds["gathers"] += count * gathered / link
         peak = max(peak, layer_peak(m, moe, devices, split, split_batch(m, dev, devices) if split else 0))
-        seconds["split"] = seconds.get("split", False) or split
+        split_any = split_any or split
     seconds["read"] = m.params_b * 2e9 / READ_BPS
     seconds["write"] = m.params_b * 0.6e9 / WRITE_BPS  # int4 with scales, about 0.6 bytes a parameter
-    seconds["total"] = sum(v for k, v in seconds.items() if k != "split")
+    seconds["total"] = sum(seconds.values())
     seconds["peak_gb"] = peak / 1e9
+    seconds["split"] = split_any
     return seconds
 
 
