@@ -24,8 +24,7 @@ from jax.experimental.pallas import triton as pltr
 
 from qconvert.formats.qarray import NF4_BLOCK_SIZE
 from qconvert.kernels.gpu_dense import int4_step_dot, int4_step_scales, nf4_step_dot
-from qconvert.kernels.tiles import (Tiling, int4_group_operand, int4_weight_operands, rhs_kind_of, round_up,
-                                   split_even_odd_columns)
+from qconvert.kernels.tiles import Tiling, grouped_operands, pad_to, rhs_kind_of, round_up
 
 NN_DIMS = (((1,), (0,)), ((), ()))
 NT_DIMS = (((1,), (1,)), ((), ()))
@@ -40,10 +39,6 @@ def _compiler_params(tiling: Tiling):
 def _whole(shape):
     """A block that is the whole array (the kernel indexes it with the group it is working on)."""
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-
-
-def _pad(a: jax.Array, shape) -> jax.Array:
-    return a if a.shape == tuple(shape) else jnp.pad(a, [(0, t - s) for s, t in zip(a.shape, shape)])
 
 
 def local_group_offsets(group_sizes: jax.Array, start_group: int, num_local: int) -> jax.Array:
@@ -233,21 +228,9 @@ def run_grouped_matmul(lhs, rhs_kind: str, rhs_data, rhs_aux, group_sizes, *, of
     kp = round_up(k, tiling.tk)
     local_offsets = local_group_offsets(group_sizes, offset, num_local)
     tile_first, tile_count = tile_group_map(local_offsets, mp, tiling.tm)
-    lhs_p = _pad(lhs, (mp, kp))
-    if rhs_kind.flat_blocks:
-        lhs_ops = split_even_odd_columns(lhs_p)
-        rhs_ops = (_pad(jnp.asarray(rhs_data).reshape(num_local, n, k // 2), (num_local, np_, kp // 2)),
-                   _pad(jnp.asarray(rhs_aux).reshape(num_local, n, k // 64), (num_local, np_, kp // 64)))
-    elif rhs_kind.column_groups:
-        lhs_ops = split_even_odd_columns(lhs_p)
-        rhs_ops = int4_weight_operands(rhs_data, rhs_aux, group_size, np_, kp, tiling.tk, tpu_layout=False)
-        if rhs_zero is not None:
-            rhs_ops += (int4_group_operand(rhs_zero, group_size, np_, kp, tiling.tk, tpu_layout=False),)
-    else:
-        lhs_ops = (lhs_p,)
-        rhs_ops = (_pad(rhs_data, (num_local, np_, kp) if transpose_rhs else (num_local, kp, np_)),)
-        if rhs_kind.channel_scaled:
-            rhs_ops += (_pad(rhs_aux.reshape(num_local, n), (num_local, np_)),)
+    lhs_ops, rhs_ops = grouped_operands(pad_to(lhs, (mp, kp)), rhs_kind, rhs_data, rhs_aux, rhs_zero,
+                                        num_local=num_local, n=n, k=k, np_=np_, kp=kp, tk=tiling.tk,
+                                        group_size=group_size, transpose_rhs=transpose_rhs, tpu_layout=False)
     y = grouped_matmul_gpu(local_offsets, tile_first, tile_count, lhs_ops, rhs_ops, tiling=tiling,
                            out_dtype=jnp.dtype(out_dtype), rhs_kind=rhs_kind, transpose_rhs=transpose_rhs)
     return y[:m, :n]
@@ -259,6 +242,6 @@ def run_transposed_grouped_matmul(lhs, rhs, group_sizes, *, offset: int, num_loc
     k, m = lhs.shape
     n = rhs.shape[1]
     mp, kp, np_ = round_up(m, tiling.tm), round_up(k, tiling.tk), round_up(n, tiling.tn)
-    y = transposed_grouped_matmul_gpu(local_group_offsets(group_sizes, offset, num_local), _pad(lhs, (kp, mp)),
-                                      _pad(rhs, (mp, np_)), tiling=tiling, out_dtype=jnp.dtype(out_dtype))
+    y = transposed_grouped_matmul_gpu(local_group_offsets(group_sizes, offset, num_local), pad_to(lhs, (kp, mp)),
+                                      pad_to(rhs, (mp, np_)), tiling=tiling, out_dtype=jnp.dtype(out_dtype))
     return y[:, :k, :n]

@@ -21,13 +21,9 @@ from qconvert.kernels.checks import dtype_of as _dtype
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.grouped_metadata import make_group_metadata
 from qconvert.kernels.plan import FLOAT, KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
-from qconvert.kernels.tiles import int4_group_operand, int4_weight_operands, round_up, split_even_odd_columns
+from qconvert.kernels.tiles import grouped_operands, pad_to, round_up
 
 OP = "grouped_matmul"
-
-
-def _pad(a, shape):
-    return a if a.shape == shape else jnp.pad(a, [(0, t - s) for s, t in zip(a.shape, shape)])
 
 
 def _check_common(op: str, lhs, group_sizes, preferred_element_type):
@@ -190,21 +186,9 @@ def _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, rhs_zero=None, *, plan:
     mp, kp, np_ = round_up(m, t.tm), round_up(k, t.tk), round_up(n, t.tn)
     metadata, num_tiles = make_group_metadata(group_sizes=group_sizes, m=mp, tm=t.tm, start_group=offset,
                                               num_nonzero_groups=g_local, visit_empty_groups=False)
-    lhs_p = _pad(lhs, (mp, kp))
-    if rhs_kind.flat_blocks:
-        lhs_ops = split_even_odd_columns(lhs_p)
-        rhs_ops = (_pad(rhs_data.reshape(g_local, n, k // 2), (g_local, np_, kp // 2)),
-                   _pad(rhs_aux.reshape(g_local, n, k // NF4_BLOCK_SIZE), (g_local, np_, kp // NF4_BLOCK_SIZE)))
-    elif rhs_kind.column_groups:
-        lhs_ops = split_even_odd_columns(lhs_p)
-        rhs_ops = int4_weight_operands(rhs_data, rhs_aux, group_size, np_, kp, t.tk, tpu_layout=True)
-        if rhs_zero is not None:
-            rhs_ops += (int4_group_operand(rhs_zero, group_size, np_, kp, t.tk, tpu_layout=True),)
-    else:
-        lhs_ops = (lhs_p,)
-        rhs_ops = (_pad(rhs_data, (g_local, np_, kp) if transpose_rhs else (g_local, kp, np_)),)
-        if rhs_kind.channel_scaled:
-            rhs_ops += (_pad(rhs_aux.reshape(g_local, 1, n), (g_local, 1, np_)),)
+    lhs_ops, rhs_ops = grouped_operands(pad_to(lhs, (mp, kp)), rhs_kind, rhs_data, rhs_aux, rhs_zero,
+                                        num_local=g_local, n=n, k=k, np_=np_, kp=kp, tk=t.tk, group_size=group_size,
+                                        transpose_rhs=transpose_rhs, tpu_layout=True)
     y = tpu_grouped.grouped_matmul_tpu(
         metadata, jnp.full((1,), offset, jnp.int32), num_tiles.reshape(1), lhs_ops, rhs_ops, tiling=t,
         out_dtype=out_dtype, rhs_kind=rhs_kind, transpose_rhs=transpose_rhs, interpret=plan.interpret)[:m, :n]
@@ -282,8 +266,8 @@ def _transposed_tpu(lhs, rhs, group_sizes, plan: KernelPlan, offset: int, count:
     metadata, num_tiles = make_group_metadata(group_sizes=group_sizes, m=mp, tm=t.tm, start_group=offset,
                                               num_nonzero_groups=count, visit_empty_groups=True)
     y = tpu_grouped.transposed_grouped_matmul_tpu(
-        metadata, jnp.full((1,), offset, jnp.int32), num_tiles.reshape(1), _pad(lhs, (kp, mp)), _pad(rhs, (mp, np_)),
-        tiling=t, out_dtype=jnp.dtype(out_dtype), num_local=count, interpret=plan.interpret)
+        metadata, jnp.full((1,), offset, jnp.int32), num_tiles.reshape(1), pad_to(lhs, (kp, mp)),
+        pad_to(rhs, (mp, np_)), tiling=t, out_dtype=jnp.dtype(out_dtype), num_local=count, interpret=plan.interpret)
     return y[:, :k, :n]
 
 

@@ -1,4 +1,5 @@
-"""Tile sizes, padding, the NF4 code decode and the int4 nibble packing shared by the TPU and GPU kernels."""
+"""Tile sizes, padding, the NF4 code decode, the int4 nibble packing and the grouped operands shared by the TPU and
+GPU kernels."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.formats.qarray import FP8, INT4, INT8, NF4, NF4_LEVELS, QKind
+from qconvert.formats.qarray import FP8, INT4, INT8, NF4, NF4_BLOCK_SIZE, NF4_LEVELS, QKind
 
 
 # A grouped rhs of plain float weights: quantized by nothing, so no QKind property holds for it.
@@ -43,6 +44,11 @@ def pad2d(a: jax.Array, rows: int, cols: int, value=0) -> jax.Array:
     if a.shape == (rows, cols):
         return a
     return jnp.pad(a, ((0, rows - a.shape[0]), (0, cols - a.shape[1])), constant_values=value)
+
+
+def pad_to(a: jax.Array, shape) -> jax.Array:
+    """Pad an array with zeros at the end of every axis to `shape` (no copy when already that shape)."""
+    return a if a.shape == tuple(shape) else jnp.pad(a, [(0, t - s) for s, t in zip(a.shape, shape)])
 
 
 def nf4_level(codes: jax.Array) -> jax.Array:
@@ -141,3 +147,30 @@ def int4_group_operand(values, group_size: int | None, np_: int, kp: int, tk: in
     if tpu_layout:
         values = jnp.moveaxis(values.reshape(*lead, np_, kp // tk, tk // group), -2, -3)
     return values
+
+
+def grouped_operands(lhs, rhs_kind: QKind, rhs_data, rhs_aux, rhs_zero, *, num_local: int, n: int, k: int, np_: int,
+                     kp: int, tk: int, group_size: int | None, transpose_rhs: bool, tpu_layout: bool):
+    """(lhs operands, rhs operands) of a grouped matmul's kernel, from lhs [Mp, Kp] (padded) and the checked rhs
+    of K = k (grouped.py's _rhs_parts), padded to Np and Kp.
+
+    lhs: itself, or its even and odd columns for NF4 and int4. rhs: NF4 bytes [G, Np, Kp/2] and absmax
+    [G, Np, Kp/64]; int4 as int4_weight_operands lays it out, the zero points (rhs_zero, or None) beside the
+    scales; float, int8 or fp8 codes [G, Kp, Np] ([G, Np, Kp] with transpose_rhs) and, for int8 and fp8, the
+    per-channel scale [G, Np] (Triton) or [G, 1, Np] (Mosaic, tpu_layout).
+    """
+    if rhs_kind.flat_blocks:
+        blocks = k // NF4_BLOCK_SIZE
+        return split_even_odd_columns(lhs), (
+            pad_to(jnp.asarray(rhs_data).reshape(num_local, n, k // 2), (num_local, np_, kp // 2)),
+            pad_to(jnp.asarray(rhs_aux).reshape(num_local, n, blocks), (num_local, np_, kp // NF4_BLOCK_SIZE)))
+    if rhs_kind.column_groups:
+        rhs_ops = int4_weight_operands(rhs_data, rhs_aux, group_size, np_, kp, tk, tpu_layout=tpu_layout)
+        if rhs_zero is not None:
+            rhs_ops += (int4_group_operand(rhs_zero, group_size, np_, kp, tk, tpu_layout=tpu_layout),)
+        return split_even_odd_columns(lhs), rhs_ops
+    rhs_ops = (pad_to(rhs_data, (num_local, np_, kp) if transpose_rhs else (num_local, kp, np_)),)
+    if rhs_kind.channel_scaled:
+        scale_shape = (num_local, 1, np_) if tpu_layout else (num_local, np_)
+        rhs_ops += (pad_to(rhs_aux.reshape(*scale_shape[:-1], n), scale_shape),)
+    return (lhs,), rhs_ops
