@@ -95,18 +95,9 @@ def int8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32,
     Accumulates in int32 (exact), then rescales in float32 in the order written
     above and casts once to out_dtype. Bit-identical to int8_matmul_reference.
     """
-    m, k, n = check_int8_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype)
-    plan = select_kernel(KernelProblem("int8_matmul", m, k, n, "int8", dtype_name(out_dtype)), backend, tiling)
-    if plan.is_reference:
-        return plan_result(reference.int8_matmul_reference(x_q, w_q, x_scale, w_scale, bias=bias, out_dtype=out_dtype),
-                       plan, return_plan)
-    if plan.variant is not None:  # a tuned GPU variant (gpu_tuning) runs on the weight as a prepared operand
-        y = prepared.run_plan(plan, x_q, prepared.channel_weight("int8", w_q, w_scale), x_scale, bias,
-                              fmt_name="int8", out_dtype=out_dtype)
-        return plan_result(y, plan, return_plan)
-    y = _scaled_codes_launch(x_q, w_q, x_scale, w_scale, bias, plan=plan, out_dtype=jnp.dtype(out_dtype),
-                             codes="int8")
-    return plan_result(y, plan, return_plan)
+    shape = check_int8_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype)
+    return _scaled_codes_matmul("int8", shape, x_q, w_q, x_scale, w_scale, bias, out_dtype, backend, tiling,
+                                return_plan)
 
 
 def fp8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32, backend: str = "auto",
@@ -121,18 +112,32 @@ def fp8_matmul(x_q, w_q, x_scale, w_scale, *, bias=None, out_dtype=jnp.float32, 
     runs it). Matches fp8_matmul_reference within float32 summation-order error (on an
     H200's fp8 MMA: within 2.1e-4 of the largest output).
     """
-    m, k, n = check_fp8_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype)
-    problem = KernelProblem("fp8_matmul", m, k, n, "float8_e4m3fn", dtype_name(out_dtype))
+    shape = check_fp8_matmul(x_q, w_q, x_scale, w_scale, bias, out_dtype)
+    return _scaled_codes_matmul("fp8", shape, x_q, w_q, x_scale, w_scale, bias, out_dtype, backend, tiling,
+                                return_plan)
+
+
+# The W8A8 matmuls' codes -> the dtype their plans are keyed on.
+_CODE_DTYPES = {"int8": "int8", "fp8": "float8_e4m3fn"}
+
+
+def _scaled_codes_matmul(codes: str, shape: tuple[int, int, int], x_q, w_q, x_scale, w_scale, bias, out_dtype,
+                         backend: str, tiling: Tiling | None, return_plan: bool):
+    """int8_matmul or fp8_matmul (`codes`) on checked arguments of (M, K, N) = shape: the reference, a tuned GPU
+    variant on the weight as a prepared operand, or the tiled kernel, as the plan says."""
+    m, k, n = shape
+    problem = KernelProblem(f"{codes}_matmul", m, k, n, _CODE_DTYPES[codes], dtype_name(out_dtype))
     plan = select_kernel(problem, backend, tiling)
     if plan.is_reference:
-        return plan_result(reference.fp8_matmul_reference(x_q, w_q, x_scale, w_scale, bias=bias, out_dtype=out_dtype),
-                           plan, return_plan)
-    if plan.variant is not None:
-        y = prepared.run_plan(plan, x_q, prepared.channel_weight("fp8", w_q, w_scale), x_scale, bias,
-                              fmt_name="fp8", out_dtype=out_dtype)
+        matmul_reference = getattr(reference, f"{codes}_matmul_reference")  # int8_matmul_reference, ...
+        return plan_result(matmul_reference(x_q, w_q, x_scale, w_scale, bias=bias, out_dtype=out_dtype), plan,
+                           return_plan)
+    if plan.variant is not None:  # a tuned GPU variant (gpu_tuning) runs on the weight as a prepared operand
+        y = prepared.run_plan(plan, x_q, prepared.channel_weight(codes, w_q, w_scale), x_scale, bias,
+                              fmt_name=codes, out_dtype=out_dtype)
         return plan_result(y, plan, return_plan)
     y = _scaled_codes_launch(x_q, w_q, x_scale, w_scale, bias, plan=plan, out_dtype=jnp.dtype(out_dtype),
-                             codes="fp8")
+                             codes=codes)
     return plan_result(y, plan, return_plan)
 
 
