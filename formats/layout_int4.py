@@ -37,6 +37,9 @@ class PackQuantizedInt4(Layout):
     quant_method = ct.QUANT_METHOD
     marker_suffix = ".weight_packed"
     part_suffixes = (".weight_packed", ".weight_scale", ".weight_shape")
+    # The weights flags_of reads: their config's `symmetric`, and what its refusals say of them.
+    symmetric = True
+    weights_read = "symmetric int4 weights per group or per output channel only"
 
     def tensor_specs(self, module: str, shape: tuple[int, int], float_dtype, flags: LayoutFlags) -> list[TensorSpec]:
         out_features, in_features = (int(d) for d in shape)
@@ -86,14 +89,14 @@ class PackQuantizedInt4(Layout):
         sizes = set()
         for name, group in qconfig["config_groups"].items():
             weights = group.get("weights") or {}
-            if (weights.get("type", "int") != "int" or weights.get("symmetric", True) is not True
+            if (weights.get("type", "int") != "int" or weights.get("symmetric", True) is not self.symmetric
                     or weights.get("strategy") not in ("group", "channel")):
                 raise ValueError(f"compressed-tensors {FORMAT} group {name} 4-bit weights are "
                                  f"{ {k: weights.get(k) for k in ('type', 'symmetric', 'strategy')} }; qconvert "
-                                 "reads symmetric int4 weights per group or per output channel only")
+                                 f"reads {self.weights_read}")
             if group.get("input_activations") is not None:
                 raise ValueError(f"compressed-tensors {FORMAT} config quantizes input activations; qconvert's "
-                                 "int4 layout keeps them in float (input_activations null)")
+                                 f"{self.scheme} layout keeps them in float (input_activations null)")
             sizes.add(weights.get("group_size") if weights.get("strategy") == "group" else None)
         if len(sizes) != 1:
             raise ValueError(f"compressed-tensors {FORMAT} groups use different group sizes {sorted(map(str, sizes))}")

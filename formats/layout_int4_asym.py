@@ -43,6 +43,8 @@ class PackQuantizedInt4Asym(PackQuantizedInt4):
 
     scheme = "int4-asym"
     part_suffixes = (".weight_packed", ".weight_scale", ZERO_POINT, ".weight_shape")
+    symmetric = False
+    weights_read = "int4 weights with zero points per group or per output channel, in every group alike"
     # transformers 5.24's compressed load (compressed-tensors 0.20's compress_model on meta weights) allocates
     # weight_zero_point unpacked, [out, groups], and re-initializes the packed one every W4A16_ASYM checkpoint
     # stores; decompressing at load reads it right.
@@ -81,21 +83,3 @@ class PackQuantizedInt4Asym(PackQuantizedInt4):
 
     def claims(self, qconfig: dict[str, Any]) -> bool:
         return ct.claims(qconfig, FORMAT) and ct.weight_bits(qconfig) == {4} and ct.weights_asymmetric(qconfig)
-
-    def flags_of(self, qconfig: dict[str, Any]) -> LayoutFlags:
-        sizes = set()
-        for name, group in qconfig["config_groups"].items():
-            weights = group.get("weights") or {}
-            if (weights.get("type", "int") != "int" or weights.get("symmetric") is not False
-                    or weights.get("strategy") not in ("group", "channel")):
-                raise ValueError(f"compressed-tensors {FORMAT} group {name} 4-bit weights are "
-                                 f"{ {k: weights.get(k) for k in ('type', 'symmetric', 'strategy')} }; qconvert "
-                                 "reads int4 weights with zero points per group or per output channel, in every "
-                                 "group alike")
-            if group.get("input_activations") is not None:
-                raise ValueError(f"compressed-tensors {FORMAT} config quantizes input activations; qconvert's "
-                                 "int4-asym layout keeps them in float (input_activations null)")
-            sizes.add(weights.get("group_size") if weights.get("strategy") == "group" else None)
-        if len(sizes) != 1:
-            raise ValueError(f"compressed-tensors {FORMAT} groups use different group sizes {sorted(map(str, sizes))}")
-        return LayoutFlags(group_size=sizes.pop())
