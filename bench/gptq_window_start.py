@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accuracy import change_standard_error, evaluate, held_out_text, window_start  # noqa: E402
-from qconvert.calibration.data import token_windows  # noqa: E402
+from qconvert.calibration.tokenizer import token_windows  # noqa: E402
 from qconvert.calibration.observer import open_params, reads_attention_input  # noqa: E402
 from qconvert.methods.gptq_core import gptq_codes  # noqa: E402
 from qconvert.models import build  # noqa: E402

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qconvert.calibration.data import BUILTIN, check_calibration_source, load_calibration
+from qconvert.calibration.data import load_calibration
+from qconvert.calibration.documents import BUILTIN, check_calibration_source
 from qconvert.calibration.hub_dataset import DatasetSelection
 from qconvert.cluster.share import agree_settings, same_windows
 from qconvert.calibration.observer import DEFAULT_BATCH_SIZE, check_calibration_fits, collect_act_stats

@@ -13,7 +13,8 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN, check_calibration_source
+from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN
+from qconvert.calibration.documents import check_calibration_source
 from qconvert.calibration.hub_dataset import DatasetSelection
 from qconvert.formats.errors import UsageError
 from qconvert.write import prefetch

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from checkpoints import make_llama_checkpoint, make_tokenizer
 
-from qconvert.calibration import data as calib_data
+from qconvert.calibration.documents import builtin_corpus_text
 from qconvert.calibration.data import load_calibration, random_windows
 from qconvert.calibrate import save_act_stats
 from qconvert.calibration.observer import collect_act_stats, open_params
@@ -147,7 +147,7 @@ def test_builtin_corpus_and_seqlen_cap(llama):
     data = load_calibration("builtin", folder, config, samples=2, seqlen=1000)
     assert data.seqlen == config["max_position_embeddings"]  # 256: capped at the model's positions
     assert data.record()["requested_seqlen"] == 1000
-    assert len(calib_data.builtin_corpus_text()) > 5000
+    assert len(builtin_corpus_text()) > 5000
 
 
 def test_missing_tokenizer_says_to_use_random(tmp_path):

@@ -18,15 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from qconvert.calibration.data import (
-    DEFAULT_SAMPLES,
-    DEFAULT_SEQLEN,
-    HELD_OUT,
-    RANDOM,
-    RANDOM_SEED,
-    CalibrationData,
-    load_calibration,
-)
+from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN, RANDOM_SEED, CalibrationData, load_calibration
+from qconvert.calibration.documents import HELD_OUT, RANDOM
 from qconvert.calibration.hub_dataset import recorded_selection
 from qconvert.formats.errors import QConvertError, UsageError
 

@@ -1,3 +1,3 @@
-"""Text -> per-layer statistics: the calibration text and its tokens (data.py, tokenizer.py), the float
-model run a layer at a time with its linears' inputs observed (observer.py), and the memory it may take
+"""Text -> per-layer statistics: the calibration text and its tokens (documents.py, tokenizer.py, data.py), the
+float model run a layer at a time with its linears' inputs observed (observer.py), and the memory it may take
 (memory.py)."""

@@ -1,11 +1,11 @@
-"""One split of a Hub dataset as calibration text, read lazily: its files fetched one by one as reading reaches
-them, one column of each read a batch of rows at a time (parquet through pyarrow; JSON, JSON Lines, CSV/TSV and
-text lines, plain or compressed as .gz, .bz2 or .xz), each value made text: a string as it is, a conversation
-through the model's chat template."""
+"""Reading calibration files: a text file's first characters, and one column of a data file a batch of rows at a
+time (parquet through pyarrow; JSON, JSON Lines, CSV/TSV and text lines, plain or compressed as .gz, .bz2 or .xz).
+Text is UTF-8; a byte that is not is named."""
 
 from __future__ import annotations
 
 import bz2
+import codecs
 import csv
 import dataclasses
 import gzip
@@ -15,142 +15,56 @@ import json
 import lzma
 import zlib
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
-from qconvert.calibration import chat
-from qconvert.calibration.data_files import READERS, SplitFiles, data_extension, split_files
-from qconvert.calibration.hub_dataset import DatasetSelection, Snapshot, one_line, open_snapshot, parse_address
-from qconvert.formats.errors import InvalidCheckpointError, UsageError
-from qconvert.formats.safetensors_io import sha256_file
+from qconvert.calibration.data_files import data_extension
+from qconvert.calibration.hub_dataset import one_line
+from qconvert.formats.errors import UsageError
 
-DEFAULT_SPLIT = "train"
 TEXT_COLUMN = "text"
-CHAT_COLUMNS = ("messages", "conversations")
 PARQUET_BATCH_ROWS = 64  # rows decoded at a time: the windows rarely need more than a few batches
+READ_CHUNK_BYTES = 1 << 20
 COMPRESSIONS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 MISSING = object()  # a JSON record without the column
 
 
-def open_dataset_text(address: str, selection: DatasetSelection, model_folder: Path,
-                      drop_prefix: str | None = None) -> DatasetText:
-    """The text of a whole Hub dataset (`address` without a file path) as `selection` picks it: the repository
-    listed (or its cached snapshot found), the split's files found, the first one read for its columns."""
-    parsed = parse_address(address)
-    snapshot = open_snapshot(parsed.repo, selection.commit or parsed.revision)
+def decoded(name: str, data: bytes, offset: int, decoder, final: bool) -> str:
+    """`data` (the bytes at `offset` of the file `name` names) through an incremental UTF-8 decoder; UsageError
+    naming the first byte that is not UTF-8."""
+    pending = len(decoder.getstate()[0])
     try:
-        split = split_files(snapshot.paths, snapshot.card_metadata(), selection.split or DEFAULT_SPLIT,
-                            selection.config, snapshot.where)
-    except UsageError as err:  # the messages speak of "the dataset": say which
-        raise UsageError(f"--calib {address}: {err}") from None
-    return DatasetText(snapshot, split, selection.column, model_folder, drop_prefix)
+        return decoder.decode(data, final=final)
+    except UnicodeDecodeError as err:
+        start = offset - pending + err.start
+        raise UsageError(f"{name} is not UTF-8 text (byte {start}: "
+                         f"{err.object[err.start:err.start + 1]!r}); convert it to UTF-8") from None
 
 
-class DatasetText:
-    """The text of one column of one split: iterate it once; then `record()` says what was read."""
-
-    def __init__(self, snapshot: Snapshot, split: SplitFiles, column: str | None, model_folder: Path,
-                 drop_prefix: str | None = None):
-        """`drop_prefix`: text a rendered conversation loses at its start (the BOS each window already has)."""
-        if not split.files:
-            raise UsageError(f"split {split.split!r} of Hub dataset {snapshot.repo} has no "
-                             f"{'/'.join(e for e, r in READERS.items() if r == split.reader)} file{snapshot.where}")
-        self.snapshot, self.split, self.model_folder, self.drop_prefix = snapshot, split, model_folder, drop_prefix
-        self.files_read: list[dict[str, str]] = []
-        self._first = self._fetch(split.files[0])
-        found = columns(self._first, split.reader)
-        self.column = column if column is not None else _chosen_column(found, self._name_of_split())
-        if self.column not in found:
-            raise UsageError(f"{self._name_of_split()} has no column {self.column!r}; its columns: "
-                             f"{', '.join(found) or 'none'}")
-        self._template: chat.ChatTemplate | None = None
-        self._dropped = False  # whether a conversation began with drop_prefix and lost it
-
-    def _name_of_split(self) -> str:
-        config = "" if self.split.config == "default" else f" (config {self.split.config})"
-        return f"split {self.split.split!r} of Hub dataset {self.snapshot.repo}{config}"
-
-    def _fetch(self, path: str) -> DataFile:
-        local = self.snapshot.fetch(path)
-        self.files_read.append({"path": path, "sha256": sha256_file(local)})
-        return DataFile(local, path, self.snapshot.repo)
-
-    def __iter__(self) -> Iterator[str]:
-        row = 0
-        for k, path in enumerate(self.split.files):
-            file = self._first if k == 0 else self._fetch(path)
-            for value in values(file, self.split.reader, self.column):
-                yield self._text(value, f"row {row} of {self._name_of_split()} (in {path})")
-                row += 1
-
-    def _text(self, value: Any, where: str) -> str:
-        if isinstance(value, str):
-            return value
-        if value is MISSING:
-            raise UsageError(f"{where} has no {self.column!r} field")
-        if not isinstance(value, list):
-            kind = "null" if value is None else type(value).__name__
-            raise UsageError(f"{where}: column {self.column!r} holds {kind}, not text or a conversation")
-        if self._template is None:
-            self._template = chat.load_chat_template(self.model_folder)
-            if self._template is None:
-                raise UsageError(f"column {self.column!r} of {self._name_of_split()} holds conversations, and the "
-                                 "model has no chat template (chat_template.jinja, or chat_template in "
-                                 "tokenizer_config.json) to write them as text; pass --calib-column with a text column")
-        text = _rendered(self._template, chat.conversation(value, where), where)
-        if self.drop_prefix and text.startswith(self.drop_prefix):
-            text, self._dropped = text[len(self.drop_prefix):], True
-        return text
-
-    @property
-    def description(self) -> str:
-        """What the text is, in words, for progress lines and the model card."""
-        templated = ", written with the model's chat template" if self._template is not None else ""
-        config = "" if self.split.config == "default" else f" config {self.split.config},"
-        return (f"Hub dataset {self.snapshot.repo} at {self.snapshot.commit[:12]},{config} split {self.split.split}, "
-                f"column {self.column}{templated}")
-
-    def record(self) -> dict[str, Any]:
-        """qconvert.json's `dataset` entry: what was read, enough to read it again byte for byte."""
-        template = None
-        if self._template is not None:
-            template = {**self._template.record(), "dropped_prefix": self.drop_prefix if self._dropped else None}
-        return {"repo": self.snapshot.repo, "revision": self.snapshot.commit, "config": self.split.config,
-                "split": self.split.split, "column": self.column, "files": list(self.files_read),
-                "chat_template": template}
-
-
-def _chosen_column(found: list[str], split: str) -> str:
-    for column in (TEXT_COLUMN, *CHAT_COLUMNS):
-        if column in found:
-            return column
-    raise UsageError(f"{split} has no {TEXT_COLUMN!r}, {' or '.join(map(repr, CHAT_COLUMNS))} column; its columns: "
-                     f"{', '.join(found) or 'none'} (pass one to --calib-column)")
-
-
-def _rendered(template: chat.ChatTemplate, messages: list[dict[str, Any]], where: str) -> str:
-    import jinja2
-
-    try:
-        return template.render(messages)
-    except jinja2.exceptions.SecurityError as err:
-        raise InvalidCheckpointError(f"the model's chat template ({template.source}) did what jinja2's sandbox "
-                                     f"forbids ({one_line(err)}); fix the template") from None
-    except Exception as err:  # noqa: BLE001 - the template is the checkpoint's code: any error is about this row
-        raise UsageError(f"the model's chat template ({template.source}) cannot write {where}: "
-                         f"{one_line(err)}") from None
+def read_text_prefix(path: Path, chars: int) -> tuple[str, bool]:
+    """The first `chars` characters of a UTF-8 file (or all of it), and whether that is all of it."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    parts, have, offset = [], 0, 0
+    with open(path, "rb") as f:
+        while have <= chars:
+            data = f.read(READ_CHUNK_BYTES)
+            text = decoded(f"calibration file {path}", data, offset, decoder, final=not data)
+            offset += len(data)
+            parts.append(text)
+            have += len(text)
+            if not data:
+                return "".join(parts), True
+    text = "".join(parts)
+    return text[:chars], False
 
 
 @dataclasses.dataclass(frozen=True)
 class DataFile:
-    """A dataset file on disk and the path it has in its repository (whose suffixes say how to read it)."""
+    """A data file on disk, the path it has in its repository or folder (whose suffixes say how to read it), and
+    its name in messages."""
 
     local: Path
     path: str
-    repo: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.path} of Hub dataset {self.repo}"
+    name: str  # in messages: "PATH of Hub dataset REPO", "calibration file PATH"
 
     @property
     def suffixes(self) -> list[str]:
@@ -182,7 +96,7 @@ def columns(file: DataFile, reader: str) -> list[str]:
     if reader == "csv":
         with _FileErrors(file), _text_stream(file) as stream:
             return list(csv.DictReader(stream, delimiter=_delimiter(file)).fieldnames or [])
-    for record in _json_records(file):
+    for _, record in json_records(file):
         return list(record)
     return []
 
@@ -204,7 +118,7 @@ def values(file: DataFile, reader: str, column: str) -> Iterator[Any]:
             for row in csv.DictReader(stream, delimiter=_delimiter(file)):
                 yield row.get(column, MISSING)
     else:
-        for record in _json_records(file):
+        for _, record in json_records(file):
             yield record.get(column, MISSING)
 
 
@@ -245,26 +159,20 @@ def _parquet(file: DataFile):
         return pq.ParquetFile(file.local)
 
 
-def _json_records(file: DataFile) -> Iterator[dict[str, Any]]:
-    """A JSON file's records: a JSON array of objects, or one object per line (JSON Lines, whatever the name)."""
-    with _FileErrors(file), _text_stream(file) as stream:
+def json_records(file: DataFile) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A JSON file's records, each with where it stands ("line 3", "item 0"): a JSON array of objects, or one
+    object per line (JSON Lines, whatever the name), read a line at a time."""
+    with _FileErrors(file), _binary(file) as binary:
+        lines = _lines(file, binary)
         leading = []  # the lines up to the first that is not blank: its first character tells the form
-        for line in stream:
+        for line in lines:
             leading.append(line)
             if line.strip():
                 break
         if "".join(leading).lstrip().startswith("["):
-            try:
-                records = json.loads("".join(leading) + stream.read())
-            except json.JSONDecodeError as err:
-                raise UsageError(f"{file.name} is not JSON ({err.msg} at line {err.lineno}); write a list of "
-                                 "objects, or one object per line") from None
-            for k, record in enumerate(records):
-                if not isinstance(record, dict):
-                    raise UsageError(f"{file.name} item {k} is {type(record).__name__}, not an object")
-                yield record
+            yield from _json_array(file, "".join(itertools.chain(leading, lines)))
             return
-        for lineno, line in enumerate(itertools.chain(leading, stream), 1):
+        for lineno, line in enumerate(itertools.chain(leading, lines), 1):
             if not line.strip():
                 continue
             try:
@@ -274,4 +182,25 @@ def _json_records(file: DataFile) -> Iterator[dict[str, Any]]:
                                  "one object per line") from None
             if not isinstance(record, dict):
                 raise UsageError(f"{file.name} line {lineno} is {type(record).__name__}, not an object")
-            yield record
+            yield f"line {lineno}", record
+
+
+def _json_array(file: DataFile, text: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{file.name} is not JSON ({err.msg} at line {err.lineno}); write a list of objects, or "
+                         "one object per line") from None
+    for k, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise UsageError(f"{file.name} item {k} is {type(record).__name__}, not an object")
+        yield f"item {k}", record
+
+
+def _lines(file: DataFile, binary: BinaryIO) -> Iterator[str]:
+    """The file's lines, each decoded as it is read (a byte order mark at the start is no part of the first)."""
+    offset = 0
+    for lineno, raw in enumerate(binary, 1):
+        skip = len(codecs.BOM_UTF8) if lineno == 1 and raw.startswith(codecs.BOM_UTF8) else 0
+        yield decoded(file.name, raw[skip:], offset + skip, codecs.getincrementaldecoder("utf-8")(), final=True)
+        offset += len(raw)
