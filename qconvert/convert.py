@@ -1,49 +1,36 @@
-"""The quantize pipeline: resolve MODEL once, plan, calibrate, stream-quantize into packed shards, write OUT atomically."""
+"""The quantize pipeline: resolve MODEL once, plan, calibrate, write OUT (qconvert.write) atomically."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from qconvert import __version__, cluster
-from qconvert.write.card import CARD_NAME, CardFacts, write_card
-from qconvert.formats.errors import FormatError, InvalidCheckpointError, InvalidWeightError, QConvertError, UsageError
-from qconvert.formats.layout_base import LayoutFlags
-from qconvert.formats.quantized_sources import SourceFormat
-from qconvert.formats.record import ConversionRecord, SourceRecord, write_record
-from qconvert.formats.safetensors_io import SafetensorsCheckpoint, write_shards
+from qconvert.formats.errors import FormatError, InvalidCheckpointError, QConvertError, UsageError
+from qconvert.formats.record import ConversionRecord
 from qconvert.models.weight_only import WeightOnlySelection
 from qconvert.options import ConvertOptions, CalibrationOptions  # noqa: F401  (ConvertOptions' home; imported from here)
-from qconvert.write.folder import (
-    check_free_space, check_output_free, check_output_location, check_writable, copy_side_files, hash_in_background,
-    scratch_folder, side_files, staged_output, write_json,
-)
-from qconvert.plan import FLOAT_WEIGHT_DTYPES, ConversionPlan, PlannedTensor, is_float_array, plan_conversion
-from qconvert.write.prefetch import available_cores, run_ahead
-from qconvert.write.upload import Upload
+from qconvert.plan import ConversionPlan, PlannedTensor, plan_conversion
 from qconvert.methods.scale_search import ScaleSearches
+from qconvert.source.hub import ResolvedModel
 from qconvert.source.resolve import SourceModel, open_source, resolve_source
 from qconvert.stages import stage
 from qconvert.methods.gptq_core import DEFAULT_ACT_ORDER, DEFAULT_DAMP, GPTQConfig
 from qconvert.methods.gptq import RTN_RECORD, DiscardedStore, QuantizedStore, SequentialGPTQ
 from qconvert.methods.recipe import Adjustments, prepare_adjustments, runs_awq
-
-# The exponent bits of each float weight dtype: all ones exactly for NaN and Inf.
-EXPONENT_BITS = {"float32": (np.uint32, 0x7F800000), "float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80)}
-class Progress(Protocol):
-    """What the pipeline reports while it streams (the CLI draws a bar from it)."""
-
-    def start(self, total_bytes: int, total_tensors: int) -> None: ...
-
-    def advance(self, nbytes: int) -> None: ...
+from qconvert.write.folder import (
+    check_free_space, check_output_free, check_output_location, check_writable, scratch_folder,
+)
+from qconvert.write.inputs import hash_in_background, input_files
+from qconvert.write.output import write_output
+from qconvert.write.tensors import Calibrated, Progress
+from qconvert.write.upload import Upload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,26 +91,22 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
             message: Callable[[str], None] | None = None) -> ConvertResult:
     """`qconvert quantize`: MODEL (a folder or Hub id) into OUT, each step once.
 
-    Check OUT; resolve MODEL (one commit for a Hub branch) and find its family;
-    open its checkpoint (closed at the end); plan every output tensor; for adjustments, calibrate and
-    smooth on that same checkpoint (qconvert.methods.recipe); stream-quantize into shards
-    beside OUT; write config.json and qconvert.json; rename into place.
-    `message` receives the adjustments stage's progress lines.
+    Resolve MODEL (one commit for a Hub branch; OUT checked before any download) and
+    open its checkpoint and family (closed at the end); plan every output tensor; calibrate
+    where the scheme, AWQ or GPTQ needs it, on that same checkpoint (qconvert.methods.recipe);
+    write the shards, config.json and qconvert.json beside OUT and rename into place
+    (qconvert.write). `message` receives the planning notes and the calibration's progress lines.
     """
     started = time.perf_counter()
     out = Path(out)
-    writes = not options.dry_run and cluster.is_leader()  # of several processes, process 0 writes
-    if writes:
-        check_output_target(model, out, options.overwrite)  # before any download
-    resolved = resolve_source(model, options.revision, scheme=options.scheme_object,
-                              any_architecture=options.any_architecture)
-    if writes and resolved.is_hub:
-        check_output_location(out, resolved.folder)  # not inside the Hub cache either
+    resolved = _resolve(model, out, options)
     try:
         with stage("planning"):
             source = open_source(resolved, any_architecture=options.any_architecture)
-        with source:
-            plan, adjustments, files, phases = _convert_source(source, out, options, progress, message)
+        with source, contextlib.ExitStack() as scratch:
+            plan = _plan(source, out, options, message)
+            adjustments, phases = _calibrate(source, plan, options, out, scratch, message)
+            files, wrote = _write(source, out, plan, options, adjustments, progress)
     except FormatError as err:
         raise InvalidCheckpointError(f"{err}") from None
     ckpt = source.checkpoint
@@ -133,49 +116,97 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
         scheme=options.scheme, dry_run=options.dry_run, tensors=plan.tensors,
         input_bytes=sum(ckpt.nbytes(name) for name in ckpt.tensor_names),
         output_bytes=sum(spec.nbytes for spec in plan.specs),
-        seconds=time.perf_counter() - started, files=files, phases=tuple(phases),
+        seconds=time.perf_counter() - started, files=files, phases=tuple(phases + wrote),
         weight_only=source.weight_only,
         notes=tuple(n for n in (gptq_data_note(adjustments, ckpt),) if n), server_note=plan.server_note,
         refusal=plan.refusal, kept_float=plan.kept_float,
     )
 
 
-def _convert_source(source: SourceModel, out: Path, options: ConvertOptions, progress: Progress | None,
-                    message: Callable[[str], None] | None
-                    ) -> tuple[ConversionPlan, Adjustments, dict[str, str], list[tuple[str, float]]]:
-    """Plan, calibrate where the scheme or GPTQ needs it, and write OUT (not for a dry run): the plan, the adjustments
-    stage's adjustments, the output files' hashes and the seconds of each phase."""
-    scheme = options.scheme_object
+def _writes(options: ConvertOptions) -> bool:
+    """Whether this process writes OUT: not for a dry run, and of several processes only process 0."""
+    return not options.dry_run and cluster.is_leader()
+
+
+def _resolve(model: str, out: Path, options: ConvertOptions) -> ResolvedModel:
+    """MODEL resolved once (one commit for a Hub branch), its family found; OUT refused before any download when it
+    would destroy the input, the current folder or what qconvert did not write, or lie inside the Hub cache."""
+    if _writes(options):
+        check_output_target(model, out, options.overwrite)  # before any download
+    resolved = resolve_source(model, options.revision, scheme=options.scheme_object,
+                              any_architecture=options.any_architecture)
+    if _writes(options) and resolved.is_hub:
+        check_output_location(out, resolved.folder)  # not inside the Hub cache either
+    return resolved
+
+
+def _plan(source: SourceModel, out: Path, options: ConvertOptions,
+          message: Callable[[str], None] | None) -> ConversionPlan:
+    """Every output tensor, its layout and the refusals, before a byte is read; the plan's notes told, and OUT's
+    disk checked for room."""
     with stage("planning"):
-        plan = plan_conversion(source, scheme=scheme, include=options.include, exclude=options.exclude,
-                               double_quant=options.double_quant, static_act=options.static_act,
-                               group_size=options.group_size, dry_run=options.dry_run)
+        plan = plan_conversion(source, scheme=options.scheme_object, include=options.include,
+                               exclude=options.exclude, double_quant=options.double_quant,
+                               static_act=options.static_act, group_size=options.group_size,
+                               dry_run=options.dry_run)
     for note in plan.notes:
         if message is not None:
             message(note)
-    phases: list[tuple[str, float]] = []
-    files: dict[str, str] = {}
-    if not options.dry_run and cluster.is_leader():
+    if _writes(options):
         _check_space(out, plan, options)
-    with contextlib.ExitStack() as scratch:
-        gptq = _sequential_gptq(source, plan, options, out, scratch)
-        adjustments = Adjustments()
-        if (scheme.calibrates or gptq or runs_awq(source, options)) and not (options.dry_run
-                                                               and (not options.static_act or plan.refusal)):
-            calibration_started = time.perf_counter()
-            agree_run(source, options, plan)
-            with stage("calibration"):
-                adjustments = prepare_adjustments(source, options, message, plan.quantized_modules, gptq,
-                                                  plan.flags)
-            if adjustments.calibration_record is not None:
-                phases.append(("calibrated", time.perf_counter() - calibration_started))
-        if options.static_act and not plan.refusal:
-            _check_input_scales(plan, adjustments.input_scales or {})
-        if not options.dry_run and cluster.is_leader():
-            writing_started = time.perf_counter()
-            files = write_output(source, out, plan, options, adjustments, progress)
-            phases.append(("wrote", time.perf_counter() - writing_started))
-    return plan, adjustments, files, phases
+    return plan
+
+
+def _calibrate(source: SourceModel, plan: ConversionPlan, options: ConvertOptions, out: Path,
+               scratch: contextlib.ExitStack, message: Callable[[str], None] | None
+               ) -> tuple[Adjustments, list[tuple[str, float]]]:
+    """The calibration stage's adjustments (none where the run does not calibrate) and its seconds; GPTQ's codes
+    are kept in a scratch folder beside OUT that `scratch` removes."""
+    gptq = _sequential_gptq(source, plan, options, out, scratch)
+    adjustments, phases = Adjustments(), []
+    if (options.scheme_object.calibrates or gptq or runs_awq(source, options)) and not (
+            options.dry_run and (not options.static_act or plan.refusal)):
+        calibration_started = time.perf_counter()
+        agree_run(source, options, plan)
+        with stage("calibration"):
+            adjustments = prepare_adjustments(source, options, message, plan.quantized_modules, gptq,
+                                              plan.flags)
+        if adjustments.calibration_record is not None:
+            phases.append(("calibrated", time.perf_counter() - calibration_started))
+    if options.static_act and not plan.refusal:
+        _check_input_scales(plan, adjustments.input_scales or {})
+    return adjustments, phases
+
+
+def _write(source: SourceModel, out: Path, plan: ConversionPlan, options: ConvertOptions, adjustments: Adjustments,
+           progress: Progress | None) -> tuple[dict[str, str], list[tuple[str, float]]]:
+    """OUT written with the calibration's adjustments (not for a dry run): the files' sha256 and the seconds."""
+    if not _writes(options):
+        return {}, []
+    writing_started = time.perf_counter()
+    files = write_output(source, out, plan, options, _calibrated(adjustments, options),
+                         _record(source, plan, options, adjustments), progress)
+    return files, [("wrote", time.perf_counter() - writing_started)]
+
+
+def _calibrated(adjustments: Adjustments, options: ConvertOptions) -> Calibrated:
+    """What the writer takes of the calibration stage's adjustments for the tensors: the smoothing transform,
+    static input scales, the clip searches (with the clips handed in) and GPTQ's codes."""
+    return Calibrated(
+        weight_transform=adjustments.transform, input_scales=adjustments.input_scales or {},
+        searches=ScaleSearches(options.searches_scales, dict(adjustments.weight_clip),
+                               dict(adjustments.search_records)),
+        quantized=adjustments.quantized)
+
+
+def _record(source: SourceModel, plan: ConversionPlan, options: ConvertOptions,
+            adjustments: Adjustments) -> ConversionRecord:
+    """qconvert.json as far as it is known before writing (the writer adds the source, scale searches, files)."""
+    return ConversionRecord(
+        options.scheme, {}, qconvert_version=__version__, flags=options.recorded_flags(plan.flags),
+        calibration=adjustments.calibration_record, smoothing=adjustments.smoothing_record,
+        rounding=adjustments.rounding_record or dict(RTN_RECORD),
+        weight_only=source.weight_only.record() if source.weight_only is not None else None)
 
 
 def _check_space(out: Path, plan: ConversionPlan, options: ConvertOptions) -> None:
@@ -253,62 +284,6 @@ def agree_run(source: SourceModel, options: ConvertOptions, plan: ConversionPlan
     agree_source(source)
 
 
-def write_output(source: SourceModel, out: Path, plan: ConversionPlan, options: ConvertOptions,
-                 adjustments: Adjustments, progress: Progress | None) -> dict[str, str]:
-    """Write the planned tensors, config.json and qconvert.json beside OUT, then rename into place; the file hashes."""
-    resolved, ckpt = source.resolved, source.checkpoint
-    files: dict[str, str] = {}
-    searches = ScaleSearches(options.searches_scales, dict(adjustments.weight_clip), dict(adjustments.search_records))
-    source_hashes = hash_in_background(resolved.folder, input_files(resolved.folder, ckpt))
-    with stage("writing the output"), staged_output(out, options.overwrite) as staging:
-        stream = stream_tensors(ckpt, plan, options, adjustments.transform, adjustments.input_scales or {}, progress, searches,
-                                adjustments.quantized)
-        try:
-            files.update(write_shards(staging, plan.specs, stream, options.max_shard_size))
-        finally:
-            stream.close()  # stops the worker at once if writing failed
-        files.update(copy_side_files(resolved.folder, staging))
-        files["config.json"] = write_json(staging / "config.json", quantized_config(resolved.config, plan, options))
-        record = ConversionRecord(
-            options.scheme, {}, source_record(resolved, out, source_hashes(), source.source_format),
-            __version__, options.recorded_flags(plan.flags), adjustments.calibration_record, adjustments.smoothing_record,
-            searches.record(options.scheme_object), adjustments.rounding_record or dict(RTN_RECORD),
-            source.weight_only.record() if source.weight_only is not None else None)
-        files[CARD_NAME] = write_card(staging, card_facts(source, plan, options, record))
-        write_record(staging, dataclasses.replace(record, files=dict(sorted(files.items()))))
-    return dict(sorted(files.items()))
-
-
-def source_record(resolved, out: Path, hashes: dict[str, str],
-                  source_format: SourceFormat | None = None) -> SourceRecord:
-    """qconvert.json's `source`: a Hub id with its revision and commit; a local folder by its name and where it
-    lies from OUT (relative: no local path is published, and verify finds it from any working folder); the
-    quantized format it was read as float from, if any."""
-    fmt = source_format.name if source_format is not None else None
-    if resolved.is_hub:
-        return SourceRecord(resolved.model_id, True, resolved.revision, resolved.commit, hashes, format=fmt)
-    folder = Path(os.path.abspath(resolved.folder))
-    return SourceRecord(folder.name, False, None, None, hashes,
-                        Path(os.path.relpath(folder, os.path.abspath(out))).as_posix(), fmt)
-
-
-def card_facts(source: SourceModel, plan: ConversionPlan, options: ConvertOptions,
-               record: ConversionRecord) -> CardFacts:
-    """What the model card says: the record (less its file hashes), the scheme, the family and the sizes."""
-    scheme, ckpt = options.scheme_object, source.checkpoint
-    return CardFacts(
-        record=record, quant_method=scheme.layout.quant_method,
-        scheme_summary=scheme.summary, loads_in=scheme.loads_in, vllm_loads=scheme.vllm_loads,
-        causal_lm=source.family.causal_lm or source.weight_only is not None,
-        architecture=", ".join(source.config.get("architectures") or ["a model"]),
-        quantized_linears=len(plan.quantized_modules),
-        unchanged_tensors=sum(t.module is None for t in plan.tensors),
-        input_bytes=sum(ckpt.nbytes(name) for name in ckpt.tensor_names),
-        output_bytes=sum(spec.nbytes for spec in plan.specs), pip_packages=scheme.layout.pip_packages,
-        act_applies=bool(scheme.act_modes), repo=options.card_repo,
-        transformers_quantization_config=scheme.layout.transformers_quantization_config)
-
-
 def check_output_target(model: str, out: Path, overwrite: bool) -> None:
     """OUT may not destroy the input (a local MODEL) or the current folder, nor replace what qconvert did not write."""
     local = Path(model).expanduser()
@@ -322,137 +297,3 @@ def _check_input_scales(plan: ConversionPlan, input_scales: Mapping[str, float])
     if missing:
         raise UsageError(f"static activations need an input scale for every quantized linear; "
                          f"{len(missing)} have none (first: {missing[0]})")
-
-
-def all_finite(array: np.ndarray, chunk_elements: int = 1 << 22) -> bool:
-    """Whether a float array has no NaN/Inf, checked in chunks so no full-size mask is allocated.
-
-    float32/16 and bf16 values are NaN or Inf exactly when their exponent bits are all
-    ones, so those are checked on the bits in numpy, on the array itself: the same
-    answer as isfinite, and no other library is handed the tensor (after a jitted
-    check, a 788 MB embedding was seen to stay alive until the thread's next jitted
-    call). Other dtypes (float64) go through numpy's isfinite.
-    """
-    flat = np.ascontiguousarray(array).reshape(-1)
-    if np.dtype(flat.dtype).name not in EXPONENT_BITS:
-        return all(np.isfinite(flat[i:i + chunk_elements]).all() for i in range(0, flat.size, chunk_elements))
-    uint, ones = EXPONENT_BITS[np.dtype(flat.dtype).name]
-    bits, ones = flat.view(uint), uint(ones)
-    scratch = np.empty(min(bits.size, chunk_elements), uint)
-    for i in range(0, bits.size, chunk_elements):
-        part = scratch[:min(chunk_elements, bits.size - i)]
-        np.bitwise_and(bits[i:i + chunk_elements], ones, out=part)
-        if (part == ones).any():
-            return False
-    return True
-
-
-def prefetch_limit(plan: ConversionPlan) -> int:
-    """Bytes of source tensors that may be in flight (read or quantized ahead, or being written) at once.
-
-    One largest tensor's worth: peak memory stays near the largest tensor, while
-    the linears of a layer (each a fraction of it) overlap their reads and
-    quantization with the writing of the ones before.
-    """
-    return max((t.source_bytes for t in plan.tensors), default=0)
-
-
-def stream_tensors(ckpt: SafetensorsCheckpoint, plan: ConversionPlan, options: ConvertOptions,
-                   weight_transform, input_scales: Mapping[str, float],
-                   progress: Progress | None, searches: ScaleSearches | None = None,
-                   quantized: QuantizedStore | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, array) for every output tensor in plan order.
-
-    Reading, transforming, checking and quantizing run on `options.workers` threads
-    (default: one per available core) ahead of the consumer (the shard writer), within
-    `prefetch_limit` bytes; the results come in plan order whatever the thread count.
-    """
-    if progress is not None:
-        progress.start(sum(t.source_bytes for t in plan.tensors), len(plan.tensors))
-    tasks = ((planned.source_bytes, functools.partial(output_tensors, ckpt, planned, options, weight_transform,
-                                                      input_scales, searches, plan.flags, quantized))
-             for planned in plan.tensors)
-    return run_ahead(tasks, prefetch_limit(plan), on_done=progress.advance if progress is not None else None,
-                     workers=options.workers or available_cores())
-
-
-def output_tensors(ckpt: SafetensorsCheckpoint, planned: PlannedTensor, options: ConvertOptions,
-                   weight_transform, input_scales: Mapping[str, float],
-                   searches: ScaleSearches | None = None, flags: LayoutFlags | None = None,
-                   quantized: QuantizedStore | None = None) -> list[tuple[str, np.ndarray]]:
-    """The (name, array) output tensors of one planned tensor: read, transform, check, quantize.
-
-    A linear GPTQ rounded during calibration is taken from `quantized` as it is. An
-    untransformed 2-D float linear whose scales are not searched is read a block of rows at a
-    time (qconvert.schemes.rowwise), so its source is never held whole beside its codes.
-    """
-    if quantized is not None and planned.module in quantized:
-        scheme = options.scheme_object
-        tensors = scheme.layout.to_tensors(planned.module, quantized.get(planned.module),
-                                           flags if flags is not None else scheme.layout_flags(),
-                                           input_scale=input_scales.get(planned.module))
-        return [(spec.name, tensors.pop(spec.name)) for spec in planned.specs]
-    if (planned.module is not None and weight_transform is None and len(planned.shape) == 2
-            and planned.source_dtype in FLOAT_WEIGHT_DTYPES and not (searches is not None and searches.enabled)):
-        tensors = quantized_tensors(planned, functools.partial(ckpt.get_rows, planned.source), options,
-                                    input_scales.get(planned.module), flags=flags)
-        return [(spec.name, tensors.pop(spec.name)) for spec in planned.specs]
-    array = ckpt.get(planned.source)
-    if weight_transform is not None:
-        array = _transformed(planned, weight_transform(planned.source, array))
-    if planned.module is None:
-        if is_float_array(array) and not all_finite(array):
-            raise InvalidWeightError(f"{planned.source} has NaN or Inf values; fix the checkpoint")
-        return [(planned.source, array)]
-    tensors = quantized_tensors(planned, array, options, input_scales.get(planned.module), searches, flags)
-    return [(spec.name, tensors.pop(spec.name)) for spec in planned.specs]
-
-
-def _transformed(planned: PlannedTensor, array) -> np.ndarray:
-    array = np.asarray(array)
-    if tuple(array.shape) != planned.shape:
-        raise ValueError(f"weight_transform changed the shape of {planned.source} to {list(array.shape)}")
-    # The output keeps the source dtype whatever precision the transform computed in.
-    return array.astype(np.dtype(planned.source_dtype), copy=False)
-
-
-def quantized_tensors(planned: PlannedTensor, weight: np.ndarray | Callable[[int, int], np.ndarray],
-                      options: ConvertOptions, input_scale: float | None,
-                      searches: ScaleSearches | None = None, flags: LayoutFlags | None = None
-                      ) -> dict[str, np.ndarray]:
-    """One linear's weight -> its output tensors in the scheme's layout (NaN/Inf refused).
-
-    `weight` is the array, or `read_rows(start, stop)` returning a block of its rows (no scale search).
-    `flags` are the plan's layout flags (default: the options' own, for a scheme that needs no shapes).
-    """
-    scheme = options.scheme_object
-    if flags is None:
-        flags = scheme.layout_flags(act=options.act, double_quant=options.double_quant, group_size=options.group_size)
-    dtype = np.dtype(planned.source_dtype)
-    try:
-        if callable(weight):
-            q = scheme.quantize_rows(weight, planned.shape, dtype, flags)
-        else:
-            clip = None
-            if searches is not None and searches.enabled:
-                clip = searches.clip_for(planned.module, weight, scheme, flags)
-            q = scheme.quantize(weight, flags, scale_dtype=dtype, clip=clip)
-    except InvalidWeightError:
-        raise InvalidWeightError(f"{planned.source} has NaN or Inf values; fix the checkpoint") from None
-    return scheme.layout.to_tensors(planned.module, q, flags, input_scale=input_scale)
-
-
-def quantized_config(config: dict[str, Any], plan: ConversionPlan, options: ConvertOptions) -> dict[str, Any]:
-    """The source config.json with the scheme's quantization_config added."""
-    declared = config.get("torch_dtype") or config.get("dtype")
-    compute_dtype = declared if declared in FLOAT_WEIGHT_DTYPES else plan.float_dtype
-    return {**config, "quantization_config": options.scheme_object.layout.quantization_config(
-        plan.flags, tuple(plan.ignore), compute_dtype)}
-
-
-def input_files(folder: Path, ckpt: SafetensorsCheckpoint) -> list[str]:
-    """The files of the source folder a conversion reads (relative paths)."""
-    inputs = [p.relative_to(folder).as_posix() for p in ckpt.files] + ["config.json"] + side_files(folder)
-    if (folder / "model.safetensors.index.json").exists():
-        inputs.append("model.safetensors.index.json")
-    return inputs

@@ -12,7 +12,8 @@ from safetensors.numpy import load_file, save_file
 
 from cli_helpers import run
 from checkpoints import make_llama_checkpoint
-import qconvert.convert as convert_module
+import qconvert.write.output as output_module
+import qconvert.write.tensors as tensors_module
 
 
 @pytest.fixture(scope="module")
@@ -163,14 +164,14 @@ def test_full_disk_exits_9_and_leaves_nothing(source, tmp_path, capsys, monkeypa
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(convert_module, "write_shards", full)
+    monkeypatch.setattr(output_module, "write_shards", full)
     exit_code, _, stderr = run(["quantize", str(source), "-o", str(tmp_path / "out")], capsys)
     assert exit_code == 9 and "No space left on device" in stderr and len(stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_ctrl_c_exits_130_and_leaves_nothing(source, tmp_path, capsys, monkeypatch):
-    real = convert_module.quantized_tensors
+    real = tensors_module.quantized_tensors
     calls = []
 
     def interrupted(*args, **kwargs):
@@ -179,7 +180,7 @@ def test_ctrl_c_exits_130_and_leaves_nothing(source, tmp_path, capsys, monkeypat
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(convert_module, "quantized_tensors", interrupted)
+    monkeypatch.setattr(tensors_module, "quantized_tensors", interrupted)
     exit_code, _, stderr = run(["quantize", str(source), "-o", str(tmp_path / "out")], capsys)
     assert exit_code == 130 and stderr.strip() == "qconvert: error: interrupted"
     assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -14,6 +14,8 @@ from checkpoints import make_bert_checkpoint, make_llama_checkpoint, minilm_path
 from quantize_reference import LEVELS, numpy_int8, numpy_nf4, unpack_int32_words
 from test_hub import COMMIT, build_hub_cache
 import qconvert.convert as convert_module
+import qconvert.write.output as output_module
+import qconvert.write.tensors as tensors_module
 from qconvert.convert import ConvertOptions, convert
 from qconvert.formats.errors import InvalidWeightError, OutputWriteError, UsageError
 from qconvert.formats.layouts import open_quantized
@@ -250,7 +252,7 @@ def test_a_linear_weight_the_scheme_cannot_take_is_refused(tmp_path, shape):
 
 
 def test_full_disk_leaves_no_output_and_no_temp_folder(llama_bf16, tmp_path, monkeypatch):
-    real_write = convert_module.write_shards
+    real_write = output_module.write_shards
 
     def write_until_full(folder, specs, tensors, max_shard_size, metadata=None):
         def some_then_full():
@@ -260,7 +262,7 @@ def test_full_disk_leaves_no_output_and_no_temp_folder(llama_bf16, tmp_path, mon
                 yield item
         return real_write(folder, specs, some_then_full(), max_shard_size, metadata)
 
-    monkeypatch.setattr(convert_module, "write_shards", write_until_full)
+    monkeypatch.setattr(output_module, "write_shards", write_until_full)
     with pytest.raises(OutputWriteError, match="No space left"):
         convert(str(llama_bf16), tmp_path / "out", ConvertOptions(scheme="int8"))
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
@@ -268,7 +270,7 @@ def test_full_disk_leaves_no_output_and_no_temp_folder(llama_bf16, tmp_path, mon
 
 def interrupt_at_tensor(monkeypatch, count: int) -> None:
     """Ctrl-C while the `count`-th tensor is read (on a worker thread, as a real one would arrive)."""
-    real, seen = convert_module.output_tensors, []
+    real, seen = tensors_module.output_tensors, []
 
     def interrupted(ckpt, planned, *args, **kwargs):
         seen.append(planned.source)
@@ -276,7 +278,7 @@ def interrupt_at_tensor(monkeypatch, count: int) -> None:
             raise KeyboardInterrupt
         return real(ckpt, planned, *args, **kwargs)
 
-    monkeypatch.setattr(convert_module, "output_tensors", interrupted)
+    monkeypatch.setattr(tensors_module, "output_tensors", interrupted)
 
 
 def test_ctrl_c_leaves_no_output_and_no_temp_folder(llama_bf16, tmp_path, monkeypatch):

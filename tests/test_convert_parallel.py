@@ -208,7 +208,7 @@ def test_cli_workers_zero_is_a_usage_error_and_a_count_writes_the_default_bytes(
 @pytest.mark.parametrize("dtype,uint", [(np.float32, np.uint32), (np.float16, np.uint16),
                                         (ml_dtypes.bfloat16, np.uint16)])
 def test_the_float_tensor_check_agrees_with_isfinite_on_every_kind_of_bit_pattern(dtype, uint):
-    from qconvert.convert import all_finite
+    from qconvert.write.tensors import all_finite
 
     rng = np.random.default_rng(7)
     bits = rng.integers(0, np.iinfo(uint).max, 5000, dtype=uint, endpoint=True)

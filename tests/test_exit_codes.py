@@ -40,12 +40,12 @@ def source(tmp_path_factory):
 
 
 def test_an_unforeseen_exception_deep_in_quantize_is_one_line_and_exit_70(source, tmp_path, capsys, monkeypatch):
-    import qconvert.convert
+    import qconvert.write.tensors
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault\nsecond line of the message")
 
-    monkeypatch.setattr(qconvert.convert, "quantized_tensors", broken)  # runs on the prefetch thread
+    monkeypatch.setattr(qconvert.write.tensors, "quantized_tensors", broken)  # runs on the prefetch thread
     before = tree(tmp_path)
     exit_code, stdout, stderr = run(["quantize", str(source), "-o", str(tmp_path / "out")], capsys)
     assert exit_code == 70 and stdout == ""

@@ -6,7 +6,7 @@ import pytest
 
 import qconvert.schemes.rowwise as quantize_module
 from qconvert.formats.errors import InvalidWeightError
-from qconvert.convert import all_finite
+from qconvert.write.tensors import all_finite
 from qconvert.schemes.int8 import int8_codes_and_scales, quantize_int8
 from qconvert.schemes.nf4 import nf4_codes_and_absmax, quantize_nf4
 
@@ -111,7 +111,7 @@ def test_nan_or_inf_in_a_padded_tail_chunk_is_refused(monkeypatch, bad):
 
 @pytest.mark.parametrize("index", [5, (1 << 20) + 3])
 def test_the_float_tensor_check_sees_nan_in_whole_chunks_and_in_the_tail(index):
-    from qconvert.convert import all_finite as float_tensor_finite
+    from qconvert.write.tensors import all_finite as float_tensor_finite
 
     w = np.ones((1 << 20) + 7, ml_dtypes.bfloat16)
     assert float_tensor_finite(w)

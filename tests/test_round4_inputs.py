@@ -372,13 +372,13 @@ def test_a_live_run_in_another_pid_namespace_keeps_its_temporaries(tmp_path):
     import subprocess
     import sys
 
-    from qconvert.write.folder import stale_temporaries
+    from qconvert.write.temporaries import stale_temporaries
 
     out = tmp_path / "out"
     child = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys; from pathlib import Path; from qconvert.write.folder import _make_temporary, TEMPORARY_MARKER\n"
-         f"path = _make_temporary(Path({str(out)!r}), '.scratch')\n"
+         "import sys; from pathlib import Path; from qconvert.write.temporaries import make_temporary, TEMPORARY_MARKER\n"
+         f"path = make_temporary(Path({str(out)!r}), '.scratch')\n"
          "(path / TEMPORARY_MARKER).write_text('999999\\n')  # its pid as another namespace numbers it\n"
          "print(path, flush=True)\n"
          "sys.stdin.read()\n"],
