@@ -25,7 +25,7 @@ from gemma_checkpoints import GEMMA2, make_gemma_checkpoint, with_outlier_channe
 
 def gain_errors(source, options) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """{norm: relative error per channel} of the gain the smoothed float model applies, and {norm: max s}."""
-    from qconvert.methods.smooth import apply_fold
+    from qconvert.methods.fold import apply_fold
     from qconvert.methods.recipe import prepare_adjustments
 
     adjustments = prepare_adjustments(source, options)

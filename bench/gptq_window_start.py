@@ -38,10 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accuracy import change_standard_error, evaluate, held_out_text, window_start  # noqa: E402
 from qconvert.calibration.tokenizer import token_windows  # noqa: E402
-from qconvert.calibration.observer import open_params, reads_attention_input  # noqa: E402
+from qconvert.calibration.observer import open_params  # noqa: E402
+from qconvert.calibration.statistics import reads_attention_input  # noqa: E402
 from qconvert.methods.gptq_core import gptq_codes  # noqa: E402
 from qconvert.models import build  # noqa: E402
-from qconvert.models.runner import iterate_layers  # noqa: E402
+from qconvert.calibration.layers import iterate_layers  # noqa: E402
 from qconvert.schemes.grids import IntegerGrid  # noqa: E402
 from qconvert.formats.qarray import INT4_QMAX, INT4_QMIN  # noqa: E402
 from qconvert.schemes.int4 import quantize_int4  # noqa: E402

@@ -33,7 +33,8 @@ from qconvert.convert import ConvertOptions, convert  # noqa: E402
 from qconvert.options import CalibrationOptions  # noqa: E402
 from qconvert.formats.safetensors_io import open_checkpoint  # noqa: E402
 from qconvert.source.hub import resolve_model  # noqa: E402
-from qconvert.models import build, forward_layerwise  # noqa: E402
+from qconvert.models import build  # noqa: E402
+from qconvert.calibration.layers import forward_layerwise  # noqa: E402
 from qconvert.formats.checkpoint_params import CheckpointParams  # noqa: E402
 from qconvert.verify.run import VerifyOptions, evaluation_tokens, verify_folder  # noqa: E402
 

@@ -212,6 +212,7 @@ class ConversionRecord:
     rounding: dict[str, Any] | None = None
     weight_only: dict[str, Any] | None = None
     format_version: int = RECORD_FORMAT_VERSION
+    kv_cache: dict[str, Any] | None = None  # the KV cache's scales (--kv-cache): scheme, rule, calibrated maxima
 
     @property
     def source_model(self) -> str | None:
@@ -235,6 +236,8 @@ class ConversionRecord:
                "rounding": self.rounding}
         if self.weight_only is not None:
             out["weight_only"] = self.weight_only
+        if self.kv_cache is not None:
+            out["kv_cache"] = self.kv_cache
         return out
 
     @classmethod
@@ -247,7 +250,7 @@ class ConversionRecord:
                    _object(raw.get("flags")), _object_or_none(raw.get("calibration")),
                    SmoothingRecord.from_json(raw.get("smoothing")), _object_or_none(raw.get("scale_search")),
                    _object_or_none(raw.get("rounding")), _object_or_none(raw.get("weight_only")),
-                   version if isinstance(version, int) else 1)
+                   version if isinstance(version, int) else 1, _object_or_none(raw.get("kv_cache")))
 
 
 @dataclasses.dataclass(frozen=True)

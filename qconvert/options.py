@@ -137,7 +137,8 @@ PRESENTATION_OPTIONS = ("overwrite", "dry_run", "any_architecture", "workers")
 # The calibration and smoothing choices are recorded in full as qconvert.json's
 # `calibration` and `smoothing`, not among the flags.
 RECORDED_ELSEWHERE = ("calibration", "gptq", "gptq_damp", "gptq_act_order",  # GPTQ's: as `rounding`
-                      "awq")  # AWQ's: as `smoothing`, method "awq"
+                      "awq",  # AWQ's: as `smoothing`, method "awq"
+                      "kv_cache")  # the KV cache's scales: as `kv_cache`
 # Recorded only for the schemes that take them (so other schemes' records stay as they were).
 SCHEME_ONLY_OPTIONS = ("group_size",)
 # Recorded only when given (it changes the model card alone), under the flag's own name.
@@ -179,6 +180,8 @@ class ConvertOptions:
     awq: bool | None = None
     # The Hub repository (OWNER/NAME) OUT is written for (--upload-repo): the model card loads from there.
     card_repo: str | None = None
+    # KV-cache scales calibrated and written beside the weights (--kv-cache fp8); None: none.
+    kv_cache: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "include", tuple(self.include))
@@ -202,7 +205,8 @@ class ConvertOptions:
             raise UsageError(f"--workers {self.workers} is more than {prefetch.WORKERS_PER_CORE} threads per core "
                              f"({prefetch.max_workers()} on this machine's {prefetch.available_cores()} cores); "
                              f"give at most {prefetch.max_workers()}")
-        if scheme.calibrates or self.uses_gptq or self.uses_awq:
+        _check_kv_cache(self, scheme)
+        if scheme.calibrates or self.uses_gptq or self.uses_awq or self.kv_cache is not None:
             if self.calibration is None:
                 object.__setattr__(self, "calibration", CalibrationOptions())
             _check_calibration(self.calibration)
@@ -275,6 +279,23 @@ def _check_gptq(options: ConvertOptions, scheme: Scheme) -> None:
     if (damp is not None or options.gptq_act_order is not None) and not options.uses_gptq:
         raise UsageError("--gptq-damp and --gptq-act-order apply with GPTQ only: pass --gptq "
                          f"(on by default for --scheme {_default_gptq_schemes()})")
+
+
+def _check_kv_cache(options: "ConvertOptions", scheme: Scheme) -> None:
+    """Refuse --kv-cache where no loader would read the scales, or calibration cannot make them."""
+    from qconvert.formats.kv_cache import KV_CACHE_SCHEMES
+
+    if options.kv_cache is None:
+        return
+    if options.kv_cache not in KV_CACHE_SCHEMES:
+        raise UsageError(f"--kv-cache must be none or {', '.join(KV_CACHE_SCHEMES)}, not {options.kv_cache!r}")
+    if not scheme.writes_kv_cache_scheme:
+        raise UsageError(f"--kv-cache {options.kv_cache}: --scheme {scheme.name}'s folder has no KV-cache scheme "
+                         "its loaders read (bitsandbytes' config has none); use a compressed-tensors scheme, or "
+                         "drop --kv-cache")
+    if options.calibration is not None and options.calibration.act_stats is not None:
+        raise UsageError("--kv-cache calibrates the attention keys and values, which a statistics file does not "
+                         "hold; drop --act-stats (or --kv-cache)")
 
 
 def _check_awq(scheme: Scheme, calibration: CalibrationOptions) -> None:

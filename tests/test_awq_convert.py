@@ -107,7 +107,7 @@ def test_llama_int4_awq_records_real_scales_passes_verify_and_loads_in_transform
 
 
 def test_the_recorded_scales_folded_into_the_float_model_keep_its_function(llama, llama_int4, tmp_path):
-    from qconvert.methods.smooth import GroupScales, apply_fold, tensor_folds
+    from qconvert.methods.fold import GroupScales, apply_fold, tensor_folds
     from qconvert.models.family import SmoothingGroup
 
     record = json.loads((llama_int4 / "qconvert.json").read_text())

@@ -102,6 +102,7 @@ def test_the_observer_s_input_abs_mean_is_the_mean_over_every_token(tmp_path):
 
     from qconvert.calibration.data import random_windows
     from qconvert.calibration.observer import iter_layer_stats, open_params
+    from qconvert.calibration.statistics import InputAbsMax, InputAbsMean, KeptRows
     from qconvert.models import build
 
     folder = make_llama_checkpoint(tmp_path / "src", hidden=64, layers=1, heads=4, kv_heads=2, intermediate=96,
@@ -110,7 +111,7 @@ def test_the_observer_s_input_abs_mean_is_the_mean_over_every_token(tmp_path):
     keep = {"model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"}
     stats = next(iter_layer_stats(model, params, random_windows(128, 5, 16, seed=0), batch_size=2, keep_inputs=keep))
     for m in keep:
-        rows = stats.input_samples[m]
-        assert rows.shape == (80, stats.act_absmax[m].shape[0])
-        np.testing.assert_allclose(stats.input_abs_mean[m], np.abs(rows.astype(np.float64)).mean(axis=0), rtol=1e-6)
-    assert set(stats.input_abs_mean) == keep
+        rows = stats.of(KeptRows)[m]
+        assert rows.shape == (80, stats.of(InputAbsMax)[m].shape[0])
+        np.testing.assert_allclose(stats.of(InputAbsMean)[m], np.abs(rows.astype(np.float64)).mean(axis=0), rtol=1e-6)
+    assert set(stats.of(InputAbsMean)) == keep

@@ -10,13 +10,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from qconvert.calibration.statistics import InputHessian
 import pytest
 from checkpoints import make_llama_checkpoint, make_mixtral_checkpoint
 
 from qconvert.calibration.data import random_windows
 from qconvert.calibration.observer import iter_layer_stats, open_params
-from qconvert.models import build, iterate_layers
-from qconvert.models.runner import layer_signature
+from qconvert.calibration.statistics import InputAbsMax, InputHessian, KeptRows
+from qconvert.models import build
+from qconvert.calibration.layers import iterate_layers
+from qconvert.calibration.layers import layer_signature
 
 
 class CountingModel:
@@ -103,6 +107,7 @@ _SCRIPT_SETUP = textwrap.dedent("""
     import jax, numpy as np
     from qconvert.calibration.data import random_windows
     from qconvert.calibration.observer import iter_layer_stats, open_params
+    from qconvert.calibration.statistics import InputAbsMax, InputHessian, KeptRows
     from qconvert.models import build
 
     folder, samples = sys.argv[1], int(sys.argv[2])
@@ -120,18 +125,18 @@ _DEVICES_SCRIPT = _SCRIPT_SETUP + textwrap.dedent("""
     report = {"devices": len(jax.devices()), "modules": 0, "absmax_equal": True, "rows_equal": True,
               "rows": 0, "hessians": 0, "hessians_equal": True}
     for a, b in zip(runs["four"], runs["one"]):
-        assert sorted(a.act_absmax) == sorted(b.act_absmax)
-        for m in a.act_absmax:
+        assert sorted(a.of(InputAbsMax)) == sorted(b.of(InputAbsMax))
+        for m in a.of(InputAbsMax):
             report["modules"] += 1
-            report["absmax_equal"] &= bool(np.array_equal(a.act_absmax[m], b.act_absmax[m]))
-            assert (m in a.input_samples) == (m in b.input_samples) == (m in keep)
+            report["absmax_equal"] &= bool(np.array_equal(a.of(InputAbsMax)[m], b.of(InputAbsMax)[m]))
+            assert (m in a.of(KeptRows)) == (m in b.of(KeptRows)) == (m in keep)
             if m in keep:
-                report["rows_equal"] &= bool(np.array_equal(a.input_samples[m], b.input_samples[m]))
-                report["rows"] += len(b.input_samples[m])
-        assert sorted(a.hessians) == sorted(b.hessians) and a.hessian_tokens == b.hessian_tokens
-        for m in b.hessians:
+                report["rows_equal"] &= bool(np.array_equal(a.of(KeptRows)[m], b.of(KeptRows)[m]))
+                report["rows"] += len(b.of(KeptRows)[m])
+        assert sorted(a.of(InputHessian)) == sorted(b.of(InputHessian)) and {m: v['tokens'] for m, v in a.of(InputHessian).items()} == {m: v['tokens'] for m, v in b.of(InputHessian).items()}
+        for m in b.of(InputHessian):
             report["hessians"] += 1
-            report["hessians_equal"] &= bool(np.array_equal(np.asarray(a.hessians[m]), np.asarray(b.hessians[m])))
+            report["hessians_equal"] &= bool(np.array_equal(np.asarray(a.of(InputHessian)[m]["hessian"]), np.asarray(b.of(InputHessian)[m]["hessian"])))
     print(json.dumps(report))
 """)
 
@@ -164,30 +169,30 @@ def test_iter_layer_stats_one_device_matches_separate_programs(tmp_path):
     model = build(config)
     keep = {m for i in range(model.num_layers) for m in model.layer_linears(i)}
     got = list(iter_layer_stats(model, params, ids, batch_size=2, keep_inputs=keep, sample_rows=16))
-    assert all(set(layer.input_samples) == set(layer.act_absmax) for layer in got[:model.num_layers])
+    assert all(set(layer.of(KeptRows)) == set(layer.of(InputAbsMax)) for layer in got[:model.num_layers])
     separate = list(iterate_layers(model, params, ids, batch_size=2, share_programs=False,
                                    observe=lambda name, x, valid: jnp.max(jnp.abs(x).reshape(-1, x.shape[-1]), 0)))
     for layer, ref in zip(got, separate):
         for name, values in ref.observed.items():
-            np.testing.assert_array_equal(layer.act_absmax[name], np.max(np.stack(values), axis=0))
+            np.testing.assert_array_equal(layer.of(InputAbsMax)[name], np.max(np.stack(values), axis=0))
 
 
 _SPLIT_EXPERTS_SCRIPT = _SCRIPT_SETUP + textwrap.dedent("""
-    from qconvert.models.runner import Mesh, expert_stacks, place_experts
+    from qconvert.calibration.expert_parallel import Mesh, expert_stacks, place_experts
 
     for label, devices, split in (("four", jax.devices(), True), ("one", jax.devices()[:1], False)):
         runs[label] = list(iter_layer_stats(model, params, ids, batch_size=2, keep_inputs=keep, sample_rows=40,
                                             devices=devices, hessians=keep, shard_experts=split))
     report = {"devices": len(jax.devices()), "equal": [], "differ": [], "worst": 0.0, "tokens_equal": True}
     for a, b in zip(runs["four"], runs["one"]):
-        assert sorted(a.act_absmax) == sorted(b.act_absmax) and sorted(a.hessians) == sorted(b.hessians)
-        report["tokens_equal"] &= a.hessian_tokens == b.hessian_tokens
-        for m in b.hessians:
-            x, y = np.asarray(a.hessians[m]), np.asarray(b.hessians[m])
+        assert sorted(a.of(InputAbsMax)) == sorted(b.of(InputAbsMax)) and sorted(a.of(InputHessian)) == sorted(b.of(InputHessian))
+        report["tokens_equal"] &= {m: v["tokens"] for m, v in a.of(InputHessian).items()} == {m: v["tokens"] for m, v in b.of(InputHessian).items()}
+        for m in b.of(InputHessian):
+            x, y = np.asarray(a.of(InputHessian)[m]["hessian"]), np.asarray(b.of(InputHessian)[m]["hessian"])
             (report["equal"] if np.array_equal(x, y) else report["differ"]).append(m)
-        for x, y in [(a.hessians[m], b.hessians[m]) for m in b.hessians] + \\
-                    [(a.act_absmax[m], b.act_absmax[m]) for m in b.act_absmax] + \\
-                    [(a.input_samples[m], b.input_samples[m]) for m in b.input_samples]:
+        for x, y in [(a.of(InputHessian)[m]["hessian"], b.of(InputHessian)[m]["hessian"]) for m in b.of(InputHessian)] + \\
+                    [(a.of(InputAbsMax)[m], b.of(InputAbsMax)[m]) for m in b.of(InputAbsMax)] + \\
+                    [(a.of(KeptRows)[m], b.of(KeptRows)[m]) for m in b.of(KeptRows)]:
             x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
             report["worst"] = max(report["worst"], float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-30)))
     # Where layer 0's experts live: each device its own whole expert of every projection.
@@ -219,11 +224,11 @@ _SPLIT_EXPERTS_SCRIPT = _SCRIPT_SETUP + textwrap.dedent("""
             return str(err)
 
     auto, always, never = (stats(need[False] - 1, split) for split in (None, True, False))
-    report["auto_is_split"] = all(np.array_equal(np.asarray(a.hessians[m]), np.asarray(b.hessians[m]))
-                                  for a, b in zip(auto, always) for m in b.hessians)
+    report["auto_is_split"] = all(np.array_equal(np.asarray(a.of(InputHessian)[m]["hessian"]), np.asarray(b.of(InputHessian)[m]["hessian"]))
+                                  for a, b in zip(auto, always) for m in b.of(InputHessian))
     report["auto_differs_from_whole"] = any(
-        not np.array_equal(np.asarray(a.hessians[m]), np.asarray(b.hessians[m]))
-        for a, b in zip(auto, runs["one"]) for m in b.hessians)
+        not np.array_equal(np.asarray(a.of(InputHessian)[m]["hessian"]), np.asarray(b.of(InputHessian)[m]["hessian"]))
+        for a, b in zip(auto, runs["one"]) for m in b.of(InputHessian))
     report["never"] = never if isinstance(never, str) else "ran"
     report["too_small"] = stats(need[True] - 1, None)
     report["too_small"] = report["too_small"] if isinstance(report["too_small"], str) else "ran"

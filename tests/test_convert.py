@@ -302,7 +302,7 @@ def test_overwrite_replaces_and_a_failed_overwrite_keeps_the_old_output(llama_bf
 
 def test_weight_transform_and_static_input_scales_reach_the_w8a8_folder(tmp_path, monkeypatch):
     from qconvert.formats.record import SmoothingRecord
-    from qconvert.methods.smooth import TensorFold
+    from qconvert.methods.fold import TensorFold
     from qconvert.methods.recipe import Adjustments
 
     src_folder = make_llama_checkpoint(tmp_path / "src", layers=1)

@@ -23,7 +23,8 @@ from gemma_checkpoints import (GEMMA3_MM, make_gemma3_multimodal_checkpoint, mul
                                read_config)
 from hf_checkpoints import dequantized_float_folder  # noqa: E402
 from qconvert.formats.errors import InvalidCheckpointError  # noqa: E402
-from qconvert.models import Gemma3MultimodalModel, GemmaModel, build, forward_layerwise  # noqa: E402
+from qconvert.calibration.layers import forward_layerwise  # noqa: E402
+from qconvert.models import Gemma3MultimodalModel, GemmaModel, build  # noqa: E402
 from qconvert.models.registry import language_config  # noqa: E402
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

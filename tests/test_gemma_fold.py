@@ -28,14 +28,14 @@ def _options():
 
 
 def test_the_smoothed_gemma_applies_the_source_gains_to_float32_rounding(outlier_gemma, monkeypatch):
-    import qconvert.methods.smoothquant
+    import qconvert.methods.group_scales
     from gemma_fold import gain_errors
     from qconvert.source.resolve import open_source, resolve_source
 
     source = open_source(resolve_source(str(outlier_gemma)))
     try:
         after, largest = gain_errors(source, _options())
-        monkeypatch.setattr(qconvert.methods.smoothquant, "stored_gain_scales", lambda scales, weight: scales)
+        monkeypatch.setattr(qconvert.methods.group_scales, "stored_gain_scales", lambda scales, weight: scales)
         before, _ = gain_errors(source, _options())
     finally:
         source.close()
@@ -47,7 +47,7 @@ def test_the_smoothed_gemma_applies_the_source_gains_to_float32_rounding(outlier
 
 def test_an_s_the_stored_gain_cannot_carry_is_capped():
     from qconvert.models.family import SmoothingGroup
-    from qconvert.methods.smooth import MIN_GAIN_STEPS, GroupScales, apply_fold, stored_gain_scales, tensor_folds
+    from qconvert.methods.fold import MIN_GAIN_STEPS, GroupScales, apply_fold, stored_gain_scales, tensor_folds
 
     group = SmoothingGroup("n", ("q",), norm_offset=1.0)
     w = np.array([0.0, 0.5, -0.5, 2.0], np.float32).astype(ml_dtypes.bfloat16)

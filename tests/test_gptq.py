@@ -151,7 +151,7 @@ def sink_windows(rng, mix, sink, windows, seqlen=32):
 
 
 def test_gptq_hessian_leaves_out_the_window_start_that_made_gptq_lose_to_round_to_nearest():
-    from qconvert.calibration.observer import hessian_sum
+    from qconvert.calibration.statistics import hessian_sum
 
     rng = np.random.default_rng(3)
     out_f, in_f = 32, 192

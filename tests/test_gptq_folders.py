@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import numpy as np
+
+from qconvert.calibration.statistics import InputHessian
 import pytest
 
 from checkpoints import make_llama_checkpoint
@@ -109,19 +111,20 @@ def test_hessians_are_two_xtx_over_n_window_starts_left_to_qkv_shared_by_the_lin
     for module in wanted:
         x = inputs[module]
         expected = 2 * x.T @ x / x.shape[0]
-        np.testing.assert_allclose(np.asarray(stats.hessians[module]), expected, rtol=1e-4,
+        np.testing.assert_allclose(np.asarray(stats.of(InputHessian)[module]["hessian"]), expected, rtol=1e-4,
                                    atol=1e-5 * np.abs(expected).max())
-        assert stats.hessian_tokens[module] == len(x)
-    assert stats.hessian_tokens[wanted[2]] == ids.size - ids.shape[0]
-    assert stats.hessians[wanted[0]] is stats.hessians[wanted[1]]  # q and k read one input: one H
-    assert "model.layers.0.self_attn.v_proj" not in stats.hessians
+        assert stats.of(InputHessian)[module]["tokens"] == len(x)
+    assert stats.of(InputHessian)[wanted[2]]["tokens"] == ids.size - ids.shape[0]
+    assert stats.of(InputHessian)[wanted[0]]["hessian"] is stats.of(InputHessian)[wanted[1]]["hessian"]  # q and k read one input: one H
+    assert "model.layers.0.self_attn.v_proj" not in stats.of(InputHessian)
 
 
 def test_sequential_mode_runs_each_layer_again_on_the_weights_handed_in(tmp_path):
     import jax.numpy as jnp
 
     from qconvert.calibration.observer import open_params
-    from qconvert.models import build, iterate_layers
+    from qconvert.models import build
+    from qconvert.calibration.layers import iterate_layers
 
     src = make_llama_checkpoint(tmp_path / "src", layers=2)
     config, params = load_config(src), open_params(src)

@@ -11,12 +11,15 @@ from checkpoints import make_llama_checkpoint
 
 from qconvert.calibration.data import random_windows
 from qconvert.calibration.observer import open_params
+from qconvert.calibration.statistics import InputHessian, KeptRows
 from qconvert.methods.loop import Calibration, Results, run_layers
 from qconvert.models import build
 from qconvert.progress import SILENT
 
 ROOT = Path(__file__).resolve().parents[1]
-METHOD_MODULES = ("smoothquant", "scale_search", "gptq", "gptq_core", "recipe")
+# Every module of methods/ but the loop itself and the fold every step shares.
+METHOD_MODULES = tuple(p.stem for p in (ROOT / "qconvert" / "methods").glob("*.py")
+                       if p.stem not in ("__init__", "loop", "fold"))
 
 
 class Recorder:
@@ -28,17 +31,14 @@ class Recorder:
         self.name, self.rows, self.wanted = name, set(rows), frozenset(hessians)
         self.calls, self.results_seen = [], results_seen
 
-    def kept_rows(self):
-        return set(self.rows)
-
-    def hessians(self):
-        return self.wanted
+    def statistics(self):
+        return [KeptRows(frozenset(self.rows)), InputHessian(self.wanted)]
 
     def start(self, progress):
         self.calls.append(("start",))
 
     def layer(self, stats, results):
-        self.calls.append(("layer", stats.index, sorted(stats.input_samples), sorted(stats.hessians),
+        self.calls.append(("layer", stats.index, sorted(stats.of(KeptRows)), sorted(stats.of(InputHessian)),
                            sorted(results.act_absmax)))
         if self.results_seen is not None:
             self.results_seen.append(dict(results.clips))
@@ -87,3 +87,48 @@ def test_each_step_sees_every_layer_in_order_with_only_what_it_asked_for(llama):
     assert [sorted(seen) for seen in second_saw] == [["first.0"], ["first.0", "first.1", "second.0"],
                                                     ["first.0", "first.1", "first.2", "second.0", "second.1"]]
     assert first.calls[0] == ("start",) and ("finish",) not in first.calls  # finish is the recipe's to call
+
+
+class ChannelScale(Recorder):
+    """A whole-model transform (as a rotation would be one): up_proj's row j times 2 and down_proj's column j
+    halved in every layer, which leaves the model's function as it was but doubles down_proj's input channel j."""
+
+    channel = 5
+
+    def model_transform(self, params):
+        j = self.channel
+
+        def transform(name, array):
+            if name.endswith("mlp.up_proj.weight"):
+                array = array.copy()
+                array[j] = array[j] * 2
+            elif name.endswith("mlp.down_proj.weight"):
+                array = array.copy()
+                array[:, j] = array[:, j] / 2
+            return array
+
+        return transform
+
+
+def test_a_whole_model_transform_runs_before_calibration_and_reaches_every_reader(llama):
+    from qconvert.methods.loop import transform_model
+
+    model, params, ids = llama
+    plain = Results(params)
+    run_layers(model, Calibration(ids, batch_size=2), [Recorder("plain")], plain, SILENT)
+    step = ChannelScale("scaled")
+    results = Results(params)
+    transform = transform_model([step], results)
+    run_layers(model, Calibration(ids, batch_size=2), [step], results, SILENT)
+    j, down = ChannelScale.channel, "model.layers.0.mlp.down_proj"
+    # Calibration saw the transformed model: the channel doubled (SwiGLU's up is linear in up_proj's row) ...
+    np.testing.assert_allclose(results.act_absmax[down][j], 2 * plain.act_absmax[down][j], rtol=1e-6)
+    others = np.arange(len(plain.act_absmax[down])) != j
+    np.testing.assert_allclose(results.act_absmax[down][others], plain.act_absmax[down][others], rtol=1e-6)
+    # ... whose function is unchanged: the next layer's inputs are the same up to float32 rounding.
+    q1 = "model.layers.1.self_attn.q_proj"
+    np.testing.assert_allclose(results.act_absmax[q1], plain.act_absmax[q1], rtol=1e-5)
+    # The steps and the writer read the same transformed tensors.
+    up = np.asarray(params["model.layers.1.mlp.up_proj.weight"])
+    assert np.array_equal(results.params["model.layers.1.mlp.up_proj.weight"][j], up[j] * 2)
+    assert np.array_equal(transform("model.layers.1.mlp.up_proj.weight", up)[j], up[j] * 2)

@@ -14,7 +14,8 @@ from safetensors.numpy import load_file
 from checkpoints import make_llama_checkpoint
 from qconvert.formats.errors import InvalidCheckpointError, UnsupportedModelError
 from qconvert.formats import QArray
-from qconvert.models import build, forward_layerwise, iterate_layers
+from qconvert.models import build
+from qconvert.calibration.layers import forward_layerwise, iterate_layers
 from qconvert.calibration.tokenizer import load_tokenizer
 
 torch = pytest.importorskip("torch")

@@ -10,7 +10,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from checkpoints import make_bert_checkpoint, make_tokenizer, minilm_path
-from qconvert.models import BertModel, build, forward_layerwise, mean_pool
+from qconvert.models import BertModel, build, mean_pool
+from qconvert.calibration.layers import forward_layerwise
 from qconvert.calibration.tokenizer import load_tokenizer
 
 torch = pytest.importorskip("torch")

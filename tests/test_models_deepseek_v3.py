@@ -12,8 +12,10 @@ from safetensors.numpy import load_file
 
 from hf_checkpoints import load_config, make_hf_checkpoint, reference_logits, token_batch
 from qconvert.formats.errors import InvalidCheckpointError, UnsupportedModelError
-from qconvert.methods.smooth import channel_map, group_scales
-from qconvert.models import DeepseekV3Model, build, forward_layerwise
+from qconvert.methods.fold import channel_map
+from qconvert.methods.smooth import group_scales
+from qconvert.calibration.layers import forward_layerwise
+from qconvert.models import DeepseekV3Model, build
 from qconvert.models.registry import family_for
 
 torch = pytest.importorskip("torch")

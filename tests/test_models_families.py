@@ -10,9 +10,10 @@ from safetensors.numpy import load_file
 
 from hf_checkpoints import TINY, load_config, make_hf_checkpoint, reference_logits, token_batch
 from qconvert.formats.errors import InvalidCheckpointError
-from qconvert.models import Phi3Model, Qwen2MoeModel, Qwen3Model, Qwen3MoeModel, build, forward_layerwise
+from qconvert.calibration.layers import forward_layerwise
+from qconvert.models import Phi3Model, Qwen2MoeModel, Qwen3Model, Qwen3MoeModel, build
 from qconvert.models.registry import family_for
-from qconvert.methods.smooth import channel_map
+from qconvert.methods.fold import channel_map
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -14,8 +14,10 @@ transformers = pytest.importorskip("transformers")
 
 from gemma_checkpoints import GEMMA2, GEMMA3, make_gemma_checkpoint, read_config, reference_logits  # noqa: E402
 from qconvert.formats.errors import InvalidCheckpointError  # noqa: E402
-from qconvert.models import GemmaModel, build, forward_layerwise  # noqa: E402
-from qconvert.methods.smooth import apply_fold, tensor_folds, group_scales  # noqa: E402
+from qconvert.models import GemmaModel, build  # noqa: E402
+from qconvert.calibration.layers import forward_layerwise  # noqa: E402
+from qconvert.methods.fold import apply_fold, tensor_folds  # noqa: E402
+from qconvert.methods.smooth import group_scales  # noqa: E402
 
 # Measured max abs diff ~3e-6 on logits of scale ~2.5 (both families).
 RTOL = 1e-5

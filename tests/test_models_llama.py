@@ -12,7 +12,8 @@ import pytest
 from safetensors import safe_open
 
 from checkpoints import make_llama_checkpoint
-from qconvert.models import build, forward_layerwise, iterate_layers
+from qconvert.models import build
+from qconvert.calibration.layers import forward_layerwise, iterate_layers
 from qconvert.models.rope import RopeConfig, inverse_frequencies
 
 torch = pytest.importorskip("torch")

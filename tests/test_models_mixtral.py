@@ -11,7 +11,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from checkpoints import make_mixtral_checkpoint
-from qconvert.models import MixtralModel, build, forward_layerwise, iterate_layers
+from qconvert.models import MixtralModel, build
+from qconvert.calibration.layers import forward_layerwise, iterate_layers
 from qconvert.models.hooks import dense_grouped_linear
 from qconvert.models.registry import family_for
 

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from qconvert.formats.errors import UsageError
 from qconvert.models.family import SmoothingGroup
-from qconvert.methods.smooth import apply_fold, channel_map, group_scales, search_alpha, smooth_scales, tensor_folds
+from qconvert.methods.fold import apply_fold, channel_map, tensor_folds
+from qconvert.methods.smooth import group_scales, search_alpha, smooth_scales
 from qconvert.options import AlphaSpec, parse_alpha
 
 

@@ -119,6 +119,7 @@ def check_quantization_config(config: dict[str, Any], record: ConversionRecord) 
     qconvert.json records (with the folder's own ignore list, which check_loader_view holds against the tensors
     the folder keeps float): an edit a loader acts on (`quantization_status`, a `format`, `output_activations`)
     fails, whatever the hashes say."""
+    from qconvert.formats.kv_cache import KV_CACHE_SCHEME
     from qconvert.plan import FLOAT_WEIGHT_DTYPES
     from qconvert.schemes import scheme_named
 
@@ -133,6 +134,8 @@ def check_quantization_config(config: dict[str, Any], record: ConversionRecord) 
     declared = config.get("torch_dtype") or config.get("dtype")
     compute = declared if declared in FLOAT_WEIGHT_DTYPES else qconfig.get("bnb_4bit_compute_dtype", "float32")
     expected = scheme.layout.quantization_config(layout_flags, ignore, str(compute))
+    if record.kv_cache is not None:  # written with --kv-cache: compressed-tensors' scheme of its scales
+        expected = {**expected, "kv_cache_scheme": dict(KV_CACHE_SCHEME)}
     found = _first_difference(expected, qconfig, "quantization_config")
     if found is None:
         return []

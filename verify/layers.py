@@ -23,7 +23,7 @@ import numpy as np
 from qconvert.cluster import share
 from qconvert.cluster.runtime import active
 from qconvert.formats.errors import InvalidCheckpointError
-from qconvert.models import iterate_layers, read_tensors
+from qconvert.calibration.layers import iterate_layers, read_tensors
 from qconvert.models.hooks import dense_linear
 from qconvert.verify.fidelity import FolderLinear
 from qconvert.verify.metrics import TensorMetrics, tensor_metrics

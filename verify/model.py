@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from qconvert.formats import QArray
-from qconvert.models import forward_layerwise
+from qconvert.calibration.layers import forward_layerwise
 from qconvert.models.hooks import dense_grouped_linear, dense_linear
 from qconvert.verify import metrics
 from qconvert.verify.kernel_path import KernelPath
@@ -85,12 +85,13 @@ def compare_encoder(float_hidden, quant_hidden, mask, thresholds: Thresholds) ->
 def verify_model(model, reference: Mapping, converted: Mapping, input_ids, attention_mask,
                  kernels: KernelPath, thresholds: Thresholds, *,
                  causal_lm: bool, batch_size: int | None = None,
-                 float_output=None, jit: bool = False, on_layer=None) -> ModelResult:
+                 float_output=None, jit: bool = False, on_layer=None, kv_cache=None) -> ModelResult:
     """Run the float and the kernel-backed model on the same tokens and compare their outputs.
 
     `float_output` may hand in the float model's output when the caller already
     has it (the per-layer pass computes the same forward). Layers run eagerly
-    by default so the kernels compiled by the per-layer pass are reused.
+    by default so the kernels compiled by the per-layer pass are reused. `kv_cache` (a models.hooks KV tap)
+    rounds the converted model's keys and values as its KV cache stores them.
     """
     mask = np.ones(np.shape(input_ids), np.int32) if attention_mask is None else np.asarray(attention_mask)
     if float_output is None:
@@ -98,7 +99,7 @@ def verify_model(model, reference: Mapping, converted: Mapping, input_ids, atten
     quant_output = forward_layerwise(model, converted, input_ids, mask, batch_size=batch_size,
                                      linear=kernel_linear_hook(kernels),
                                      grouped_linear=kernel_grouped_hook(kernels), jit=jit,
-                                     on_layer=on_layer)
+                                     on_layer=on_layer, kv_cache=kv_cache)
     float_output, quant_output = np.asarray(float_output), np.asarray(quant_output)
     if causal_lm:
         return compare_causal_lm(float_output, quant_output, np.asarray(input_ids), mask, thresholds)

@@ -28,7 +28,7 @@ from qconvert.formats.record import ConversionRecord
 from qconvert.formats.safetensors_io import sha256_file
 from qconvert.kernels.backends import deployment_backends
 from qconvert.kernels.plan import platform, resolve_backend
-from qconvert.models import read_tensors
+from qconvert.calibration.layers import read_tensors
 from qconvert.progress import Reporter, as_reporter
 from qconvert.schemes import scheme_named
 from qconvert.source.resolve import SourceModel, open_source, resolve_source
@@ -42,6 +42,7 @@ from qconvert.verify.model import verify_model
 from qconvert.verify.params import QuantizedParams, check_tensors
 from qconvert.verify.report import versions
 from qconvert.verify.results import LayerResult, ModelResult, VerifyReport
+from qconvert.verify.kv_cache import check_kv_scales, fp8_cache_tap
 from qconvert.verify.smoothing import check_record_has_scales, check_smoothing, smoothing_factors
 from qconvert.calibration.observer import check_calibration_fits
 from qconvert.verify.thresholds import Check, Thresholds, thresholds_for
@@ -154,7 +155,8 @@ def check_folder(run: Run, progress: Reporter) -> bool:
         run.problems.append(str(exc))
         return False
     run.problems += (check_loader_view(run.quantized) or check_activation_mode(run.record, run.quantized)
-                     or check_quantization_config(run.config, run.record))  # last: the most general
+                     or check_quantization_config(run.config, run.record)  # the most general of these
+                     or check_kv_scales(run.record.kv_cache, run.quantized))
     if run.problems:
         return False
     run.converted, run.kernels = QuantizedParams(run.quantized), KernelPath(run.quantized, run.options.backend)
@@ -257,7 +259,7 @@ def verify_on_text(run: Run, source: SourceModel, progress: Reporter) -> None:
                               jnp.asarray(mask))
     run.model = verify_model(model, source.params, converted, ids, mask, run.kernels, run.thresholds,
                              causal_lm=source.family.causal_lm, batch_size=run.options.batch_size,
-                             float_output=float_output,
+                             float_output=float_output, kv_cache=fp8_cache_tap(run.quantized, run.record.kv_cache),
                              on_layer=_layer_steps(progress, WHOLE_MODEL, model.num_layers))
     run.layers = tuple(layers)
     run.evaluation = {**held_out.data.record(), "quick": run.options.quick, "kernel_calls": len(run.kernels.choices),

@@ -19,7 +19,7 @@ import numpy as np
 from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.formats.record import RECORD_NAME, ConversionRecord, RecordedScales, SmoothingRecord
 from qconvert.models.family import SmoothingGroup
-from qconvert.methods.smooth import GroupScales, apply_fold, tensor_folds
+from qconvert.methods.fold import GroupScales, apply_fold, tensor_folds
 from qconvert.verify.params import QuantizedParams
 
 

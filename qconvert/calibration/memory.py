@@ -21,7 +21,7 @@ rounding of one linear holds a few [in, in] and [out, in] matrices, and the
 sequential mode keeps the layer's input beside its two outputs (float and
 quantized weights): a fourth N x T x H copy.
 
-With a MoE layer's experts split over D devices (runner._expert_parallel_step),
+With a MoE layer's experts split over D devices (calibration/expert_parallel.py),
 a device holds ceil(E / D) of every projection's E experts and their Hessians
 (the sum and one batch's product), the rows every device's batch routes (each
 token's top_k rows, in and out of each projection, D batches) and the other
@@ -71,7 +71,7 @@ class ModelShapes:
             names = [n for n in names if _has(shape, n)]
             return (sum(math.prod(shape(n)) * itemsize(n) for n in names), sum(math.prod(shape(n)) for n in names))
 
-        from qconvert.models.runner import expert_stacks
+        from qconvert.calibration.expert_parallel import expert_stacks
 
         layers = [size(model.layer_tensor_names(i)) for i in range(model.num_layers)] or [(0, 0)]
         big = max(range(len(layers)), key=lambda i: layers[i][0])

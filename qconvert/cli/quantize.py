@@ -129,6 +129,11 @@ def _group_size(ctx, param, value):
                    "scales are recorded in qconvert.json and verify checks them. Default: on for int4 and "
                    "int4-asym (AWQ then GPTQ: docs/ACCURACY.md), off otherwise. Not with w8a8 (SmoothQuant "
                    "scales those groups) or --act-stats.")
+@click.option("--kv-cache", type=click.Choice(["none", "fp8"]), default="none", show_default=True,
+              help="fp8: calibrate every attention block's keys (after RoPE) and values and write per-tensor FP8 "
+                   "KV-cache scales (k_scale, v_scale = max|x| / 448) with compressed-tensors' kv_cache_scheme, "
+                   "which vLLM reads with --kv-cache-dtype fp8. Any compressed-tensors scheme; not nf4, "
+                   "--act-stats, encoders or multi-head latent attention (DeepSeek-V3).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Threads reading and quantizing ahead of the writer [default: one per core; at most 4 per "
                    "core]; same output bytes.")
@@ -155,7 +160,8 @@ def _group_size(ctx, param, value):
 @cluster_options
 def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
              exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, group_size, scale_search: bool | None,
-             gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool | None, awq: bool | None, workers: int | None,
+             gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool | None, awq: bool | None,
+             kv_cache: str, workers: int | None,
              overwrite: bool, dry_run: bool, upload_repo: str | None, public: bool, any_architecture: bool,
              quiet: bool, as_json: bool, verbose: bool, **calibration_flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT.
@@ -182,7 +188,7 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
                              group_size=group_size, scale_search=scale_search, overwrite=overwrite, dry_run=dry_run,
                              act=calibration_flags["act"], any_architecture=any_architecture, workers=workers,
                              calibration=_calibration_options_from(scheme, calibration_flags), gptq=gptq, gptq_damp=gptq_damp,
-                             gptq_act_order=gptq_act_order, awq=awq,
+                             gptq_act_order=gptq_act_order, awq=awq, kv_cache=None if kv_cache == "none" else kv_cache,
                              card_repo=upload_repo if upload_repo and "/" in upload_repo else None)
     result = run_with_progress(
         lambda stages, progress: convert(model, out, options, progress=progress, message=stages),

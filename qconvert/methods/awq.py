@@ -28,15 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert.calibration.observer import LayerStats
-from qconvert.cluster.share import spread
+from qconvert.calibration.statistics import InputAbsMean, KeptRows, Statistic
 from qconvert.formats.errors import UsageError
 from qconvert.formats.qarray import QArray
-from qconvert.formats.record import RecordedScales, SmoothingRecord
+from qconvert.formats.record import SmoothingRecord
+from qconvert.methods.group_scales import GroupScaleStep, recorded_scales, smoothing_groups, written_scales
 from qconvert.methods.loop import Results, weight_elements
-from qconvert.methods.smooth import GroupScales, channel_map
-from qconvert.methods.smoothquant import smoothing_groups, written_scales
+from qconvert.methods.fold import GroupScales, channel_map
 from qconvert.models.family import Family, FamilyFacts, SmoothingGroup
-from qconvert.progress import Reporter
 
 AWQ_SEARCH = "AWQ search"  # the step's progress stage
 AWQ_ALPHAS = tuple(round(0.05 * k, 2) for k in range(20))  # 0 .. 0.95
@@ -192,66 +191,33 @@ def _per_source(values: np.ndarray, index: np.ndarray) -> np.ndarray:
     return (sums / np.maximum(counts, 1)).astype(np.float32)
 
 
-class AWQ:
+class AWQ(GroupScaleStep):
     """The step: each smoothing group with a quantized linear searched once its layer's rows are complete."""
 
-    rewrites = False
+    stage = AWQ_SEARCH
 
     def __init__(self, model: Family, family: FamilyFacts, scheme, flags, quantized_modules: Sequence[str]):
         quantized = set(quantized_modules)
-        self.groups = [g for g in smoothing_groups(model) if any(m in quantized for m in g.linears)]
+        super().__init__([g for g in smoothing_groups(model) if any(m in quantized for m in g.linears)])
         self.family, self.scheme, self.flags, self.quantized = family, scheme, flags, quantized
-        self._pending = list(self.groups)
-        self._progress: Reporter | None = None
-        self.errors: dict[str, dict[str, float]] = {}  # group source -> each candidate's error
 
-    def kept_rows(self) -> set[str]:
-        return {m for g in self.groups for m in g.linears}
+    def statistics(self) -> list[Statistic]:
+        linears = frozenset(m for g in self.groups for m in g.linears)
+        return [KeptRows(linears), InputAbsMean(linears)]
 
-    def hessians(self) -> frozenset[str]:
-        return frozenset()
+    def ready(self, group: SmoothingGroup, stats: LayerStats, results: Results) -> bool:
+        return all(m in stats.of(KeptRows) for m in group.linears)
 
-    def start(self, progress: Reporter) -> None:
-        self._progress = progress
-        if self.groups:
-            progress.step(AWQ_SEARCH, 0, len(self.groups), "groups")
+    def cost(self, group: SmoothingGroup, results: Results) -> float:
+        return float(sum(weight_elements(results.params, m) for m in group.linears if m in self.quantized))
 
-    def layer(self, stats: LayerStats, results: Results) -> None:
-        ready = {g.source: g for g in self._pending if all(m in stats.input_samples for m in g.linears)}
-        if not ready:
-            return
-        costs = [float(sum(weight_elements(results.params, m) for m in g.linears if m in self.quantized))
-                 for g in ready.values()]
-        # Spread over the devices (every process's in a run of several); each group's choice is made once, by
-        # its owner, and shared, so every process folds the same bytes whatever the mesh.
-        found = spread(list(ready), costs, lambda source, device: self._search(ready[source], results, stats),
-                       _encoded, lambda source, arrays, meta: _decoded(ready[source], arrays, meta))
-        for source, group in ready.items():
-            self._pending.remove(group)
-            scales, errors = found[source]
-            if scales is not None:
-                results.smoothing[source] = scales
-                self.errors[source] = errors
-            self._progress.step(AWQ_SEARCH, len(self.groups) - len(self._pending), len(self.groups), "groups")
-        results.unsmoothed = {m for g in self._pending for m in (*g.linears, g.source)}
-
-    def finish(self, results: Results) -> None:
-        """Groups calibration never reached keep s = 1 (unfolded); the record of those it searched."""
-        self._pending = []
-        results.unsmoothed = set()
-        order = [g.source for g in self.groups if g.source in results.smoothing]
-        results.smoothing = {source: results.smoothing[source] for source in order}
-        results.smoothing_record = self.record(results)
-
-    def replacement(self, index: int) -> None:
-        return None
-
-    def _search(self, group: SmoothingGroup, results: Results, stats: LayerStats
-                ) -> tuple[GroupScales | None, dict[str, float] | None]:
-        """One group searched on its layer's rows (None where no calibration row reached its linears)."""
-        samples = stats.input_samples
+    def choose(self, group: SmoothingGroup, results: Results, stats: LayerStats
+               ) -> tuple[GroupScales | None, dict[str, float] | None]:
+        """One group searched on its layer's rows (None where no calibration row reached its linears); groups
+        calibration never reached keep s = 1 (unfolded)."""
+        samples = stats.of(KeptRows)
         quantized = [m for m in group.linears if m in self.quantized]
-        act_mean = _group_act_mean(group, stats.input_abs_mean)
+        act_mean = _group_act_mean(group, stats.of(InputAbsMean))
         if act_mean is None or not any(len(samples[m]) for m in quantized):
             return None, None
         raw = {m: np.asarray(results.params[f"{m}.weight"]) for m in quantized}
@@ -274,17 +240,13 @@ class AWQ:
     def record(self, results: Results) -> SmoothingRecord:
         """qconvert.json's `smoothing`, method "awq": each group's chosen alpha, every candidate's output error,
         and the exact scales folded (verify checks them as SmoothQuant's)."""
-        scales = list(results.smoothing.values())
         searched = {source: {k: float(f"{e:.4g}") for k, e in tried.items()} for source, tried in self.errors.items()}
         return SmoothingRecord(
             alpha_mode=("awq: per group, the candidate s = act_mean^alpha / (w_mean^(1-alpha) + 1e-4) (key 'ALPHA') "
                         "or act_mean^alpha (key 'ALPHA act-only'), normalised by sqrt(max s * min s), with the least "
                         "mean squared output error of its quantized linears on calibration rows"),
             family_default_alpha=None, min_scale=MIN_AWQ_SCALE, remedy=self.family.remedy,
-            alpha={g.group.source: g.alpha for g in scales},
-            groups={g.group.source: tuple(g.group.linears) for g in scales},
-            scales={g.group.source: RecordedScales(g.source_scales, g.input_scales, g.group.source_offset,
-                                                   g.group.norm_offset) for g in scales},
+            **recorded_scales(results),
             alpha_search=searched or None, method="awq")
 
 
@@ -295,22 +257,6 @@ def _group_act_mean(group: SmoothingGroup, abs_means: Mapping[str, np.ndarray]) 
     reached = [m for m in group.linears if m in abs_means]
     chosen = (everyone or reached or [None])[0]
     return None if chosen is None else np.asarray(abs_means[chosen], np.float32)
-
-
-def _encoded(found: tuple[GroupScales | None, dict[str, float] | None]) -> tuple[dict, dict]:
-    scales, errors = found
-    if scales is None:
-        return {}, {"alpha": None}
-    return ({"source_scales": scales.source_scales, "input_scales": scales.input_scales},
-            {"alpha": scales.alpha, "errors": [[k, e] for k, e in errors.items()]})
-
-
-def _decoded(group: SmoothingGroup, arrays: dict, meta: dict
-             ) -> tuple[GroupScales | None, dict[str, float] | None]:
-    if meta["alpha"] is None:
-        return None, None
-    errors = {str(k): float(e) for k, e in meta["errors"]}
-    return GroupScales(group, meta["alpha"], arrays["source_scales"], arrays["input_scales"]), errors
 
 
 def check_awq_runs(weight_only: bool) -> None:

@@ -24,13 +24,14 @@ import numpy as np
 
 from qconvert.cluster.share import spread
 from qconvert.calibration.observer import LayerStats
+from qconvert.calibration.statistics import InputHessian, Statistic
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.qarray import QArray
 from qconvert.formats.errors import OutputWriteError, UsageError
 from qconvert.methods.gptq_core import DEFAULT_DAMP, GPTQConfig, hessian_factor, round_columns, row_output_errors
 from qconvert.methods.scale_search import ScaleSearches
-from qconvert.methods.loop import Results, weight_shape
-from qconvert.methods.smooth import TensorFold, apply_fold
+from qconvert.methods.loop import Results, Step, weight_shape
+from qconvert.methods.fold import TensorFold, apply_fold
 from qconvert.progress import Reporter
 
 GPTQ_ROUNDING = "GPTQ"  # the step's progress stage
@@ -110,7 +111,7 @@ class SequentialGPTQ:
         group's result (the same bytes whichever device solved it).
         """
         effective = {}
-        groups = {group[0]: group for group in _sharing_groups([m for m in modules if m in stats.hessians], stats,
+        groups = {group[0]: group for group in _sharing_groups([m for m in modules if m in stats.of(InputHessian)], stats,
                                                                folds)}
         solved = spread(list(groups), [_cost(group, self.params) for group in groups.values()],
                         lambda key, device: self._round(stats, groups[key], folds, device),
@@ -125,11 +126,11 @@ class SequentialGPTQ:
     def _round(self, stats: LayerStats, group: list[str], folds: Mapping[str, TensorFold], device
                ) -> dict[str, tuple[QArray, np.ndarray, np.dtype]]:
         """One sharing group rounded: per linear its QArray, its float32 values and the source's dtype."""
-        tokens = stats.hessian_tokens[group[0]]
+        tokens = stats.of(InputHessian)[group[0]]["tokens"]
         weights = {m: self._weight(m, folds.get(f"{m}.weight")) for m in group}
         rtn = {m: self.scheme.quantize(w, self.flags, scale_dtype=raw_dtype, clip=self._clip(m, w))
                for m, (w, raw_dtype) in weights.items()}
-        h = jax.device_put(stats.hessians[group[0]], device)
+        h = jax.device_put(stats.of(InputHessian)[group[0]]["hessian"], device)
         if tokens == 0 or not float(jnp.max(jnp.diagonal(h))) > 0:
             # An expert no calibration token reached, or an input that was all zeros: nothing to round on.
             chosen = rtn
@@ -221,7 +222,7 @@ class SequentialGPTQ:
         return {**self.config.record(), "modules": {m: self.errors[m] for m in sorted(self.errors)}}
 
 
-class GPTQ:
+class GPTQ(Step):
     """The step: the quantized linears rounded by `SequentialGPTQ` as each layer's Hessians are complete, on their
     weights as the steps before it left them (smoothed, with the searched clips), the layer then run again."""
 
@@ -232,11 +233,8 @@ class GPTQ:
         self._unrounded = list(modules)
         self._progress: Reporter | None = None
 
-    def kept_rows(self) -> set[str]:
-        return set()
-
-    def hessians(self) -> frozenset[str]:
-        return frozenset(self.modules)
+    def statistics(self) -> list[Statistic]:
+        return [InputHessian(frozenset(self.modules))]
 
     def start(self, progress: Reporter) -> None:
         self._progress = progress
@@ -244,17 +242,15 @@ class GPTQ:
             progress.step(GPTQ_ROUNDING, 0, self.layers)
 
     def layer(self, stats: LayerStats, results: Results) -> None:
-        now = [m for m in self._unrounded if m in stats.hessians]
+        now = [m for m in self._unrounded if m in stats.of(InputHessian)]
         if not now:
             return
+        self.gptq.params = results.params  # as a whole-model transform before calibration left them
         # GPTQ keeps the scales the clip search found for the linears it rounds now.
         self.gptq.searches.clip.update({m: results.clips[m] for m in now if m in results.clips})
         self.gptq.layer(stats, now, results.folds())
         self._unrounded = [m for m in self._unrounded if m not in now]
         self._progress.step(GPTQ_ROUNDING, min(stats.index + 1, self.layers), self.layers)
-
-    def finish(self, results: Results) -> None:
-        del results  # a linear calibration never reached is quantized by the writer, to nearest
 
     def replacement(self, index: int) -> dict[str, np.ndarray] | None:
         return self.gptq.replacement(index)
@@ -266,7 +262,7 @@ def _sharing_groups(modules: list[str], stats: LayerStats, folds: Mapping[str, T
     for m in modules:
         fold = folds.get(f"{m}.weight")
         multiplier = None if fold is None or fold.col_multiplier is None else fold.col_multiplier.tobytes()
-        groups.setdefault((id(stats.hessians[m]), multiplier), []).append(m)
+        groups.setdefault((id(stats.of(InputHessian)[m]["hessian"]), multiplier), []).append(m)
     return list(groups.values())
 
 

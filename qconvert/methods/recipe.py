@@ -26,9 +26,10 @@ from qconvert.formats.safetensors_io import sha256_file
 from qconvert.methods.awq import AWQ, check_awq_runs
 from qconvert.methods.gptq import GPTQ, QuantizedStore, SequentialGPTQ
 from qconvert.cluster.share import agree_settings, same_windows
-from qconvert.methods.loop import Calibration, Results, Step, run_layers
-from qconvert.methods.scale_search import LinearSearch, ScaleSearch, static_input_scales
-from qconvert.methods.smooth import TensorFold, apply_fold
+from qconvert.methods.loop import Calibration, ModelTransform, Results, Step, run_layers, transform_model
+from qconvert.methods.kv_cache import KVCacheScales
+from qconvert.methods.scale_search import LinearSearch, ScaleSearch, StaticInputScales
+from qconvert.methods.fold import TensorFold, apply_fold
 from qconvert.methods.smoothquant import SmoothQuant
 from qconvert.options import ConvertOptions
 from qconvert.progress import Reporter, as_reporter
@@ -49,16 +50,27 @@ class Adjustments:
     # GPTQ's QArrays by module (read back from the scratch folder), which the writer takes as they are.
     quantized: QuantizedStore | None = None
     rounding_record: dict[str, Any] | None = None
+    # Tensors calibration adds to the folder beside the converted ones (the KV cache's scales), the
+    # quantization_config keys that say what they are, and the records of the steps that made them.
+    extra_tensors: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    records: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # A step's transform of the whole model (loop.Step.model_transform), applied before the folds; None: none.
+    model_transform: ModelTransform | None = None
 
     def weight_transform(self, name: str, array: np.ndarray) -> np.ndarray:
-        """The tensor as the converter should quantize or copy it (smoothed where a group touches it)."""
+        """The tensor as the converter should quantize or copy it: the whole model's transform, then smoothed
+        where a group touches it."""
+        if self.model_transform is not None:
+            array = self.model_transform(name, np.asarray(array))
         fold = self.folds.get(name)
         return array if fold is None else apply_fold(array, fold, name)
 
     @property
     def transform(self) -> Callable[[str, np.ndarray], np.ndarray] | None:
-        """`weight_transform`, or None when nothing is smoothed (linears then stream row block by row block)."""
-        return self.weight_transform if self.folds else None
+        """`weight_transform`, or None when nothing is smoothed or transformed (linears then stream row block by
+        row block)."""
+        return self.weight_transform if self.folds or self.model_transform is not None else None
 
 
 def runs_awq(source: SourceModel, options: ConvertOptions) -> bool:
@@ -77,17 +89,24 @@ def runs_awq(source: SourceModel, options: ConvertOptions) -> bool:
 def choose_steps(source: SourceModel, options: ConvertOptions, linears: Sequence[str],
                  quantized_modules: Sequence[str], gptq: SequentialGPTQ | None,
                  flags: LayoutFlags | None = None) -> list[Step]:
-    """The run's methods, in the order they see each layer: a method is one line here."""
+    """The run's methods, in the order they see each layer: a method is one line here. Calibration runs when
+    and only when some step is chosen."""
     scheme, calib, static = options.scheme_object, options.calibration, options.static_act
+    # w8a8's activations are calibrated where they are smoothed or get static scales.
+    activations = scheme.calibrates and (calib.smooth or static)
     steps: list[Step] = []
-    if scheme.calibrates and calib.smooth:
+    if activations and calib.smooth:
         steps.append(SmoothQuant(source.model, source.family, calib, static))
     if runs_awq(source, options):  # before GPTQ, which then rounds the scaled weights
         steps.append(AWQ(source.model, source.family, scheme, flags or LayoutFlags(), quantized_modules))
-    if scheme.calibrates and options.searches_scales and calib.act_stats is None:
+    if activations and options.searches_scales and calib.act_stats is None:
         steps.append(ScaleSearch(linears, static))
+    if activations and static:  # the head's lm_head too, where included; any other included linear refused
+        steps.append(StaticInputScales([*linears, *head_linears_for_static(source, linears, quantized_modules)]))
     if gptq is not None:
         steps.append(GPTQ(gptq, quantized_modules, source.model.num_layers))
+    if options.kv_cache is not None:
+        steps.append(KVCacheScales(source.model, options.kv_cache))
     return steps
 
 
@@ -102,18 +121,17 @@ def prepare_adjustments(source: SourceModel, options: ConvertOptions,
     that are then written. Plain per-token W8A8 (no smoothing, dynamic) without
     GPTQ needs no statistics and gets no adjustments.
     """
-    calib, scheme, static = options.calibration, options.scheme_object, options.static_act
-    if not runs_awq(source, options) and gptq is None and (not scheme.calibrates or not (calib.smooth or static)):
-        return Adjustments()
-    progress = as_reporter(progress)
+    calib = options.calibration
     params = source.params
     linears = source.family.linear_names(params)
-    # Static scales for an included head (lm_head) too; any other included linear is refused here.
-    head = head_linears_for_static(source, linears, quantized_modules) if static else []
     steps = choose_steps(source, options, linears, quantized_modules, gptq, flags)
+    if not steps:
+        return Adjustments()
+    progress = as_reporter(progress)
     results = Results(params)
+    model_transform = transform_model(steps, results)  # before calibration: every later reader sees it
     if calib.act_stats is not None:
-        stats = _loaded_stats(calib.act_stats, params, [*linears, *head])
+        stats = _loaded_stats(calib.act_stats, params, _covered_linears(steps, linears))
         results.act_absmax.update(stats.act_absmax)
     else:
         check_calibration_fits(source.model, params, source.config, calib.calib_samples, calib.calib_seqlen,
@@ -129,18 +147,24 @@ def prepare_adjustments(source: SourceModel, options: ConvertOptions,
         stats = ActStats(results.act_absmax, data.tokens, data.record(results.experts_split_over))
     for step in steps:
         step.finish(results)
-    return _adjustments(results, stats, options, [*linears, *head], gptq)
+    return dataclasses.replace(_adjustments(results, stats, gptq), model_transform=model_transform)
 
 
-def _adjustments(results: Results, stats: ActStats, options: ConvertOptions, static_modules: Sequence[str],
-                 gptq: SequentialGPTQ | None) -> Adjustments:
+def _covered_linears(steps: Sequence[Step], linears: Sequence[str]) -> list[str]:
+    """The linears a statistics file must cover: the blocks', and the head's where it gets a static scale."""
+    static = [step for step in steps if isinstance(step, StaticInputScales)]
+    return list(static[0].modules) if static else list(linears)
+
+
+def _adjustments(results: Results, stats: ActStats, gptq: SequentialGPTQ | None) -> Adjustments:
     """What the finished steps hand the writer."""
-    input_scales = static_input_scales(results, static_modules) if options.static_act else None
     clips, records = _search_results(results.searches, gptq)
-    return Adjustments(results.folds(), input_scales, stats.calibration, results.smoothing_record,
+    return Adjustments(results.folds(), results.input_scales, stats.calibration, results.smoothing_record,
                        weight_clip=clips, search_records=records,
                        quantized=gptq.store if gptq is not None else None,
-                       rounding_record=gptq.record() if gptq is not None else None)
+                       rounding_record=gptq.record() if gptq is not None else None,
+                       extra_tensors=dict(results.extra_tensors), extra_config=dict(results.extra_config),
+                       records=dict(results.records))
 
 
 def _search_results(searches: Mapping[str, LinearSearch], gptq: SequentialGPTQ | None

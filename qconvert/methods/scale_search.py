@@ -27,11 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from qconvert.calibration.observer import LayerStats
+from qconvert.calibration.statistics import KeptRows, Statistic
 from qconvert.cluster.share import spread
 from qconvert.formats.qarray import INT8_QMAX
 from qconvert.formats.quotient import int8_round
-from qconvert.methods.loop import Results, weight_elements
-from qconvert.methods.smooth import apply_fold, smoothed_input_absmax
+from qconvert.methods.loop import Results, Step, weight_elements
+from qconvert.methods.fold import apply_fold
+from qconvert.methods.smooth import smoothed_input_absmax
 from qconvert.progress import Reporter
 from qconvert.schemes.base import SearchResult
 from qconvert.schemes.int8 import int8_clip_search, quantize_int8
@@ -157,22 +159,17 @@ class ScaleSearches:
         return record
 
 
-class ScaleSearch:
+class ScaleSearch(Step):
     """The step: each linear's int8 weight clip, and with static activations its input scale, searched on its
     input rows once its weight is final (smoothed); the clips go to the steps after it (GPTQ keeps their scales)."""
-
-    rewrites = False
 
     def __init__(self, linears: Sequence[str], static: bool):
         self.linears, self.static = list(linears), static
         self._unsearched = list(linears)
         self._progress: Reporter | None = None
 
-    def kept_rows(self) -> set[str]:
-        return set(self.linears)
-
-    def hessians(self) -> frozenset[str]:
-        return frozenset()
+    def statistics(self) -> list[Statistic]:
+        return [KeptRows(frozenset(self.linears))]
 
     def start(self, progress: Reporter) -> None:
         self._progress = progress
@@ -184,17 +181,11 @@ class ScaleSearch:
         if not ready:
             return
         self._unsearched = [m for m in self._unsearched if m not in ready]
-        found = self._search(ready, results, stats.input_samples)
+        found = self._search(ready, results, stats.of(KeptRows))
         results.searches.update(found)
         results.clips.update({m: f.clip for m, f in found.items() if f.clip is not None})
         self._progress.step(SCALE_SEARCH, min(len(results.searches), len(self.linears)), len(self.linears),
                             "linears")
-
-    def finish(self, results: Results) -> None:
-        del results  # a linear calibration never reached keeps its plain absmax scales
-
-    def replacement(self, index: int) -> None:
-        return None
 
     def _search(self, modules: list[str], results: Results, samples: Mapping[str, np.ndarray]
                 ) -> dict[str, LinearSearch]:
@@ -228,6 +219,17 @@ def _encoded_search(found: LinearSearch) -> tuple[dict, dict]:
 def _decoded_search(module: str, arrays: dict, meta: dict) -> LinearSearch:
     del module
     return LinearSearch(arrays.get("clip"), meta["input_scale"], meta["record"])
+
+
+class StaticInputScales(Step):
+    """The step (w8a8 with --act static): each quantized linear's per-tensor input scale, the searched one
+    (ScaleSearch, before it) or max|x / s| / 127 of the calibrated maxima, once every step before it is done."""
+
+    def __init__(self, modules: Sequence[str]):
+        self.modules = list(modules)
+
+    def finish(self, results: Results) -> None:
+        results.input_scales = static_input_scales(results, self.modules)
 
 
 def static_input_scales(results: Results, modules: Sequence[str]) -> dict[str, float]:

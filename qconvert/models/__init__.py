@@ -26,9 +26,9 @@ checkpoint tensor name to array (lazy readers and QArray weights included):
     model.forward(params, input_ids, attention_mask=None, linear=..., grouped_linear=...)
 
 Every linear runs through the `linear` hook, experts through `grouped_linear`
-(hooks.py). `iterate_layers` / `forward_layerwise` (runner.py) run a model one
-jit-compiled layer at a time from lazily read weights and report what an
-observer computes from each linear's input.
+(hooks.py); attention hands its keys and values to `cached_kv`. Running a model one
+jit-compiled layer at a time from lazily read weights (`iterate_layers`,
+`forward_layerwise`) is the calibration engine's: qconvert.calibration.layers.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from qconvert.models.qwen2 import Qwen2Model
 from qconvert.models.qwen3 import Qwen3Model
 from qconvert.models.qwen3_moe import Qwen3MoeModel
 from qconvert.models.registry import family_for
-from qconvert.models.runner import LayerResult, forward_layerwise, iterate_layers, read_tensors
 
 
 def build(config: dict[str, Any], tensor_names: Iterable[str] | None = None):
@@ -62,8 +61,8 @@ def build(config: dict[str, Any], tensor_names: Iterable[str] | None = None):
 
 
 __all__ = [
-    "BertModel", "DeepseekV3Model", "Gemma3MultimodalModel", "GemmaModel", "GroupedLinearHook", "LayerResult",
+    "BertModel", "DeepseekV3Model", "Gemma3MultimodalModel", "GemmaModel", "GroupedLinearHook",
     "LinearHook", "LlamaModel", "MixtralModel", "Phi3Model", "Qwen2Model", "Qwen2MoeModel", "Qwen3Model",
     "Qwen3MoeModel", "build",
-    "dense_grouped_linear", "dense_linear", "forward_layerwise", "iterate_layers", "mean_pool", "read_tensors",
+    "dense_grouped_linear", "dense_linear", "mean_pool",
 ]

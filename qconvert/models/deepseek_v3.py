@@ -169,6 +169,8 @@ class DeepseekV3Model(LlamaModel):
     LAYER_LINEARS = Q_DIRECT + Q_LORA + KV_AND_OUT + (ROUTER,) + ROUTED + SHARED
     DENSE_LINEARS = Q_LORA + KV_AND_OUT + DENSE
     FLOAT_LINEARS = (ROUTER,)
+    kv_cache_refusal = ("multi-head latent attention caches its compressed latent and RoPE key, not per-head keys "
+                        "and values; qconvert writes no scales for that cache")
 
     mla: MlaArgs = MlaArgs(None, 1, 1, 2, 1, True, 1.0)
     moe: DeepseekMoeArgs = DeepseekMoeArgs(2, 1, 1, 1, 1, 1, True, 1.0, ())

@@ -192,7 +192,7 @@ class LayerStack:
     the smoothing groups from the per-layer declarations, and the forward (embed, layers, head).
 
     A family supplies `args.num_hidden_layers`, `layers_prefix`, `embed`, `layer(i, ...)` and
-    `head`; runner.py calls the same three pieces one layer at a time.
+    `head`; calibration/layers.py calls the same three pieces one layer at a time.
     """
 
     family: ClassVar[str]

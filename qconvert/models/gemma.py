@@ -14,7 +14,7 @@ import numpy as np
 from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.formats import QArray
 from qconvert.formats.qarray import is_prepared
-from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, dense_grouped_linear,
+from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, cached_kv, dense_grouped_linear,
                                    dense_linear)
 from qconvert.models.activations import check_activation
 from qconvert.models.family import LayerStack, SmoothingGroup
@@ -258,6 +258,7 @@ class GemmaModel(DecoderBlock, LayerStack):
         a, t = self.args, q.shape[2]
         cos, sin = rope_angles(a.ropes[i], a.head_dim, t)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = cached_kv(f"{self.layer_prefix(i)}.self_attn", k, v)
         window = a.sliding_window if a.layer_types[i] == SLIDING else None
         return gemma_attention(q, k, v, attention_bias(t, attention_mask, window),
                                a.query_pre_attn_scalar ** -0.5, a.attn_logit_softcapping)

@@ -20,11 +20,22 @@ _grouped_matmul), never a Pallas kernel.
 
 Both hooks are pure functions of their arrays, so a forward that uses them can
 be traced by jax.jit.
+
+An attention block hands its keys after RoPE and its values, [B, heads, T, head_dim], as a KV cache stores
+them, to
+
+    keys, values = cached_kv(name, keys, values)
+
+with `name` the attention module ("model.layers.0.self_attn"). It returns them unchanged unless a caller
+tapped the cache (`kv_tap`) while the layer is traced: calibration observes them there, and verify rounds
+them as an FP8 cache would. The tap is set around the trace, not passed through every family's signature.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +45,31 @@ from qconvert.formats.qarray import is_prepared
 
 LinearHook = Callable[[str, jax.Array, Any, Any], jax.Array]
 GroupedLinearHook = Callable[[Sequence[str], jax.Array, Sequence[Any], jax.Array], jax.Array]
+# tap(name, keys, values) -> (keys, values): what a traced layer's KV cache holds, observed or replaced.
+KVTap = Callable[[str, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+_KV_TAPS: contextvars.ContextVar[tuple[KVTap, ...]] = contextvars.ContextVar("kv_taps", default=())
+
+
+@contextlib.contextmanager
+def kv_tap(tap: KVTap | None) -> Iterator[None]:
+    """Within the block, every `cached_kv` call passes its keys and values through `tap` (after the taps set
+    outside it); None sets nothing."""
+    if tap is None:
+        yield
+        return
+    token = _KV_TAPS.set(_KV_TAPS.get() + (tap,))
+    try:
+        yield
+    finally:
+        _KV_TAPS.reset(token)
+
+
+def cached_kv(name: str, keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """An attention block's keys (after RoPE) and values as its KV cache holds them: through the taps set."""
+    for tap in _KV_TAPS.get():
+        keys, values = tap(name, keys, values)
+    return keys, values
 
 
 def as_float32(weight: Any) -> jax.Array:

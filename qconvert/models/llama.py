@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from qconvert.models.activations import ACTIVATIONS, check_activation
 from qconvert.models.config_values import config_bool, config_float, config_int, require_divides
-from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32,
+from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, cached_kv,
                                    dense_grouped_linear, dense_linear)
 from qconvert.models.family import REMEDY_LEAD, LayerStack, SmoothingGroup
 from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
@@ -154,6 +154,13 @@ class DecoderBlock:
         """What every decoder layer's tensor names start with (then the layer index)."""
         return f"{self.prefix}.{self.LAYER_STACK}."
 
+    # Why a server's per-tensor KV-cache scales do not apply to this family's cache (None: they do).
+    kv_cache_refusal: str | None = None
+
+    def kv_cache_blocks(self) -> list[str]:
+        """The attention modules whose keys and values `attend` hands to models.hooks.cached_kv, by layer."""
+        return [f"{self.layer_prefix(i)}.self_attn" for i in range(self.num_layers)]
+
     def _linear(self, linear: LinearHook, params: Mapping, module: str, x: jax.Array) -> jax.Array:
         bias = params[f"{module}.bias"] if self.biased(module.rsplit(".", 1)[1]) else None
         return linear(module, x, params[f"{module}.weight"], bias)
@@ -273,6 +280,7 @@ class LlamaModel(DecoderBlock, LayerStack):
         t = q.shape[2]
         cos, sin = rope_angles(self.args.rope, self.rotary_dim, t)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = cached_kv(f"{self.layer_prefix(i)}.self_attn", k, v)
         return grouped_query_attention(q, k, v, attention_bias(t, attention_mask, self.args.sliding_windows[i]))
 
     @property

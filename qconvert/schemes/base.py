@@ -67,6 +67,9 @@ class Scheme(abc.ABC):
     default_awq: bool = False        # AWQ's scales before rounding unless --no-awq (docs/ACCURACY.md)
     takes_double_quant: bool = False
     takes_group_size: bool = False
+    # Its quantization_config can carry compressed-tensors' kv_cache_scheme (--kv-cache): every
+    # compressed-tensors layout; bitsandbytes' (nf4) has none.
+    writes_kv_cache_scheme: bool = True
 
     @property
     def summary(self) -> str:

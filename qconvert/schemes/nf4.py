@@ -217,6 +217,7 @@ class NF4(Scheme):
     name = "nf4"
     layout = BitsandbytesNF4()
     vllm_loads = False
+    writes_kv_cache_scheme = False
     takes_double_quant = True
     clip = ClipSearch(NF4_CLIP_GRID, "per block of 64: stored absmax = c * max|block|, values beyond it clip to +-1")
     thresholds = Thresholds(
