@@ -47,7 +47,8 @@ def calibrate_once(model: Path, gptq: bool, samples: int, seqlen: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="qc-gptq-out-") as out, contextlib.ExitStack() as scratch:
         started = time.perf_counter()
         sequential = _sequential_gptq(source, plan, options, Path(out) / "out", scratch)
-        adjustments = prepare_adjustments(source, options, None, plan.quantized_modules, sequential)
+        adjustments = prepare_adjustments(source, options, None, None, sequential,
+                                          quantized_modules=plan.quantized_modules)
         seconds = time.perf_counter() - started
     rounding = adjustments.rounding_record or {"method": "rtn"}
     return {"seconds": seconds, "method": rounding["method"], "linears": len(rounding.get("modules", {}))}

@@ -23,7 +23,7 @@ from qconvert.source.resolve import SourceModel, open_source, resolve_source
 from qconvert.stages import stage
 from qconvert.methods.gptq_core import DEFAULT_ACT_ORDER, DEFAULT_DAMP, GPTQConfig
 from qconvert.methods.gptq import RTN_RECORD, DiscardedStore, QuantizedStore, SequentialGPTQ
-from qconvert.methods.recipe import Adjustments, prepare_adjustments, runs_awq
+from qconvert.methods.recipe import Adjustments, choose_steps, prepare_adjustments
 from qconvert.write.folder import (
     check_free_space, check_output_free, check_output_location, check_writable, scratch_folder,
 )
@@ -164,13 +164,14 @@ def _calibrate(source: SourceModel, plan: ConversionPlan, options: ConvertOption
     are kept in a scratch folder beside OUT that `scratch` removes."""
     gptq = _sequential_gptq(source, plan, options, out, scratch)
     adjustments, phases = Adjustments(), []
-    if (options.scheme_object.calibrates or gptq or runs_awq(source, options)) and not (
-            options.dry_run and (not options.static_act or plan.refusal)):
+    # A dry run calibrates only to show static input scales; otherwise the steps chosen decide.
+    steps = [] if options.dry_run and (not options.static_act or plan.refusal) else choose_steps(
+        source, options, plan.quantized_modules, gptq, plan.flags)
+    if steps:
         calibration_started = time.perf_counter()
         agree_run(source, options, plan)
         with stage("calibration"):
-            adjustments = prepare_adjustments(source, options, message, plan.quantized_modules, gptq,
-                                              plan.flags)
+            adjustments = prepare_adjustments(source, options, steps, message, gptq)
         if adjustments.calibration_record is not None:
             phases.append(("calibrated", time.perf_counter() - calibration_started))
     if options.static_act and not plan.refusal:
@@ -196,7 +197,8 @@ def _calibrated(adjustments: Adjustments, options: ConvertOptions) -> Calibrated
         weight_transform=adjustments.transform, input_scales=adjustments.input_scales or {},
         searches=ScaleSearches(options.searches_scales, dict(adjustments.weight_clip),
                                dict(adjustments.search_records)),
-        quantized=adjustments.quantized)
+        quantized=adjustments.quantized, extra_tensors=dict(adjustments.extra_tensors),
+        extra_config=dict(adjustments.extra_config))
 
 
 def _record(source: SourceModel, plan: ConversionPlan, options: ConvertOptions,
@@ -206,7 +208,8 @@ def _record(source: SourceModel, plan: ConversionPlan, options: ConvertOptions,
         options.scheme, {}, qconvert_version=__version__, flags=options.recorded_flags(plan.flags),
         calibration=adjustments.calibration_record, smoothing=adjustments.smoothing_record,
         rounding=adjustments.rounding_record or dict(RTN_RECORD),
-        weight_only=source.weight_only.record() if source.weight_only is not None else None)
+        weight_only=source.weight_only.record() if source.weight_only is not None else None,
+        kv_cache=adjustments.records.get("kv_cache"))
 
 
 def _check_space(out: Path, plan: ConversionPlan, options: ConvertOptions) -> None:

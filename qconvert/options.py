@@ -193,7 +193,7 @@ class ConvertOptions:
         text_only = self.calibration is not None and not _smoothing_given(self.calibration) and not self.static_act
         scheme.check_options(act=self.act, double_quant=self.double_quant, group_size=self.group_size,
                              calibrates=self.calibration is not None
-                             and not ((self.uses_gptq or self.uses_awq) and text_only))
+                             and not ((self.uses_gptq or self.uses_awq or self.kv_cache is not None) and text_only))
         if self.group_size is not None and self.group_size not in GROUP_SIZE_CHOICES:
             raise UsageError(f"--group-size must be 32, 64, 128 or channel, not {self.group_size!r}")
         if self.max_shard_size <= 0:

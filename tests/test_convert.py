@@ -315,7 +315,7 @@ def test_weight_transform_and_static_input_scales_reach_the_w8a8_folder(tmp_path
     halves = np.full(src[norm].shape[0], 0.5, np.float32)
     given = Adjustments(folds={norm: TensorFold(halves, None)}, input_scales=scales, smoothing_record=record)
     monkeypatch.setattr(convert_module, "prepare_adjustments",
-                        lambda source, options, message=None, modules=(), gptq=None, flags=None: given)
+                        lambda source, options, steps=None, message=None, gptq=None: given)
     convert(str(src_folder), tmp_path / "out", ConvertOptions(scheme="w8a8", act="static", scale_search=False,
                                                               gptq=False))
     dst = read_folder(tmp_path / "out")

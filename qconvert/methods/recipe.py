@@ -86,12 +86,12 @@ def runs_awq(source: SourceModel, options: ConvertOptions) -> bool:
     return True
 
 
-def choose_steps(source: SourceModel, options: ConvertOptions, linears: Sequence[str],
-                 quantized_modules: Sequence[str], gptq: SequentialGPTQ | None,
-                 flags: LayoutFlags | None = None) -> list[Step]:
+def choose_steps(source: SourceModel, options: ConvertOptions, quantized_modules: Sequence[str],
+                 gptq: SequentialGPTQ | None, flags: LayoutFlags | None = None) -> list[Step]:
     """The run's methods, in the order they see each layer: a method is one line here. Calibration runs when
-    and only when some step is chosen."""
+    and only when some step is chosen (the pipeline asks here, once)."""
     scheme, calib, static = options.scheme_object, options.calibration, options.static_act
+    linears = source.family.linear_names(source.params)
     # w8a8's activations are calibrated where they are smoothed or get static scales.
     activations = scheme.calibrates and (calib.smooth or static)
     steps: list[Step] = []
@@ -110,23 +110,23 @@ def choose_steps(source: SourceModel, options: ConvertOptions, linears: Sequence
     return steps
 
 
-def prepare_adjustments(source: SourceModel, options: ConvertOptions,
+def prepare_adjustments(source: SourceModel, options: ConvertOptions, steps: Sequence[Step] | None = None,
                         progress: Reporter | Callable[[str], None] | None = None,
-                        quantized_modules: Sequence[str] = (), gptq: SequentialGPTQ | None = None,
+                        gptq: SequentialGPTQ | None = None, *, quantized_modules: Sequence[str] = (),
                         flags: LayoutFlags | None = None) -> Adjustments:
-    """Calibrate (or load statistics) and run the chosen steps on `source`; with `gptq`, round the quantized
-    modules by GPTQ during calibration (any scheme); with --awq, search AWQ's scales for the layout `flags`.
+    """Calibrate (or load statistics) and run `steps` on `source` (None: choose_steps' for `quantized_modules`,
+    `gptq` and the layout `flags`); `gptq` is the GPTQ step's rounding, whose codes and record the writer takes.
 
     `source` is the pipeline's opened model: calibration reads the very weights
-    that are then written. Plain per-token W8A8 (no smoothing, dynamic) without
-    GPTQ needs no statistics and gets no adjustments.
+    that are then written. No steps: no statistics, no adjustments.
     """
+    if steps is None:
+        steps = choose_steps(source, options, quantized_modules, gptq, flags)
+    if not steps:
+        return Adjustments()
     calib = options.calibration
     params = source.params
     linears = source.family.linear_names(params)
-    steps = choose_steps(source, options, linears, quantized_modules, gptq, flags)
-    if not steps:
-        return Adjustments()
     progress = as_reporter(progress)
     results = Results(params)
     model_transform = transform_model(steps, results)  # before calibration: every later reader sees it

@@ -158,7 +158,7 @@ class Scheme(abc.ABC):
         if calibrates and not self.calibrates:
             raise UsageError("--calib, --alpha, --no-smooth, --act and --act-stats apply to --scheme "
                              f"{names_where(lambda s: s.calibrates)} only (--calib, --calib-samples, "
-                             "--calib-seqlen and --shard-experts also with --gptq or --awq)")
+                             "--calib-seqlen and --shard-experts also with --gptq, --awq or --kv-cache)")
         if double_quant and not self.takes_double_quant:
             raise UsageError(f"--double-quant applies to --scheme {names_where(lambda s: s.takes_double_quant)} only")
         if act not in ("dynamic", "static"):

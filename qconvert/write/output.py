@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from qconvert.formats.jsonfile import write_json
 from qconvert.formats.layout_base import FLOAT_DTYPES_BY_NAME
@@ -42,7 +42,8 @@ def write_output(source: SourceModel, out: Path, plan, options, calibrated: Cali
         finally:
             stream.close()  # stops the worker at once if writing failed
         files.update(copy_side_files(resolved.folder, staging))
-        files["config.json"] = write_json(staging / "config.json", quantized_config(resolved.config, plan, scheme))
+        files["config.json"] = write_json(staging / "config.json",
+                                          quantized_config(resolved.config, plan, scheme, calibrated.extra_config))
         record = dataclasses.replace(
             record, source=source_record(resolved, out, source_hashes(), source.source_format),
             scale_search=calibrated.searches.record(scheme) if calibrated.searches is not None else None)
@@ -51,12 +52,13 @@ def write_output(source: SourceModel, out: Path, plan, options, calibrated: Cali
     return dict(sorted(files.items()))
 
 
-def quantized_config(config: dict[str, Any], plan, scheme) -> dict[str, Any]:
-    """The source config.json with the scheme's quantization_config added."""
+def quantized_config(config: dict[str, Any], plan, scheme, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The source config.json with the scheme's quantization_config added (with the keys calibration adds to it:
+    the KV cache's kv_cache_scheme)."""
     declared = config.get("torch_dtype") or config.get("dtype")
     compute_dtype = declared if declared in tuple(FLOAT_DTYPES_BY_NAME) else plan.float_dtype
-    return {**config, "quantization_config": scheme.layout.quantization_config(
-        plan.flags, tuple(plan.ignore), compute_dtype)}
+    return {**config, "quantization_config": {**scheme.layout.quantization_config(
+        plan.flags, tuple(plan.ignore), compute_dtype), **(extra or {})}}
 
 
 def card_facts(source: SourceModel, plan, options, record: ConversionRecord, specs: list[TensorSpec]) -> CardFacts:

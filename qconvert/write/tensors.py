@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -56,6 +56,8 @@ class Calibrated:
     # Tensors calibration made beside the planned ones, by output name, each written right after the planned
     # tensors of the module that holds it, so in its layer's shard (see `extras_after`).
     extra_tensors: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # quantization_config keys that say what the extra tensors are (the KV cache's `kv_cache_scheme`).
+    extra_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def extras_after(plan, names: Iterable[str]) -> dict[str, tuple[str, ...]]:

@@ -1,0 +1,107 @@
+"""--kv-cache fp8: per-tensor k_scale / v_scale from calibration's keys (after RoPE) and values, judged by
+transformers' own KV cache; the folder transformers loads; verify recomputing the scales and failing an edit."""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+from checkpoints import make_bert_checkpoint
+from cli_helpers import quantize_quietly, run
+from hf_checkpoints import make_hf_checkpoint
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from qconvert.calibration.data import RANDOM_SEED, random_windows
+
+CALIB = ["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "16"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("kv") / "src", "llama", layers=2, peaked=True)
+
+
+def _tensors(folder):
+    import torch  # noqa: F401  (safe_open's pt framework)
+
+    found = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            found.update({k: f.get_tensor(k) for k in f.keys()})
+    return found
+
+
+def _cached_absmax(source, ids):
+    """max|k| and max|v| per layer of transformers' own KV cache (keys after RoPE) over the windows."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        cache = model(torch.as_tensor(ids), use_cache=True).past_key_values
+    return [(float(layer.keys.abs().max()), float(layer.values.abs().max())) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int4"])
+def test_scales_are_the_calibrated_maxima_of_the_cache_over_448(llama, tmp_path, scheme):
+    out = quantize_quietly(llama, tmp_path / scheme, "--scheme", scheme, "--kv-cache", "fp8", *CALIB)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["kv_cache_scheme"]["strategy"] == "tensor"
+    assert config["quantization_config"]["kv_cache_scheme"]["type"] == "float"
+    tensors = _tensors(out)
+    ids = random_windows(config["vocab_size"], 4, 16, RANDOM_SEED)
+    for i, (keys, values) in enumerate(_cached_absmax(llama, ids)):
+        k, v = tensors[f"model.layers.{i}.self_attn.k_scale"], tensors[f"model.layers.{i}.self_attn.v_scale"]
+        assert str(k.dtype) == "torch.float32" and tuple(k.shape) == (1,)
+        if scheme == "fp8":  # every layer calibrated on the float model: transformers' own cache
+            np.testing.assert_allclose(float(k), keys / 448, rtol=1e-5)
+            np.testing.assert_allclose(float(v), values / 448, rtol=1e-5)
+        else:  # GPTQ rounds layer 0 first: layer 1 sees it rounded, so only layer 0 is the float model's
+            if i == 0:
+                np.testing.assert_allclose([float(k), float(v)], [keys / 448, values / 448], rtol=1e-5)
+            assert 0.5 < float(k) * 448 / keys < 2 and 0.5 < float(v) * 448 / values < 2
+
+
+def test_transformers_loads_the_folder_and_verify_recomputes_the_scales(llama, tmp_path, capsys):
+    import torch
+    import transformers
+
+    out = quantize_quietly(llama, tmp_path / "out", "--scheme", "fp8", "--kv-cache", "fp8", *CALIB)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    ids = torch.as_tensor(random_windows(128, 2, 12, 9))
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.99
+    code, stdout, _ = run(["verify", str(out), "--quick", "--json"], capsys)
+    assert code == 0, stdout
+    # One scale edited (the file's sha256 recorded again, so only the scale check can tell): verify fails.
+    record = json.loads((out / "qconvert.json").read_text())
+    name = "model.layers.1.self_attn.v_scale"
+    path = next(p for p in out.glob("*.safetensors") if name in safe_open(p, "pt").keys())
+    tensors = {k: v for k, v in _tensors(out).items() if k in safe_open(path, "pt").keys()}
+    tensors[name] = tensors[name] * 1.01
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
+    save_file(tensors, path, metadata=metadata)
+    record["files"][path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (out / "qconvert.json").write_text(json.dumps(record))
+    code, stdout, stderr = run(["verify", str(out), "--quick"], capsys)
+    assert code != 0 and name in stdout + stderr, stdout + stderr
+
+
+@pytest.mark.parametrize("case", ["nf4", "bert", "deepseek_v3", "act-stats"])
+def test_where_no_loader_reads_the_scales_the_flag_is_refused_in_one_line(tmp_path, capsys, case):
+    if case == "bert":
+        source, args = make_bert_checkpoint(tmp_path / "bert"), ["--scheme", "int8"]
+    elif case == "deepseek_v3":
+        source, args = make_hf_checkpoint(tmp_path / "ds", "deepseek_v3", layers=2), ["--scheme", "fp8"]
+    else:
+        source = make_hf_checkpoint(tmp_path / "llama", "llama", layers=1)
+        args = ["--scheme", "nf4"] if case == "nf4" else ["--scheme", "w8a8", "--act-stats", str(tmp_path / "s")]
+    capsys.readouterr()  # what building the source printed
+    code, _, stderr = run(["quantize", str(source), "-o", str(tmp_path / "out"), "-q", "--kv-cache", "fp8",
+                           *args, *([] if case == "act-stats" else CALIB)], capsys)
+    assert code == 2 and "--kv-cache" in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert not (tmp_path / "out").exists()
