@@ -75,44 +75,23 @@ def expert_parallel_step(model, linear, grouped_linear, observe: Observer, mesh:
     per) of each projection (per = ceil(E / devices)) and their input Hessians.
 
     step(i, copies, placed, hidden, mask, running): with copies = devices, each device runs its own batch of the
-    group as `data_parallel.sharded_step` does; with copies = 1, every device runs the same batch (one left over). Every
-    layer but the experts runs as in data parallel; a grouped linear gathers every batch's rows to every device,
-    which multiplies the rows routed to its own experts (ragged_dot over them, shifted to the first row) and
-    sums its rows into each batch's owner (a reduce-scatter: each row comes from one device, the others add
-    zeros). The owner of an expert sums its Hessian over the batches in batch order, as one device does (the
-    same products, bit for bit). The experts' outputs are those of a ragged_dot over fewer experts, whose float
-    additions may round otherwise than one over all of them: the layer's output may differ by float32 rounding
-    from one device's (README: "The same bytes whatever the mesh").
+    group as data_parallel.sharded_step does; with copies = 1, every device runs the same batch (one left
+    over). Every layer but the experts runs as in data parallel (_layer_on_device). The experts' outputs are
+    those of a ragged_dot over fewer experts, whose float additions may round otherwise than one over all of
+    them: the layer's output may differ by float32 rounding from one device's (README: "The same bytes whatever
+    the mesh").
 
     Observing, it returns (output, what `observe` returned less its summed entries (one leading entry per device
-    with copies = devices), running): running = (the dense linears' sums, folded as data_parallel.sharded_step folds them;
-    the experts' sums: stack key -> {key: [devices * per, ...]}, each device its own experts')."""
+    with copies = devices), running): running = (the dense linears' sums, folded as data_parallel.sharded_step
+    folds them; the experts' sums: stack key -> {key: [devices * per, ...]}, each device its own experts')."""
     devices = mesh.size
     split, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    hooks = (linear, grouped_linear, observe if observes else None)
 
     @functools.partial(jax.jit, static_argnums=(0, 1, 2))
     def program(i, copies, layout, dense, stacks, hidden, mask, running):
-        modules = dict(layout)
-        experts = frozenset(f"{name}.weight" for names in modules.values() for name in names)
-
-        def local(dense, stacks, hidden, mask, running):
-            sink, owned = {}, {}
-            valid = mask > 0
-            hooks = observing_hooks(linear, grouped_linear, observe, valid, sink) if observes else (linear, None)
-
-            grouped = _grouped_by_owner(grouped_linear, observe if observes else None, stacks, copies, devices,
-                                        None if running is None else running[1], sink, owned)
-            with kv_tap(attention_observer(observe, valid, sink) if observes else None):
-                out = model.layer(i, _ExpertSlots(dense, experts), hidden, mask, hooks[0], grouped)
-            if not observes:
-                return out
-            sums, rest = split_sink(sink)
-            folded = fold_sums(sums, None if running is None else running[0],
-                               ordered_fold if copies > 1 else replicated_fold, devices)
-            if copies > 1:
-                rest = jax.tree.map(lambda a: a[None], rest)
-            return out, rest, (folded, owned)
-
+        experts = frozenset(f"{name}.weight" for names in dict(layout).values() for name in names)
+        local = functools.partial(_layer_on_device, model, hooks, i, copies, devices, experts)
         batch = P("data") if copies > 1 else P()
         out_specs = (batch, batch, P("data")) if observes else batch
         return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), batch, batch, P("data")),
@@ -126,6 +105,28 @@ def expert_parallel_step(model, linear, grouped_linear, observe: Observer, mesh:
                        jax.device_put(mask, where), running)
 
     return run
+
+
+def _layer_on_device(model, hooks, i: int, copies: int, devices: int, experts: frozenset, dense, stacks, hidden,
+                     mask, running):
+    """Inside shard_map: layer i on this device's batch (or the one every device runs), its experts through
+    _grouped_by_owner; observing (hooks' observer not None), also what it observed and the sums so far."""
+    linear, grouped_linear, observe = hooks
+    sink, owned = {}, {}
+    valid = mask > 0
+    observed = observing_hooks(linear, grouped_linear, observe, valid, sink) if observe else (linear, None)
+    grouped = _grouped_by_owner(grouped_linear, observe, stacks, copies, devices,
+                                None if running is None else running[1], sink, owned)
+    with kv_tap(attention_observer(observe, valid, sink) if observe else None):
+        out = model.layer(i, _ExpertSlots(dense, experts), hidden, mask, observed[0], grouped)
+    if observe is None:
+        return out
+    sums, rest = split_sink(sink)
+    folded = fold_sums(sums, None if running is None else running[0],
+                       ordered_fold if copies > 1 else replicated_fold, devices)
+    if copies > 1:
+        rest = jax.tree.map(lambda a: a[None], rest)
+    return out, rest, (folded, owned)
 
 
 def _grouped_by_owner(grouped_linear, observe: Observer | None, stacks: Mapping[str, jax.Array], copies: int,

@@ -99,11 +99,9 @@ def _data_mesh(devices) -> Mesh | None:
     return Mesh(np.asarray(devices), ("data",)) if len(devices) > 1 else None
 
 
-def iterate_layers(model, params: Mapping, input_ids, attention_mask=None, *,
-                   linear: LinearHook = dense_linear,
-                   grouped_linear: GroupedLinearHook = dense_grouped_linear,
-                   observe: Observer | None = None, batch_size: int | None = None,
-                   jit: bool = True, share_programs: bool | None = None,
+def iterate_layers(model, params: Mapping, input_ids, attention_mask=None, *, linear: LinearHook = dense_linear,
+                   grouped_linear: GroupedLinearHook = dense_grouped_linear, observe: Observer | None = None,
+                   batch_size: int | None = None, jit: bool = True, share_programs: bool | None = None,
                    devices: Sequence[jax.Device] | None = None,
                    replace: Callable[[int], Mapping[str, Any] | None] | None = None,
                    shard_experts: bool = False, kv_cache: KVTap | None = None) -> Iterator[LayerResult]:
@@ -113,20 +111,20 @@ def iterate_layers(model, params: Mapping, input_ids, attention_mask=None, *,
     All N samples' hidden states pass from layer to layer on the device, `batch_size` samples at a time (all
     at once when None), which bounds the attention scores' memory. With `jit`, the hooks must be traceable.
     share_programs: layers of equal `layer_signature` run one program, traced with the first of them, whose
-    module names the hooks and `observe` then see (default: on with the float hooks, which ignore names).
+    module names the hooks and `observe` then see (default: on with the float hooks and no `kv_cache`, which
+    ignore names).
     devices: with more than one, the batches are split across them (_LayerRunner). replace(i): once the
     caller is done with layer i, tensors that take the place of its own; the layer runs again on them to give
     the next its input (GPTQ's sequential mode: layer i calibrated on layers 0..i-1 as quantized).
     shard_experts: with more than one device, each MoE layer's experts are split across them, each device
     holding ceil(E / devices) whole experts and their Hessians (expert_parallel.py); other layers as without.
-    kv_cache: a tap every attention block's keys and values pass through (models.hooks.cached_kv), e.g. rounded
-    as an FP8 cache holds them.
+    kv_cache: a tap every attention block's keys and values pass through (models.hooks.cached_kv).
     """
     input_ids = jnp.asarray(input_ids, jnp.int32)
     n, t = input_ids.shape
     mask = jnp.ones((n, t), jnp.int32) if attention_mask is None else jnp.asarray(attention_mask, jnp.int32)
     if share_programs is None:
-        share_programs = linear is dense_linear and grouped_linear is dense_grouped_linear
+        share_programs = linear is dense_linear and grouped_linear is dense_grouped_linear and kv_cache is None
     runner = _LayerRunner(model, linear, grouped_linear, observe or (lambda name, x, valid: None), jit,
                           LayerPrograms(model, share_programs and jit), _data_mesh(devices) if jit else None,
                           n if batch_size is None else max(1, int(batch_size)), n, shard_experts, kv_cache)

@@ -138,26 +138,22 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
     is to run on from then on (its quantized weights), or None; the layer runs again on
     them to give layer i + 1 its input (layers.iterate_layers).
 
-    devices: where the layers run; None: every visible device of jax's default
-    backend, every process's in a run of several (with more than one, the
-    batches are split across them and the statistics are the same as on one). `batch_size` is lowered where the
-    estimate of calib_memory says it would not fit the device (its allocator's
-    limit; on a CPU, HOST_BUDGET_BYTES).
+    devices: where the layers run; None: every visible device of jax's default backend, every process's in a
+    run of several (with more than one, the batches are split across them and the statistics are the same as
+    on one). `batch_size` is lowered where it would not fit the device (_fitted).
 
     shard_experts: split each MoE layer's experts over the devices (expert_parallel.py; the
     statistics then differ from one device's by float32 rounding); None: only where the layer would not fit a
     device that states its memory with every expert on it (calibration.memory.split_experts).
     """
-    statistics = (statistics_asked(keep_inputs, hessians, sample_rows) if statistics is None
-                  else merge_requests(statistics))
-    statistics = tuple(s.begin() for s in statistics)
+    statistics = tuple(s.begin() for s in (statistics_asked(keep_inputs, hessians, sample_rows)
+                                           if statistics is None else merge_requests(statistics)))
     n, t = np.asarray(input_ids).shape
     devices = jax.devices() if devices is None else devices
     on_device = any(s.held_on_device for s in statistics)
     batch_size, shard_experts = _fitted(model, params, n, t, batch_size, devices, on_device, replace is not None,
                                         shard_experts)
-    split_over = len(devices) if shard_experts and len(devices) > 1 and any(
-        expert_stacks(model.layer_tensor_names(i)) for i in range(model.num_layers)) else 0
+    split_over = _experts_split_over(model, devices, bool(shard_experts))
     observe = StatisticsObserver(statistics, RunShape(batches=math.ceil(n / max(1, batch_size))))
     result = None
     for result in iterate_layers(model, params, input_ids, attention_mask, observe=observe,
@@ -169,6 +165,12 @@ def iter_layer_stats(model, params: Mapping, input_ids: np.ndarray, attention_ma
         observed = _head_observed(model, params, result.hidden, attention_mask, observe, batch_size)
         if observed:
             yield LayerStats(model.num_layers, _layer_values(observed, statistics), split_over)
+
+
+def _experts_split_over(model, devices, shard_experts: bool) -> int:
+    """The devices MoE layers' experts are split over (0: not split, or no MoE layer)."""
+    moe = any(expert_stacks(model.layer_tensor_names(i)) for i in range(model.num_layers))
+    return len(devices) if shard_experts and len(devices) > 1 and moe else 0
 
 
 def _fitted(model, params: Mapping, n: int, t: int, batch_size: int, devices, on_device: bool, sequential: bool,

@@ -158,12 +158,8 @@ def _group_size(ctx, param, value):
                    "what vLLM TPU loads instead where it is recorded refusing the scheme.")
 @smoothing_options
 @cluster_options
-def quantize(model: str, out: Path, scheme: str, revision: str | None, include: tuple[str, ...],
-             exclude: tuple[str, ...], max_shard_size: str, double_quant: bool, group_size, scale_search: bool | None,
-             gptq: bool | None, gptq_damp: float | None, gptq_act_order: bool | None, awq: bool | None,
-             kv_cache: str, workers: int | None,
-             overwrite: bool, dry_run: bool, upload_repo: str | None, public: bool, any_architecture: bool,
-             quiet: bool, as_json: bool, verbose: bool, **calibration_flags) -> int:
+def quantize(model: str, out: Path, upload_repo: str | None, public: bool, quiet: bool, as_json: bool,
+             verbose: bool, **flags) -> int:
     """Quantize MODEL (a local folder or a Hugging Face Hub id) into OUT.
 
     MODEL is a float checkpoint, or one shipped in FP8 (block FP8 with weight_scale_inv, DeepSeek/Qwen3 -FP8
@@ -173,26 +169,18 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
     started = time.perf_counter()
     note_out(out)
     hub_messages(verbose)
-    join_cluster(calibration_flags)
+    join_cluster(flags)
     check_model(model)
     from qconvert.write.upload import check_upload
 
     upload = check_upload(upload_repo, public) if is_leader() else None  # process 0 writes OUT and uploads it
     check_jax_platforms()
     from qconvert.convert import convert
-    from qconvert.options import ConvertOptions
-    from qconvert.plan import parse_size
 
-    options = ConvertOptions(scheme=scheme, revision=revision, include=include, exclude=exclude,
-                             max_shard_size=parse_size(max_shard_size), double_quant=double_quant,
-                             group_size=group_size, scale_search=scale_search, overwrite=overwrite, dry_run=dry_run,
-                             act=calibration_flags["act"], any_architecture=any_architecture, workers=workers,
-                             calibration=_calibration_options_from(scheme, calibration_flags), gptq=gptq, gptq_damp=gptq_damp,
-                             gptq_act_order=gptq_act_order, awq=awq, kv_cache=None if kv_cache == "none" else kv_cache,
-                             card_repo=upload_repo if upload_repo and "/" in upload_repo else None)
+    options = _convert_options(flags, upload_repo)
     result = run_with_progress(
         lambda stages, progress: convert(model, out, options, progress=progress, message=stages),
-        silent=quiet or as_json or not is_leader(), write_bar=not dry_run)
+        silent=quiet or as_json or not is_leader(), write_bar=not options.dry_run)
     if upload is not None and result.refusal is None:
         result = _uploaded(result, out, upload, silent=quiet or as_json, verbose=verbose)
     # The whole command, imports and model resolution included, not only the conversion.
@@ -203,6 +191,23 @@ def quantize(model: str, out: Path, scheme: str, revision: str | None, include: 
         raise result.refusal
     return 0
 
+
+
+def _convert_options(flags: dict, upload_repo: str | None):
+    """The ConvertOptions of the command's flags (validated there)."""
+    from qconvert.options import ConvertOptions
+    from qconvert.plan import parse_size
+
+    kv_cache = flags["kv_cache"]
+    return ConvertOptions(
+        scheme=flags["scheme"], revision=flags["revision"], include=flags["include"], exclude=flags["exclude"],
+        max_shard_size=parse_size(flags["max_shard_size"]), double_quant=flags["double_quant"],
+        group_size=flags["group_size"], scale_search=flags["scale_search"], overwrite=flags["overwrite"],
+        dry_run=flags["dry_run"], act=flags["act"], any_architecture=flags["any_architecture"],
+        workers=flags["workers"], calibration=_calibration_options_from(flags["scheme"], flags),
+        gptq=flags["gptq"], gptq_damp=flags["gptq_damp"], gptq_act_order=flags["gptq_act_order"],
+        awq=flags["awq"], kv_cache=None if kv_cache == "none" else kv_cache,
+        card_repo=upload_repo if upload_repo and "/" in upload_repo else None)
 
 
 def _uploaded(result, out: Path, target, silent: bool, verbose: bool):
