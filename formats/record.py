@@ -96,11 +96,7 @@ class SourceRecord:
     def to_json(self) -> dict[str, Any]:
         out = {"model": self.model, "is_hub": self.is_hub, "revision": self.revision, "commit": self.commit,
                "files": dict(sorted(self.files.items()))}
-        if self.folder_from_out is not None:
-            out["folder_from_out"] = self.folder_from_out
-        if self.format is not None:
-            out["format"] = self.format
-        return out
+        return _with_present(out, folder_from_out=self.folder_from_out, format=self.format)
 
     @classmethod
     def from_json(cls, raw: Any) -> "SourceRecord":
@@ -234,11 +230,7 @@ class ConversionRecord:
                "smoothing": self.smoothing.to_json() if self.smoothing is not None else None,
                "scale_search": self.scale_search, "files": dict(sorted(self.files.items())),
                "rounding": self.rounding}
-        if self.weight_only is not None:
-            out["weight_only"] = self.weight_only
-        if self.kv_cache is not None:
-            out["kv_cache"] = self.kv_cache
-        return out
+        return _with_present(out, weight_only=self.weight_only, kv_cache=self.kv_cache)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> "ConversionRecord":
@@ -301,3 +293,10 @@ def check_hashes(folder: Path, record: ConversionRecord) -> list[FileCheck]:
             path = folder / name
             checks.append(FileCheck(name, expected, sha256_file(path) if path.is_file() else None))
     return checks
+
+
+def _with_present(out: dict[str, Any], **optional: Any) -> dict[str, Any]:
+    """`out` with each optional key that has a value (keys written only when present, so older records keep
+    their bytes)."""
+    out.update({key: value for key, value in optional.items() if value is not None})
+    return out

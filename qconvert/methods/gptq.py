@@ -32,7 +32,6 @@ from qconvert.methods.gptq_core import DEFAULT_DAMP, GPTQConfig, hessian_factor,
 from qconvert.methods.scale_search import ScaleSearches
 from qconvert.methods.loop import Results, Step, weight_shape
 from qconvert.methods.fold import TensorFold, apply_fold
-from qconvert.progress import Reporter
 
 GPTQ_ROUNDING = "GPTQ"  # the step's progress stage
 
@@ -227,19 +226,17 @@ class GPTQ(Step):
     weights as the steps before it left them (smoothed, with the searched clips), the layer then run again."""
 
     rewrites = True
+    stage = GPTQ_ROUNDING
 
     def __init__(self, gptq: SequentialGPTQ, modules: Sequence[str], layers: int):
         self.gptq, self.modules, self.layers = gptq, list(modules), layers
         self._unrounded = list(modules)
-        self._progress: Reporter | None = None
 
     def statistics(self) -> list[Statistic]:
         return [InputHessian(frozenset(self.modules))]
 
-    def start(self, progress: Reporter) -> None:
-        self._progress = progress
-        if self.modules:
-            progress.step(GPTQ_ROUNDING, 0, self.layers)
+    def stage_total(self) -> int:
+        return self.layers if self.modules else 0
 
     def layer(self, stats: LayerStats, results: Results) -> None:
         now = [m for m in self._unrounded if m in stats.of(InputHessian)]
@@ -250,7 +247,7 @@ class GPTQ(Step):
         self.gptq.searches.clip.update({m: results.clips[m] for m in now if m in results.clips})
         self.gptq.layer(stats, now, results.folds())
         self._unrounded = [m for m in self._unrounded if m not in now]
-        self._progress.step(GPTQ_ROUNDING, min(stats.index + 1, self.layers), self.layers)
+        self.advance(min(stats.index + 1, self.layers))
 
     def replacement(self, index: int) -> dict[str, np.ndarray] | None:
         return self.gptq.replacement(index)

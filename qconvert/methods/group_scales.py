@@ -21,7 +21,6 @@ from qconvert.formats.record import SmoothingRecord
 from qconvert.methods.fold import GroupScales, stored_gain_scales
 from qconvert.methods.loop import Results, Step
 from qconvert.models.family import Family, SmoothingGroup
-from qconvert.progress import Reporter
 
 Chosen = tuple[GroupScales | None, dict | None]  # a group's scales (None: unsmoothed) and its candidates' errors
 
@@ -42,14 +41,16 @@ def written_scales(scales: GroupScales, params: Mapping) -> GroupScales:
 class GroupScaleStep(Step):
     """Per smoothing group, scales chosen as soon as the group is ready, spread over the devices."""
 
-    stage = ""              # the progress stage
-    shows_progress = True   # whether the stage is shown (a group with nothing to search shows none)
+    unit = "groups"
+    shows_progress = True   # whether the stage is shown (a given alpha searches nothing)
 
     def __init__(self, groups: list[SmoothingGroup]):
         self.groups = groups
         self._pending = list(groups)
-        self._progress: Reporter | None = None
         self.errors: dict[str, dict] = {}  # group source -> each candidate's error
+
+    def stage_total(self) -> int:
+        return len(self.groups) if self.shows_progress else 0
 
     def ready(self, group: SmoothingGroup, stats: LayerStats, results: Results) -> bool:
         """Whether the group's statistics are complete."""
@@ -71,11 +72,6 @@ class GroupScaleStep(Step):
         """qconvert.json's `smoothing`."""
         raise NotImplementedError
 
-    def start(self, progress: Reporter) -> None:
-        self._progress = progress
-        if self.shows_progress and self.groups:
-            progress.step(self.stage, 0, len(self.groups), "groups")
-
     def layer(self, stats: LayerStats, results: Results) -> None:
         ready = {g.source: g for g in self._pending if self.ready(g, stats, results)}
         if ready:
@@ -90,8 +86,7 @@ class GroupScaleStep(Step):
                 if errors is not None:
                     self.errors[source] = errors
                 if self.shows_progress:
-                    self._progress.step(self.stage, len(self.groups) - len(self._pending), len(self.groups),
-                                        "groups")
+                    self.advance(len(self.groups) - len(self._pending))
         results.unsmoothed = {m for g in self._pending for m in (*g.linears, g.source)}
 
     def finish(self, results: Results) -> None:

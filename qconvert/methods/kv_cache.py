@@ -17,7 +17,6 @@ from qconvert.calibration.statistics import AttentionAbsMax, Statistic
 from qconvert.formats.errors import UsageError
 from qconvert.formats.kv_cache import FP8_E4M3_MAX, KV_CACHE_SCHEME, kv_scale_tensors
 from qconvert.methods.loop import Results, Step
-from qconvert.progress import Reporter
 
 KV_SCALES = "KV-cache scales"  # the step's progress stage
 
@@ -36,17 +35,17 @@ def attention_blocks(model) -> list[str]:
 class KVCacheScales(Step):
     """The step: every attention block's per-tensor FP8 scales once its layer's keys and values are complete."""
 
+    stage = KV_SCALES
+
     def __init__(self, model, scheme: str = "fp8"):
         self.blocks, self.scheme = attention_blocks(model), scheme
         self.absmax: dict[str, dict[str, float]] = {}
-        self._progress: Reporter | None = None
 
     def statistics(self) -> Sequence[Statistic]:
         return [AttentionAbsMax(frozenset(self.blocks))]
 
-    def start(self, progress: Reporter) -> None:
-        self._progress = progress
-        progress.step(KV_SCALES, 0, len(self.blocks), "layers")
+    def stage_total(self) -> int:
+        return len(self.blocks)
 
     def layer(self, stats: LayerStats, results: Results) -> None:
         found = {name: pair for name, pair in stats.of(AttentionAbsMax).items() if name in self.blocks}
@@ -54,7 +53,7 @@ class KVCacheScales(Step):
             self.absmax[name] = {"keys": float(pair["keys"]), "values": float(pair["values"])}
             results.extra_tensors.update(kv_scale_tensors(name, pair["keys"], pair["values"]))
         if found:
-            self._progress.step(KV_SCALES, len(self.absmax), len(self.blocks), "layers")
+            self.advance(len(self.absmax))
 
     def finish(self, results: Results) -> None:
         missing = [name for name in self.blocks if name not in self.absmax]

@@ -72,6 +72,9 @@ class Step:
     base does nothing at every hook: a method writes only the hooks it uses."""
 
     rewrites = False  # whether the step hands the runner new weights for a layer (`replacement`)
+    stage = ""        # the step's progress stage, counted in `unit`s (stage_total: how many)
+    unit = "layers"
+    _progress: Reporter | None = None
 
     def model_transform(self, params: Mapping) -> ModelTransform | None:
         """A transform of the whole model, applied before calibration (to what every later step and the writer
@@ -82,8 +85,19 @@ class Step:
         """The statistics (calibration/statistics.py) the step reads from each layer."""
         return ()
 
+    def stage_total(self) -> int:
+        """How many units the step's stage counts (0: the step has no work and shows no stage)."""
+        return 0
+
     def start(self, progress: Reporter) -> None:
         """Show the step's progress stage (nothing for a step with no work)."""
+        self._progress = progress
+        if self.stage and self.stage_total():
+            progress.step(self.stage, 0, self.stage_total(), self.unit)
+
+    def advance(self, done: int) -> None:
+        """Show `done` of the stage's units finished."""
+        self._progress.step(self.stage, done, self.stage_total(), self.unit)
 
     def layer(self, stats: LayerStats, results: Results) -> None:
         """Do the step's work on what of `stats` is ready, adding to `results`."""

@@ -34,7 +34,6 @@ from qconvert.formats.quotient import int8_round
 from qconvert.methods.loop import Results, Step, weight_elements
 from qconvert.methods.fold import apply_fold
 from qconvert.methods.smooth import smoothed_input_absmax
-from qconvert.progress import Reporter
 from qconvert.schemes.base import SearchResult
 from qconvert.schemes.int8 import int8_clip_search, quantize_int8
 
@@ -163,18 +162,17 @@ class ScaleSearch(Step):
     """The step: each linear's int8 weight clip, and with static activations its input scale, searched on its
     input rows once its weight is final (smoothed); the clips go to the steps after it (GPTQ keeps their scales)."""
 
+    stage, unit = SCALE_SEARCH, "linears"
+
     def __init__(self, linears: Sequence[str], static: bool):
         self.linears, self.static = list(linears), static
         self._unsearched = list(linears)
-        self._progress: Reporter | None = None
 
     def statistics(self) -> list[Statistic]:
         return [KeptRows(frozenset(self.linears))]
 
-    def start(self, progress: Reporter) -> None:
-        self._progress = progress
-        if self.linears:
-            progress.step(SCALE_SEARCH, 0, len(self.linears), "linears")
+    def stage_total(self) -> int:
+        return len(self.linears)
 
     def layer(self, stats: LayerStats, results: Results) -> None:
         ready = [m for m in self._unsearched if m in results.act_absmax and m not in results.unsmoothed]
@@ -184,8 +182,7 @@ class ScaleSearch(Step):
         found = self._search(ready, results, stats.of(KeptRows))
         results.searches.update(found)
         results.clips.update({m: f.clip for m, f in found.items() if f.clip is not None})
-        self._progress.step(SCALE_SEARCH, min(len(results.searches), len(self.linears)), len(self.linears),
-                            "linears")
+        self.advance(min(len(results.searches), len(self.linears)))
 
     def _search(self, modules: list[str], results: Results, samples: Mapping[str, np.ndarray]
                 ) -> dict[str, LinearSearch]:

@@ -14,13 +14,13 @@ import numpy as np
 from qconvert.formats.errors import InvalidCheckpointError
 from qconvert.formats import QArray
 from qconvert.formats.qarray import is_prepared
-from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, cached_kv, dense_grouped_linear,
+from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, dense_grouped_linear,
                                    dense_linear)
 from qconvert.models.activations import check_activation
 from qconvert.models.family import LayerStack, SmoothingGroup
 from qconvert.models.llama import (LAYER_LINEARS, LLAMA_REMEDY, UP_DOWN_GROUP, DecoderArgs, DecoderBlock,
                                    attention_bias, rms_norm, value_output_group)
-from qconvert.models.rope import RopeConfig, apply_rope, rope_angles
+from qconvert.models.rope import RopeConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Gemma 2 alternates sliding and global layers; Gemma 3 has five sliding layers per global one.
@@ -161,6 +161,7 @@ class GemmaModel(DecoderBlock, LayerStack):
     default_alpha = 0.85  # as for the Llama family: both are pre-norm decoders with gated MLPs
     remedy = LLAMA_REMEDY
     LAYER_LINEARS = LAYER_LINEARS  # Llama's seven linears per layer
+    ACTIVATION_FIELD = "hidden_activation"  # gelu-tanh
 
     args: GemmaArgs
     prefix: str = "model"
@@ -256,17 +257,10 @@ class GemmaModel(DecoderBlock, LayerStack):
     def attend(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array, attention_mask) -> jax.Array:
         """RoPE (the layer's own: local or global), then attention with Gemma's query scale and logit cap."""
         a, t = self.args, q.shape[2]
-        cos, sin = rope_angles(a.ropes[i], a.head_dim, t)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = cached_kv(f"{self.layer_prefix(i)}.self_attn", k, v)
+        q, k, v = self.roped_and_cached(i, q, k, v, a.ropes[i], a.head_dim)
         window = a.sliding_window if a.layer_types[i] == SLIDING else None
         return gemma_attention(q, k, v, attention_bias(t, attention_mask, window),
                                a.query_pre_attn_scalar ** -0.5, a.attn_logit_softcapping)
-
-    @property
-    def activation(self) -> str:
-        """The gated MLP's activation (config.json's hidden_activation: gelu-tanh)."""
-        return self.args.hidden_activation
 
     def layer(self, i: int, params: Mapping, hidden: jax.Array, attention_mask: jax.Array | None = None,
               linear: LinearHook = dense_linear,

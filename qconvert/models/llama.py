@@ -156,10 +156,24 @@ class DecoderBlock:
 
     # Why a server's per-tensor KV-cache scales do not apply to this family's cache (None: they do).
     kv_cache_refusal: str | None = None
+    ACTIVATION_FIELD = "hidden_act"  # the config field (an args field) naming the gated MLP's activation
+
+    @property
+    def activation(self) -> str:
+        """The gated MLP's activation (config.json's `ACTIVATION_FIELD`)."""
+        return getattr(self.args, self.ACTIVATION_FIELD)
 
     def kv_cache_blocks(self) -> list[str]:
         """The attention modules whose keys and values `attend` hands to models.hooks.cached_kv, by layer."""
         return [f"{self.layer_prefix(i)}.self_attn" for i in range(self.num_layers)]
+
+    def roped_and_cached(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array, rope: RopeConfig,
+                         rotary_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Layer i's queries and keys with RoPE, and its keys and values as its KV cache holds them."""
+        cos, sin = rope_angles(rope, rotary_dim, q.shape[2])
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = cached_kv(f"{self.layer_prefix(i)}.self_attn", k, v)
+        return q, k, v
 
     def _linear(self, linear: LinearHook, params: Mapping, module: str, x: jax.Array) -> jax.Array:
         bias = params[f"{module}.bias"] if self.biased(module.rsplit(".", 1)[1]) else None
@@ -277,16 +291,9 @@ class LlamaModel(DecoderBlock, LayerStack):
 
     def attend(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array, attention_mask) -> jax.Array:
         """RoPE on layer i's heads, then grouped-query attention (a sliding window where the layer has one)."""
-        t = q.shape[2]
-        cos, sin = rope_angles(self.args.rope, self.rotary_dim, t)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = cached_kv(f"{self.layer_prefix(i)}.self_attn", k, v)
-        return grouped_query_attention(q, k, v, attention_bias(t, attention_mask, self.args.sliding_windows[i]))
-
-    @property
-    def activation(self) -> str:
-        """The gated MLP's activation (config.json's hidden_act)."""
-        return self.args.hidden_act
+        q, k, v = self.roped_and_cached(i, q, k, v, self.args.rope, self.rotary_dim)
+        return grouped_query_attention(q, k, v, attention_bias(q.shape[2], attention_mask,
+                                                               self.args.sliding_windows[i]))
 
     def layer(self, i: int, params: Mapping, hidden: jax.Array, attention_mask: jax.Array | None = None,
               linear: LinearHook = dense_linear,
