@@ -172,23 +172,7 @@ def select_modules(ckpt: SafetensorsCheckpoint, family: FamilyFacts, include: tu
     never = set(routers) | set(conv1d)
     selected = set(family.linear_names(ckpt.tensor_names))
     for pattern in include:
-        hit = {m for m in candidates if matches(pattern, m)}
-        if not hit and any(matches(pattern, m) for m in towers):
-            raise UsageError(f"--include {pattern} matches only linears of the vision tower or projector "
-                             f"({min(m for m in towers if matches(pattern, m))}), which stay float with the rest "
-                             "of their sub-model; only the language model is quantized")
-        if not hit:
-            tied = any(matches(pattern, name[: -len(".weight")]) for name in dropped) or (
-                matches(pattern, "lm_head") and "lm_head.weight" not in ckpt.tensor_names)
-            if tied:  # the pattern is right: the model has no lm_head of its own
-                raise UsageError(f"--include {pattern}: this model has no lm_head weight of its own (its output "
-                                 "layer is the input embeddings, tied, which stay float with them); leave it out "
-                                 "of --include")
-            raise UsageError(f"--include {pattern} matches no linear module; check the pattern")
-        if hit <= never:
-            raise UsageError(f"--include {pattern} matches only routers or Conv1D linears ({min(hit)}), "
-                             "which stay float: no loader reads them back quantized; leave it out of --include")
-        selected |= hit
+        selected |= _included(ckpt, pattern, candidates, towers, never, dropped)
     kept = selected & never
     selected -= never
     for pattern in exclude:
@@ -202,6 +186,28 @@ def select_modules(ckpt: SafetensorsCheckpoint, family: FamilyFacts, include: tu
                          f"{' '.join(exclude)} removes them all); narrow the pattern")
     return Selection(tuple(sorted(selected)), tuple(sorted(kept & set(routers))), tuple(sorted(kept & set(conv1d))),
                      tuple(sorted(towers)))
+
+
+def _included(ckpt: SafetensorsCheckpoint, pattern: str, candidates: list[str], towers: list[str],
+              never: set[str], dropped: set[str]) -> set[str]:
+    """The candidate linears one --include pattern adds; a UsageError saying why when it adds none."""
+    hit = {m for m in candidates if matches(pattern, m)}
+    if not hit and any(matches(pattern, m) for m in towers):
+        raise UsageError(f"--include {pattern} matches only linears of the vision tower or projector "
+                         f"({min(m for m in towers if matches(pattern, m))}), which stay float with the rest "
+                         "of their sub-model; only the language model is quantized")
+    if not hit:
+        tied = any(matches(pattern, name[: -len(".weight")]) for name in dropped) or (
+            matches(pattern, "lm_head") and "lm_head.weight" not in ckpt.tensor_names)
+        if tied:  # the pattern is right: the model has no lm_head of its own
+            raise UsageError(f"--include {pattern}: this model has no lm_head weight of its own (its output "
+                             "layer is the input embeddings, tied, which stay float with them); leave it out "
+                             "of --include")
+        raise UsageError(f"--include {pattern} matches no linear module; check the pattern")
+    if hit <= never:
+        raise UsageError(f"--include {pattern} matches only routers or Conv1D linears ({min(hit)}), "
+                         "which stay float: no loader reads them back quantized; leave it out of --include")
+    return hit
 
 
 def _check_something_left(selection: Selection, config: dict[str, Any]) -> None:
@@ -246,6 +252,19 @@ class _Refusals:
             self.first = self.first or err
 
 
+def _check_not_quantized(config: dict[str, Any]) -> None:
+    """UnsupportedModelError for a checkpoint that is already quantized: only a float one is converted."""
+    if "quantization_config" in config:
+        raise UnsupportedModelError("the model is already quantized (config.json has quantization_config); "
+                                    "give the float checkpoint")
+
+
+def _tied_lm_head(ckpt: SafetensorsCheckpoint, config: dict[str, Any]) -> set[str]:
+    """{"lm_head.weight"} when the head is tied: it is the embedding table, which loaders re-tie, so it is not
+    written twice; else nothing."""
+    return {"lm_head.weight"} if config.get("tie_word_embeddings") is True and "lm_head.weight" in ckpt else set()
+
+
 def plan_conversion(source: SourceModel, *, scheme: Scheme, include: tuple[str, ...] = (), exclude: tuple[str, ...] = (),
                     double_quant: bool = False, static_act: bool = False,
                     group_size: int | str | None = None, dry_run: bool = False) -> ConversionPlan:
@@ -255,11 +274,8 @@ def plan_conversion(source: SourceModel, *, scheme: Scheme, include: tuple[str, 
     checks, the config against the weights) is kept in the plan's `refusal` instead of raised.
     """
     ckpt, config = source.checkpoint, source.config
-    if "quantization_config" in config:
-        raise UnsupportedModelError("the model is already quantized (config.json has quantization_config); "
-                                    "give the float checkpoint")
-    # A tied lm_head is the embedding table: loaders re-tie it, so it is not written twice.
-    dropped = {"lm_head.weight"} if config.get("tie_word_embeddings") is True and "lm_head.weight" in ckpt else set()
+    _check_not_quantized(config)
+    dropped = _tied_lm_head(ckpt, config)
     selection = select_modules(ckpt, source.family, tuple(include), tuple(exclude), dropped, config)
     refusals = _Refusals(dry_run)
     with refusals.check():

@@ -101,8 +101,24 @@ def _config_template(folder: Path) -> str | None:
 def _compiled(text: str, path: Path):
     import jinja2
     import jinja2.ext
-    from jinja2 import nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[_generation_block(), jinja2.ext.loopcontrols])
+    environment.filters["tojson"] = _tojson
+    environment.globals.update(raise_exception=_raise_exception, strftime_now=FIXED_NOW.strftime,
+                               dict=_TemplateDict(), namespace=_template_namespace())
+    try:
+        return environment.from_string(text)
+    except jinja2.exceptions.TemplateSyntaxError as err:
+        raise InvalidCheckpointError(f"the chat template in {path} is not a valid Jinja template (line {err.lineno}: "
+                                     f"{err.message}); fix it, or calibrate on a text column") from None
+
+
+def _generation_block():
+    """The jinja2 extension for `{% generation %}` (built on call: jinja2 is imported only for chat rows)."""
+    import jinja2.ext
+    from jinja2 import nodes
 
     class GenerationBlock(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}` marks assistant text for training masks: rendered as it is."""
@@ -116,6 +132,13 @@ def _compiled(text: str, path: Path):
 
         def _body(self, caller):
             return caller()
+
+    return GenerationBlock
+
+
+def _template_namespace():
+    """The template's `namespace`: jinja2's, refusing underscore names."""
+    import jinja2
 
     class TemplateNamespace(jinja2.utils.Namespace):
         # Underscore names would reach CPython's internals through a namespace's attributes.
@@ -135,30 +158,27 @@ def _compiled(text: str, path: Path):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_': {name!r}")
 
-    class TemplateDict:
-        # dict() and dict.fromkeys() without handing the template the type itself.
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
+    return TemplateNamespace
 
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+class _TemplateDict:
+    # dict() and dict.fromkeys() without handing the template the type itself.
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[GenerationBlock, jinja2.ext.loopcontrols])
-    environment.filters["tojson"] = tojson
-    environment.globals.update(raise_exception=raise_exception, strftime_now=FIXED_NOW.strftime,
-                               dict=TemplateDict(), namespace=TemplateNamespace)
-    try:
-        return environment.from_string(text)
-    except jinja2.exceptions.TemplateSyntaxError as err:
-        raise InvalidCheckpointError(f"the chat template in {path} is not a valid Jinja template (line {err.lineno}: "
-                                     f"{err.message}); fix it, or calibrate on a text column") from None
+
+def _raise_exception(message):
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' tojson: no HTML escaping, unlike jinja2's own.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def conversation(value: list, row: str) -> list[dict[str, Any]]:

@@ -71,10 +71,8 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
         _check_json_target(json_file, out)  # before the check runs, not after
         record_failures("verify", lambda text: _emit_json(text, False, json_file))
     require_converted_folder(out)  # before the readers, and JAX, are imported
-    if update_card and out.is_dir():
-        from qconvert.write.folder import check_writable
-
-        check_writable(out, "the model card's verification section")
+    if update_card:
+        _check_card_writable(out)
     join_cluster(cluster_flags)
     check_jax_platforms()
     from qconvert.verify.run import VerifyOptions
@@ -93,6 +91,13 @@ def verify_command(out: Path, reference: str | None, revision: str | None, calib
         _update_card(out, report, quiet)
     return 0 if report.passed else 1
 
+
+def _check_card_writable(out: Path) -> None:
+    """verify --update-card: the folder must take the card's verification section, known before the check runs."""
+    if out.is_dir():
+        from qconvert.write.folder import check_writable
+
+        check_writable(out, "the model card's verification section")
 
 
 def _update_card(out: Path, report, quiet: bool) -> None:

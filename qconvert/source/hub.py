@@ -153,6 +153,14 @@ def hub_unreachable_reason(endpoint: str | None = None, timeout: float = PROBE_T
         sock = socket.create_connection((url.hostname, port), timeout=timeout)
     except OSError as err:
         return f" ({url.hostname}:{port}: {err.strerror or type(err).__name__})"
+    return _unanswered_reason(sock, url, port, timeout)
+
+
+def _unanswered_reason(sock, url, port: int, timeout: float) -> str | None:
+    """Whether the server that accepted `sock` answers within `timeout` (a TLS handshake, or an HTTP reply):
+    None if so, else why not."""
+    import socket
+
     # A server that accepts and never answers would hold every later request to huggingface_hub's timeouts and
     # retries (minutes): the probe waits for an answer too, within the same bound.
     try:

@@ -66,9 +66,14 @@ def _what_timed_out(err: Exception, connect_limit: float, read_limit: float) -> 
     return f"accepted the request but sent nothing for {read_limit:g} s"
 
 
-def _client():
+def _not_answering(request, limits: dict, err: Exception) -> HubNotAnswering:
+    """The error a timed-out request (or its body) ends with, naming what was slow."""
+    return HubNotAnswering(request.method, str(request.url), _what_timed_out(err, limits["connect"], limits["read"]))
+
+
+def _bounded_stream_type():
+    """The response body wrapper (a class built on call: httpx2 is imported only when the Hub is asked)."""
     import httpx2
-    from huggingface_hub.utils._http import hf_request_event_hook
 
     class BoundedStream(httpx2.SyncByteStream):
         """A response body whose read timeouts end the request instead of starting huggingface_hub's retries."""
@@ -80,11 +85,19 @@ def _client():
             try:
                 yield from self._stream
             except httpx2.TimeoutException as err:
-                raise HubNotAnswering(self._request.method, str(self._request.url),
-                                      _what_timed_out(err, self._limits["connect"], self._limits["read"])) from None
+                raise _not_answering(self._request, self._limits, err) from None
 
         def close(self):
             self._stream.close()
+
+    return BoundedStream
+
+
+def _bounded_transport_type():
+    """The transport wrapper that bounds every request's timeouts and wraps its response body."""
+    import httpx2
+
+    bounded_stream = _bounded_stream_type()
 
     class BoundedTransport(httpx2.BaseTransport):
         """The client's own transport (direct, or the proxy its environment names), its timeouts bounded."""
@@ -98,19 +111,26 @@ def _client():
             try:
                 response = self._inner.handle_request(request)
             except httpx2.TimeoutException as err:
-                raise HubNotAnswering(request.method, str(request.url),
-                                      _what_timed_out(err, limits["connect"], limits["read"])) from None
-            response.stream = BoundedStream(response.stream, request, limits)
+                raise _not_answering(request, limits, err) from None
+            response.stream = bounded_stream(response.stream, request, limits)
             return response
 
         def close(self):
             self._inner.close()
 
+    return BoundedTransport
+
+
+def _client():
+    import httpx2
+    from huggingface_hub.utils._http import hf_request_event_hook
+
+    bounded_transport = _bounded_transport_type()
     client = httpx2.Client(event_hooks={"request": [hf_request_event_hook]}, follow_redirects=True,
                            timeout=httpx2.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
     # The transports the client chose (HTTPS_PROXY, NO_PROXY and the rest, read as httpx reads them), wrapped.
-    client._transport = BoundedTransport(client._transport)
-    client._mounts = {pattern: BoundedTransport(inner) if inner is not None else None
+    client._transport = bounded_transport(client._transport)
+    client._mounts = {pattern: bounded_transport(inner) if inner is not None else None
                       for pattern, inner in client._mounts.items()}
     return client
 
