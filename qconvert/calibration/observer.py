@@ -27,9 +27,8 @@ from qconvert.formats.safetensors_io import open_checkpoint
 from qconvert.calibration.device_sums import SUMMED, add_observed
 from qconvert.calibration.expert_parallel import expert_stacks
 from qconvert.calibration.layers import iterate_layers, read_tensors
-from qconvert.calibration.statistics import (ATTENTION, INPUT, OUTPUT, SAMPLE_ROWS, InputAbsMax, InputAbsMean,
-                                             InputHessian, KeptRows, Observed, RunShape, Statistic, layer_relative,
-                                             merge_requests)
+from qconvert.calibration.statistics import (ATTENTION, INPUT, OUTPUT, SAMPLE_ROWS, InputAbsMax, Observed,
+                                             RunShape, Statistic, layer_relative, merge_requests, statistics_asked)
 from qconvert.models.registry import language_config
 
 DEFAULT_BATCH_SIZE = 8
@@ -92,18 +91,6 @@ class StatisticsObserver:
         if summed:
             listed[SUMMED] = summed
         return listed
-
-
-def statistics_asked(keep_inputs=frozenset(), hessians=frozenset(), sample_rows: int = SAMPLE_ROWS,
-                     extra: Sequence[Statistic] = ()) -> tuple[Statistic, ...]:
-    """Every linear's max|x| (always: it is where a non-finite input is refused), with kept rows and mean |x| of
-    `keep_inputs`, Hessians of `hessians`, and `extra`, merged."""
-    asked: list[Statistic] = [InputAbsMax()]
-    if keep_inputs:
-        asked += [KeptRows(frozenset(keep_inputs), sample_rows), InputAbsMean(frozenset(keep_inputs))]
-    if hessians:
-        asked.append(InputHessian(frozenset(hessians)))
-    return merge_requests([*asked, *extra])
 
 
 def check_calibration_fits(model, params: Mapping, config: Mapping, samples: int, seqlen: int, *,

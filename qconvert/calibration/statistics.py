@@ -11,7 +11,8 @@ engine (calibration/layers.py) sums them without knowing any by name. A statisti
   entries (one per batch, to the host) and `summed` entries, which the engine adds on the device in batch
   order (a scalar or a square matrix: the same floats on any mesh);
 - `values(observed)`: on the host, once every batch has passed, each module's value;
-- `held_bytes(in_features, out_features)`: the bytes it holds per module, for the memory estimate.
+- `held_on_device`: whether it holds an [in, in] sum per module on the device while a layer runs, which
+  the memory estimate counts (calibration/memory.py: GPTQ's Hessian term, with its copies per device).
 
 Statistics of one kind asked for by several steps merge (`merged`): the union of their modules.
 """
@@ -100,9 +101,6 @@ class Statistic:
         the statistic observed nothing of it); a module it has no value for is left out."""
         raise NotImplementedError
 
-    def held_bytes(self, in_features: int, out_features: int) -> int:
-        """Bytes held per observed module while a layer runs."""
-        return 0
 
 
 def _magnitude(x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -134,8 +132,6 @@ class InputAbsMax(Statistic):
                     "weight before it is not finite; fix the checkpoint")
         return found
 
-    def held_bytes(self, in_features, out_features):
-        return 4 * in_features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +157,6 @@ class KeptRows(Statistic):
                                       for o in entries.listed])[:self.sample_rows]
                 for name, entries in observed.items() if self.asked(name) and entries.listed}
 
-    def held_bytes(self, in_features, out_features):
-        return 4 * self.sample_rows * in_features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +181,6 @@ class InputAbsMean(Statistic):
                 found[name] = (total / count).astype(np.float32)
         return found
 
-    def held_bytes(self, in_features, out_features):
-        return 8 * in_features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,8 +266,6 @@ class InputHessian(Statistic):
                 found.setdefault(owner, found[name])
         return found
 
-    def held_bytes(self, in_features, out_features):
-        return 2 * 4 * in_features * in_features  # the running sum and one batch's product
 
 
 # The linears that compute an attention block's queries, keys and values (fused or not, low-rank or not, in
@@ -321,3 +311,15 @@ def merge_requests(requests: Sequence[Statistic]) -> tuple[Statistic, ...]:
     if len(set(keys)) != len(keys):
         raise ValueError(f"two statistics asked for under one key: {sorted(keys)}")
     return tuple(merged.values())
+
+
+def statistics_asked(keep_inputs=frozenset(), hessians=frozenset(), sample_rows: int = SAMPLE_ROWS,
+                     extra: Sequence[Statistic] = ()) -> tuple[Statistic, ...]:
+    """Every linear's max|x| (always: it is where a non-finite input is refused), with kept rows and mean |x| of
+    `keep_inputs`, Hessians of `hessians`, and `extra`, merged."""
+    asked: list[Statistic] = [InputAbsMax()]
+    if keep_inputs:
+        asked += [KeptRows(frozenset(keep_inputs), sample_rows), InputAbsMean(frozenset(keep_inputs))]
+    if hessians:
+        asked.append(InputHessian(frozenset(hessians)))
+    return merge_requests([*asked, *extra])
