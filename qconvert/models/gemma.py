@@ -189,12 +189,7 @@ class GemmaModel(DecoderBlock, LayerStack):
 
     def layer_tensor_names(self, i: int) -> list[str]:
         """Checkpoint tensor names layer i reads (norm weights, linear weights and biases)."""
-        names = [f"{n}.weight" for n in self._norms(i)]
-        for module in self.layer_linears(i):
-            names.append(f"{module}.weight")
-            if self.biased(module.rsplit(".", 1)[1]):
-                names.append(f"{module}.bias")
-        return names
+        return [f"{n}.weight" for n in self._norms(i)] + self.linear_tensor_names(i)
 
     def embed_tensor_names(self) -> list[str]:
         return [f"{self.prefix}.embed_tokens.weight"]

@@ -167,6 +167,15 @@ class DecoderBlock:
         """The attention modules whose keys and values `attend` hands to models.hooks.cached_kv, by layer."""
         return [f"{self.layer_prefix(i)}.self_attn" for i in range(self.num_layers)]
 
+    def linear_tensor_names(self, i: int) -> list[str]:
+        """Layer i's linears' weights, each followed by its bias where the linear has one."""
+        names = []
+        for module in self.layer_linears(i):
+            names.append(f"{module}.weight")
+            if self.biased(module.rsplit(".", 1)[1]):
+                names.append(f"{module}.bias")
+        return names
+
     def roped_and_cached(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array, rope: RopeConfig,
                          rotary_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Layer i's queries and keys with RoPE, and its keys and values as its KV cache holds them."""
@@ -268,12 +277,7 @@ class LlamaModel(DecoderBlock, LayerStack):
     def layer_tensor_names(self, i: int) -> list[str]:
         """Checkpoint tensor names layer i reads (norm weights, linear weights and biases)."""
         p = self.layer_prefix(i)
-        names = [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-        for module in self.layer_linears(i):
-            names.append(f"{module}.weight")
-            if self.biased(module.rsplit(".", 1)[1]):
-                names.append(f"{module}.bias")
-        return names
+        return [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight", *self.linear_tensor_names(i)]
 
     def embed_tensor_names(self) -> list[str]:
         """Tensor names the embedding reads."""

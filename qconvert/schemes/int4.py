@@ -81,8 +81,14 @@ def quantize_int4(w, group_size: int | None, *, scale_dtype=None, clip=None) -> 
 
     Rows go through the kernel in chunks (rowwise.quantize_per_row). InvalidWeightError for NaN/Inf.
     """
+    return quantize_int4_groups(w, group_size, int4_codes_and_scales, scale_dtype=scale_dtype, clip=clip)
+
+
+def quantize_int4_groups(w, group_size: int | None, codes, *, scale_dtype=None, clip=None) -> QArray:
+    """A [out, in] weight through an int4 codes kernel (`codes(part, group, scale_dtype, ratios)`, symmetric or
+    with zero points) per output row and group of input columns (None: per channel), rows in chunks."""
     def kernel(part, dtype, ratios):
-        return int4_codes_and_scales(part, group_size or part.shape[1], dtype, ratios)
+        return codes(part, group_size or part.shape[1], dtype, ratios)
 
     return quantize_per_row(w, kernel, np.int8, "int4", scale_dtype=scale_dtype, clip=clip, group_size=group_size)
 

@@ -28,8 +28,8 @@ from qconvert.formats.layout_int4_asym import PackQuantizedInt4Asym
 from qconvert.formats.qarray import INT4_QMAX, INT4_QMIN, QArray, group_scale
 from qconvert.formats.quotient import f32_quotient
 from qconvert.schemes.base import ClipSearch, SearchResult
-from qconvert.schemes.int4 import INT4_CLIP_GRID, Int4, grid_search_per_group, in_dtype
-from qconvert.schemes.rowwise import all_finite_hint, quantize_per_row
+from qconvert.schemes.int4 import INT4_CLIP_GRID, Int4, grid_search_per_group, in_dtype, quantize_int4_groups
+from qconvert.schemes.rowwise import all_finite_hint
 
 LEVELS = INT4_QMAX - INT4_QMIN  # 15: compressed-tensors' asymmetric scale divisor
 
@@ -63,10 +63,7 @@ def quantize_int4_asym(w, group_size: int | None, *, scale_dtype=None, clip=None
 
     Rows go through the kernel in chunks (rowwise.quantize_per_row). InvalidWeightError for NaN/Inf.
     """
-    def kernel(part, dtype, ratios):
-        return int4_asym_codes(part, group_size or part.shape[1], dtype, ratios)
-
-    return quantize_per_row(w, kernel, np.int8, "int4", scale_dtype=scale_dtype, clip=clip, group_size=group_size)
+    return quantize_int4_groups(w, group_size, int4_asym_codes, scale_dtype=scale_dtype, clip=clip)
 
 
 @functools.partial(jax.jit, static_argnames=("group",))
