@@ -17,15 +17,30 @@ LUT_POINTS = 65536
 TORCH_VECTOR_LANES = 8
 
 
+def _codes_matrix(q) -> np.ndarray:
+    """q as an int8 codes array [rows, cols]; ValueError for any other."""
+    q = np.asarray(q)
+    if q.dtype != np.int8 or q.ndim != 2:
+        raise ValueError(f"expected int8 codes [rows, cols], got {q.dtype}{list(q.shape)}")
+    return q
+
+
+def _packed_words(packed, cols: int, per_word: int) -> np.ndarray:
+    """packed as int32 words [rows, ceil(cols / per_word)]; ValueError for any other."""
+    packed = np.asarray(packed)
+    words = -(-cols // per_word)
+    if packed.dtype != np.int32 or packed.ndim != 2 or packed.shape[1] != words:
+        raise ValueError(f"expected int32 [rows, {words}] for {cols} columns, got {packed.dtype}{list(packed.shape)}")
+    return packed
+
+
 def pack_int8_to_int32(q: np.ndarray) -> np.ndarray:
     """int8 codes [rows, cols] -> int32 [rows, ceil(cols/4)] (compressed-tensors pack_to_int32, 8 bits).
 
     u = q + 128; column 4k+j of a row lands in bits 8j..8j+7 of word k (least
     significant first); the unused bytes of a row's last partial word are 0.
     """
-    q = np.asarray(q)
-    if q.dtype != np.int8 or q.ndim != 2:
-        raise ValueError(f"expected int8 codes [rows, cols], got {q.dtype}{list(q.shape)}")
+    q = _codes_matrix(q)
     rows, cols = q.shape
     words = -(-cols // 4)
     # q + 128 modulo 256 is q's bit pattern with the sign bit flipped.
@@ -40,11 +55,7 @@ def pack_int8_to_int32(q: np.ndarray) -> np.ndarray:
 
 def unpack_int32_to_int8(packed: np.ndarray, cols: int) -> np.ndarray:
     """int32 [rows, ceil(cols/4)] -> int8 codes [rows, cols]; the inverse of pack_int8_to_int32."""
-    packed = np.asarray(packed)
-    if packed.dtype != np.int32 or packed.ndim != 2 or packed.shape[1] != -(-cols // 4):
-        raise ValueError(
-            f"expected int32 [rows, {-(-cols // 4)}] for {cols} columns, got {packed.dtype}{list(packed.shape)}"
-        )
+    packed = _packed_words(packed, cols, 4)
     unsigned = np.ascontiguousarray(packed.astype("<i4", copy=False)).view(np.uint8)
     return (unsigned.reshape(packed.shape[0], -1)[:, :cols] ^ 0x80).view(np.int8)
 
@@ -55,9 +66,7 @@ def pack_int4_to_int32(q: np.ndarray) -> np.ndarray:
     u = q + 8; column 8k+j of a row lands in bits 4j..4j+3 of word k (least
     significant first); the unused nibbles of a row's last partial word are 0.
     """
-    q = np.asarray(q)
-    if q.dtype != np.int8 or q.ndim != 2:
-        raise ValueError(f"expected int8 codes [rows, cols], got {q.dtype}{list(q.shape)}")
+    q = _codes_matrix(q)
     if q.size and (q.min() < -8 or q.max() > 7):
         raise ValueError("int4 codes must lie in [-8, 7]")
     rows, cols = q.shape
@@ -71,11 +80,7 @@ def pack_int4_to_int32(q: np.ndarray) -> np.ndarray:
 
 def unpack_int32_to_int4(packed: np.ndarray, cols: int) -> np.ndarray:
     """int32 [rows, ceil(cols/8)] -> int4 codes (int8 in [-8, 7]) [rows, cols]; the inverse of pack_int4_to_int32."""
-    packed = np.asarray(packed)
-    if packed.dtype != np.int32 or packed.ndim != 2 or packed.shape[1] != -(-cols // 8):
-        raise ValueError(
-            f"expected int32 [rows, {-(-cols // 8)}] for {cols} columns, got {packed.dtype}{list(packed.shape)}"
-        )
+    packed = _packed_words(packed, cols, 8)
     words = packed.astype("<i4", copy=False).view("<u4").astype(np.uint32)
     nibbles = (words[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
     return (nibbles.reshape(packed.shape[0], -1)[:, :cols].astype(np.int16) - 8).astype(np.int8)
