@@ -16,6 +16,7 @@ import numpy as np
 FP8_E4M3_MAX = 448.0
 KV_CACHE_SCHEMES = ("fp8",)  # --kv-cache values (besides "none")
 SCALE_NAMES = ("k_scale", "v_scale")  # keys, then values
+KV_SCALE_KIND = "kv-cache scale"  # what `inspect` calls these tensors
 
 # compressed-tensors' QuantizationArgs of a per-tensor, static, symmetric FP8 KV cache (llm-compressor writes
 # these keys; vLLM checks num_bits, type, strategy, dynamic and symmetric).

@@ -14,6 +14,7 @@ from qconvert.formats.layouts import open_quantized
 from qconvert.formats.record import (
     NO_FILES, NO_RECORD, RECORD_NAME, ConversionRecord, FileCheck, RecordError, check_hashes, read_record,
 )
+from qconvert.formats.kv_cache import KV_SCALE_KIND, is_kv_scale
 from qconvert.plan import UNCHANGED
 from qconvert.schemes.servers import family_of, scheme_key, servers
 
@@ -72,11 +73,20 @@ class InspectReport:
         return {"model": source.model, "is_hub": source.is_hub, "revision": source.revision,
                 "commit": source.commit, "format": source.format}
 
+    @property
+    def quantized_count(self) -> int:
+        """The quantized linears (neither tensors kept as they were nor the KV cache's scales)."""
+        return sum(t.kind not in (UNCHANGED, KV_SCALE_KIND) for t in self.tensors)
+
+    @property
+    def kv_scale_count(self) -> int:
+        return sum(t.kind == KV_SCALE_KIND for t in self.tensors)
+
     def summary(self) -> dict[str, Any]:
         """The machine-readable form `inspect --json` prints."""
         return {
             "out": str(self.folder), "scheme": self.scheme,
-            "quantized_modules": sum(t.kind != UNCHANGED for t in self.tensors),
+            "quantized_modules": self.quantized_count,
             "unchanged_tensors": sum(t.kind == UNCHANGED for t in self.tensors),
             "output_bytes": self.stored_bytes, "float_bytes": self.float_bytes,
             "compression_ratio": round(self.compression_ratio, 4), "hashes_ok": self.hashes_ok,
@@ -122,7 +132,8 @@ def _tensor_rows(qc) -> list[TensorRow]:
                               float_dtype=q.dtype))
     for name in qc.float_names:
         dtype = ckpt.dtype(name).name
-        rows.append(TensorRow(name, UNCHANGED, ckpt.shape(name), dtype, ckpt.nbytes(name), float_dtype=dtype))
+        kind = KV_SCALE_KIND if is_kv_scale(name) else UNCHANGED
+        rows.append(TensorRow(name, kind, ckpt.shape(name), dtype, ckpt.nbytes(name), float_dtype=dtype))
     return sorted(rows, key=lambda r: r.name)
 
 

@@ -11,7 +11,6 @@ from rich.table import Table
 
 from qconvert.convert import ConvertResult
 from qconvert.inspection import InspectReport
-from qconvert.plan import UNCHANGED
 
 
 def human_bytes(n: float) -> str:
@@ -124,8 +123,9 @@ def print_inspect_report(report: InspectReport, console: Console) -> None:
         table.add_row(t.name, t.kind, "x".join(map(str, t.shape)), t.dtype, t.float_dtype,
                       human_bytes(t.stored_bytes))
     console.print(table)
-    quantized = sum(t.kind != UNCHANGED for t in report.tensors)
-    console.print(f"{quantized} quantized linears, {len(report.tensors) - quantized} tensors unchanged; "
+    quantized, scales = report.quantized_count, report.kv_scale_count
+    kv = f", {scales} KV-cache scales" if scales else ""
+    console.print(f"{quantized} quantized linears{kv}, {len(report.tensors) - quantized - scales} tensors unchanged; "
                   f"{human_bytes(report.stored_bytes)} stored for {human_bytes(report.float_bytes)} of float "
                   f"weights ({report.compression_ratio:.2f}x)")
     if report.servers:
