@@ -63,6 +63,19 @@ def test_scales_are_the_calibrated_maxima_of_the_cache_over_448(llama, tmp_path,
             assert 0.5 < float(k) * 448 / keys < 2 and 0.5 < float(v) * 448 / values < 2
 
 
+@pytest.mark.parametrize("family,overrides", [("gemma3", {"sliding_window": 64}), ("qwen3_moe", {})])
+def test_other_families_scales_are_their_caches_maxima_too(tmp_path, family, overrides):
+    """Gemma 3 (per-head q/k norms, its own RoPE per layer type; a window longer than the text, so transformers'
+    cache keeps every token) and a MoE (the cache is attention's alone)."""
+    source = make_hf_checkpoint(tmp_path / "src", family, layers=2, **overrides)
+    out = quantize_quietly(source, tmp_path / "out", "--scheme", "fp8", "--kv-cache", "fp8", *CALIB)
+    tensors = _tensors(out)
+    ids = random_windows(json.loads((out / "config.json").read_text())["vocab_size"], 4, 16, RANDOM_SEED)
+    for i, (keys, values) in enumerate(_cached_absmax(source, ids)):
+        np.testing.assert_allclose(float(tensors[f"model.layers.{i}.self_attn.k_scale"]), keys / 448, rtol=1e-5)
+        np.testing.assert_allclose(float(tensors[f"model.layers.{i}.self_attn.v_scale"]), values / 448, rtol=1e-5)
+
+
 def test_transformers_loads_the_folder_and_verify_recomputes_the_scales(llama, tmp_path, capsys):
     import torch
     import transformers
