@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 
@@ -34,3 +35,10 @@ def tree(root):
     """Every path under root with the sha256 of its bytes (None for a folder)."""
     return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
             for p in sorted(root.rglob("*"))}
+
+
+def servers_cell(out, capsys) -> str:
+    """What `qconvert inspect` (the servers table) says of transformers for the folder."""
+    code, report, err = run(["inspect", str(out), "--json"], capsys)
+    assert code == 0, err
+    return json.loads(report)["servers"]["transformers"]

@@ -1,4 +1,4 @@
-"""Test-only quantizers and references for the qconvert.ops tests, written apart from qconvert."""
+"""Test-only quantizers and references for the qconvert.ops and kernel tests, written apart from qconvert."""
 
 from __future__ import annotations
 
@@ -79,3 +79,29 @@ def numpy_grouped(lhs, weights, sizes, offset=0) -> np.ndarray:
         g = local + offset
         out[bounds[g]:bounds[g + 1]] = lhs[bounds[g]:bounds[g + 1]].astype(np.float64) @ w
     return out
+
+
+def int8_operands(m, k, n, rng):
+    x_q = rng.integers(-127, 128, (m, k)).astype(np.int8)
+    w_q = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    x_scale = rng.uniform(1e-3, 0.1, m).astype(np.float32)
+    w_scale = rng.uniform(1e-3, 0.1, n).astype(np.float32)
+    return x_q, w_q, x_scale, w_scale
+
+
+def numpy_w8a8(x_q, w_q, x_scale, w_scale):
+    """The documented rescale in numpy: exact int64 sum, then f32 * x_scale[m], then * w_scale[n]."""
+    acc = x_q.astype(np.int64) @ w_q.astype(np.int64).T
+    y = acc.astype(np.float32) * x_scale.reshape(-1, 1).astype(np.float32)
+    return y * w_scale.reshape(1, -1).astype(np.float32)
+
+
+def nf4_weight(n, k, rng):
+    """Random NF4 codes packed high-nibble-first, absmax per 64-block, and the float64 weight they mean."""
+    codes = rng.integers(0, 16, n * k)
+    if codes.size % 2:
+        codes = np.append(codes, 0)
+    packed = ((codes[0::2] << 4) | codes[1::2]).astype(np.uint8)
+    absmax = rng.uniform(0.05, 2.0, -(-n * k // 64)).astype(np.float32)
+    weight = NF4_LEVELS[codes[:n * k]].astype(np.float64) * np.repeat(absmax.astype(np.float64), 64)[:n * k]
+    return packed, absmax, weight.reshape(n, k)

@@ -1,5 +1,7 @@
 """Independent numpy statements of the FORMATS.md rules, used as references by the quantize/convert tests."""
 
+import json
+
 import ml_dtypes
 import numpy as np
 
@@ -56,3 +58,37 @@ def numpy_nf4(w: np.ndarray, block: int = 64):
     if n % 2:
         codes = np.append(codes, np.uint8(7))
     return ((codes[0::2] << 4) | codes[1::2]).astype(np.uint8), absmax.astype(np.float32)
+
+
+# The same 16 NF4 levels as float64 (the literals themselves, not LEVELS' float32 roundings).
+NF4_FLOAT64 = np.array([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+    0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+])
+
+
+def dequantize_file(tensors, module, scheme):
+    """The float64 [out, in] weight a layout stores, decoded here with numpy from FORMATS.md."""
+    if scheme == "int8":
+        out_f, in_f = tensors[f"{module}.weight_shape"]
+        words = tensors[f"{module}.weight_packed"].astype(np.int64) & 0xFFFFFFFF
+        bytes_ = np.stack([(words >> (8 * j)) & 0xFF for j in range(4)], axis=-1).reshape(out_f, -1)
+        codes = bytes_[:, :in_f] - 128
+        return codes * tensors[f"{module}.weight_scale"].astype(np.float64)
+    if scheme == "w8a8":
+        return tensors[f"{module}.weight"].astype(np.float64) * tensors[f"{module}.weight_scale"].astype(np.float64)
+    state = json.loads(tensors[f"{module}.weight.quant_state.bitsandbytes__nf4"].tobytes())
+    packed = tensors[f"{module}.weight"].reshape(-1).astype(np.int64)
+    codes = np.stack([packed >> 4, packed & 15], axis=-1).reshape(-1)
+    n = int(np.prod(state["shape"]))
+    absmax = np.repeat(tensors[f"{module}.weight.absmax"].astype(np.float64), 64)[:n]
+    return (NF4_FLOAT64[codes[:n]] * absmax).reshape(state["shape"])
+
+
+def per_token_fake_quant(x):
+    scale = np.abs(x).max(axis=1, keepdims=True) / 127
+    scale = np.where(scale > 0, scale, 1.0)
+    return np.clip(np.rint(x.astype(np.float32) / scale.astype(np.float32)), -127, 127) * scale
