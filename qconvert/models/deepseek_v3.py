@@ -37,7 +37,7 @@ from qconvert.models.activations import ACTIVATIONS, check_activation
 from qconvert.models.config_values import config_bool, config_float, config_int, require_divides
 from qconvert.models.decoder_shapes import Shapes, embed_and_head_shapes, layer_norm_shapes, swiglu_shapes
 from qconvert.models.family import EXPERT, REMEDY_LEAD, SmoothingGroup
-from qconvert.models.hooks import GroupedLinearHook, LinearHook
+from qconvert.models.hooks import GroupedLinearHook, LinearHook, cached_kv
 from qconvert.models.llama import (LlamaArgs, LlamaModel, attention_bias, gated_mlp, grouped_query_attention,
                                    rms_norm)
 from qconvert.models.moe import expert_mixture, route_grouped_sigmoid
@@ -169,8 +169,10 @@ class DeepseekV3Model(LlamaModel):
     LAYER_LINEARS = Q_DIRECT + Q_LORA + KV_AND_OUT + (ROUTER,) + ROUTED + SHARED
     DENSE_LINEARS = Q_LORA + KV_AND_OUT + DENSE
     FLOAT_LINEARS = (ROUTER,)
-    kv_cache_refusal = ("multi-head latent attention caches its compressed latent and RoPE key, not per-head keys "
-                        "and values; qconvert writes no scales for that cache")
+    # Measured (bench/vllm_kv_cache.py's harness, ../shared/vllm): vLLM 0.33 maps `self_attn.k_scale` to
+    # `self_attn.attn.k_scale`, which an MLA model does not have, and drops it with a warning.
+    kv_cache_refusal = ("vLLM reads no per-tensor scale named self_attn.k_scale for multi-head latent attention "
+                        "(it drops it), so the folder would serve with scale 1.0")
 
     mla: MlaArgs = MlaArgs(None, 1, 1, 2, 1, True, 1.0)
     moe: DeepseekMoeArgs = DeepseekMoeArgs(2, 1, 1, 1, 1, 1, True, 1.0, ())
@@ -258,8 +260,9 @@ class DeepseekV3Model(LlamaModel):
 
     def qkv_heads(self, i: int, params: Mapping, x: jax.Array,
                   linear: LinearHook) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries and keys [B, H, T, qk_nope + qk_rope] (the shared RoPE key repeated per head, RoPE not yet
-        applied to the last qk_rope channels) and values [B, H, T, v_head_dim]."""
+        """Queries [B, H, T, qk_nope + qk_rope] (RoPE not yet applied to the last qk_rope channels), keys (the
+        shared RoPE key, rotated, repeated per head) and values [B, H, T, v_head_dim]: keys and values from the
+        cache's view of the compressed latent and the rotated key (_cached_latent)."""
         m, heads, attn = self.mla, self.args.num_attention_heads, f"{self.layer_prefix(i)}.{ATTN}"
         b, t, _ = x.shape
         project = functools.partial(self._linear, linear, params)
@@ -271,24 +274,33 @@ class DeepseekV3Model(LlamaModel):
         q = q.reshape(b, t, heads, -1).transpose(0, 2, 1, 3)
         compressed = project(f"{attn}.kv_a_proj_with_mqa", x)
         latent = rms_norm(compressed[..., :m.kv_lora_rank], params[f"{attn}.kv_a_layernorm.weight"], LATENT_NORM_EPS)
-        k_pe = compressed[..., m.kv_lora_rank:][:, None]  # [B, 1, T, qk_rope]
+        k_pe = self._roped(compressed[..., m.kv_lora_rank:][:, None])  # [B, 1, T, qk_rope]
+        latent, k_pe = self._cached_latent(attn, latent, k_pe)
         kv = project(f"{attn}.kv_b_proj", latent).reshape(b, t, heads, -1).transpose(0, 2, 1, 3)
         k_nope, v = kv[..., :m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim:]
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe, (b, heads, t, m.qk_rope_head_dim))], axis=-1)
         return q, k, v
 
     def attend(self, i: int, q: jax.Array, k: jax.Array, v: jax.Array, attention_mask) -> jax.Array:
-        """RoPE on the last qk_rope_head_dim channels of q and k, then causal attention at the MLA scale."""
+        """RoPE on the last qk_rope_head_dim channels of q (k's are rotated already), then causal attention at
+        the MLA scale."""
         m, t = self.mla, q.shape[2]
-        cos, sin = rope_angles(self.args.rope, m.qk_rope_head_dim, t)
-        rotate = apply_rope_interleaved if m.rope_interleave else apply_rope
+        q = jnp.concatenate([q[..., :m.qk_nope_head_dim], self._roped(q[..., m.qk_nope_head_dim:])], axis=-1)
+        return grouped_query_attention(q, k, v, attention_bias(t, attention_mask, None), scale=m.softmax_scale)
 
-        def roped(x: jax.Array) -> jax.Array:
-            return jnp.concatenate([x[..., :m.qk_nope_head_dim], rotate(x[..., m.qk_nope_head_dim:], cos, sin)],
-                                   axis=-1)
+    def _roped(self, x: jax.Array) -> jax.Array:
+        """RoPE (interleaved where the config says so) on x [..., T, qk_rope_head_dim]."""
+        m = self.mla
+        cos, sin = rope_angles(self.args.rope, m.qk_rope_head_dim, x.shape[-2])
+        return (apply_rope_interleaved if m.rope_interleave else apply_rope)(x, cos, sin)
 
-        return grouped_query_attention(roped(q), roped(k), v, attention_bias(t, attention_mask, None),
-                                       scale=m.softmax_scale)
+    def _cached_latent(self, attn: str, latent: jax.Array, k_pe: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The compressed latent [B, T, kv_lora_rank] and the rotated key [B, 1, T, qk_rope] as MLA's KV cache
+        holds them: one entry a token, [latent, key], under one scale (vLLM's concat_and_cache_mla takes
+        k_scale for both), handed to models.hooks.cached_kv as keys and as values alike."""
+        entry = jnp.concatenate([latent[:, None], k_pe], axis=-1)
+        entry, _ = cached_kv(attn, entry, entry)
+        return entry[:, 0, :, :latent.shape[-1]], entry[..., latent.shape[-1]:]
 
     def mlp(self, i: int, params: Mapping, x: jax.Array, attention_mask, linear: LinearHook,
             grouped_linear: GroupedLinearHook) -> jax.Array:
