@@ -31,7 +31,7 @@ from qconvert.methods.kv_cache import KVCacheScales
 from qconvert.methods.scale_search import LinearSearch, ScaleSearch, StaticInputScales
 from qconvert.methods.fold import TensorFold, apply_fold
 from qconvert.methods.smoothquant import SmoothQuant
-from qconvert.options import ConvertOptions
+from qconvert.options import CalibrationOptions, ConvertOptions
 from qconvert.progress import Reporter, as_reporter
 from qconvert.source.resolve import SourceModel
 
@@ -124,7 +124,7 @@ def prepare_adjustments(source: SourceModel, options: ConvertOptions, steps: Seq
         steps = choose_steps(source, options, quantized_modules, gptq, flags)
     if not steps:
         return Adjustments()
-    calib = options.calibration
+    calib = options.calibration or CalibrationOptions()  # the defaults where the flags asked for none
     params = source.params
     linears = source.family.linear_names(params)
     progress = as_reporter(progress)

@@ -132,3 +132,33 @@ def test_a_whole_model_transform_runs_before_calibration_and_reaches_every_reade
     up = np.asarray(params["model.layers.1.mlp.up_proj.weight"])
     assert np.array_equal(results.params["model.layers.1.mlp.up_proj.weight"][j], up[j] * 2)
     assert np.array_equal(transform("model.layers.1.mlp.up_proj.weight", up)[j], up[j] * 2)
+
+
+def test_a_whole_model_transform_reaches_the_written_folder(tmp_path, monkeypatch):
+    """A conversion whose recipe gains the transforming step writes the transformed model: up_proj's row j
+    doubled (int8 per output row: its scale doubles, its codes stay), down_proj's column j halved."""
+    import qconvert.convert as convert_module
+    from cli_helpers import quantize_quietly
+    from safetensors.numpy import load_file
+
+    from checkpoints import make_tokenizer
+
+    source = make_llama_checkpoint(tmp_path / "src", layers=1)
+    make_tokenizer(source)  # the built-in calibration text, tokenized
+    choose = convert_module.choose_steps
+
+    def with_transform(*args, **kwargs):
+        return [ChannelScale("scaled"), *choose(*args, **kwargs)]
+
+    monkeypatch.setattr(convert_module, "choose_steps", with_transform)
+    out = quantize_quietly(source, tmp_path / "out", "--scheme", "int8")
+    monkeypatch.undo()
+    plain = quantize_quietly(source, tmp_path / "plain", "--scheme", "int8")
+    got, want = load_file(out / "model.safetensors"), load_file(plain / "model.safetensors")
+    j, up, down = ChannelScale.channel, "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"
+    assert np.array_equal(got[f"{up}.weight_packed"], want[f"{up}.weight_packed"])
+    scale, plain_scale = got[f"{up}.weight_scale"].astype(np.float32), want[f"{up}.weight_scale"].astype(np.float32)
+    np.testing.assert_allclose(scale[j], 2 * plain_scale[j], rtol=1e-2)
+    rows = np.arange(len(scale)) != j
+    assert np.array_equal(scale[rows], plain_scale[rows])
+    assert not np.array_equal(got[f"{down}.weight_packed"], want[f"{down}.weight_packed"])
