@@ -14,7 +14,7 @@ from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_j
 @click.command(epilog=EXIT_CODES_EPILOG,
              short_help="Save every linear input's max|x| over calibration text to a file.")
 @click.argument("model")
-@click.option("-o", "--out", "out", required=True, callback=out_path,
+@click.option("-o", "--out", "out", required=True, callback=out_path, metavar="OUT",
               help="The statistics file to write (safetensors).")
 @click.option("--revision", default=None, help="Hub branch, tag or commit (Hub ids only).")
 @calibration_options

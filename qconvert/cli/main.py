@@ -19,15 +19,17 @@ from qconvert.cli.quantize import quantize
 from qconvert.cli.streams import guard_stdout
 from qconvert.cli.verify import verify_command
 from qconvert.formats.errors import QConvertError, kernel_error_exit_code
+from qconvert.schemes import NAMES as SCHEME_NAMES
 from qconvert.stages import DEBUG_VARIABLE, INTERNAL_ERROR_EXIT_CODE, internal_error_line, stage
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODES_EPILOG,
-             invoke_without_command=True)
+             invoke_without_command=True,
+             help=f"Quantize Hugging Face checkpoints ({', '.join(SCHEME_NAMES)}) and verify the result.")
 @click.version_option(__version__, prog_name="qconvert")
 @click.pass_context
 def cli(ctx: click.Context) -> None:
-    """Quantize Hugging Face checkpoints (int8, int4, W8A8, FP8, NF4) and verify the result."""
+    # Its help is the registry's scheme names (qconvert.schemes.NAMES: no scheme module, no JAX, is imported).
     if ctx.invoked_subcommand is None:
         # Bare `qconvert` is a question, not a mistake: a short usage and the commands, exit 0 (as git does).
         click.echo(short_usage(ctx))

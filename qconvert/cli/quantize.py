@@ -22,8 +22,7 @@ def smoothing_options(command):
         click.option("--no-smooth", is_flag=True, default=False,
                      help="Plain W8A8 without smoothing (a baseline)."),
         click.option("--act", type=click.Choice(["dynamic", "static"]), default="dynamic",
-                     show_default=True,
-                     help="w8a8 activations: per-token scales at run time, or per-tensor from calibration."),
+                     show_default=True, cls=_RegistryHelp, help_from=_act_help),
         click.option("--act-stats", type=click.Path(path_type=Path), default=None,
                      help="Reuse activation statistics from `qconvert calibrate` instead of calibrating."),
     ]))
@@ -50,6 +49,95 @@ def family_alphas() -> str:
         by_alpha.setdefault(family.default_alpha, []).extend(
             name.removesuffix("ForCausalLM").removesuffix("Model") for name in family.hf_architectures)
     return ", ".join(f"{alpha:g} {'/'.join(names)}" for alpha, names in sorted(by_alpha.items(), reverse=True))
+
+
+def schemes_where(test, joiner: str = " and ") -> str:
+    """The names of the registry's schemes that pass `test`, in the registry's order ('int4, int4-asym and
+    w4a8-fp8'): what a help text says of a flag, so that a new scheme is named where it belongs."""
+    from qconvert.schemes import NAMES, scheme_named
+
+    names = [name for name in NAMES if test(scheme_named(name))]
+    return joiner.join(filter(None, [", ".join(names[:-1]), names[-1]])) if names else ""
+
+
+class _RegistryHelp(click.Option):
+    """A flag whose help names schemes: `help_from()` writes it from the scheme registry when help is shown (it
+    loads the scheme classes, so not at import)."""
+
+    def __init__(self, *args, help_from, **kwargs):
+        self.help_from = help_from
+        super().__init__(*args, **kwargs)
+
+    def get_help_record(self, ctx):
+        self.help = self.help_from()
+        return super().get_help_record(ctx)
+
+
+def _group_size_help() -> str:
+    # A scheme that quantizes its activations as well reads group scales only (W4A8-FP8's vLLM and vLLM TPU
+    # methods); a weight-only one also takes one scale per output channel.
+    return (f"{schemes_where(lambda s: s.takes_group_size and s.weight_only)}: input columns per weight scale "
+            "[default: 128, else the largest of 64 and 32 that divides every quantized linear's input width, else "
+            f"channel]. {schemes_where(lambda s: s.takes_group_size and not s.weight_only)}: the same, but never "
+            "channel (exit 2), and vLLM on GPU reads group 128 only.")
+
+
+def _scale_search_help() -> str:
+    from qconvert.schemes import SCHEMES
+
+    searched = "; ".join(f"{name} {scheme.clip.what}" for name, scheme in SCHEMES.items())
+    default = schemes_where(lambda s: s.default_scale_search)
+    return ("Search each scale's clipping ratio c instead of using the plain absmax (same layout, recorded in "
+            f"qconvert.json): {searched}. {schemes_where(lambda s: s.calibrates)} judges its candidates on "
+            "calibration activations (and searches the static input_scale with --act static), the others on the "
+            f"weight's own error. Default: {'on for ' + default if default else 'off for every scheme'} (on real "
+            "trained LLMs the clipped scales cost w8a8 perplexity); without it (and GPTQ, AWQ or SmoothQuant) the "
+            "scales are the plain absmax, byte-identical to compressed-tensors' and bitsandbytes' round-to-nearest.")
+
+
+def _gptq_help() -> str:
+    return ("Round weights by GPTQ (error-compensated, on each linear's input Hessian from calibration, layer after "
+            "layer on the quantized layers' outputs) instead of round-to-nearest; same layout and scales, other "
+            f"codes. Default: on for {schemes_where(lambda s: s.default_gptq)} (off with --act-stats and for "
+            f"--any-architecture decoders); {schemes_where(lambda s: s.calibrates)} takes it on its calibration "
+            "(off by default: it cost real LLMs perplexity after smoothing); "
+            f"{schemes_where(lambda s: s.gptq_grid() is not None and not s.default_gptq and not s.calibrates)} "
+            "take it with calibration text (--calib, default builtin) and stay byte-identical to round-to-nearest "
+            "without it.")
+
+
+def _awq_help() -> str:
+    return ("AWQ: per smoothing group (norm -> q/k/v, v -> o, norm -> gate/up, up -> down; each expert's), search a "
+            "per-channel scale on calibration rows (alpha grid 0..0.95, with and without the weights' mean) for the "
+            "least output error of the scheme's own rounding, and fold it exactly into the norm or linear before "
+            "it; GPTQ then rounds the scaled weights. Same layout; the scales are recorded in qconvert.json and "
+            f"verify checks them. Default: on for {schemes_where(lambda s: s.default_awq)} (AWQ then GPTQ: "
+            f"docs/ACCURACY.md), off otherwise. Not with {schemes_where(lambda s: s.calibrates, ' or ')} "
+            "(SmoothQuant scales those groups) or --act-stats.")
+
+
+def _kv_cache_help() -> str:
+    return ("fp8: calibrate every attention block's keys (after RoPE) and values and write per-tensor FP8 KV-cache "
+            "scales (k_scale, v_scale = max|x| / 448) with compressed-tensors' kv_cache_scheme, which vLLM reads "
+            f"with --kv-cache-dtype fp8. {schemes_where(lambda s: s.writes_kv_cache_scheme)}; not "
+            f"{schemes_where(lambda s: not s.writes_kv_cache_scheme, ' or ')}, --act-stats, encoders or multi-head "
+            "latent attention (DeepSeek-V3).")
+
+
+def _any_architecture_help() -> str:
+    return (f"{schemes_where(lambda s: s.weight_only, ', ')} (the weight-only schemes): convert "
+            "a decoder of no known family weight-only, taking every 2-D weight under its numbered layers "
+            "(model.layers.N.) as a linear. A known family keeps its own list.")
+
+
+def _double_quant_help() -> str:
+    return (f"{schemes_where(lambda s: s.takes_double_quant, ' or ')}: quantize the per-block absmax values too "
+            "(bitsandbytes double quantization).")
+
+
+def _act_help() -> str:
+    return (f"{schemes_where(lambda s: 'static' in s.act_modes, ' or ')} activations: per-token scales at run "
+            "time, or per-tensor from calibration.")
 
 
 class _SchemeOption(click.Option):
@@ -88,7 +176,7 @@ def _group_size(ctx, param, value):
 
 @click.command(epilog=EXIT_CODES_EPILOG)
 @click.argument("model")
-@click.option("-o", "--out", "out", required=True, callback=out_path,
+@click.option("-o", "--out", "out", required=True, callback=out_path, metavar="OUT",
               help="Output folder (written beside, then renamed into place).")
 @click.option("--scheme", type=_SchemeChoice(SCHEME_NAMES), default="int8", show_default=True, cls=_SchemeOption)
 @click.option("--revision", default=None, help="Hub branch, tag or commit (Hub ids only).")
@@ -97,43 +185,22 @@ def _group_size(ctx, param, value):
 @click.option("--exclude", multiple=True, metavar="PATTERN",
               help="Keep modules matching a glob or re:REGEX in float (repeatable).")
 @click.option("--max-shard-size", default="5GiB", show_default=True, help="Largest shard, e.g. 5GiB, 500MB.")
-@click.option("--double-quant", is_flag=True, help="NF4: quantize the absmax values too (bitsandbytes).")
+@click.option("--double-quant", is_flag=True, cls=_RegistryHelp, help_from=_double_quant_help)
 @click.option("--group-size", default=None, metavar="32|64|128|channel", callback=_group_size,
-              help="int4: input columns per weight scale [default: 128, else the largest of 64 and 32 that "
-                   "divides every quantized linear's input width, else channel]. w4a8-fp8: the same, but never "
-                   "channel (exit 2), and vLLM on GPU reads group 128 only.")
+              cls=_RegistryHelp, help_from=_group_size_help)
 @click.option("--scale-search/--no-scale-search", default=None,
-              help="Search each scale's clipping ratio instead of using the plain absmax (same layout, "
-                   "recorded in qconvert.json): int8 per output channel, nf4 per block of 64, w8a8 on "
-                   "calibration activations (and the static input_scale with --act static). Default: off "
-                   "for every scheme (on real trained LLMs the clipped scales cost w8a8 perplexity); int8 "
-                   "and nf4 then stay byte-identical to plain round-to-nearest (compressed-tensors) and to "
-                   "bitsandbytes.")
+              cls=_RegistryHelp, help_from=_scale_search_help)
 @click.option("--gptq/--no-gptq", default=None,
-              help="Round weights by GPTQ (error-compensated, on each linear's input Hessian from calibration, "
-                   "layer after layer on the quantized layers' outputs) instead of round-to-nearest; same layout "
-                   "and scales, other codes. Default: on for int4 (off with --act-stats); w8a8 takes it on its "
-                   "calibration (off by default: it cost real LLMs perplexity after smoothing); int8, nf4 and fp8 "
-                   "take it with calibration text (--calib, default builtin) and stay byte-identical to "
-                   "round-to-nearest without it.")
+              cls=_RegistryHelp, help_from=_gptq_help)
 @click.option("--gptq-damp", type=float, default=None, metavar="FRACTION",
               help="GPTQ dampening: this fraction of the mean Hessian diagonal is added to it [default: 0.1].")
 @click.option("--gptq-act-order/--no-gptq-act-order", default=None,
               help="GPTQ rounds columns in order of decreasing Hessian diagonal; the scales stay fixed per group "
                    "(static groups), so no permutation is written [default: on].")
 @click.option("--awq/--no-awq", default=None,
-              help="AWQ: per smoothing group (norm -> q/k/v, v -> o, norm -> gate/up, up -> down; each expert's), "
-                   "search a per-channel scale on calibration rows (alpha grid 0..0.95, with and without the "
-                   "weights' mean) for the least output error of the scheme's own rounding, and fold it exactly "
-                   "into the norm or linear before it; GPTQ then rounds the scaled weights. Same layout; the "
-                   "scales are recorded in qconvert.json and verify checks them. Default: on for int4 and "
-                   "int4-asym (AWQ then GPTQ: docs/ACCURACY.md), off otherwise. Not with w8a8 (SmoothQuant "
-                   "scales those groups) or --act-stats.")
+              cls=_RegistryHelp, help_from=_awq_help)
 @click.option("--kv-cache", type=click.Choice(["none", "fp8"]), default="none", show_default=True,
-              help="fp8: calibrate every attention block's keys (after RoPE) and values and write per-tensor FP8 "
-                   "KV-cache scales (k_scale, v_scale = max|x| / 448) with compressed-tensors' kv_cache_scheme, "
-                   "which vLLM reads with --kv-cache-dtype fp8. Any compressed-tensors scheme; not nf4, "
-                   "--act-stats, encoders or multi-head latent attention (DeepSeek-V3).")
+              cls=_RegistryHelp, help_from=_kv_cache_help)
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Threads reading and quantizing ahead of the writer [default: one per core; at most 4 per "
                    "core]; same output bytes.")
@@ -149,8 +216,7 @@ def _group_size(ctx, param, value):
               help="With --upload-repo: create the repository public (default: private; an existing public one is "
                    "refused without --public).")
 @click.option("--any-architecture", is_flag=True,
-              help="int8/int4/nf4: convert a decoder of no known family weight-only, taking every 2-D weight "
-                   "under its numbered layers (model.layers.N.) as a linear. A known family keeps its own list.")
+              cls=_RegistryHelp, help_from=_any_architecture_help)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary on stdout.")
 @click.option("--verbose", is_flag=True,

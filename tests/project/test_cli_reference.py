@@ -1,0 +1,89 @@
+"""docs/CLI.md is what docs/cli_reference.py writes from the click command tree now, and the help texts and the
+package's description name the scheme registry's schemes, all of them and no other."""
+
+import importlib.util
+import re
+import tomllib
+from pathlib import Path
+
+import click
+import pytest
+
+from cli_helpers import run
+from qconvert.cli.main import cli
+from qconvert.schemes import NAMES, SCHEMES
+
+ROOT = Path(__file__).resolve().parents[2]
+# A word that reads as a scheme name (lower case, as the help texts and the CLI spell them).
+SCHEME_WORD = re.compile(r"(?<![\w-])(?:int[48](?:-asym)?|w\d+a\d+(?:-fp8)?|fp8|nf4)(?![\w-])")
+
+
+def generator():
+    spec = importlib.util.spec_from_file_location("cli_reference", ROOT / "docs" / "cli_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def flat(text: str) -> str:
+    """Help text as one line: click wraps at spaces and after hyphens ("int4-" / "asym")."""
+    return " ".join(text.split()).replace("- ", "-")
+
+
+def test_cli_md_is_what_the_generator_writes_from_the_code_now():
+    written = (ROOT / "docs" / "CLI.md").read_text(encoding="utf-8")
+    assert written == generator().render(), "docs/CLI.md is out of date: run python docs/cli_reference.py"
+
+
+def test_cli_md_has_every_command_and_every_flag_with_its_help():
+    text = generator().render()
+    root = click.Context(cli, info_name="qconvert")
+    for name, command in cli.commands.items():
+        section = text[text.index(f"\n## qconvert {name}\n"):]
+        section = section[:section.index("\n## ", 1)]
+        ctx = click.Context(command, info_name=name, parent=root)
+        for param in command.get_params(ctx):
+            if isinstance(param, click.Option):
+                row = next(line for line in section.splitlines() if line.startswith(f"| `{param.opts[0]}"))
+                param.get_help_record(ctx)
+                assert flat(param.help) in flat(row.replace("\\|", "|")), (name, param.opts)
+    codes = text[text.index("## Exit codes"):]
+    from qconvert.formats.errors import EXIT_CODES
+
+    assert re.findall(r"^\| (\d+) \|", codes, re.M) == [str(code) for code, _ in EXIT_CODES]
+
+
+def test_top_level_help_names_every_scheme_of_the_registry(capsys):
+    code, out, _ = run(["--help"], capsys)
+    assert code == 0
+    assert set(SCHEME_WORD.findall(flat(out))) == set(NAMES)
+
+
+def test_the_package_description_names_every_scheme_of_the_registry():
+    description = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["description"]
+    assert set(SCHEME_WORD.findall(description)) == set(NAMES)
+
+
+def _help(command: str, flag: str) -> str:
+    root = click.Context(cli, info_name="qconvert")
+    command = cli.commands[command]
+    ctx = click.Context(command, parent=root)
+    param = next(p for p in command.params if flag in getattr(p, "opts", ()))
+    param.get_help_record(ctx)
+    return flat(param.help)
+
+
+@pytest.mark.parametrize(("flag", "named"), [
+    ("--scheme", lambda s: True),
+    ("--scale-search", lambda s: True),
+    ("--gptq", lambda s: s.gptq_grid() is not None),
+    ("--awq", lambda s: s.default_awq),
+    ("--group-size", lambda s: s.takes_group_size),
+    ("--any-architecture", lambda s: s.weight_only),
+    ("--double-quant", lambda s: s.takes_double_quant),
+    ("--kv-cache", lambda s: True),
+])
+def test_quantize_flag_helps_name_the_schemes_the_flag_concerns(flag, named):
+    words = set(SCHEME_WORD.findall(_help("quantize", flag)))
+    assert words <= set(NAMES)
+    assert {name for name, scheme in SCHEMES.items() if named(scheme)} <= words
