@@ -165,11 +165,11 @@ def _calibrate(source: SourceModel, plan: ConversionPlan, options: ConvertOption
     gptq = _sequential_gptq(source, plan, options, out, scratch)
     adjustments, phases = Adjustments(), []
     # A dry run calibrates only to show static input scales; otherwise the steps chosen decide.
+    agree_run(source, options, plan)  # before anything a process decides alone
     steps = [] if options.dry_run and (not options.static_act or plan.refusal) else choose_steps(
         source, options, plan.quantized_modules, gptq, plan.flags)
     if steps:
         calibration_started = time.perf_counter()
-        agree_run(source, options, plan)
         with stage("calibration"):
             adjustments = prepare_adjustments(source, options, steps, message, gptq)
         if adjustments.calibration_record is not None:
@@ -274,13 +274,14 @@ def agree_source(source: SourceModel) -> None:
 
 
 def agree_run(source: SourceModel, options: ConvertOptions, plan: ConversionPlan) -> None:
-    """In a run of several processes, before calibrating: the same settings (exit 2 when a process was started
+    """In a run of several processes, before choosing the steps: the same settings (exit 2 when a process was started
     with others: its collectives would not match) and the same source files (exit 6) on every process."""
     if not cluster.active():
         return
     calib = options.calibration
-    cluster.agree_settings({
-        "--scheme": options.scheme, "flags": options.recorded_flags(plan.flags), "--gptq": options.uses_gptq,
+    cluster.agree_settings({  # the flags a process decides by alone first, so a refusal names them
+        "--kv-cache": options.kv_cache, "--dry-run": options.dry_run, "--scheme": options.scheme,
+        "flags": options.recorded_flags(plan.flags), "--gptq": options.uses_gptq,
         "--gptq-damp": options.gptq_damp, "--gptq-act-order": options.gptq_act_order, "--awq": options.uses_awq,
         "--calib-samples": calib.calib_samples if calib else None, "--calib-seqlen": calib.calib_seqlen if calib else None,
         "--alpha": calib.alpha if calib else None, "--no-smooth": (not calib.smooth) if calib else None})

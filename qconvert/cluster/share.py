@@ -50,12 +50,14 @@ def agree_source(hashes: Mapping[str, str], what: str = "the model") -> None:
 
 def agree_settings(settings: Mapping[str, Any], what: str = "settings") -> None:
     """UsageError (exit 2) when another process was started with other settings than process 0's (a scheme, a
-    flag): every process raises the same line, naming the first setting that differs. `settings`: JSON-able."""
+    flag): every process raises the same line, naming the first setting (in `settings`' order) that differs.
+    `settings`: JSON-able."""
     if not active():
         return
     copies = _every_process(what, settings)
     for p, copy in enumerate(copies[1:], start=1):
-        for key in sorted(set(copies[0]) | set(copy)):
+        # In the order this process's `settings` name them (the same code on every process), then any other.
+        for key in [*settings, *sorted((set(copies[0]) | set(copy)) - set(settings))]:
             if copies[0].get(key) != copy.get(key):
                 raise UsageError(f"process {p} was started with {key} {copy.get(key)!r}, process 0 with "
                                  f"{copies[0].get(key)!r}; start every process with the same flags")

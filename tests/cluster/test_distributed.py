@@ -207,6 +207,19 @@ def test_processes_started_with_other_flags_are_refused_by_every_process(sources
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("flag,shown", [(["--kv-cache", "fp8"], "--kv-cache 'fp8'"), (["--dry-run"], "--dry-run True")])
+def test_a_flag_that_decides_whether_a_process_calibrates_is_agreed_before_it_does(flag, shown, sources, tmp_path):
+    """int8 calibrates only with --kv-cache, and a dry run not at all: one process alone with the flag would
+    wait for the other in calibration's collectives; both are refused instead."""
+    results = finish(start_run(lambda i: ["quantize", str(sources["llama"]), "--scheme", "int8",
+                                          *(flag if i else []), "-o", str(tmp_path / "out")]))
+    assert [code for code, _, _ in results] == [2, 2]
+    for _, _, err in results:
+        (line,) = errors(err)
+        assert f"process 1 was started with {shown}, process 0 with" in line
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_refusal_of_process_0_ends_every_process_with_its_code(sources, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("not qconvert's")
