@@ -126,8 +126,18 @@ def _vllm_snippet(facts: CardFacts) -> list[str]:
         return [f"vLLM: does not load this layout ({facts.loads_in}).", ""]
     use = ('print(llm.generate(["The capital of France is"])[0].outputs[0].text)' if facts.causal_lm
            else 'print(llm.embed(["A sentence to embed."])[0].outputs.embedding[:4])')
-    return ["vLLM:", "", "```python", "from vllm import LLM", "", f'llm = LLM(model="{facts.repo or FOLDER}")', use,
-            "```", ""]
+    # With KV-cache scales, the cache they are for (vLLM's default keeps it in the model's dtype).
+    cache = ', kv_cache_dtype="fp8"' if facts.record.kv_cache is not None else ""
+    return ["vLLM:", "", "```python", "from vllm import LLM", "",
+            f'llm = LLM(model="{facts.repo or FOLDER}"{cache})', use, "```", ""]
+
+
+def _kv_cache_line(record: ConversionRecord) -> list[str]:
+    """The KV cache's scales, where the folder has them."""
+    if record.kv_cache is None:
+        return []
+    return [f"| KV cache | {record.kv_cache.get('scheme')} scales per tensor (k_scale, v_scale: each attention block's "
+            "largest calibrated key and value magnitude / 448); served with an FP8 cache |"]
 
 
 def model_card(facts: CardFacts) -> str:
@@ -143,7 +153,7 @@ def model_card(facts: CardFacts) -> str:
         "| | |", "|---|---|", *_source_lines(source),
         f"| scheme | `{record.scheme}` ({facts.quant_method} layout) |", _flags_line(record, facts.act_applies),
         _rounding_line(record),
-        *_calibration_line(record),
+        *_calibration_line(record), *_kv_cache_line(record),
         (f"| size | {_mib(facts.input_bytes)} -> {_mib(facts.output_bytes)} ({ratio:.2f}x smaller); "
          f"{facts.quantized_linears} linears quantized, {facts.unchanged_tensors} tensors unchanged |"),
         f"| loads in | {facts.loads_in} |", "",

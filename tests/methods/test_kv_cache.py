@@ -81,6 +81,8 @@ def test_transformers_loads_the_folder_and_verify_recomputes_the_scales(llama, t
     import transformers
 
     out = quantize_quietly(llama, tmp_path / "out", "--scheme", "fp8", "--kv-cache", "fp8", *CALIB)
+    card = (out / "README.md").read_text()
+    assert 'kv_cache_dtype="fp8")' in card and "| KV cache | fp8 scales per tensor" in card  # served as meant
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     reference = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
     ids = torch.as_tensor(random_windows(128, 2, 12, 9))
