@@ -11,7 +11,7 @@ import click
 
 from qconvert.formats.errors import EXIT_CODES
 
-# Every command's --help ends with the same exit-code table as the README.
+# Every command's --help ends with the same exit-code table as docs/EXIT_CODES.md.
 EXIT_CODES_EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES)
 
 
