@@ -1,13 +1,16 @@
 """The docs agree with the code: every table that lists the schemes lists the registry's, in its order, with what
-the schemes themselves say; the exit-code table is the code's; and no doc names a qconvert flag the CLI does not
-have."""
+the schemes themselves say; the exit-code table is the code's; no doc names a qconvert flag the CLI does not have;
+and what the docs say `inspect` reads, it reads."""
 
+import json
 import re
 from pathlib import Path
 
 import click
 import pytest
 
+from checkpoints import make_llama_checkpoint
+from cli_helpers import quantize_quietly, run
 from qconvert.cli.main import cli
 from qconvert.formats.errors import EXIT_CODES
 from qconvert.schemes import NAMES, SCHEMES
@@ -112,3 +115,16 @@ def test_the_readme_links_every_page_and_every_page_is_there():
     assert {Path(page).name for page in PAGES[1:]} | {"ACCURACY.md", "BENCHMARKS.md"} <= linked
     assert all((DOCS / name).is_file() for name in linked)
 
+
+def test_the_docs_say_inspect_reads_every_scheme_and_it_reads_4_bit_and_grouped_folders(tmp_path, capsys):
+    text = section(read("docs/COMMANDS.md"), "## qconvert inspect")
+    reads = text[text.index("It reads a folder of every scheme"):]
+    assert set(re.findall(r"`([\w-]+)`", reads[:reads.index(", grouped")])) == set(NAMES)
+    assert "4-bit" not in text  # what the docs once said inspect refused
+    source = make_llama_checkpoint(tmp_path / "src")
+    for scheme, flags in (("int4", ["--no-awq", "--no-gptq", "--group-size", "32"]),
+                          ("int4-asym", ["--no-awq", "--no-gptq"]), ("nf4", []), ("w4a8-fp8", ["--no-gptq"])):
+        out = quantize_quietly(source, tmp_path / scheme, "--scheme", scheme, *flags)
+        code, shown, err = run(["inspect", str(out), "--json"], capsys)
+        assert code == 0, err
+        assert json.loads(shown)["scheme"] == scheme
