@@ -93,7 +93,8 @@ def render() -> str:
         "edit it by hand: `tests/project/test_cli_reference.py` fails when it differs from what the code gives.",
         "Each command's `--help` prints the same text.",
         "",
-        "Commands: " + ", ".join(f"[`{name}`](#qconvert-{name})" for name in names) + "; [exit codes](#exit-codes).",
+        "Commands: " + ", ".join(f"[`{name}`](#qconvert-{name})" for name in names)
+        + "; [exit codes](#exit-codes).",
         "",
         *_section(cli, root, "##"),
     ]
@@ -101,7 +102,8 @@ def render() -> str:
         command = cli.get_command(root, name)
         lines += _section(command, click.Context(command, info_name=name, parent=root), "##")
     lines += ["## Exit codes", "",
-              "Every command's `--help` ends with this table (`qconvert.formats.errors.EXIT_CODES`); docs/EXIT_CODES.md",
+              "Every command's `--help` ends with this table (`qconvert.formats.errors.EXIT_CODES`); "
+              "docs/EXIT_CODES.md",
               "says what a failure prints and what `--json` gives.", "", "| code | meaning |", "|---|---|"]
     lines += [f"| {code} | {_cell(meaning)} |" for code, meaning in EXIT_CODES]
     return "\n".join(lines) + "\n"
