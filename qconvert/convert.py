@@ -23,6 +23,7 @@ from qconvert.source.resolve import SourceModel, open_source, resolve_source
 from qconvert.stages import stage
 from qconvert.methods.gptq_core import DEFAULT_ACT_ORDER, DEFAULT_DAMP, GPTQConfig
 from qconvert.methods.gptq import RTN_RECORD, DiscardedStore, QuantizedStore, SequentialGPTQ
+from qconvert.schemes.servers import family_of, kv_cache_note
 from qconvert.methods.recipe import Adjustments, choose_steps, prepare_adjustments
 from qconvert.write.folder import (
     check_free_space, check_output_free, check_output_location, check_writable, scratch_folder,
@@ -118,9 +119,16 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
         output_bytes=sum(spec.nbytes for spec in plan.specs),
         seconds=time.perf_counter() - started, files=files, phases=tuple(phases + wrote),
         weight_only=source.weight_only,
-        notes=tuple(n for n in (gptq_data_note(adjustments, ckpt),) if n), server_note=plan.server_note,
+        notes=tuple(n for n in (gptq_data_note(adjustments, ckpt),) if n), server_note=_server_note(source, plan, options),
         refusal=plan.refusal, kept_float=plan.kept_float,
     )
+
+
+def _server_note(source: SourceModel, plan: ConversionPlan, options: ConvertOptions) -> str:
+    """What vLLM TPU loads instead where it refuses the folder, or (with --kv-cache) where it would not read the
+    scales by default."""
+    kv_note = kv_cache_note(family_of(source.config)) if options.kv_cache is not None else ""
+    return plan.server_note or kv_note
 
 
 def _writes(options: ConvertOptions) -> bool:

@@ -113,7 +113,8 @@ def inspect_checkpoint(folder) -> InspectReport:
     checks = tuple(check_hashes(folder, record)) if record is not None else ()
     return InspectReport(folder=folder, scheme=qc.scheme, tensors=tuple(rows), files=checks,
                          record=record,
-                         servers=servers(scheme_key(qc.scheme, qc.flags), family_of(qc.config)))
+                         servers=servers(scheme_key(qc.scheme, qc.flags), family_of(qc.config),
+                                         kv_cache=any(t.kind == KV_SCALE_KIND for t in rows)))
 
 
 def _tensor_rows(qc) -> list[TensorRow]:

@@ -106,10 +106,28 @@ def family_of(config: dict[str, Any]) -> str:
     return model_type.removesuffix("_text")
 
 
-def servers(key: str, family: str) -> dict[str, str]:
-    """Each server's recorded answer for scheme key `key` on `family` (yes, no or not measured)."""
+# Families vLLM TPU 0.32 serves by default through its own JAX models, whose attention keeps scale 1.0 and whose
+# loaders take no KV-cache scale (Qwen3: refused at load; measured by bench/vllm_tpu_kv_cache.py,
+# docs/BENCHMARKS.md "KV-cache FP8 scales"). Other families fall back to its vLLM path, which reads them.
+JAX_NATIVE_ON_TPU = ("llama", "qwen3")
+
+
+def servers(key: str, family: str, kv_cache: bool = False) -> dict[str, str]:
+    """Each server's recorded answer for scheme key `key` on `family` (yes, no or not measured); with
+    `kv_cache` (the folder has KV-cache scales), vLLM TPU's default path answers no for its JAX-native families."""
     cells = TABLE.get((key, family), "?" * len(SERVERS))
+    if kv_cache and family in JAX_NATIVE_ON_TPU:
+        cells = cells[0] + "N" + cells[2:]
     return {server: _CELL[cell] for server, cell in zip(SERVERS, cells)}
+
+
+def kv_cache_note(family: str) -> str:
+    """One line for a folder with KV-cache scales whose family vLLM TPU serves by default through its JAX model,
+    which does not read them."""
+    if family not in JAX_NATIVE_ON_TPU:
+        return ""
+    return (f"vLLM TPU 0.32 reads KV-cache scales for {family} only with MODEL_IMPL_TYPE=vllm and "
+            "--kv-cache-dtype fp8; its default JAX model does not")
 
 
 def tpu_note(key: str, family: str) -> str:

@@ -120,3 +120,15 @@ def test_where_no_loader_reads_the_scales_the_flag_is_refused_in_one_line(tmp_pa
                            *args, *([] if case == "act-stats" else CALIB)], capsys)
     assert code == 2 and "--kv-cache" in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_vllm_tpu_default_path_is_said_not_to_read_the_scales_for_its_jax_models():
+    """Measured (docs/BENCHMARKS.md, "KV-cache FP8 scales"): tpu-inference's JAX Llama and Qwen3 keep scale 1.0,
+    and its Qwen3 loader refuses the tensors; its vLLM path reads them."""
+    from qconvert.schemes.servers import kv_cache_note, servers
+
+    assert servers("fp8", "qwen3")["vLLM TPU"] == "yes"
+    with_scales = servers("fp8", "qwen3", kv_cache=True)
+    assert with_scales["vLLM TPU"] == "no" and with_scales["vLLM TPU MODEL_IMPL_TYPE=vllm"] == "yes"
+    assert servers("fp8", "qwen3_moe", kv_cache=True)["vLLM TPU"] == "yes"  # falls back to the vLLM path
+    assert "MODEL_IMPL_TYPE=vllm" in kv_cache_note("llama") and kv_cache_note("mixtral") == ""
