@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qconvert.calibration.data import load_calibration
+from qconvert.calibration.data import load_calibration, placed_record
 from qconvert.calibration.documents import BUILTIN, check_calibration_source
 from qconvert.calibration.hub_dataset import DatasetSelection
 from qconvert.cluster.share import agree_settings, same_windows
@@ -63,10 +63,11 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
         agree_settings(same_windows(data.record()), "calibration")  # several processes: the same windows
         if message is not None:
             message(f"calibrating on {data.samples} x {data.seqlen} tokens ({data.description})")
+        record = placed_record(data.record(), out)  # the file by name, and where it lies from OUT
         stats = collect_act_stats(source.model, params, data.input_ids, batch_size=batch_size,
-                                  shard_experts=shard_experts, calibration=data.record(), progress=message)
+                                  shard_experts=shard_experts, calibration=record, progress=message)
     if writes:
         save_act_stats(out, stats, model=resolved.model_id,
                        recheck=lambda: check_stats_target(out, overwrite, resolved.folder))
     return {"out": str(out), "source": summary, "linears": len(stats.act_absmax),
-            "calibration": data.record()}
+            "calibration": record}

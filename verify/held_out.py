@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from qconvert.calibration.data import DEFAULT_SAMPLES, DEFAULT_SEQLEN, RANDOM_SEED, CalibrationData, load_calibration
-from qconvert.calibration.documents import HELD_OUT, RANDOM
+from qconvert.calibration.data import (DEFAULT_SAMPLES, DEFAULT_SEQLEN, FILE_FROM_OUT, RANDOM_SEED, CalibrationData,
+                                       load_calibration, recorded_path)
+from qconvert.calibration.documents import HELD_OUT, RANDOM, is_local_file
 from qconvert.calibration.hub_dataset import recorded_selection
 from qconvert.formats.errors import QConvertError, UsageError
 
@@ -98,15 +99,39 @@ def unknown_id(folder: Path) -> int | None:
     return tokenizer.token_to_id(token) if token else None
 
 
-def calibration_windows(calibration: Mapping[str, Any], folder: Path, config: dict[str, Any]) -> np.ndarray:
-    """The calibration windows again, from qconvert.json's record (QConvertError when they cannot be rebuilt)."""
-    data = load_calibration(str(calibration["source"]), folder, config,
+def calibration_file(calibration: Mapping[str, Any], out: Path | None) -> str:
+    """The local calibration file qconvert.json records, from the working folder: where it lies from OUT
+    (FILE_FROM_OUT), else its name in the working folder (a record that keeps only its name: the file lay outside
+    OUT's parent); UsageError, in one line, when neither is there. A record kept as --calib was typed (an older
+    qconvert) is that path."""
+    source, where = str(calibration["source"]), calibration.get(FILE_FROM_OUT)
+    if not isinstance(where, str):
+        if Path(source).is_file() or Path(source).name != source:
+            return source
+        raise UsageError(f"qconvert.json records the calibration file {source} by its name and sha256 only (it lay "
+                         f"outside OUT's parent folder) and the working folder has no {source}: run verify from "
+                         "the folder that holds it")
+    for path in (recorded_path(where, out) if out is not None else None, source):
+        if path is not None and Path(path).is_file():
+            return path
+    raise UsageError(f"the calibration file {source} is neither at {where} from OUT nor in the working folder: "
+                     f"put it back, or run verify from the folder that holds it")
+
+
+def calibration_windows(calibration: Mapping[str, Any], folder: Path, config: dict[str, Any],
+                        out: Path | None = None) -> np.ndarray:
+    """The calibration windows again, from the record in OUT's qconvert.json (QConvertError when they cannot be
+    rebuilt)."""
+    source = str(calibration["source"])
+    if is_local_file(source):
+        source = calibration_file(calibration, out)
+    data = load_calibration(source, folder, config,
                             samples=int(calibration.get("requested_samples", DEFAULT_SAMPLES)),
                             seqlen=int(calibration.get("requested_seqlen", DEFAULT_SEQLEN)),
                             seed=int(calibration.get("seed", RANDOM_SEED)),
                             dataset=recorded_selection(calibration))  # a whole dataset: its recorded commit
     if calibration.get("sha256") and data.sha256 != calibration["sha256"]:
-        raise UsageError(f"the calibration file {calibration['source']} changed since the conversion")
+        raise UsageError(f"the calibration file {source} is not the one the conversion read (its sha256 differs)")
     if data.input_ids.shape != (int(calibration["samples"]), int(calibration["seqlen"])):
         raise UsageError(f"rebuilding the calibration text gives {list(data.input_ids.shape)} windows, "
                          f"qconvert.json records [{calibration['samples']}, {calibration['seqlen']}]")
@@ -114,16 +139,21 @@ def calibration_windows(calibration: Mapping[str, Any], folder: Path, config: di
 
 
 def held_out_evaluation(calib: str, calibration: Mapping[str, Any] | None, folder: Path, config: dict[str, Any],
-                        samples: int, seqlen: int) -> HeldOut:
-    """The evaluation windows, checked disjoint from calibration's; UsageError when they share text."""
+                        samples: int, seqlen: int, out: Path | None = None) -> HeldOut:
+    """The evaluation windows, checked disjoint from calibration's (recorded in OUT's qconvert.json); UsageError
+    when they share text."""
     has_tokenizer = (Path(folder) / "tokenizer.json").is_file()
     source, seed = evaluation_source(calib, calibration, has_tokenizer)
     data = load_calibration(source, folder, config, samples=samples, seqlen=seqlen, seed=seed)
     if not calibration:
         return HeldOut(data, None, None, "qconvert.json records no calibration text (the folder was not "
                                          "calibrated, or was written by an older qconvert): nothing to hold out")
+    if data.sha256 is not None and data.sha256 == calibration.get("sha256"):  # found or not, the same file
+        raise UsageError(f"the evaluation text ({data.description}) is the calibration file "
+                         f"{calibration.get('source')} (the same sha256); verify on held-out text: pass --calib "
+                         "with text calibration did not read")
     try:
-        calibrated = calibration_windows(calibration, folder, config)
+        calibrated = calibration_windows(calibration, folder, config, out)
     except QConvertError as exc:
         return HeldOut(data, calibration, None, f"calibration text {calibration.get('source')!r} cannot be "
                                                 f"rebuilt ({exc}): disjointness not checked")

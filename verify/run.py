@@ -232,11 +232,12 @@ def check_against_reference(run: Run, source: SourceModel) -> bool:
 
 
 def evaluation_tokens(options: VerifyOptions, reference_folder: Path, config: dict[str, Any],
-                      calibration: dict[str, Any] | None = None) -> HeldOut:
-    """The evaluation windows, held out from the calibration text qconvert.json records (verify/held_out.py)."""
+                      calibration: dict[str, Any] | None = None, out: Path | None = None) -> HeldOut:
+    """The evaluation windows, held out from the calibration text OUT's qconvert.json records
+    (verify/held_out.py)."""
     samples = options.samples or (QUICK_SAMPLES if options.quick else DEFAULT_SAMPLES)
     seqlen = options.seqlen or (QUICK_SEQLEN if options.quick else DEFAULT_SEQLEN)
-    return held_out_evaluation(options.calib, calibration, reference_folder, config, samples, seqlen)
+    return held_out_evaluation(options.calib, calibration, reference_folder, config, samples, seqlen, out)
 
 
 def verify_on_text(run: Run, source: SourceModel, progress: Reporter) -> None:
@@ -247,7 +248,8 @@ def verify_on_text(run: Run, source: SourceModel, progress: Reporter) -> None:
                            options.samples or (QUICK_SAMPLES if options.quick else DEFAULT_SAMPLES),
                            options.seqlen or (QUICK_SEQLEN if options.quick else DEFAULT_SEQLEN),
                            what="verifying", flags="--samples or a shorter --seqlen")  # before any window
-    held_out = evaluation_tokens(run.options, source.folder, source.config, run.record.calibration)
+    held_out = evaluation_tokens(run.options, source.folder, source.config, run.record.calibration,
+                                 run.folder)
     ids = np.asarray(held_out.data.input_ids)
     mask = np.ones_like(ids)
     layers, float_hidden = verify_layers(

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from qconvert.calibration.documents import BUILTIN, RANDOM, check_dataset_flags, open_documents
+from qconvert.calibration.documents import BUILTIN, RANDOM, check_dataset_flags, is_local_file, open_documents
 from qconvert.calibration.hub_dataset import DatasetSelection, is_whole_dataset
 from qconvert.calibration.tokenizer import load_tokenizer, special_ends, token_windows, window_bos
 from qconvert.formats.errors import InvalidCheckpointError, QConvertError, UsageError
+from qconvert.formats.safetensors_io import sha256_file
 
 DEFAULT_SAMPLES = 128
 DEFAULT_SEQLEN = 512
@@ -67,6 +69,49 @@ class CalibrationData:
             **({"dataset": self.dataset} if self.dataset is not None else {}),
             **({"experts_split_over": experts_split_over} if experts_split_over else {}),
         }
+
+
+# A local calibration file's record: where it lies from OUT (e.g. "../calib.txt"), where it lies in OUT's parent.
+FILE_FROM_OUT = "file_from_out"
+
+
+def placed_record(record: dict[str, Any] | None, out: Path) -> dict[str, Any] | None:
+    """A calibration record as OUT keeps it (qconvert.json, or a statistics file OUT): a local file by its name
+    and sha256, and, where it lies in OUT's parent folder, where it lies from OUT, so that verify finds it from
+    any working folder; no path of this machine is kept. Built-in text, random ids and Hub text as they are.
+
+    The record's `source` is a path from the working folder (as --calib gave it)."""
+    if not record or not is_local_file(str(record.get("source", ""))):
+        return record
+    path, out = Path(os.path.abspath(str(record["source"]))), Path(os.path.abspath(out))
+    placed = {k: v for k, v in record.items() if k != FILE_FROM_OUT}
+    placed["source"] = path.name
+    if _inside(path, out.parent) and path.is_file() and record.get("sha256") in (None, sha256_file(path)):
+        placed[FILE_FROM_OUT] = Path(os.path.relpath(path, out)).as_posix()
+    return placed
+
+
+def located_record(record: dict[str, Any], out: Path) -> dict[str, Any]:
+    """A record placed_record kept for OUT with its `source` a path from the working folder again, where it
+    records one (FILE_FROM_OUT)."""
+    where = record.get(FILE_FROM_OUT)
+    if not isinstance(where, str):
+        return record
+    located = {k: v for k, v in record.items() if k != FILE_FROM_OUT}
+    located["source"] = recorded_path(where, out)
+    return located
+
+
+def recorded_path(where: str, out: Path) -> str:
+    """The path, from the working folder, of what lies at `where` from OUT."""
+    return os.path.normpath(os.path.join(os.path.abspath(out), where))
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    try:
+        return os.path.commonpath([path, folder]) == str(folder)
+    except ValueError:  # another drive
+        return False
 
 
 def random_windows(vocab_size: int, samples: int, seqlen: int, seed: int = RANDOM_SEED) -> np.ndarray:

@@ -70,6 +70,11 @@ def open_documents(calib: str, selection: DatasetSelection, model_folder: Path,
     return Documents(texts, description, sha256_file(local))
 
 
+def is_local_file(calib: str) -> bool:
+    """Whether a --calib source names a local file (not built-in text, random ids or a Hub address)."""
+    return calib not in (BUILTIN, RANDOM, HELD_OUT) and not calib.startswith("hf://")
+
+
 def check_text_file(path: Path) -> None:
     """UsageError unless `path` is a .txt or .jsonl file."""
     if not path.is_file():

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from qconvert.calibration.data import BUILTIN, load_calibration
+from qconvert.calibration.data import BUILTIN, load_calibration, located_record
 from qconvert.calibration.observer import check_calibration_fits
 from qconvert.formats.act_stats import ActStats, check_stats_cover, load_act_stats
 from qconvert.formats.errors import UsageError
@@ -198,5 +198,7 @@ def _loaded_stats(path, params, modules: Sequence[str]) -> ActStats:
     record names the file and its sha256."""
     stats = load_act_stats(path)
     check_stats_cover(stats, {m: int(params.checkpoint.shape(f"{m}.weight")[1]) for m in modules}, str(path))
-    record = {**(stats.calibration or {}), "stats_file": {"name": Path(path).name, "sha256": sha256_file(path)}}
+    # The calibration file where the statistics file records it, from here (qconvert.json records it from OUT).
+    record = {**located_record(stats.calibration or {}, path),
+              "stats_file": {"name": Path(path).name, "sha256": sha256_file(path)}}
     return dataclasses.replace(stats, calibration=record)
