@@ -36,24 +36,33 @@ class Silent:
 
 class Lines:
     """Plain lines for logs and pipes: every message, and a stage's count at most every `every` seconds
-    (always its first and last step), so a slow stage shows it is alive without flooding the log."""
+    (always its first and last step), so a slow stage shows it is alive without flooding the log.
+
+    A finished stage's "in X s" is its own time: stages that run together (calibrating, AWQ and GPTQ take turns
+    layer by layer) each count the time since the step before theirs, of whatever stage, so their figures add up
+    to the run's time instead of each reading as the whole of it."""
 
     def __init__(self, write: Callable[[str], None], every: float = 10.0, clock=time.monotonic):
         self._write, self._every, self._clock = write, every, clock
-        self._started: dict[str, float] = {}
-        self._last: dict[str, float] = {}
+        self._spent: dict[str, float] = {}  # each running stage's own seconds so far
+        self._last: dict[str, float] = {}  # when each running stage last wrote its count
+        self._previous = 0.0  # the last step of any stage
 
     def __call__(self, line: str) -> None:
         self._write(line)
 
     def step(self, stage: str, done: int, total: int, unit: str = "layers") -> None:
         now = self._clock()
-        if done == 0 or stage not in self._started:
-            self._started[stage], self._last[stage] = now, now
-            if done == 0:
-                return
+        if done == 0 or stage not in self._spent:  # started now: nothing before counts as its work
+            self._spent[stage], self._last[stage] = 0.0, now
+        else:
+            self._spent[stage] += now - self._previous
+        self._previous = now
+        if done == 0:
+            return
         if done >= total:
-            self._write(f"{stage}: {done}/{total} {unit} in {now - self._started.pop(stage):.1f} s")
+            self._last.pop(stage)
+            self._write(f"{stage}: {done}/{total} {unit} in {self._spent.pop(stage):.1f} s")
         elif now - self._last[stage] >= self._every:
             self._last[stage] = now
             self._write(f"{stage}: {done}/{total} {unit}")
