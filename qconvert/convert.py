@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from qconvert import __version__, cluster
+from qconvert.calibration.data import placed_record
 from qconvert.formats.errors import FormatError, InvalidCheckpointError, QConvertError, UsageError
 from qconvert.formats.record import ConversionRecord
 from qconvert.models.weight_only import WeightOnlySelection
@@ -194,7 +195,7 @@ def _write(source: SourceModel, out: Path, plan: ConversionPlan, options: Conver
         return {}, []
     writing_started = time.perf_counter()
     files = write_output(source, out, plan, options, _calibrated(adjustments, options),
-                         _record(source, plan, options, adjustments), progress)
+                         _record(source, plan, options, adjustments, out), progress)
     return files, [("wrote", time.perf_counter() - writing_started)]
 
 
@@ -210,11 +211,12 @@ def _calibrated(adjustments: Adjustments, options: ConvertOptions) -> Calibrated
 
 
 def _record(source: SourceModel, plan: ConversionPlan, options: ConvertOptions,
-            adjustments: Adjustments) -> ConversionRecord:
-    """qconvert.json as far as it is known before writing (the writer adds the source, scale searches, files)."""
+            adjustments: Adjustments, out: Path) -> ConversionRecord:
+    """qconvert.json as far as it is known before writing (the writer adds the source, scale searches, files);
+    a calibration file by its name, and where it lies from OUT (no local path is published)."""
     return ConversionRecord(
         options.scheme, {}, qconvert_version=__version__, flags=options.recorded_flags(plan.flags),
-        calibration=adjustments.calibration_record, smoothing=adjustments.smoothing_record,
+        calibration=placed_record(adjustments.calibration_record, out), smoothing=adjustments.smoothing_record,
         rounding=adjustments.rounding_record or dict(RTN_RECORD),
         weight_only=source.weight_only.record() if source.weight_only is not None else None,
         kv_cache=adjustments.records.get("kv_cache"))

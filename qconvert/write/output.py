@@ -10,7 +10,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Mapping
 
-from qconvert.calibration.data import placed_record
 from qconvert.formats.jsonfile import write_json
 from qconvert.formats.layout_base import FLOAT_DTYPES_BY_NAME
 from qconvert.formats.record import ConversionRecord, write_record
@@ -47,7 +46,6 @@ def write_output(source: SourceModel, out: Path, plan, options, calibrated: Cali
                                           quantized_config(resolved.config, plan, scheme, calibrated.extra_config))
         record = dataclasses.replace(
             record, source=source_record(resolved, out, source_hashes(), source.source_format),
-            calibration=placed_record(record.calibration, out),
             scale_search=calibrated.searches.record(scheme) if calibrated.searches is not None else None)
         files[CARD_NAME] = write_card(staging, card_facts(source, plan, options, record, specs))
         write_record(staging, dataclasses.replace(record, files=dict(sorted(files.items()))))
