@@ -23,7 +23,11 @@ KV_SCALES = "KV-cache scales"  # the step's progress stage
 
 def attention_blocks(model) -> list[str]:
     """The attention modules whose keys and values the model caches, in layer order; UsageError for a model
-    that caches none a server reads per-tensor scales for."""
+    that caches none a server reads per-tensor scales for, or with no forward pass (None: --any-architecture's
+    weight-only decoders)."""
+    if model is None:
+        raise UsageError("--kv-cache fp8 calibrates the keys and values the model's forward pass computes, which "
+                         "--any-architecture does not have for this model; convert without --kv-cache")
     blocks = getattr(model, "kv_cache_blocks", None)
     reason = getattr(model, "kv_cache_refusal", None)
     if blocks is None or reason:

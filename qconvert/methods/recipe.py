@@ -106,7 +106,7 @@ def choose_steps(source: SourceModel, options: ConvertOptions, quantized_modules
     if gptq is not None:
         steps.append(GPTQ(gptq, quantized_modules, source.model.num_layers))
     if options.kv_cache is not None:
-        steps.append(KVCacheScales(source.model, options.kv_cache))
+        steps.append(KVCacheScales(source.model if source.weight_only is None else None, options.kv_cache))
     return steps
 
 

@@ -106,12 +106,14 @@ def test_transformers_loads_the_folder_and_verify_recomputes_the_scales(llama, t
     assert code != 0 and name in stdout + stderr, stdout + stderr
 
 
-@pytest.mark.parametrize("case", ["nf4", "bert", "deepseek_v3", "act-stats"])
+@pytest.mark.parametrize("case", ["nf4", "bert", "deepseek_v3", "act-stats", "any-architecture"])
 def test_where_no_loader_reads_the_scales_the_flag_is_refused_in_one_line(tmp_path, capsys, case):
     if case == "bert":
         source, args = make_bert_checkpoint(tmp_path / "bert"), ["--scheme", "int8"]
     elif case == "deepseek_v3":
         source, args = make_hf_checkpoint(tmp_path / "ds", "deepseek_v3", layers=2), ["--scheme", "fp8"]
+    elif case == "any-architecture":  # a decoder of no known family converts weight-only: no forward to calibrate
+        source, args = _neox(tmp_path / "neox"), ["--scheme", "int8", "--any-architecture"]
     else:
         source = make_hf_checkpoint(tmp_path / "llama", "llama", layers=1)
         args = ["--scheme", "nf4"] if case == "nf4" else ["--scheme", "w8a8", "--act-stats", str(tmp_path / "s")]
@@ -132,3 +134,14 @@ def test_vllm_tpu_default_path_is_said_not_to_read_the_scales_for_its_jax_models
     assert with_scales["vLLM TPU"] == "no" and with_scales["vLLM TPU MODEL_IMPL_TYPE=vllm"] == "yes"
     assert servers("fp8", "qwen3_moe", kv_cache=True)["vLLM TPU"] == "yes"  # falls back to the vLLM path
     assert "MODEL_IMPL_TYPE=vllm" in kv_cache_note("llama") and kv_cache_note("mixtral") == ""
+
+
+def _neox(folder):
+    import torch
+    import transformers
+
+    config = transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                        num_attention_heads=4, vocab_size=96, max_position_embeddings=64)
+    config.architectures = ["GPTNeoXForCausalLM"]
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(folder))
+    return folder
