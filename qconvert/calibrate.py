@@ -30,6 +30,16 @@ def check_stats_target(out: Path, overwrite: bool, source: Path | None = None) -
     check_writable(out.parent, f"the statistics file {out}")
 
 
+def _resolved_for(model: str, revision: str | None, out: Path, overwrite: bool, writes: bool):
+    """MODEL resolved, OUT checked before (against a local folder) and after (against what it resolved to)."""
+    if writes:
+        check_stats_target(out, overwrite, Path(model) if Path(model).is_dir() else None)  # before any download
+    resolved = resolve_source(model, revision)
+    if writes:
+        check_stats_target(out, overwrite, resolved.folder)
+    return resolved
+
+
 def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples: int = 128,
                     seqlen: int = 512, revision: str | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
                     overwrite: bool = False, message=None,
@@ -46,11 +56,7 @@ def calibrate_model(model: str, out: Path, *, calib: str | None = None, samples:
     from qconvert.convert import agree_source
 
     writes = is_leader()  # of several processes, process 0 writes
-    if writes:
-        check_stats_target(out, overwrite, Path(model) if Path(model).is_dir() else None)  # before any download
-    resolved_source = resolve_source(model, revision)
-    if writes:
-        check_stats_target(out, overwrite, resolved_source.folder)
+    resolved_source = _resolved_for(model, revision, out, overwrite, writes)
     with open_source(resolved_source) as source:  # as `quantize` resolves and opens; closed at the end
         summary = source.summary()
         source.check_weights()

@@ -90,7 +90,7 @@ def test_alpha_auto_records_the_search(model, tmp_path):
     (["--scheme", "w8a8", "--act-stats", "missing.safetensors"], "does not exist"),
     (["--scheme", "w8a8", "--act-stats", "s.safetensors", "--calib", "random"], "drop --calib"),
     (["--scheme", "w8a8", "--act-stats", "s.safetensors", "--shard-experts", "always"], "drop --shard-experts"),
-    (["--scheme", "int8", "--shard-experts", "never"], "--shard-experts also with --gptq or --awq"),
+    (["--scheme", "int8", "--shard-experts", "never"], "--shard-experts also with --gptq, --awq or --kv-cache"),
     (["--scheme", "w8a8", "--shard-experts", "sometimes"], "'sometimes' is not one of"),
 ])
 def test_bad_calibration_flags_exit_2_with_one_line(model, tmp_path, capsys, argv, message):
@@ -224,10 +224,11 @@ def test_nan_activations_stop_calibration_where_they_appear(tmp_path, capsys, sc
     assert tree(tmp_path) == before
 
 
-def test_an_unreachable_hub_for_calibration_text_is_one_line_within_seconds(source, tmp_path):
+def test_an_unreachable_hub_for_calibration_text_is_one_line_within_seconds(model, tmp_path):
+    # A model that can tokenize the text (its tokenizer is checked before the text is fetched).
     env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}
     started = time.monotonic()
-    done = subprocess.run([QCONVERT, "calibrate", str(source), "-o", str(tmp_path / "stats.safetensors"),
+    done = subprocess.run([QCONVERT, "calibrate", str(model), "-o", str(tmp_path / "stats.safetensors"),
                            "--calib", "hf://datasets/some-org/texts/train.txt"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 4 and time.monotonic() - started < 10
