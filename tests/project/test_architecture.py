@@ -30,8 +30,9 @@ ALLOWED = {
                  "write", "options", "methods"},
     "verify": {"formats", "kernels", "models", "ops", "schemes", "base", "cluster", "source", "calibration",
                "methods", "pipeline"},
+    "examples": {"formats", "models"},  # example models built offline: qconvert's own forward, nothing above it
     "cli": {"formats", "kernels", "models", "ops", "schemes", "base", "cluster", "source", "calibration", "write",
-            "options", "methods", "pipeline", "verify"},
+            "options", "methods", "pipeline", "verify", "examples"},
 }
 # qconvert/'s own top-level modules, each named: a new one has to say where it stands.
 TOP_LEVEL = {"qconvert": "base", "qconvert.progress": "base", "qconvert.interrupts": "base",
@@ -39,7 +40,7 @@ TOP_LEVEL = {"qconvert": "base", "qconvert.progress": "base", "qconvert.interrup
              "qconvert.calibrate": "pipeline", "qconvert.plan": "pipeline", "qconvert.inspection": "pipeline",
              "qconvert.loading": "pipeline"}
 FOLDERS = ("formats", "kernels", "verify", "models", "ops", "schemes", "source", "calibration", "methods", "write",
-           "cli", "cluster")
+           "cli", "cluster", "examples")
 
 
 def module_name(path: Path) -> str:

@@ -1,0 +1,1 @@
+"""Small models to try qconvert on offline: a byte-level Llama trained on the built-in text (llama.py)."""
