@@ -84,7 +84,9 @@ def render() -> str:
     from qconvert.cli.main import cli
     from qconvert.formats.errors import EXIT_CODES
 
-    root = click.Context(cli, info_name="qconvert")
+    # With the command's own context settings (-h as well as --help), as the real command line builds it:
+    # click caches a command's help option from whichever context is built first.
+    root = click.Context(cli, info_name="qconvert", **cli.context_settings)
     names = cli.list_commands(root)
     lines = [
         "# Command-line reference",
@@ -100,7 +102,8 @@ def render() -> str:
     ]
     for name in names:
         command = cli.get_command(root, name)
-        lines += _section(command, click.Context(command, info_name=name, parent=root), "##")
+        lines += _section(command, click.Context(command, info_name=name, parent=root, **command.context_settings),
+                          "##")
     lines += ["## Exit codes", "",
               "Every command's `--help` ends with this table (`qconvert.formats.errors.EXIT_CODES`); "
               "docs/EXIT_CODES.md",
