@@ -9,7 +9,6 @@ compressed-tensors gives a per-tensor scale; vLLM reads () or (1,)), and config.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
 
 import numpy as np
 
@@ -35,12 +34,6 @@ def kv_scale(absmax: float | np.ndarray) -> np.ndarray:
 def kv_scale_tensors(attention: str, keys_absmax: float, values_absmax: float) -> dict[str, np.ndarray]:
     """The two scale tensors of one attention block (`model.layers.N.self_attn`), by name."""
     return {f"{attention}.k_scale": kv_scale(keys_absmax), f"{attention}.v_scale": kv_scale(values_absmax)}
-
-
-def kv_cache_scheme(qconfig: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The folder's kv_cache_scheme, or None where it has none."""
-    scheme = (qconfig or {}).get("kv_cache_scheme")
-    return scheme if isinstance(scheme, dict) else None
 
 
 def is_kv_scale(name: str) -> bool:
