@@ -17,8 +17,8 @@ import numpy as np
 
 from qconvert.formats.errors import FormatError
 from qconvert.formats.quantized_sources import (
-    ACTIVATION_SCALE_SUFFIXES, DEQUANTIZED_DTYPE, FP8_WEIGHT_DTYPE, SCALE_DTYPES, SourceFormat, check_power_of_two,
-    dequantize_block_rows, dequantize_rows, scale_as_float32,
+    ACTIVATION_SCALE_SUFFIXES, DEQUANTIZED_DTYPE, FP8_WEIGHT_DTYPE, SCALE_DTYPES, SourceFormat, check_finite,
+    check_power_of_two, dequantize_block_rows, dequantize_rows,
 )
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint
 
@@ -163,9 +163,11 @@ class DequantizedCheckpoint:
             scale = self.stored.get(scale_name).reshape(1, 1)
         else:
             scale = self.stored.get_rows(scale_name, first, last)
+        where = f"{self.stored.file_of(scale_name)}: {scale_name}"
+        values = check_finite(scale, where)
         if self.source_format.power_of_two_scales:
-            check_power_of_two(scale, f"{self.stored.file_of(scale_name)}: {scale_name}")
-        return scale_as_float32(scale)
+            check_power_of_two(values, where)
+        return values
 
     def close(self) -> None:
         """Close the stored checkpoint's files."""

@@ -211,6 +211,18 @@ def dequantize_block_rows(codes: np.ndarray, scales: np.ndarray, block_cols: int
     return out
 
 
+def check_finite(scale: np.ndarray, where: str) -> np.ndarray:
+    """The scales as float32 (scale_as_float32); InvalidCheckpointError naming `where` (the file and the scale
+    tensor) when one is NaN or infinite, checked before any product so that no weight is blamed for it."""
+    values = scale_as_float32(scale)
+    if not np.isfinite(values).all():
+        kinds = " and ".join(k for k, bad in (("NaN", np.isnan(values).any()), ("infinite", np.isinf(values).any()))
+                             if bad)
+        raise InvalidCheckpointError(f"{where} holds scales that are not finite ({kinds}), so the fp8 weight they "
+                                     "scale cannot be read; the checkpoint is corrupt")
+    return values
+
+
 def check_power_of_two(scale: np.ndarray, where: str) -> None:
     """InvalidCheckpointError unless every scale is a positive power of two (a ue8m0 config's promise)."""
     values = scale_as_float32(scale)
