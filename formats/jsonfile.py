@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from qconvert.formats import outside
 from qconvert.formats.errors import FormatError, InvalidCheckpointError
 
 MISSING = "missing"  # no such file
@@ -43,8 +44,8 @@ def read_json_object(path) -> dict[str, Any]:
     except OSError as exc:
         raise JsonFileError(path, UNREADABLE, exc) from exc
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
+        data = json.loads(text, parse_constant=outside.json_constant)
+    except (json.JSONDecodeError, outside.OutsideValueError) as exc:
         raise JsonFileError(path, INVALID, exc) from exc
     if not isinstance(data, dict):
         raise JsonFileError(path, NOT_OBJECT)

@@ -12,6 +12,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from qconvert.formats import outside
 from qconvert.formats.errors import FormatError
 
 # safetensors itself refuses headers above 100 MB; a larger length means corruption.
@@ -101,10 +102,21 @@ def read_header(path: Path) -> SafetensorsHeader:
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise FormatError(f"{path}: corrupt safetensors header (__metadata__ must map strings to strings)")
+    _check_names(path, header)
     entries = {name: _parse_entry(path, name, info) for name, info in header.items()}
     data_start = 8 + header_len
     _check_tiling(path, entries, file_size - data_start)
     return SafetensorsHeader(path=path, entries=entries, metadata=dict(metadata), data_start=data_start)
+
+
+
+def _check_names(path: Path, header: dict) -> None:
+    """Tensor names come from outside: each must be text a message and a JSON document can carry as it is."""
+    for name in header:
+        try:
+            outside.text(name, "a tensor name", max_bytes=outside.TEXT_MAX_BYTES)
+        except outside.OutsideValueError as err:
+            raise FormatError(f"{path}: corrupt safetensors header ({err}: {outside.shown(name)!r})") from None
 
 
 def _parse_entry(path: Path, name: str, info) -> TensorEntry:

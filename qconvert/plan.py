@@ -35,23 +35,6 @@ from qconvert.source.resolve import SourceModel
 FLOAT_WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 # The kind of a tensor written as the source holds it (float or not: int64 position_ids too).
 UNCHANGED = "unchanged"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """'5GiB', '500MB', '1000000' -> bytes; UsageError for anything else."""
-    match = _SIZE.match(str(text))
-    if not match:
-        raise UsageError(f"cannot read size {text!r}; write e.g. 5GiB, 500MB or a number of bytes")
-    number, unit = float(match.group(1)), (match.group(2) or "B").lower()
-    size = int(number * _UNITS[unit])
-    if size <= 0:
-        raise UsageError(f"size {text!r} must be positive")
-    return size
-
-
 def matches(pattern: str, module: str) -> bool:
     """A module name against one --include/--exclude pattern (glob, or re: from the start)."""
     if pattern.startswith("re:"):

@@ -24,7 +24,7 @@ from qconvert.calibration.layer_hooks import Observer, attention_observer, obser
 from qconvert.models.hooks import kv_tap
 
 
-_EXPERT_WEIGHT = re.compile(r"^(|.*\.)experts\.(\d+)\.(.+)\.weight$")
+_EXPERT_WEIGHT = re.compile(r"^(|.*\.)experts\.([0-9]+)\.(.+)\.weight$")
 
 
 def expert_stacks(names) -> dict[str, list[str]]:

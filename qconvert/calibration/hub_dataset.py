@@ -15,7 +15,7 @@ from qconvert.formats.errors import HubUnavailableError, ModelNotFoundError, Usa
 # A revision may be a special ref with slashes (refs/convert/parquet, refs/pr/1), as huggingface_hub's HfFileSystem
 # reads them, or any other name without one; %2F-quoted slashes are read as slashes.
 _ADDRESS = re.compile(r"^hf://datasets/(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)"
-                      r"(?:@(?P<rev>refs/convert/\w+|refs/pr/\d+|[^/]+))?(?:/(?P<path>.*))?$")
+                      r"(?:@(?P<rev>refs/convert/\w+|refs/pr/[0-9]+|[^/]+))?(?:/(?P<path>.*))?$", re.ASCII)
 FORMS = ("hf://datasets/<owner>/<name>[@revision] (a whole dataset) or "
          "hf://datasets/<owner>/<name>[@revision]/<file.txt|file.jsonl>")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -60,9 +60,15 @@ def parse_address(address: str) -> DatasetAddress:
     match = _ADDRESS.match(address)
     revision = unquote(match["rev"]) if match and match["rev"] else None
     path = match["path"] if match and match["path"] else None
-    if match is None or ".." in (path or "").split("/") or ".." in (revision or "").split("/"):
+    if match is None or _climbs(path) or ".." in (revision or "").split("/"):
         raise UsageError(f"cannot read calibration address {address!r}; write {FORMS}")
     return DatasetAddress(match["repo"], revision, path)
+
+
+
+def _climbs(path: str | None) -> bool:
+    """Whether a file path inside a repository is absolute, climbs out, or has an empty name (a//b)."""
+    return path is not None and any(name in ("", ".", "..") or "\\" in name for name in path.split("/"))
 
 
 def is_whole_dataset(calib: str | None) -> bool:

@@ -32,7 +32,7 @@ from qconvert.formats.errors import InvalidWeightError
 INPUT, OUTPUT, ATTENTION = "input", "output", "attention"
 SAMPLE_ROWS = 512  # tokens kept per linear input for the alpha and scale searches
 
-_LAYER_INDEX = re.compile(r"\.\d+\.")
+_LAYER_INDEX = re.compile(r"\.[0-9]+\.")
 
 
 def layer_relative(name: str) -> str:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from qconvert.cli.flag_types import Output, Source, Text
 from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, check_model,
                                  cluster_options, hub_messages, is_leader, join_cluster, note_out, out_path,
                                  print_document, run_with_progress, shard_experts_choice, verbose_option)
@@ -13,10 +14,10 @@ from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_j
 
 @click.command(epilog=EXIT_CODES_EPILOG,
              short_help="Save every linear input's max|x| over calibration text to a file.")
-@click.argument("model")
-@click.option("-o", "--out", "out", required=True, callback=out_path, metavar="OUT",
+@click.argument("model", type=Source())
+@click.option("-o", "--out", "out", required=True, type=Output(), callback=out_path, metavar="OUT",
               help="The statistics file to write (safetensors).")
-@click.option("--revision", default=None, help="Hub branch, tag or commit (Hub ids only).")
+@click.option("--revision", type=Text(), default=None, help="Hub branch, tag or commit (Hub ids only).")
 @calibration_options
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT if it is a statistics file qconvert wrote; anything else is never replaced.")

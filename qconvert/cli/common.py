@@ -9,7 +9,9 @@ from pathlib import Path
 
 import click
 
+from qconvert.cli.flag_types import Text, WholeNumber
 from qconvert.formats.errors import EXIT_CODES
+from qconvert.formats.outside import shown
 
 # Every command's --help ends with the same exit-code table as docs/EXIT_CODES.md.
 EXIT_CODES_EPILOG = "\b\nExit codes:\n" + "\n".join(f"  {code:>3}  {meaning}" for code, meaning in EXIT_CODES)
@@ -105,6 +107,7 @@ def fail(message: str, exit_code: int) -> None:
     --json prints its error document on stdout first."""
     from qconvert import cluster
 
+    message = shown(message)  # names, paths and values from outside may carry escapes or line breaks
     if cluster.active():
         cluster.settle()
         cluster.note_failure(message)
@@ -124,23 +127,23 @@ def with_options(command, options):
 def calibration_options(command):
     """The calibration text flags, the same on `quantize` (w8a8) and `calibrate`."""
     return with_options(command, [
-        click.option("--calib", default=None, metavar="SOURCE",
+        click.option("--calib", type=Text(), default=None, metavar="SOURCE",
                      help="Calibration text: builtin (the default: a small English corpus shipped with "
                           "qconvert, works offline), FILE.txt, FILE.jsonl (a \"text\" field), "
                           "hf://datasets/OWNER/NAME[@REV] (a whole Hub dataset: parquet, JSON, CSV or text files, "
                           "found by split as the datasets library finds them), hf://datasets/OWNER/NAME[@REV]/FILE, "
                           "or random (random token ids)."),
-        click.option("--calib-samples", type=click.IntRange(min=1), default=None,
+        click.option("--calib-samples", type=WholeNumber(1, 10**7), default=None,
                      help="Calibration windows (default 128; fewer when the text runs out)."),
-        click.option("--calib-seqlen", type=click.IntRange(min=2), default=None,
+        click.option("--calib-seqlen", type=WholeNumber(2, 10**7), default=None,
                      help="Tokens per window (default 512, capped at the model's positions)."),
-        click.option("--calib-split", default=None, metavar="SPLIT",
+        click.option("--calib-split", type=Text(), default=None, metavar="SPLIT",
                      help="A whole Hub dataset's split to read (default train)."),
-        click.option("--calib-column", default=None, metavar="COLUMN",
+        click.option("--calib-column", type=Text(), default=None, metavar="COLUMN",
                      help="A whole Hub dataset's column to read (default: text, else messages, else "
                           "conversations). A column of conversations ([{role, content}, ...]) is written as text "
                           "with the model's own chat template."),
-        click.option("--calib-config", default=None, metavar="NAME",
+        click.option("--calib-config", type=Text(), default=None, metavar="NAME",
                      help="A whole Hub dataset's config (its README's configs; default: the default one)."),
         click.option("--shard-experts", type=click.Choice(list(SHARD_EXPERTS)), default=None,
                      help="Split each MoE layer's experts over the devices while calibrating (each device holds "
@@ -163,11 +166,11 @@ def shard_experts_choice(value: str | None) -> bool | None:
 def cluster_options(command):
     """The flags of a plain launch of several processes (launchers that set JAX's environment need none)."""
     return with_options(command, [
-        click.option("--coordinator", default=None, metavar="HOST:PORT",
+        click.option("--coordinator", type=Text(), default=None, metavar="HOST:PORT",
                      help="A run of several processes: process 0's host and a free port, the same on every process."),
-        click.option("--num-processes", type=int, default=None, metavar="N",
+        click.option("--num-processes", type=WholeNumber(1, 2**16), default=None, metavar="N",
                      help="A run of several processes: how many."),
-        click.option("--process-id", type=int, default=None, metavar="I",
+        click.option("--process-id", type=WholeNumber(0, 2**16 - 1), default=None, metavar="I",
                      help="A run of several processes: this one's index, 0..N-1 (0 writes the output)."),
         click.option("--cluster", "detect_cluster", is_flag=True,
                      help="A run of several processes launched by a TPU pod slice, SLURM, MPI or Kubernetes: "
@@ -205,8 +208,9 @@ def run_with_progress(run, silent: bool, write_bar: bool = False):
     console = Console(stderr=True)
     if silent:
         return run(SILENT, None)
-    if not console.is_terminal:
-        return run(Lines(lambda text: click.echo(f"qconvert: {text}", err=True)), None)
+    # Colour may be forced (FORCE_COLOR: rich reads it); redrawing bars is for terminals only, never a log.
+    if not _stream_is_terminal(sys.stderr):
+        return run(Lines(lambda text: click.echo(f"qconvert: {shown(text)}", err=True)), None)
     stages = RichStages(console)
     progress = RichProgress(console, stages) if write_bar else None
     try:
@@ -216,6 +220,13 @@ def run_with_progress(run, silent: bool, write_bar: bool = False):
         if progress is not None:
             progress.stop()
 
+
+
+def _stream_is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError, OSError):  # replaced or closed
+        return False
 
 
 def check_jax_platforms() -> None:

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import click
 
+from qconvert.cli.flag_types import LocalPath, Output
 from qconvert.cli.common import EXIT_CODES_EPILOG, note_out, out_path, print_document
 from qconvert.formats.errors import require_converted_folder
 
 
 @click.command(name="inspect", epilog=EXIT_CODES_EPILOG,
              short_help="Show a quantized folder: scheme, tensors, sizes, and its hash check.")
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=LocalPath())
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON on stdout.")
 def inspect_command(out: Path, as_json: bool) -> int:
     """Show a quantized folder: scheme, tensors, sizes, and whether its sha256 hashes still match.
@@ -38,7 +39,7 @@ def inspect_command(out: Path, as_json: bool) -> int:
 @click.option("--llm", is_flag=True,
               help="A small causal LM instead: a byte-level Llama trained on the built-in calibration text, "
                    "built offline once (about a minute) and reused.")
-@click.option("-o", "--out", "out", callback=out_path, metavar="DIR",
+@click.option("-o", "--out", "out", type=Output(), callback=out_path, metavar="DIR",
               help="With --llm: the folder to build it in (default: one under $XDG_CACHE_HOME/qconvert, else "
                    "~/.cache/qconvert).")
 def example_model(llm: bool, out: Path | None) -> int:

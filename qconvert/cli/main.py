@@ -19,6 +19,7 @@ from qconvert.cli.quantize import quantize
 from qconvert.cli.streams import guard_stdout
 from qconvert.cli.verify import verify_command
 from qconvert.formats.errors import QConvertError, kernel_error_exit_code
+from qconvert.formats.outside import shown
 from qconvert.schemes import NAMES as SCHEME_NAMES
 from qconvert.stages import DEBUG_VARIABLE, INTERNAL_ERROR_EXIT_CODE, internal_error_line, stage
 
@@ -57,15 +58,15 @@ def _internal_error(err: Exception, command: str | None) -> None:
 
     from qconvert import cluster
 
+    line = shown(internal_error_line(err, command or "qconvert"))
     if cluster.active():
         cluster.settle()
-        cluster.note_failure(internal_error_line(err, command or "qconvert").removeprefix("qconvert: "))
+        cluster.note_failure(line.removeprefix("qconvert: "))
 
     if os.environ.get(DEBUG_VARIABLE, "").strip() not in ("", "0"):
         import traceback
 
         traceback.print_exception(err)
-    line = internal_error_line(err, command or "qconvert")
     print_error_document(line.removeprefix("qconvert: "), INTERNAL_ERROR_EXIT_CODE)
     click.echo(line, err=True)
     sys.exit(INTERNAL_ERROR_EXIT_CODE)

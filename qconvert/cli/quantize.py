@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from qconvert.formats.outside import shown
+from qconvert.cli.flag_types import ByteSize, LocalPath, Output, RealNumber, Source, Text, WholeNumber
 from qconvert.cli.common import (EXIT_CODES_EPILOG, calibration_options, check_jax_platforms, check_model,
                                  cluster_options, hub_messages, is_leader, join_cluster, note_out, out_path,
                                  print_document, run_with_progress, shard_experts_choice, with_options)
@@ -18,12 +20,12 @@ from qconvert.schemes import NAMES as SCHEME_NAMES
 def smoothing_options(command):
     """The smoothing and activation flags of `quantize --scheme w8a8`, after its calibration flags."""
     return calibration_options(with_options(command, [
-        click.option("--alpha", default=None, metavar="ALPHA", cls=_AlphaOption),
+        click.option("--alpha", type=Text(), default=None, metavar="ALPHA", cls=_AlphaOption),
         click.option("--no-smooth", is_flag=True, default=False,
                      help="Plain W8A8 without smoothing (a baseline)."),
         click.option("--act", type=click.Choice(["dynamic", "static"]), default="dynamic",
                      show_default=True, cls=_RegistryHelp, help_from=_act_help),
-        click.option("--act-stats", type=click.Path(path_type=Path), default=None,
+        click.option("--act-stats", type=LocalPath(), default=None,
                      help="Reuse activation statistics from `qconvert calibrate` instead of calibrating."),
     ]))
 
@@ -168,31 +170,31 @@ class _SchemeChoice(click.Choice):
 def _group_size(ctx, param, value):
     if value is None or value == "channel":
         return value
-    if value.isdigit():
+    if value.strip().isascii() and value.strip().isdigit():
         return int(value)
-    raise click.BadParameter(f"{value!r} is not 32, 64, 128 or channel")
+    raise click.BadParameter(f"{shown(value)!r} is not 32, 64, 128 or channel")
 
 
 
 @click.command(epilog=EXIT_CODES_EPILOG)
-@click.argument("model")
-@click.option("-o", "--out", "out", required=True, callback=out_path, metavar="OUT",
+@click.argument("model", type=Source())
+@click.option("-o", "--out", "out", required=True, type=Output(), callback=out_path, metavar="OUT",
               help="Output folder (written beside, then renamed into place).")
 @click.option("--scheme", type=_SchemeChoice(SCHEME_NAMES), default="int8", show_default=True, cls=_SchemeOption)
-@click.option("--revision", default=None, help="Hub branch, tag or commit (Hub ids only).")
-@click.option("--include", multiple=True, metavar="PATTERN",
+@click.option("--revision", type=Text(), default=None, help="Hub branch, tag or commit (Hub ids only).")
+@click.option("--include", type=Text(), multiple=True, metavar="PATTERN",
               help="Also quantize modules matching a glob or re:REGEX (repeatable), e.g. lm_head.")
-@click.option("--exclude", multiple=True, metavar="PATTERN",
+@click.option("--exclude", type=Text(), multiple=True, metavar="PATTERN",
               help="Keep modules matching a glob or re:REGEX in float (repeatable).")
-@click.option("--max-shard-size", default="5GiB", show_default=True, help="Largest shard, e.g. 5GiB, 500MB.")
+@click.option("--max-shard-size", type=ByteSize(), default="5GiB", show_default=True, help="Largest shard, e.g. 5GiB, 500MB.")
 @click.option("--double-quant", is_flag=True, cls=_RegistryHelp, help_from=_double_quant_help)
-@click.option("--group-size", default=None, metavar="32|64|128|channel", callback=_group_size,
+@click.option("--group-size", type=Text(), default=None, metavar="32|64|128|channel", callback=_group_size,
               cls=_RegistryHelp, help_from=_group_size_help)
 @click.option("--scale-search/--no-scale-search", default=None,
               cls=_RegistryHelp, help_from=_scale_search_help)
 @click.option("--gptq/--no-gptq", default=None,
               cls=_RegistryHelp, help_from=_gptq_help)
-@click.option("--gptq-damp", type=float, default=None, metavar="FRACTION",
+@click.option("--gptq-damp", type=RealNumber(), default=None, metavar="FRACTION",
               help="GPTQ dampening: this fraction of the mean Hessian diagonal is added to it [default: 0.1].")
 @click.option("--gptq-act-order/--no-gptq-act-order", default=None,
               help="GPTQ rounds columns in order of decreasing Hessian diagonal; the scales stay fixed per group "
@@ -201,14 +203,14 @@ def _group_size(ctx, param, value):
               cls=_RegistryHelp, help_from=_awq_help)
 @click.option("--kv-cache", type=click.Choice(["none", "fp8"]), default="none", show_default=True,
               cls=_RegistryHelp, help_from=_kv_cache_help)
-@click.option("--workers", type=click.IntRange(min=1), default=None,
+@click.option("--workers", type=WholeNumber(1, 1024), default=None,
               help="Threads reading and quantizing ahead of the writer [default: one per core; at most 4 per "
                    "core]; same output bytes.")
 @click.option("--overwrite", is_flag=True,
               help="Replace OUT if it is an empty folder or one qconvert wrote (its qconvert.json lists every "
                    "file in it); anything else is never replaced.")
 @click.option("--dry-run", is_flag=True, help="List what would be quantized and the expected size; write nothing.")
-@click.option("--upload-repo", default=None, metavar="OWNER/NAME",
+@click.option("--upload-repo", type=Text(), default=None, metavar="OWNER/NAME",
               help="Once OUT is written, upload it (every file, the model card included) to this Hugging Face Hub "
                    "model repository in one commit, creating it if missing. Needs a token (HF_TOKEN or `hf auth "
                    "login`), checked before converting; a failed upload leaves OUT written and says how to retry.")
@@ -262,12 +264,11 @@ def quantize(model: str, out: Path, upload_repo: str | None, public: bool, quiet
 def _convert_options(flags: dict, upload_repo: str | None):
     """The ConvertOptions of the command's flags (validated there)."""
     from qconvert.options import ConvertOptions
-    from qconvert.plan import parse_size
 
     kv_cache = flags["kv_cache"]
     return ConvertOptions(
         scheme=flags["scheme"], revision=flags["revision"], include=flags["include"], exclude=flags["exclude"],
-        max_shard_size=parse_size(flags["max_shard_size"]), double_quant=flags["double_quant"],
+        max_shard_size=flags["max_shard_size"], double_quant=flags["double_quant"],
         group_size=flags["group_size"], scale_search=flags["scale_search"], overwrite=flags["overwrite"],
         dry_run=flags["dry_run"], act=flags["act"], any_architecture=flags["any_architecture"],
         workers=flags["workers"], calibration=_calibration_options_from(flags["scheme"], flags),

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from qconvert.cli.flag_types import LocalPath, RealNumber, Source, Text, WholeNumber
 from qconvert.cli.common import (BACKEND_CHOICE, EXIT_CODES_EPILOG, check_jax_platforms, cluster_options,
                                  hub_messages, is_leader, join_cluster, note_out, record_failures,
                                  run_with_progress, verbose_option)
@@ -15,17 +16,17 @@ from qconvert.formats.errors import UsageError, require_converted_folder
 
 @click.command(name="verify", epilog=EXIT_CODES_EPILOG,
              short_help="Prove a converted folder: integrity, each quantized linear, the whole model.")
-@click.argument("out", type=click.Path(path_type=Path))
-@click.option("--reference", default=None, metavar="MODEL",
+@click.argument("out", type=LocalPath())
+@click.option("--reference", type=Source(), default=None, metavar="MODEL",
               help="Float model to compare against (folder or Hub id); default: the source in qconvert.json.")
-@click.option("--revision", default=None, help="Hub branch, tag or commit of --reference.")
-@click.option("--calib", default="auto", show_default=True, metavar="SOURCE",
+@click.option("--revision", type=Text(), default=None, help="Hub branch, tag or commit of --reference.")
+@click.option("--calib", type=Text(), default="auto", show_default=True, metavar="SOURCE",
               help="Evaluation text: held-out | builtin | random | FILE.txt | FILE.jsonl | hf://datasets/...; "
                    "auto = text calibration did not read: qconvert's held-out prose, or random ids from "
                    "another seed after random calibration or when the reference has no tokenizer. Text "
                    "that shares a run of 16 tokens with the calibration text is refused.")
-@click.option("--samples", type=click.IntRange(min=1), default=None, help="Evaluation sequences (default 8; 2 with --quick).")
-@click.option("--seqlen", type=click.IntRange(min=2), default=None, help="Tokens per sequence (default 64; 32 with --quick).")
+@click.option("--samples", type=WholeNumber(1, 10**6), default=None, help="Evaluation sequences (default 8; 2 with --quick).")
+@click.option("--seqlen", type=WholeNumber(2, 10**7), default=None, help="Tokens per sequence (default 64; 32 with --quick).")
 @click.option("--quick", is_flag=True, help="A small evaluation sample: a fast smoke check.")
 @click.option("--backend", type=BACKEND_CHOICE, default="auto", show_default=True,
               help="Kernel backend; auto: tpu or gpu kernels, xla on a CPU host; cpu runs the TPU kernels in "
@@ -33,21 +34,21 @@ from qconvert.formats.errors import UsageError, require_converted_folder
 @click.option("--json", "as_json", is_flag=True,
               help="Print the full record as JSON on stdout (also when a check fails or the input is bad); the "
                    "table then goes to stderr.")
-@click.option("--json-file", "json_file", type=click.Path(path_type=Path), default=None, metavar="FILE",
+@click.option("--json-file", "json_file", type=LocalPath(), default=None, metavar="FILE",
               help="Also write the full record as JSON to FILE.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress and no table: the verdict line only.")
 @click.option("--update-card", is_flag=True,
               help="Write the verdict and figures into OUT/README.md (the model card) and its sha256 into "
                    "qconvert.json; not when integrity fails.")
 @click.option("--strict", is_flag=True, help="Also fail when a layer fell back from the Pallas kernel to the reference.")
-@click.option("--min-sqnr", type=float, default=None, metavar="DB", help="Per-layer SQNR floor (dB).")
-@click.option("--min-cosine", type=float, default=None, help="Per-layer cosine similarity floor.")
-@click.option("--min-fidelity-sqnr", type=float, default=None, metavar="DB",
+@click.option("--min-sqnr", type=RealNumber(), default=None, metavar="DB", help="Per-layer SQNR floor (dB).")
+@click.option("--min-cosine", type=RealNumber(-1.0, 1.0), default=None, help="Per-layer cosine similarity floor.")
+@click.option("--min-fidelity-sqnr", type=RealNumber(), default=None, metavar="DB",
               help="Per-layer floor (dB) of the kernel against the folder's own dequantized weights.")
-@click.option("--max-kl", type=float, default=None, help="Whole-model mean next-token KL ceiling (nats).")
-@click.option("--min-top1", type=float, default=None, help="Whole-model top-1 agreement floor (0..1).")
-@click.option("--max-ppl-ratio", type=float, default=None, help="Quantized/float perplexity ceiling.")
-@click.option("--min-pooled-cosine", type=float, default=None,
+@click.option("--max-kl", type=RealNumber(0.0), default=None, help="Whole-model mean next-token KL ceiling (nats).")
+@click.option("--min-top1", type=RealNumber(0.0, 1.0), default=None, help="Whole-model top-1 agreement floor (0..1).")
+@click.option("--max-ppl-ratio", type=RealNumber(0.0), default=None, help="Quantized/float perplexity ceiling.")
+@click.option("--min-pooled-cosine", type=RealNumber(-1.0, 1.0), default=None,
               help="Encoders: floor of the mean pooled-output cosine over the sequences.")
 @verbose_option
 @cluster_options

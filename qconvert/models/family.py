@@ -61,8 +61,8 @@ EXPERT = "{expert}"  # in a per-layer module path: each expert's number
 
 def layer_linear_pattern(stack: str, modules: Iterable[str]) -> re.Pattern:
     """Match `<stack>.<N>.<module>` (after any prefix) for each per-layer module path in `modules`."""
-    alternatives = "|".join(re.escape(m).replace(re.escape(EXPERT), r"\d+") for m in modules)
-    return re.compile(rf"(^|\.){re.escape(stack)}\.\d+\.({alternatives})$")
+    alternatives = "|".join(re.escape(m).replace(re.escape(EXPERT), r"[0-9]+") for m in modules)
+    return re.compile(rf"(^|\.){re.escape(stack)}\.[0-9]+\.({alternatives})$")
 
 
 class FamilyFacts(Protocol):

@@ -30,7 +30,7 @@ EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "mo
 # GPT-OSS `router`, GraniteMoE `router.layer`, Qwen2-MoE's one-output `shared_expert_gate`).
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate", "gating", "moe_gate")
 CONV1D_NAMES = ("c_attn", "c_proj", "c_fc", "q_attn")
-_EXPERT = re.compile(r"(?:^|\.)experts\.\d+\.")
+_EXPERT = re.compile(r"(?:^|\.)experts\.[0-9]+\.")
 # The module a tied output head is loaded as, where it is not `lm_head` (transformers' model classes).
 HEAD_NAMES = {"biogpt": "output_projection", "gpt_neox_japanese": "embed_out", "git": "output", "rwkv": "head",
               "modernbert-decoder": "decoder"}

@@ -22,7 +22,7 @@ from qconvert.models.registry import family_for
 
 FAMILY = "weight-only"
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-_NUMBERED = re.compile(r"^((?:[^.]+\.)*?[^.\d][^.]*)\.(\d+)\.(.+)\.weight$")
+_NUMBERED = re.compile(r"^((?:[^.]+\.)*?[^.0-9][^.]*)\.([0-9]+)\.(.+)\.weight$")
 
 
 def architecture_name(config: Mapping[str, Any]) -> str:
@@ -119,7 +119,7 @@ class WeightOnlyFamily:
     @property
     def linear_pattern(self) -> re.Pattern:
         modules = "|".join(re.escape(m) for m in self.selection.modules)
-        return re.compile(rf"^{re.escape(self.selection.layer_prefix)}\.\d+\.(?:{modules})$")
+        return re.compile(rf"^{re.escape(self.selection.layer_prefix)}\.[0-9]+\.(?:{modules})$")
 
     def linear_names(self, tensor_names) -> list[str]:
         """Module names (sorted) of the selected linears among a checkpoint's tensor names."""

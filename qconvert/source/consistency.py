@@ -20,7 +20,7 @@ _CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_
 _DIMENSION_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
                    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "type_vocab_size",
                    "num_experts_per_tok")
-_NUMBERED = re.compile(r"(?:^|\.)(\d+)\.")
+_NUMBERED = re.compile(r"(?:^|\.)([0-9]+)\.")
 
 
 def _bounded(config: dict[str, Any], bounds: dict[str, tuple[int, str]]) -> None:
