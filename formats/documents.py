@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from qconvert.formats import outside
+
 # 2: one envelope for every command (verify's record was version 1 alone, with "folder" where it has "out").
 FORMAT_VERSION = 2
 
@@ -32,4 +34,4 @@ def error_document(command: str, version: str, message: str, exit_code: int, out
 
 def dumps(document: dict[str, Any]) -> str:
     """The document as printed: indented, keys in a fixed order (the envelope first)."""
-    return json.dumps(document, indent=2)
+    return json.dumps(outside.finite_json(document), indent=2, allow_nan=False)

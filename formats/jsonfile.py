@@ -82,7 +82,7 @@ def read_config(folder, *, missing: str | None = "a Hugging Face checkpoint fold
 
 def json_bytes(data: Any) -> bytes:
     """The bytes qconvert writes for a JSON file: 2-space indent, UTF-8 as is, a newline at the end."""
-    return (json.dumps(data, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    return (json.dumps(outside.finite_json(data), indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
 
 
 def write_json(path: Path, data: Any) -> str:

@@ -167,3 +167,15 @@ def json_constant(name: str):
     """json.loads' `parse_constant`: NaN, Infinity and -Infinity are no JSON, and no config value qconvert keeps
     may be one."""
     raise OutsideValueError(f"holds {name}, which is not a JSON number")
+
+
+def finite_json(value):
+    """`value` with every NaN or infinite float replaced by None, so that the JSON qconvert writes is JSON (a
+    figure that could not be computed is null, never a bare NaN a strict parser refuses)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(item) for item in value]
+    return value

@@ -99,3 +99,13 @@ def test_json_files_refuse_non_finite_numbers(tmp_path, constant):
         read_json_object(path)
     assert err.value.kind == INVALID and constant in str(err.value)
     assert json.loads(path.read_text())  # Python's own json takes it: the refusal is qconvert's
+
+
+def test_documents_and_json_files_write_null_for_figures_that_are_not_finite():
+    from qconvert.formats.documents import dumps
+    from qconvert.formats.jsonfile import json_bytes
+
+    document = {"kl": math.nan, "ppl": [1.5, math.inf], "nested": {"x": -math.inf, "n": 3}}
+    for text in (dumps(document), json_bytes(document).decode()):
+        parsed = json.loads(text, parse_constant=outside.json_constant)  # a strict reader takes it
+        assert parsed == {"kl": None, "ppl": [1.5, None], "nested": {"x": None, "n": 3}}
