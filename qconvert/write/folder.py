@@ -16,7 +16,7 @@ from qconvert.formats.errors import OutputExistsError, OutputWriteError, UsageEr
 from qconvert.formats.record import RECORD_NAME
 from qconvert.formats.safetensors_writer import sha256_file
 from qconvert.write.temporaries import (
-    TEMPORARY_MARKER, TEMPORARY_NAME_EXTRA, discard, fresh_temporary, make_temporary, release,
+    TEMPORARY_MARKER, discard, fresh_temporary, make_temporary, release,
 )
 
 
@@ -46,8 +46,8 @@ def check_output_location(out: Path, source: Path | None = None) -> None:
 
 
 def _check_name_length(out: Path, target: Path) -> None:
-    """UsageError when OUT's name, or the temporary name it is staged under, is longer than its file system
-    takes (it would fail only once the work is done)."""
+    """UsageError when OUT's name is longer than its file system takes (it would fail only once the work is
+    done); the temporary names it is staged under are bounded to fit (temporaries.temporary_stem)."""
     folder = target.parent
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
@@ -56,10 +56,9 @@ def _check_name_length(out: Path, target: Path) -> None:
     except (OSError, ValueError, AttributeError):
         name_max = 255
     length = len(os.fsencode(target.name))
-    if length + TEMPORARY_NAME_EXTRA > name_max:
-        raise UsageError(f"-o {out}: its name is {length} bytes, and qconvert writes it first under a name "
-                         f"{TEMPORARY_NAME_EXTRA} bytes longer, beyond the {name_max} this file system takes; choose "
-                         f"a name of at most {name_max - TEMPORARY_NAME_EXTRA} bytes")
+    if length > name_max:
+        raise UsageError(f"-o {out}: its name is {length} bytes, beyond the {name_max} this file system takes; "
+                         f"choose a name of at most {name_max} bytes")
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -132,21 +132,25 @@ def _dead_pid() -> int:
 
 
 def test_stale_temporaries_are_removed_by_name_and_marker_and_nothing_else(workdir, tmp_path):
+    import json
+
     from qconvert.write.folder import TEMPORARY_MARKER
+    from qconvert.write.temporaries import owner_record
 
     parent = tmp_path / "parent"
     parent.mkdir()
-    dead = str(_dead_pid())
+    dead = json.dumps({**owner_record(), "pid": _dead_pid(), "start_time": None})
+    live = json.dumps(owner_record(os.getppid()))
     stale = {".out.k3j2h1.partial": dead, ".out.a8b7c6.old": dead}
     kept = {".out.nomark.partial": None,                # our name, no marker: not ours to remove
             ".other.x1y2z3.partial": dead,              # another OUT's temporary
-            ".out.live12.partial": str(os.getppid()),   # a process that still runs
+            ".out.live12.partial": live,                # a process that still runs
             "out.backup": dead}                          # not our name
     for name, pid in {**stale, **kept}.items():
         (parent / name).mkdir()
         (parent / name / "data.bin").write_bytes(b"x" * 10)
         if pid is not None:
-            (parent / name / TEMPORARY_MARKER).write_text(pid + "\n")
+            (parent / name / TEMPORARY_MARKER).write_text(pid)
     before = tree(parent)
     done = subprocess.run([QCONVERT, "quantize", str(workdir / "src"), "-o", str(parent / "out"), "-q"],
                           capture_output=True, text=True)
