@@ -101,6 +101,7 @@ def convert(model: str, out, options: ConvertOptions, *, progress: Progress | No
     """
     started = time.perf_counter()
     out = Path(out)
+    agree_run(options, out)  # before anything a process decides alone (a dry run, OUT, the source)
     resolved = _resolve(model, out, options)
     try:
         with stage("planning"):
@@ -174,7 +175,7 @@ def _calibrate(source: SourceModel, plan: ConversionPlan, options: ConvertOption
     gptq = _sequential_gptq(source, plan, options, out, scratch)
     adjustments, phases = Adjustments(), []
     # A dry run calibrates only to show static input scales; otherwise the steps chosen decide.
-    agree_run(source, options, plan)  # before anything a process decides alone
+    agree_source(source)  # of several processes, every one reads what process 0 reads
     steps = [] if options.dry_run and (not options.static_act or plan.refusal) else choose_steps(
         source, options, plan.quantized_modules, gptq, plan.flags)
     if steps:
@@ -283,19 +284,14 @@ def agree_source(source: SourceModel) -> None:
         cluster.agree_source(hash_in_background(folder, input_files(folder, source.checkpoint))())
 
 
-def agree_run(source: SourceModel, options: ConvertOptions, plan: ConversionPlan) -> None:
-    """In a run of several processes, before choosing the steps: the same settings (exit 2 when a process was started
-    with others: its collectives would not match) and the same source files (exit 6) on every process."""
-    if not cluster.active():
-        return
-    calib = options.calibration
-    cluster.agree_settings({  # the flags a process decides by alone first, so a refusal names them
-        "--kv-cache": options.kv_cache, "--dry-run": options.dry_run, "--scheme": options.scheme,
-        "flags": options.recorded_flags(plan.flags), "--gptq": options.uses_gptq,
-        "--gptq-damp": options.gptq_damp, "--gptq-act-order": options.gptq_act_order, "--awq": options.uses_awq,
-        "--calib-samples": calib.calib_samples if calib else None, "--calib-seqlen": calib.calib_seqlen if calib else None,
-        "--alpha": calib.alpha if calib else None, "--no-smooth": (not calib.smooth) if calib else None})
-    agree_source(source)
+def agree_run(options: ConvertOptions, out: Path) -> None:
+    """In a run of several processes, before anything else: the same conversion on every process, every field
+    of the options object and OUT (exit 2 naming the first that differs: the processes' collectives would not
+    match). The CLI's join compared the command's flags already; this holds for any caller of convert()."""
+    if cluster.active():
+        from qconvert.cluster.settings import options_settings
+
+        cluster.agree_settings(options_settings(options, out), "conversion")
 
 
 def check_output_target(model: str, out: Path, overwrite: bool) -> None:

@@ -67,6 +67,7 @@ class _State:
         self.temporaries: set[Path] = set()
         self.exiting = False
         self.lock = threading.Lock()
+        self.last_words: list = []  # (message, code) -> None, before a thread ends the process
 
 
 _state = _State()
@@ -111,8 +112,46 @@ def install() -> None:
     sys.unraisablehook = _unraisable_hook(sys.unraisablehook)
     _state.installed = True
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    reinstall()
+
+
+def reinstall() -> None:
+    """Put qconvert's handlers back (main thread, after install()): a library that took a signal for itself
+    (jax.distributed's preemption notifier takes SIGTERM) no longer decides what it does."""
+    if threading.current_thread() is not threading.main_thread() or not _state.installed:
+        return
     for sig in SIGNALS:
         signal.signal(sig, _handle)
+
+
+def add_last_words(say) -> None:
+    """`say(message, exit_code)` runs before a thread ends the process (the watchdog after a signal, a run's
+    watch): the JSON document of a command given --json, the other processes of a run told. Each runs once,
+    in the order added; what one raises is dropped."""
+    with _state.lock:
+        _state.last_words.append(say)
+
+
+def say_last_words(message: str, code: int) -> None:
+    """Run the last words (see add_last_words), once."""
+    with _state.lock:
+        words, _state.last_words = _state.last_words, []
+    for say in words:
+        with contextlib.suppress(Exception):
+            say(message, code)
+
+
+def error_line(message: str) -> None:
+    """The one `qconvert: error:` line, written by a thread that ends the process (to the stderr Python writes
+    to, which native code's descriptor 2 may no longer be)."""
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, ValueError, OSError):
+        fd = 2
+    with contextlib.suppress(OSError):
+        os.write(fd, f"qconvert: error: {message}\n".encode(errors="backslashreplace"))
 
 
 def _unraisable_hook(previous):
@@ -147,7 +186,8 @@ def _watchdog(read_fd: int) -> None:
             os._exit(128 + signum)
         remove_temporaries()
         try:
-            os.write(2, f"qconvert: error: {Interrupted(signum).message}\n".encode())
+            say_last_words(Interrupted(signum).message, 128 + signum)
+            error_line(Interrupted(signum).message)
         finally:
             os._exit(128 + signum)
 

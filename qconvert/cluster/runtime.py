@@ -1,4 +1,5 @@
-"""Joining a run of several processes: from flags (--coordinator, --num-processes, --process-id) or from the
+"""A run of several processes: how a process was asked to join it, its place and state, and how it leaves.
+Joining it: from flags (--coordinator, --num-processes, --process-id) or from the
 launcher's environment (srun, mpirun, JAX_COORDINATOR_ADDRESS), or as jax.distributed detects it (--cluster: TPU pod
 slices, Kubernetes too).
 
@@ -10,15 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 
-from qconvert.formats.errors import ClusterError, UsageError
-
-# Seconds the processes wait for one another to join (jax.distributed's initialization_timeout).
-JOIN_TIMEOUT_S = 120
-# jax.distributed's own heartbeat timeout: on a miss it ends the process from C++ with no cleanup, so it is set
-# well past the run's own watch (qconvert.cluster.watch.PEER_TIMEOUT_S), which acts first and cleans up.
-HEARTBEAT_TIMEOUT_S = 600
+from qconvert.formats.errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +35,8 @@ class _State:
         self.index = 0
         self.count = 1
         self.watch = None
+        self.held = None  # process 0: the coordinator's port, held for the run
+        self.failure_line = ""
 
 
 _state = _State()
@@ -70,25 +66,12 @@ def watch():
 
 
 def launched_by_cluster(environ=os.environ) -> str | None:
-    """The launcher whose environment says this is one of several processes, or None.
+    """The launcher whose environment says this is one of several processes, or None (qconvert.cluster.launchers:
+    a task of an srun step, not the shell of an allocation; a rank of an mpirun of several; a TPU pod slice
+    asks for --cluster)."""
+    from qconvert.cluster.launchers import launched_by
 
-    Only launchers that start several processes count, seen from inside one of them: a SLURM task of an `srun`
-    of several (not a shell of the allocation), a rank of an `mpirun` of several. A Cloud TPU VM's shell looks
-    the same whether one process or every worker runs, so a pod slice asks for `--cluster`.
-    """
-    def count(name: str) -> int:
-        try:
-            return int(environ.get(name, "1") or 1)
-        except ValueError:
-            return 1
-
-    if environ.get("JAX_COORDINATOR_ADDRESS", "").strip():
-        return "JAX_COORDINATOR_ADDRESS"
-    if environ.get("SLURM_JOB_ID") and environ.get("SLURM_PROCID") is not None and count("SLURM_NTASKS") > 1:
-        return "SLURM"
-    if count("OMPI_COMM_WORLD_SIZE") > 1:
-        return "Open MPI"
-    return None
+    return launched_by(environ)
 
 
 def check_launch(launch: Launch) -> None:
@@ -111,51 +94,6 @@ def check_launch(launch: Launch) -> None:
     if launch.process_id is not None and launch.num_processes is not None and not (
             0 <= launch.process_id < launch.num_processes):
         raise UsageError(f"--process-id {launch.process_id} is not in 0..{launch.num_processes - 1}")
-
-
-def start(launch: Launch, before_joining=None) -> None:
-    """Join the run's other processes (call before JAX starts a backend); one process: nothing happens.
-
-    `before_joining()` runs first when there is a run to join (the CLI keeps native chatter off stdout)."""
-    check_launch(launch)
-    if launch.flagged:
-        if launch.num_processes == 1:
-            return
-        where = launch.coordinator
-    elif launch.detect:
-        where = launched_by_cluster() or "the environment, as JAX detects it"
-    else:
-        where = launched_by_cluster()
-        if where is None:
-            return
-    if before_joining is not None:
-        before_joining()
-    import jax
-
-    from qconvert.cluster.watch import Watch
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes reduce over gloo
-    try:
-        jax.distributed.initialize(launch.coordinator, launch.num_processes, launch.process_id,
-                                   initialization_timeout=JOIN_TIMEOUT_S,
-                                   heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
-    except Exception as err:  # noqa: BLE001 - jax raises RuntimeError, ValueError or its own XlaRuntimeError
-        text = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ClusterError(f"cannot join the run's processes ({where}): {text}") from None
-    _state.index, _state.count = jax.process_index(), jax.process_count()
-    if _state.count == 1:
-        return
-    _state.active = True
-    _state.watch = Watch.join(_state.index, _state.count, _coordinator_host(launch))
-
-
-def _coordinator_host(launch: Launch) -> str:
-    """The host the other processes reach process 0 at: the coordinator's."""
-    from jax._src import distributed
-
-    address = launch.coordinator or distributed.global_state.coordinator_address or "127.0.0.1:0"
-    host = address.rpartition(":")[0].strip("[]")
-    return host or "127.0.0.1"
 
 
 # Seconds a failing process gives the watch to hear of another's failure first (a collective failed here
@@ -189,8 +127,17 @@ def leave(code: int) -> None:
 
     from qconvert.cluster.watch import failure_text
 
-    decided = _state.watch.finish(code, getattr(_state, "failure_line", "") if code else "")
+    try:
+        decided = _state.watch.finish(code, _state.failure_line if code else "")
+    except (KeyboardInterrupt, interrupts.Interrupted) as err:
+        # A signal while waiting for the others: this process's outcome is already printed (its document
+        # too); the others hear of the signal, and this process leaves with its code and its one line.
+        signal_code, line = interrupts.exit_code_for(err), interrupts.message_for(err)
+        _state.watch.tell(line, signal_code)
+        if interrupts.claim_exit():
+            interrupts.error_line(line)
+        interrupts.flush_and_exit(signal_code)
     final, process, _ = decided
     if final != 0 and process != _state.index and (code == 0 or code != final):
-        sys.stderr.write(f"qconvert: error: {failure_text(decided)}\n")
+        interrupts.error_line(failure_text(decided))
     interrupts.flush_and_exit(final)

@@ -1,8 +1,8 @@
 """The run's watch: every process knows within a bounded time when another has failed or vanished, and all end
 with one exit code.
 
-Process 0 listens on a TCP port (published through jax.distributed's key-value store); every other process
-keeps one connection to it. Each side pings every PING_S seconds. A process that ends (success or failure)
+Every other process keeps the connection to process 0 that joined it to the run
+(qconvert.cluster.rendezvous). Each side pings every PING_S seconds. A process that ends (success or failure)
 says `done` with its exit code and its line, then waits for process 0's `end`: the run's exit code, that of the
 first process (in process order) that failed, or 0. A connection that closes without `done` (a process killed,
 out of memory, its host gone) or stays silent for PEER_TIMEOUT_S, and a `done` with a failure while the others
@@ -14,7 +14,6 @@ watch's thread; jax.distributed's own, later, heartbeat timeout never has to.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 import time
@@ -25,7 +24,6 @@ from qconvert.formats.errors import ClusterError
 PING_S = 5.0
 PEER_TIMEOUT_S = 60.0   # a process silent this long is taken as gone
 FAREWELL_S = 5.0        # how long process 0 waits for the others to leave after `end`
-_KEY = "qconvert/watch"
 
 
 class Watch:
@@ -44,39 +42,33 @@ class Watch:
     # -- joining ---------------------------------------------------------------------------------------------
 
     @classmethod
-    def join(cls, index: int, count: int, host: str) -> "Watch":
-        from jax._src import distributed
-
-        client = distributed.global_state.client
-        watch = cls(index, count)
-        if index == 0:
-            server = socket.create_server(("", 0), family=socket.AF_INET)
-            client.key_value_set(_KEY, f"{host}:{server.getsockname()[1]}")
-            server.settimeout(PEER_TIMEOUT_S)
-            try:
-                while len(watch.peers) < count - 1:
-                    conn, _ = server.accept()
-                    conn.settimeout(PEER_TIMEOUT_S)
-                    hello = _read_line(conn.makefile("rb"))
-                    watch.peers[int(hello["process"])] = conn
-            except (OSError, ValueError, KeyError, TypeError) as err:
-                raise ClusterError(f"the run's processes did not all report to process 0 ({err})") from None
-            finally:
-                server.close()
-        else:
-            address = client.blocking_key_value_get(_KEY, int(PEER_TIMEOUT_S * 1000))
-            peer_host, _, port = address.rpartition(":")
-            try:
-                conn = socket.create_connection((peer_host, int(port)), timeout=PEER_TIMEOUT_S)
-                conn.sendall(json.dumps({"kind": "hello", "process": index}).encode() + b"\n")
-            except OSError as err:
-                raise ClusterError(f"cannot reach process 0 at {address}: {err.strerror or err}") from None
-            watch.peers[0] = conn
+    def start(cls, joined) -> "Watch":
+        """The watch over the connections the join left open (qconvert.cluster.rendezvous.Joined), its threads
+        started: from now on a process that vanishes, even inside jax.distributed's start, ends the run."""
+        watch = cls(joined.index, joined.count)
+        watch.peers = dict(joined.peers)
         for peer, conn in watch.peers.items():
+            conn.settimeout(PEER_TIMEOUT_S)
             threading.Thread(target=watch._listen, args=(peer, conn), daemon=True,
                              name=f"qconvert-watch-{peer}").start()
         threading.Thread(target=watch._ping, daemon=True, name="qconvert-watch-ping").start()
         return watch
+
+    def tell(self, line: str, code: int) -> None:
+        """This process is being ended from a thread (a signal's watchdog) with `code`: the others hear it as
+        this process's failure (process 0 ends the run with it) instead of a connection gone without a word."""
+        with self.lock:
+            if self.final is not None:
+                return
+        if self.index == 0:
+            with self.lock:
+                self.final = (code, 0, line)
+            self._broadcast_end()
+        else:
+            try:
+                self._send(self.peers[0], {"kind": "done", "code": code, "line": line})
+            except OSError:
+                pass
 
     # -- the threads -----------------------------------------------------------------------------------------
 
@@ -132,7 +124,7 @@ class Watch:
         if self.index == 0:
             self._broadcast_end()
         if not finishing:
-            _abort(final, self.index)
+            end_from_thread(final)
 
     def _broadcast_end(self) -> None:
         code, process, line = self.final
@@ -205,13 +197,14 @@ def failure_text(final: tuple[int, int, str]) -> str:
     return line if line.startswith(f"process {process} ") else f"process {process} failed: {line}"
 
 
-def _abort(final: tuple[int, int, str], index: int) -> None:
+def end_from_thread(final: tuple[int, int, str]) -> None:
     """End this process from the watch's thread: temporaries removed, one line, the run's exit code."""
     if not interrupts.claim_exit():
         return  # a signal's exit is under way
     interrupts.remove_temporaries()
     try:
-        os.write(2, f"qconvert: error: {failure_text(final)}\n".encode(errors="backslashreplace"))
+        interrupts.say_last_words(failure_text(final), final[0])  # the --json document
+        interrupts.error_line(failure_text(final))
     finally:
         interrupts.flush_and_exit(final[0])
 
