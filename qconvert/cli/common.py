@@ -183,11 +183,11 @@ def join_cluster(flags: dict) -> None:
     """Join the run's other processes where launched as several (before JAX starts): from the flags, or from the
     launcher's environment (a TPU pod slice, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS). One process: nothing."""
     from qconvert import cluster
-    from qconvert.cli.streams import native_stdout_silenced
+    from qconvert.cli.streams import native_output_silenced
 
     cluster.start(cluster.Launch(flags.pop("coordinator", None), flags.pop("num_processes", None),
                                  flags.pop("process_id", None), flags.pop("detect_cluster", False)),
-                  before_joining=native_stdout_silenced)
+                  before_joining=native_output_silenced, report=print_error_document)
 
 
 def is_leader() -> bool:

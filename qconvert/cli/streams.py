@@ -68,19 +68,37 @@ def native_stdout_silenced() -> None:
     A run of several processes starts gloo (JAX's CPU collectives), whose C++ prints its connection lines with
     std::cout, into the JSON or the summary a pipeline reads. Python's own output goes on to where stdout went.
     """
+    _silence_native(1, "stdout")
+
+
+def native_output_silenced() -> None:
+    """Descriptors 1 and 2 both pointed at the null device for native code, Python's stdout and stderr keeping
+    where they went: gloo's connection lines (std::cout) and gRPC's, absl's and XLA's log lines (stderr: a
+    taken port's `add_port.cc` line, a peer's heartbeat) never reach the reader. qconvert's own lines, the
+    watchdog's included, are written through Python's streams."""
+    _silence_native(1, "stdout")
+    _silence_native(2, "stderr")
+
+
+def _silence_native(fd: int, name: str) -> None:
+    """Descriptor `fd` pointed at the null device; Python's sys.<name> writes on to a copy of where it went."""
     with contextlib.suppress(AttributeError, ValueError, OSError):
-        sys.stdout.flush()
-        guarded = isinstance(sys.stdout, ReaderGuardedStdout)
-        inner = sys.stdout._stream if guarded else sys.stdout
-        kept = os.dup(inner.fileno())
+        current = getattr(sys, name)
+        current.flush()
+        guarded = isinstance(current, ReaderGuardedStdout)
+        inner = current._stream if guarded else current
+        if inner.fileno() != fd:
+            return  # already moved off the descriptor
+        kept = os.dup(fd)
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
+        os.dup2(devnull, fd)
         os.close(devnull)
         import io
 
         stream = io.TextIOWrapper(io.FileIO(kept, "w", closefd=True), encoding=inner.encoding,
-                                  errors="backslashreplace", line_buffering=inner.line_buffering)
+                                  errors="backslashreplace", line_buffering=inner.line_buffering,
+                                  write_through=fd == 2)
         if guarded:
-            sys.stdout._stream = stream
+            current._stream = stream
         else:
-            sys.stdout = stream
+            setattr(sys, name, stream)
