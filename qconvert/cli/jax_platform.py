@@ -20,6 +20,7 @@ def check_jax_platforms() -> None:
     without its plugin) at the first device use, deep inside a conversion;
     checked here, the line names the setting and what to do.
     """
+    check_jax_environment()
     check_xla_flags()
     requested = os.environ.get("JAX_PLATFORMS", "").strip()
     if not requested:
@@ -31,6 +32,24 @@ def check_jax_platforms() -> None:
     except (RuntimeError, AssertionError):
         raise UsageError(f"JAX_PLATFORMS={requested} names a platform JAX cannot start on this host; unset "
                          "JAX_PLATFORMS to let JAX choose, or set JAX_PLATFORMS=cpu") from None
+
+
+def check_jax_environment() -> None:
+    """UsageError when JAX refuses one of its JAX_* variables: it reads them as it is imported, and a value it
+    cannot parse (JAX_ENABLE_X64=maybe, JAX_NUM_CPU_DEVICES=abc) raises from inside that import."""
+    if "jax" in sys.modules:
+        return
+    try:
+        import jax  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - JAX raises ValueError, but any failure here is its environment's
+        from qconvert.formats.outside import shown
+
+        sys.modules.pop("jax", None)
+        read = ", ".join(f"{name}={shown(value)!r}" for name, value in sorted(os.environ.items())
+                         if name.startswith(("JAX_", "XLA_")) and name != "XLA_FLAGS") or "none set"
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UsageError(f"JAX cannot start with this environment ({shown(first)}); its variables: {read}; fix "
+                         "or unset the one it names") from None
 
 
 def check_xla_flags() -> None:

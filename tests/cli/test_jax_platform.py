@@ -1,6 +1,7 @@
 """An XLA_FLAGS that XLA refuses is one line and exit 2 before anything is written (XLA itself would abort the
 process from C++ once a run had begun, leaving its temporary folder behind)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from checkpoints import make_llama_checkpoint
+from cli_helpers import tree
 
 QCONVERT = str(Path(sys.executable).parent / "qconvert")
 
@@ -36,3 +38,15 @@ def test_a_flag_xla_knows_passes_the_check(model, tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "qconvert.json").is_file()
+
+
+@pytest.mark.parametrize("variable, value", [("JAX_ENABLE_X64", "maybe"), ("JAX_NUM_CPU_DEVICES", "²")])
+def test_a_jax_variable_jax_refuses_is_exit_2_naming_it(model, tmp_path, variable, value):
+    before = tree(tmp_path)
+    done = subprocess.run([QCONVERT, "quantize", str(model), "-o", str(tmp_path / "out"), "--json"],
+                          env=dict(os.environ, **{variable: value}), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2
+    assert done.stderr.startswith("qconvert: error: JAX cannot start with this environment") and \
+        done.stderr.count("\n") == 1 and f"{variable}={value!r}" in done.stderr
+    assert json.loads(done.stdout)["exit_code"] == 2
+    assert tree(tmp_path) == before
