@@ -200,23 +200,6 @@ def checkpoint_shapes(model, params) -> ModelShapes:
                           lambda name: np.asarray(params[name]).dtype.itemsize)
 
 
-def host_available_bytes() -> int | None:
-    """The memory this machine has free for a new allocation (MemAvailable), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import os
-
-        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
 def check_fits(shapes: ModelShapes, samples: int, seqlen: int, device_limit: int | None, *, hessians: bool = False,
                sequential: bool = False, what: str = "calibrating", flags: str = "--calib-samples or a shorter "
                "--calib-seqlen", devices: int = 1, experts_split: bool = False) -> None:
@@ -231,11 +214,18 @@ def check_fits(shapes: ModelShapes, samples: int, seqlen: int, device_limit: int
         have, bytes_needed, where = device_limit, need.device_bytes, "on each device"
         if _splits(shapes, experts_split, devices):
             where += f" with the experts split over {devices} devices"
+        source = ""
     else:
-        have, bytes_needed, where = host_available_bytes(), need.total_on_cpu(), "of this machine's memory"
+        from qconvert.calibration.memory_limits import available
+
+        headroom, bytes_needed = available(), need.total_on_cpu()
+        have = None if headroom is None else headroom.bytes
+        machine = headroom is not None and headroom.source == "this machine's available memory"
+        where = "of this machine's memory" if machine else "of host memory"
+        source = "" if headroom is None or machine else f" under {headroom.source}"
     if have is None or bytes_needed <= have:
         return
     raise UsageError(f"{what} on {samples:,} x {seqlen:,} tokens needs about {bytes_needed / 2**30:,.1f} GiB "
                      f"{where} even one window at a time (every window's hidden states, one layer's weights"
-                     f"{' and Hessians' if hessians else ''}), and {have / 2**30:,.1f} GiB is there; fewer "
-                     f"{flags}")
+                     f"{' and Hessians' if hessians else ''}), and {have / 2**30:,.1f} GiB is there{source}; "
+                     f"fewer {flags}")
