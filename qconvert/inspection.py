@@ -16,7 +16,7 @@ from qconvert.formats.record import (
 )
 from qconvert.formats.kv_cache import KV_SCALE_KIND, is_kv_scale
 from qconvert.plan import UNCHANGED
-from qconvert.schemes.servers import family_of, scheme_key, servers
+from qconvert.schemes import scheme_named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +113,8 @@ def inspect_checkpoint(folder) -> InspectReport:
     checks = tuple(check_hashes(folder, record)) if record is not None else ()
     return InspectReport(folder=folder, scheme=qc.scheme, tensors=tuple(rows), files=checks,
                          record=record,
-                         servers=servers(scheme_key(qc.scheme, qc.flags), family_of(qc.config),
-                                         kv_cache=any(t.kind == KV_SCALE_KIND for t in rows)))
+                         servers=scheme_named(qc.scheme).servers(qc.flags, qc.config,
+                                                                 kv_cache=any(t.kind == KV_SCALE_KIND for t in rows)))
 
 
 def _tensor_rows(qc) -> list[TensorRow]:

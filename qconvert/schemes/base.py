@@ -84,6 +84,14 @@ class Scheme(abc.ABC):
         from qconvert.schemes import DESCRIPTIONS
 
         return DESCRIPTIONS[self.name][1]
+
+    def servers(self, flags: LayoutFlags, config: Mapping, kv_cache: bool = False) -> dict[str, str]:
+        """Each server's recorded answer for a folder of this scheme with `flags` of the model `config`
+        (qconvert.schemes.servers: the cells `qconvert inspect` prints and the model card writes)."""
+        from qconvert.schemes.servers import family_of, scheme_key, servers
+
+        return servers(scheme_key(self.name, flags), family_of(config), kv_cache=kv_cache)
+
     clip: ClipSearch
     thresholds: Thresholds
     static_thresholds: Thresholds | None = None  # with --act static, where it differs

@@ -79,6 +79,52 @@ TABLE: dict[tuple[str, str], str] = {
     ("int4-asym", "gemma3"): "???Y",
     ("int4-asym", "mixtral"): "???N",
     ("int4-asym-channel", "qwen3_moe"): "YNNN",
+    # BERT (the bundled example, all-MiniLM-L6-v2): transformers by tests/schemes/test_servers_bert.py, which runs each
+    # folder's own model card snippet. vLLM's check (vllm_accept.py) maps only decoder tensor names, so vLLM's and
+    # vLLM TPU's answers for encoders are not measured.
+    ("int8", "bert"): "???Y",
+    ("int4", "bert"): "???Y",
+    ("w8a8", "bert"): "???Y",
+    ("w8a8-static", "bert"): "???Y",
+    ("fp8", "bert"): "???Y",
+    ("nf4", "bert"): "N??Y",
+    ("int4-asym", "bert"): "???Y",
+    ("w4a8-fp8", "bert"): "???Y",
+}
+
+
+# The docs' names: each server at the version measured, each family as its makers write it.
+TITLES = {"vLLM GPU": "vLLM 0.33 (GPU)", "vLLM TPU": "vLLM TPU 0.32", "vLLM TPU MODEL_IMPL_TYPE=vllm":
+          "vLLM TPU 0.32, `MODEL_IMPL_TYPE=vllm`", "transformers": "transformers 5.24"}
+FAMILIES = {"llama": "Llama", "qwen3": "Qwen3", "gemma3": "Gemma 3", "phi3": "Phi-3", "mixtral": "Mixtral",
+            "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3",
+            "gemma3_mm": "Gemma 3 multimodal", "bert": "BERT"}
+
+# Each scheme's layout, in the words its loaders use (docs/FORMATS.md has it tensor by tensor).
+LAYOUTS = {
+    "int8": "compressed-tensors `pack-quantized`, 8 bits",
+    "int4": "compressed-tensors `pack-quantized`, 4 bits",
+    "w8a8": "compressed-tensors `int-quantized`",
+    "fp8": "compressed-tensors `float-quantized`",
+    "nf4": "bitsandbytes 4-bit",
+    "int4-asym": "compressed-tensors `pack-quantized`, 4 bits, with `weight_zero_point`",
+    "w4a8-fp8": "compressed-tensors `pack-quantized`, 4 bits, FP8 `input_activations`",
+}
+
+# What a server's verdict on a scheme holds under, or why it says no, where the cells alone would not tell (a
+# sentence: the docs' tables write it after the verdicts).
+NOTES = {
+    ("nf4", "vLLM GPU"): "vLLM 0.33 removed bitsandbytes",
+    ("w4a8-fp8", "vLLM GPU"): "Hopper only: group 128, input widths multiples of 128",
+    ("int8", "vLLM TPU"): "No weight-only int8 scheme",
+    ("int4", "vLLM TPU"): "No WNA16 scheme on its torchax path",
+    ("fp8", "vLLM TPU"): "Llama: its JAX loader has no e4m3 dtype",
+    ("int8", "transformers"): "Decompressed to float",
+    ("int4", "transformers"): "Decompressed to float",
+    ("w8a8", "transformers"): "It cannot fuse int8 experts",
+    ("nf4", "transformers"): "A model with experts is refused, exit 2: bitsandbytes keeps experts float",
+    ("int4-asym", "transformers"): "With `CompressedTensorsConfig(dequantize=True)`; fused experts lose their zero points",
+    ("w4a8-fp8", "transformers"): "Weights decompressed to float",
 }
 
 
@@ -121,6 +167,32 @@ def servers(key: str, family: str, kv_cache: bool = False) -> dict[str, str]:
     return {server: _CELL[cell] for server, cell in zip(SERVERS, cells)}
 
 
+def scheme_cell(scheme: str, server: str) -> str:
+    """What the table records for `scheme` on `server` (a docs table's cell): yes or no where every family measured
+    agrees, else which families say which; then each flag that changes it, with its families (`with
+    `--group-size 64`: yes (Qwen3)`); NOTES' condition last."""
+    column = SERVERS.index(server)
+    variants = dict.fromkeys(key for key, _ in TABLE if _split_key(key)[0] == scheme and key != scheme)
+    parts = [_verdict(scheme, column, name_families=False)]
+    parts += [f"with `{flags_of(key)[1]}`: {_verdict(key, column)}" for key in variants if _verdict(key, column)]
+    text = "; ".join(filter(None, parts)) or UNMEASURED
+    note = NOTES.get((scheme, server))
+    return f"{text}. {note}" if note else text
+
+
+def _verdict(key: str, column: int, name_families: bool = True) -> str:
+    """What the families measured for `key` in `column` say: yes (Llama, Qwen3), no (Mixtral); '' when none was
+    measured. Without `name_families`, a bare yes or no where all agree."""
+    said: dict[str, list[str]] = {YES: [], NO: []}
+    for family in FAMILIES:
+        cell = _CELL[TABLE.get((key, family), "?" * len(SERVERS))[column]]
+        if cell != UNMEASURED:
+            said[cell].append(FAMILIES[family])
+    if not name_families and not (said[YES] and said[NO]):
+        return YES if said[YES] else NO if said[NO] else ""
+    return ", ".join(f"{answer} ({', '.join(names)})" for answer, names in said.items() if names)
+
+
 def kv_cache_note(family: str) -> str:
     """One line for a folder with KV-cache scales whose family vLLM TPU serves by default through its JAX model,
     which does not read them."""
@@ -145,6 +217,12 @@ def tpu_note(key: str, family: str) -> str:
             takes.append(f"{_as_flags(other, key)} (MODEL_IMPL_TYPE=vllm)")
     instead = f"it loads {', '.join(takes)}" if takes else "no scheme was recorded loading there"
     return f"vLLM TPU 0.32 does not load --scheme {_as_flags(key)} for {family}; {instead}"
+
+
+def flags_of(key: str) -> tuple[str, str]:
+    """(scheme, the flags that give the table key `key`): ("int4", "--group-size 64"); ("int8", "")."""
+    scheme = _split_key(key)[0]
+    return scheme, _as_flags(key).removeprefix(scheme).strip()
 
 
 def _split_key(key: str) -> tuple[str, str]:

@@ -46,6 +46,9 @@ class CardFacts:
     act_applies: bool = True  # the scheme quantizes activations, so the act flag shaped the folder
     repo: str | None = None  # the Hub repository the folder is uploaded to (--upload-repo): loads name it
     transformers_quantization_config: str = ""  # the layout's quantization_config= for from_pretrained, if any
+    # Each server's recorded answer for this scheme, flags and model family (qconvert.schemes.servers, what
+    # `qconvert inspect` prints): the card's "loads in" row, and whether it shows vLLM's snippet. Empty: loads_in.
+    servers: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _mib(n: int) -> str:
@@ -121,14 +124,27 @@ def _transformers_snippet(facts: CardFacts) -> list[str]:
             *use, "```", ""]
 
 
+def _loads_in_line(facts: CardFacts) -> str:
+    """Each server's recorded answer for the folder, in the words `qconvert inspect` prints after "loads in: ";
+    without them, the scheme's loaders."""
+    if not facts.servers:
+        return f"| loads in | {facts.loads_in} |"
+    answers = "; ".join(f"{server} {answer}" for server, answer in facts.servers.items())
+    return f"| loads in | {answers} (as measured for this model family: docs/LOADERS.md) |"
+
+
 def _vllm_snippet(facts: CardFacts) -> list[str]:
     if not facts.vllm_loads:
         return [f"vLLM: does not load this layout ({facts.loads_in}).", ""]
+    measured = facts.servers.get("vLLM GPU")
+    if measured == "no":
+        return ["vLLM: does not load this folder (as measured for this model family).", ""]
     use = ('print(llm.generate(["The capital of France is"])[0].outputs[0].text)' if facts.causal_lm
            else 'print(llm.embed(["A sentence to embed."])[0].outputs.embedding[:4])')
     # With KV-cache scales, the cache they are for (vLLM's default keeps it in the model's dtype).
     cache = ', kv_cache_dtype="fp8"' if facts.record.kv_cache is not None else ""
-    return ["vLLM:", "", "```python", "from vllm import LLM", "",
+    heading = "vLLM (not measured for this model family):" if measured == "not measured" else "vLLM:"
+    return [heading, "", "```python", "from vllm import LLM", "",
             f'llm = LLM(model="{facts.repo or FOLDER}"{cache})', use, "```", ""]
 
 
@@ -156,7 +172,7 @@ def model_card(facts: CardFacts) -> str:
         *_calibration_line(record), *_kv_cache_line(record),
         (f"| size | {_mib(facts.input_bytes)} -> {_mib(facts.output_bytes)} ({ratio:.2f}x smaller); "
          f"{facts.quantized_linears} linears quantized, {facts.unchanged_tensors} tensors unchanged |"),
-        f"| loads in | {facts.loads_in} |", "",
+        _loads_in_line(facts), "",
         ("qconvert.json records every flag and the sha256 of every file, this card's included; "
          f"`qconvert verify {FOLDER}` checks them and the quantized model against the float one."), "",
         "## Load it", "", *_vllm_snippet(facts), *_transformers_snippet(facts),

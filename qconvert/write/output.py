@@ -67,6 +67,7 @@ def card_facts(source: SourceModel, plan, options, record: ConversionRecord, spe
     return CardFacts(
         record=record, quant_method=scheme.layout.quant_method,
         scheme_summary=scheme.summary, loads_in=scheme.loads_in, vllm_loads=scheme.vllm_loads,
+        servers=scheme.servers(plan.flags, source.config, kv_cache=record.kv_cache is not None),
         causal_lm=source.family.causal_lm or source.weight_only is not None,
         architecture=", ".join(source.config.get("architectures") or ["a model"]),
         quantized_linears=len(plan.quantized_modules),

@@ -41,14 +41,16 @@ def section(text: str, heading: str) -> str:
 
 
 def table_rows(text: str, header: str) -> list[list[str]]:
-    """The cells of each row of the Markdown table under `header` (its first line)."""
+    """The cells of each row of the Markdown table under `header` (its first line); a generator's end marker
+    after it (an HTML comment) is no row."""
     table = text[text.index(header):]
     table = table[:table.index("\n\n")] if "\n\n" in table else table
-    return [[cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]] for line in table.splitlines()[2:]]
+    return [[cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]] for line in table.splitlines()[2:]
+            if line.startswith("|")]
 
 
 def test_the_loaders_table_lists_the_registry_in_order():
-    rows = table_rows(read("docs/LOADERS.md"), "| scheme | what |")
+    rows = table_rows(read("docs/LOADERS.md"), "| scheme | what it writes |")
     assert tuple(row[0].strip("`") for row in rows) == NAMES
 
 
