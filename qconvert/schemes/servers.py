@@ -114,17 +114,23 @@ LAYOUTS = {
 # What a server's verdict on a scheme holds under, or why it says no, where the cells alone would not tell (a
 # sentence: the docs' tables write it after the verdicts).
 NOTES = {
+    ("int4", "vLLM GPU"): "Machete / Marlin on Hopper",
     ("nf4", "vLLM GPU"): "vLLM 0.33 removed bitsandbytes",
-    ("w4a8-fp8", "vLLM GPU"): "Hopper only: group 128, input widths multiples of 128",
+    ("int4-asym", "vLLM GPU"): "Machete / Marlin with zero points (bench/vllm_zero_points.py)",
+    ("w4a8-fp8", "vLLM GPU"): ("Hopper only: group 128, input widths multiples of 128, experts' 256; `quantize` says so "
+                               "in one line otherwise"),
     ("int8", "vLLM TPU"): "No weight-only int8 scheme",
     ("int4", "vLLM TPU"): "No WNA16 scheme on its torchax path",
     ("fp8", "vLLM TPU"): "Llama: its JAX loader has no e4m3 dtype",
+    ("w4a8-fp8", "vLLM TPU"): "tpu-inference requantizes the experts per channel",
     ("int8", "transformers"): "Decompressed to float",
     ("int4", "transformers"): "Decompressed to float",
     ("w8a8", "transformers"): "It cannot fuse int8 experts",
-    ("nf4", "transformers"): "A model with experts is refused, exit 2: bitsandbytes keeps experts float",
+    ("fp8", "transformers"): "Activations rounded to FP8 per token",
+    ("nf4", "transformers"): ("A model with experts is refused, exit 2: bitsandbytes keeps experts float; "
+                              "`--exclude '*.experts.*'` gives a folder it loads"),
     ("int4-asym", "transformers"): "With `CompressedTensorsConfig(dequantize=True)`; fused experts lose their zero points",
-    ("w4a8-fp8", "transformers"): "Weights decompressed to float",
+    ("w4a8-fp8", "transformers"): "Weights decompressed to float; activations not rounded",
 }
 
 
