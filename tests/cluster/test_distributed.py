@@ -255,12 +255,17 @@ def test_cluster_where_no_launcher_started_several_processes_is_one_line(sources
 def test_the_launchers_that_start_several_processes_are_recognized():
     from qconvert.cluster.runtime import launched_by_cluster
 
+    task = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4",
+            "SLURM_PROCID": "2"}
     assert launched_by_cluster({}) is None
-    assert launched_by_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
-    assert launched_by_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "2"}) == "SLURM"
-    assert launched_by_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}) is None  # a shell of the allocation
+    assert launched_by_cluster(task) == "SLURM"  # a task of an srun step of 4
+    assert launched_by_cluster({**task, "SLURM_STEP_NUM_TASKS": "1"}) is None  # an srun of one task
+    # The shell of an allocation (an sbatch script: SLURM_PROCID=0, the allocation's SLURM_NTASKS) is one process.
+    assert launched_by_cluster({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}) is None
+    assert launched_by_cluster({**task, "SLURM_STEP_ID": str(0xFFFFFFFE)}) is None  # the batch step
     assert launched_by_cluster({"OMPI_COMM_WORLD_SIZE": "2"}) == "Open MPI"
     assert launched_by_cluster({"OMPI_COMM_WORLD_SIZE": "x"}) is None
+    assert launched_by_cluster({"OMPI_COMM_WORLD_SIZE": "\u0662"}) is None  # a Unicode digit is no count
     assert launched_by_cluster({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3"}) is None  # a pod slice says --cluster
     assert launched_by_cluster({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}) == "JAX_COORDINATOR_ADDRESS"
 
