@@ -37,15 +37,15 @@ def _default(param: click.Parameter, ctx: click.Context) -> str:
 
 
 def _value(param: click.Option) -> str:
-    """What follows the flag: its metavar, its choices, or its type's name."""
+    """What follows the flag: its metavar, its choices, or its type's name as `--help` shows it (INTEGER, PATH,
+    SIZE: the name of click's type or of qconvert's own, qconvert.cli.flag_types)."""
     if param.is_flag:
         return ""
     if param.metavar:
         return f" {param.metavar}"
     if isinstance(param.type, click.Choice):
         return " " + "|".join(map(str, param.type.choices))
-    kinds = ((click.types.IntParamType, "INTEGER"), (click.types.FloatParamType, "FLOAT"), (click.Path, "PATH"))
-    return " " + next((name for kind, name in kinds if isinstance(param.type, kind)), "TEXT")
+    return " " + param.type.name.upper()
 
 
 def _names(param: click.Option) -> str:

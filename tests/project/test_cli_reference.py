@@ -94,3 +94,29 @@ def test_quantize_flag_helps_name_the_schemes_the_flag_concerns(flag, named):
     text = _help("quantize", flag)
     assert set(SCHEME_WORD.findall(text)) <= set(NAMES)
     assert {name for name, scheme in SCHEMES.items() if named(scheme)} <= schemes_named(text)
+
+
+def _words(names: str) -> tuple[set[str], str]:
+    """A flag cell as a set of names and what follows them, choices without click's brackets."""
+    flags, _, value = names.replace("[", "").replace("]", "").partition(" ")
+    while value.startswith("-"):  # "-q, --quiet": the names run on
+        more, _, value = value.partition(" ")
+        flags += " " + more
+    return {name.strip(",") for name in flags.split()}, value
+
+
+def test_each_flag_cell_names_the_value_as_help_shows_it():
+    """The value's word is the one `--help` prints: qconvert's own flag types (WholeNumber: INTEGER, ByteSize:
+    SIZE, RealNumber: NUMBER) once showed as TEXT here."""
+    text = generator().render()
+    root = click.Context(cli, info_name="qconvert", **cli.context_settings)
+    for name in cli.list_commands(root):
+        command = cli.get_command(root, name)
+        ctx = click.Context(command, info_name=name, parent=root, **command.context_settings)
+        section = text[text.index(f"\n## qconvert {name}\n"):]
+        section = section[:section.index("\n## ", 1)]
+        for param in command.get_params(ctx):
+            if isinstance(param, click.Option) and not param.hidden and not param.is_eager:
+                row = next(line for line in section.splitlines() if line.startswith(f"| `{param.opts[0]}"))
+                cell = row.split("`")[1].replace("\\|", "|")
+                assert _words(cell) == _words(param.get_help_record(ctx)[0]), (name, cell)
