@@ -97,8 +97,11 @@ def _check_card_writable(out: Path) -> None:
     """verify --update-card: the folder must take the card's verification section, known before the check runs."""
     if out.is_dir():
         from qconvert.write.folder import check_writable
+        from qconvert.write.replaceable import check_replaceable
 
         check_writable(out, "the model card's verification section")
+        for name in ("README.md", "qconvert.json"):  # both replaced by a rename
+            check_replaceable(out / name, "the model card's verification section")
 
 
 def _update_card(out: Path, report, quiet: bool) -> None:
@@ -184,6 +187,9 @@ def _check_json_target(path: Path, folder: Path) -> None:
     from qconvert.write.folder import check_writable
 
     check_writable(path.parent, f"--json-file {path}")
+    from qconvert.write.replaceable import check_replaceable
+
+    check_replaceable(path, f"--json-file {path}")
 
 
 def _check_json_file_free(path: Path) -> None:
