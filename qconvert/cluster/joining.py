@@ -49,14 +49,15 @@ def join_timeout(environ=os.environ) -> float:
     return value
 
 
-def place_of(launch: Launch, timeout_s: float) -> Place | None:
+def place_of(launch: Launch) -> Place | None:
     """This process's place in the run (None: a run of one process)."""
     if launch.flagged:
         if launch.num_processes == 1:
             return None
         return Place("--coordinator", launch.coordinator, launch.num_processes, launch.process_id)
     if launch.detect:
-        return place_as_jax_detects(int(timeout_s))
+        quiet_native_logs()  # JAX's detection loads JAX
+        return place_as_jax_detects(int(join_timeout()))
     if launched_by(os.environ) is None:
         return None
     return place_from_environment(os.environ)
@@ -69,11 +70,11 @@ def start(launch: Launch, before_joining=None, report=None) -> None:
     stderr); `report(line, code)` is how this process says a failure where a thread ends it (the --json
     document of process 0)."""
     check_launch(launch)
-    timeout_s = join_timeout()
-    quiet_native_logs()
-    place = place_of(launch, timeout_s)
+    place = place_of(launch)
     if place is None or place.count == 1:
         return
+    timeout_s = join_timeout()
+    quiet_native_logs()
     if report is not None:
         interrupts.add_last_words(report)
     if before_joining is not None:

@@ -89,8 +89,12 @@ def _lead(place: Place, port: int, hello: dict, timeout_s: float) -> Joined:
                 raise refusal
             peers[int(theirs["process"])] = conn
         service_port = free_port()
-        for conn in peers.values():
-            _send(conn, {"kind": "welcome", "service_port": service_port})
+        for process, conn in peers.items():
+            try:
+                _send(conn, {"kind": "welcome", "service_port": service_port})
+            except OSError:
+                raise ClusterError(f"process {process} of {place.count} stopped while the run was joining "
+                                   "(killed, or its host gone)") from None
     except BaseException as err:
         if isinstance(err, QConvertError):
             _refuse(list(peers.values()), err)

@@ -6,6 +6,7 @@ leaves no OUT and no temporary beside it."""
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import threading
@@ -15,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from checkpoints import make_llama_checkpoint
-from cli_helpers import tree
 from cluster_helpers import (JOIN_S, entries, finish, free_port, launch, listening, the_document, the_error,
                              wait_for)
 
@@ -118,7 +118,7 @@ def test_a_second_run_given_the_same_coordinator_is_turned_away(llama, tmp_path)
     """Process 0 holds the coordinator's port for the whole run: a second run's process 0 cannot bind it, and a
     second run's process 1 is refused, never joined to the first run."""
     port = free_port()
-    args = quantize(llama, tmp_path / "out")
+    args = ["quantize", str(llama), "-o", str(tmp_path / "out"), "--json"]  # int8: no calibration, quick
     first = [launch(args, port, 2, 0), launch(args, port, 2, 1)]
     wait_for(lambda: listening(port), 60, "coordinator")
     second = [launch(quantize(llama, tmp_path / "other"), port, 2, i) for i in (0, 1)]
@@ -131,6 +131,8 @@ def test_a_second_run_given_the_same_coordinator_is_turned_away(llama, tmp_path)
     the_document(out1, 10, the_error(err1))
     results = finish(first)
     assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
+    assert [err for _, _, err in results] == ["", ""]  # no native line (gloo, gRPC, absl, XLA) on stderr
+    assert json.loads(results[0][1])["exit_code"] == 0 and results[1][1] == ""
     assert entries(tmp_path) == ["out"]
 
 
