@@ -94,3 +94,18 @@ def test_a_cell_says_yes_or_no_where_the_families_agree_and_names_them_where_not
         "yes (Gemma 3), no (Llama, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3); with `--act static`: no (")
     assert table.scheme_cell("int4", "vLLM TPU").startswith("no; with `--group-size 64`: yes (Qwen3);")
     assert table.scheme_cell("nf4", "vLLM TPU") == "not measured"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_loader_the_scheme_help_names_loads_it_somewhere_in_the_table(name):
+    """`quantize --help` (DESCRIPTIONS' second words) names loaders; each must load some folder of the scheme in the
+    servers table (vLLM TPU on either of its paths)."""
+    from qconvert.schemes import DESCRIPTIONS
+
+    columns = {"vLLM TPU": (1, 2), "vLLM": (0,), "transformers": (3,)}
+    named = [loader.strip() for loader in re.sub(r"\s*\([^)]*\)", "", DESCRIPTIONS[name][1]).split(",")]
+    assert named and all(loader.startswith(tuple(columns)) for loader in named), named
+    for loader in named:
+        column = next(columns[word] for word in columns if loader.startswith(word))
+        cells = [cells for (key, _), cells in table.TABLE.items() if table.flags_of(key)[0] == name]
+        assert any(row[i] == "Y" for row in cells for i in column), (name, loader)
