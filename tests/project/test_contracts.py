@@ -66,13 +66,15 @@ def converted(source, tmp_path_factory):
     return out
 
 
-def _in_process(argv):
-    """Run the CLI in this process, capturing its streams; (code, stdout, stderr)."""
+def _in_process(argv, cwd=None):
+    """Run the CLI in this process (in folder `cwd`: a relative OUT lands there), capturing its streams;
+    (code, stdout, stderr)."""
     import contextlib
     import io
 
     stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
+            contextlib.chdir(cwd or os.getcwd()):
         try:
             from qconvert.cli.main import main
 
@@ -86,12 +88,21 @@ def assert_contract(code, stdout, stderr, *, as_json: bool):
     """The invariants every run keeps, whatever it was given."""
     assert code in DOCUMENTED, (code, stderr)
     lines = stderr.splitlines()
-    if code != 0:
-        assert len(lines) == 1 and lines[0].startswith("qconvert: "), stderr
+    if code != 0:  # a failure's line; verify's failed check (1) says its verdict instead
+        assert len(lines) == 1 and (code == 1 or lines[0].startswith("qconvert: ")), stderr
     assert all(line.isprintable() for line in lines), stderr
     if as_json:
         document = json.loads(stdout)  # exactly one document: json.loads refuses anything after it
         assert document["exit_code"] == code
+
+
+def _beside_out(work, before, code, out: str) -> dict:
+    """What the run left in `work` other than OUT (a relative or absolute path as given; only on success)."""
+    after = tree(work)
+    if code == 0:
+        named = os.path.relpath(os.path.abspath(os.path.join(work, out)), work)
+        after = {k: v for k, v in after.items() if not (k == named or k.startswith(named + "/"))}
+    return {k: v for k, v in after.items() if before.get(k, "absent") != v}
 
 
 def _workspace(tmp_path_factory):
@@ -107,15 +118,12 @@ def test_quantize_every_flag(source, tmp_path_factory, data):
     before, source_before = tree(work), tree(source)
     out = work / "out"
     argv = ["quantize", str(source), "-o", str(out), "--scheme", "w8a8", "--calib-samples", "2",
-            "--calib-seqlen", "8", "--json", flag, value] if flag != "-o" else \
+            "--calib-seqlen", "8", "--json", flag, value] if flag != "--out" else \
         ["quantize", str(source), "--json", "-o", value]
-    code, stdout, stderr = _in_process(argv)
+    code, stdout, stderr = _in_process(argv, cwd=work)
     assert_contract(code, stdout, stderr, as_json=True)
     assert tree(source) == source_before
-    after = tree(work)
-    if code == 0:
-        after = {k: v for k, v in after.items() if not (k == "out" or k.startswith("out/"))}
-    assert after == before
+    assert _beside_out(work, before, code, value if flag == "--out" else "out") == {}
 
 
 @pytest.mark.parametrize("command", ["calibrate", "verify", "inspect"])
@@ -130,16 +138,19 @@ def test_other_commands_every_flag(command, source, converted, tmp_path_factory)
         before, converted_before = tree(work), tree(converted)
         base = {"calibrate": ["calibrate", str(source), "-o", str(work / "stats.safetensors"),
                               "--calib-samples", "2", "--calib-seqlen", "8"],
-                "verify": ["verify", str(converted), "--quick", "--json-file", str(work / "record.json")],
+                "verify": ["verify", str(converted), "--quick", "-q", "--json-file", str(work / "record.json")],
                 "inspect": ["inspect", str(converted)]}[command]
         if flag in ("-o", "--out") and command != "inspect":
             base = [w for w in base if w not in ("-o", str(work / "stats.safetensors"))]
         argv = [*base, "--json", *((flag, value) if flag else (value,))]
-        code, stdout, stderr = _in_process(argv)
+        code, stdout, stderr = _in_process(argv, cwd=work)
         assert_contract(code, stdout, stderr, as_json=True)
         assert tree(converted) == converted_before
-        written = {k for k in tree(work)} - set(before)
-        assert written <= {"stats.safetensors", "record.json"} | ({"out"} if command == "inspect" else set())
+        named = value if flag in ("--out", "--json-file") else None
+        # verify's record is written whatever the verdict; an OUT only on success
+        written = 0 if flag == "--json-file" else code
+        left = _beside_out(work, before, written, named) if named else _beside_out(work, before, 1, "")
+        assert set(left) <= {"stats.safetensors", "record.json"}
 
     check()
 
@@ -161,12 +172,9 @@ def test_hostile_config_values(source, tmp_path_factory, field, value):
     config[field] = value
     (model / "config.json").write_text(json.dumps(config))
     before = tree(work)
-    code, stdout, stderr = _in_process(["quantize", str(model), "-o", str(work / "out"), "--json", "-q"])
+    code, stdout, stderr = _in_process(["quantize", str(model), "-o", str(work / "out"), "--json", "-q"], cwd=work)
     assert_contract(code, stdout, stderr, as_json=True)
-    after = tree(work)
-    if code == 0:
-        after = {k: v for k, v in after.items() if not (k == "out" or k.startswith("out/"))}
-    assert after == before
+    assert _beside_out(work, before, code, "out") == {}
 
 
 NAMES = st.one_of(CONTROL, STRINGS, st.sampled_from(["model.layers.٣.mlp.down_proj.weight",
@@ -186,12 +194,9 @@ def test_hostile_tensor_names(source, tmp_path_factory, name):
     except Exception:  # noqa: BLE001 - a name safetensors itself cannot write cannot reach qconvert
         return
     before = tree(work)
-    code, stdout, stderr = _in_process(["quantize", str(model), "-o", str(work / "out"), "--json", "-q"])
+    code, stdout, stderr = _in_process(["quantize", str(model), "-o", str(work / "out"), "--json", "-q"], cwd=work)
     assert_contract(code, stdout, stderr, as_json=True)
-    after = tree(work)
-    if code == 0:
-        after = {k: v for k, v in after.items() if not (k == "out" or k.startswith("out/"))}
-    assert after == before
+    assert _beside_out(work, before, code, "out") == {}
 
 
 ENVIRONMENT = ["HF_ENDPOINT", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_HUB_ETAG_TIMEOUT",
@@ -212,9 +217,7 @@ def test_hostile_environment(source, tmp_path_factory, name, value):
     if name == "HF_HUB_OFFLINE":
         env[name] = value
     done = subprocess.run([sys.executable, "-m", "qconvert.cli.main", "quantize", str(source), "-o",
-                           str(work / "out"), "--json", "-q"], env=env, capture_output=True, text=True, timeout=300)
+                           str(work / "out"), "--json", "-q"], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=work)
     assert_contract(done.returncode, done.stdout, done.stderr, as_json=True)
-    after = tree(work)
-    if done.returncode == 0:
-        after = {k: v for k, v in after.items() if not (k == "out" or k.startswith("out/"))}
-    assert after == before
+    assert _beside_out(work, before, done.returncode, "out") == {}
