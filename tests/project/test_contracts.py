@@ -221,3 +221,15 @@ def test_hostile_environment(source, tmp_path_factory, name, value):
                           cwd=work)
     assert_contract(done.returncode, done.stdout, done.stderr, as_json=True)
     assert _beside_out(work, before, done.returncode, "out") == {}
+
+
+@PROPERTY
+@given(command=st.sampled_from(["quantize", "calibrate", "inspect", "verify"]), value=HOSTILE)
+def test_hostile_positional_paths(tmp_path_factory, command, value):
+    """MODEL of quantize and calibrate, OUT of inspect and verify: whatever path or text they are given."""
+    work = _workspace(tmp_path_factory)
+    before = tree(work)
+    argv = [command, value, "--json"] + (["-o", "out"] if command in ("quantize", "calibrate") else [])
+    code, stdout, stderr = _in_process(argv, cwd=work)
+    assert_contract(code, stdout, stderr, as_json=True)
+    assert code != 0 and _beside_out(work, before, code, "out") == {}
