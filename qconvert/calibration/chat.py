@@ -7,7 +7,8 @@ jinja2's immutable sandbox, with the environment and globals transformers gives 
 lstrip_blocks, loop controls, the `{% generation %}` block, `raise_exception`, `strftime_now`, a `tojson` that
 does not escape HTML, a `namespace` that refuses underscore names, the tokenizer's special token strings
 (bos_token, eos_token...), and add_generation_prompt false. `strftime_now` formats a fixed moment (FIXED_NOW),
-not the clock, so the same rows give the same text on any day.
+not the clock, so the same rows give the same text on any day. One row's rendering is bounded in the text it
+writes and the time it takes (template_bounds).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from qconvert.calibration.template_bounds import (BoundedEnvironmentMixin, bounded_code_generator, bounded_filter,
+                                                  bounded_render)
 from qconvert.formats.errors import InvalidCheckpointError, UsageError
 from qconvert.formats.jsonfile import JsonFileError, read_json_object
 
@@ -41,9 +44,11 @@ class ChatTemplate:
     compiled: Any = dataclasses.field(compare=False, repr=False)
 
     def render(self, messages: list[dict[str, Any]]) -> str:
-        """The conversation as the template writes it (no generation prompt); jinja2's errors pass through."""
-        return self.compiled.render(messages=_aliased_reasoning(messages), tools=None, documents=None,
-                                    add_generation_prompt=False, **self.special_tokens)
+        """The conversation as the template writes it (no generation prompt), within template_bounds' bounds
+        on the text written and the time taken (TemplateBoundError past one); jinja2's errors pass through."""
+        stream = self.compiled.generate(messages=_aliased_reasoning(messages), tools=None, documents=None,
+                                        add_generation_prompt=False, **self.special_tokens)
+        return bounded_render(self.compiled.environment, stream)
 
     def record(self) -> dict[str, str]:
         """What qconvert.json says of the template applied."""
@@ -103,9 +108,13 @@ def _compiled(text: str, path: Path):
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[_generation_block(), jinja2.ext.loopcontrols])
+    class Environment(BoundedEnvironmentMixin, ImmutableSandboxedEnvironment):
+        code_generator_class = bounded_code_generator()
+
+    environment = Environment(trim_blocks=True, lstrip_blocks=True,
+                              extensions=[_generation_block(), jinja2.ext.loopcontrols])
     environment.filters["tojson"] = _tojson
+    environment.filters = {name: bounded_filter(f) for name, f in environment.filters.items()}
     environment.globals.update(raise_exception=_raise_exception, strftime_now=FIXED_NOW.strftime,
                                dict=_TemplateDict(), namespace=_template_namespace())
     try:
