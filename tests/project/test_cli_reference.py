@@ -42,11 +42,11 @@ def test_cli_md_is_what_the_generator_writes_from_the_code_now():
 
 def test_cli_md_has_every_command_and_every_flag_with_its_help():
     text = generator().render()
-    root = click.Context(cli, info_name="qconvert")
+    root = click.Context(cli, info_name="qconvert", **cli.context_settings)
     for name, command in cli.commands.items():
         section = text[text.index(f"\n## qconvert {name}\n"):]
         section = section[:section.index("\n## ", 1)]
-        ctx = click.Context(command, info_name=name, parent=root)
+        ctx = click.Context(command, info_name=name, parent=root, **command.context_settings)
         for param in command.get_params(ctx):
             if isinstance(param, click.Option):
                 row = next(line for line in section.splitlines() if line.startswith(f"| `{param.opts[0]}"))
@@ -72,9 +72,10 @@ def test_the_package_description_names_every_scheme_of_the_registry():
 
 
 def _help(command: str, flag: str) -> str:
-    root = click.Context(cli, info_name="qconvert")
+    # With the commands' own settings, as docs/CLI.md is rendered: click caches the help option of the first.
+    root = click.Context(cli, info_name="qconvert", **cli.context_settings)
     command = cli.commands[command]
-    ctx = click.Context(command, parent=root)
+    ctx = click.Context(command, parent=root, **command.context_settings)
     param = next(p for p in command.params if flag in getattr(p, "opts", ()))
     param.get_help_record(ctx)
     return flat(param.help)

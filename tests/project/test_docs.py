@@ -97,10 +97,12 @@ def test_the_exit_code_table_is_the_codes():
 
 
 def _qconvert_flags() -> set[str]:
-    root = click.Context(cli, info_name="qconvert")
+    # Each context with its command's own settings (-h as well as --help), as the command line builds it: click
+    # caches a command's help option from whichever context is built first, and docs/CLI.md is rendered with them.
+    root = click.Context(cli, info_name="qconvert", **cli.context_settings)
     flags = set()
     for command in [cli, *cli.commands.values()]:
-        for param in command.get_params(click.Context(command, parent=root)):
+        for param in command.get_params(click.Context(command, parent=root, **command.context_settings)):
             flags |= {*getattr(param, "opts", ()), *getattr(param, "secondary_opts", ())}
     return {flag for flag in flags if flag.startswith("--")}
 
