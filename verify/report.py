@@ -48,7 +48,7 @@ def verdict(report: VerifyReport) -> str:
     failed = report.failed_checks
     if failed:
         more = f" (+{len(failed) - 1} more)" if len(failed) > 1 else ""
-        return f"FAIL {where}: {failed[0].describe()}{more}; {_side(report)}"
+        return f"FAIL {where}: {failed[0].describe()}{more}; {_side(report)}{_against(report)}"
     worst = worst_first(report.layers)
     floor = f"; worst linear {worst[0].name} at {worst[0].metrics.sqnr_db:.1f} dB" if worst else ""
     fidelity = _worst_fidelity(report)
@@ -62,7 +62,28 @@ def verdict(report: VerifyReport) -> str:
         else:
             model = f"; pooled cosine {m['pooled_cosine_mean']:.5f} (mean)"
     skipped = "; whole-model stage skipped" if report.model is None and report.skipped else ""
-    return f"PASS {where}: {len(report.layers)} linears{floor}{model}{skipped}"
+    return f"PASS {where}: {len(report.layers)} linears{floor}{model}{skipped}{_against(report)}"
+
+
+def _against(report: VerifyReport) -> str:
+    fmt = quantized_reference(report)
+    return f"; against a quantized reference ({fmt})" if fmt else ""
+
+
+def quantized_reference(report: VerifyReport) -> str | None:
+    """The format of a reference that is itself quantized (read as float), or None for a float reference."""
+    reference = report.reference or {}
+    return reference.get("format") if reference.get("quantized") else None
+
+
+def reference_note(report: VerifyReport) -> str | None:
+    """A line saying that the reference is itself quantized, what it is and how it was read (None: float)."""
+    fmt = quantized_reference(report)
+    if fmt is None:
+        return None
+    return (f"reference: {report.reference.get('model')} is itself quantized ({fmt}), read with its fp8 weights "
+            "dequantized to bfloat16: the figures compare against those, not against the float model it was made "
+            "from")
 
 
 def _worst_fidelity(report: VerifyReport) -> LayerResult | None:
@@ -136,6 +157,9 @@ def render(report: VerifyReport, console: Console, *, max_rows: int | None = 20)
         reasons = sorted({r.kernel.fallback_reason for r in report.layers if r.kernel.fallback_reason})
         for reason in reasons:
             console.print(f"fallback: {reason}")
+    note = reference_note(report)
+    if note:
+        console.print(note, highlight=False, markup=False)
     held_out = report.evaluation.get("held_out")
     if held_out:
         console.print(f"evaluation text: {held_out['evaluation']}; {held_out['note']}", highlight=False, markup=False)

@@ -195,6 +195,7 @@ def open_reference(run: Run) -> SourceModel:
     reference = open_source(resolved, any_architecture=weight_only)
     # A quantized reference (block FP8, compressed-tensors FP8) is read dequantized, as quantize read it.
     run.reference["format"] = reference.source_format.name if reference.source_format else None
+    run.reference["quantized"] = reference.source_format is not None
     return reference
 
 
