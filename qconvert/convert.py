@@ -290,8 +290,9 @@ def agree_run(options: ConvertOptions, out: Path) -> None:
     match). The CLI's join compared the command's flags already; this holds for any caller of convert()."""
     if cluster.active():
         from qconvert.cluster.settings import options_settings
+        from qconvert.options import GIVEN_ONLY_OPTIONS  # fields recorded under their flag's name
 
-        cluster.agree_settings(options_settings(options, out), "conversion")
+        cluster.agree_settings(options_settings(options, out, GIVEN_ONLY_OPTIONS), "conversion")
 
 
 def check_output_target(model: str, out: Path, overwrite: bool) -> None:

@@ -62,15 +62,6 @@ def guard_stdout() -> None:
         sys.stdout = ReaderGuardedStdout(sys.stdout)
 
 
-def native_stdout_silenced() -> None:
-    """Point descriptor 1 at the null device for native code, Python's stdout keeping the reader's stdout.
-
-    A run of several processes starts gloo (JAX's CPU collectives), whose C++ prints its connection lines with
-    std::cout, into the JSON or the summary a pipeline reads. Python's own output goes on to where stdout went.
-    """
-    _silence_native(1, "stdout")
-
-
 def native_output_silenced() -> None:
     """Descriptors 1 and 2 both pointed at the null device for native code, Python's stdout and stderr keeping
     where they went: gloo's connection lines (std::cout) and gRPC's, absl's and XLA's log lines (stderr: a

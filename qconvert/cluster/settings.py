@@ -56,17 +56,16 @@ def command_settings() -> dict[str, Any]:
     return settings
 
 
-def options_settings(options, out: Path | None = None) -> dict[str, Any]:
-    """A conversion's settings: every field of its options object (a nested options object's fields by their
-    own names), in declaration order, and OUT."""
-    from qconvert.options import GIVEN_ONLY_OPTIONS
-
+def options_settings(options, out: Path | None = None, renamed: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A conversion's settings: every field of its options object (a dataclass; a nested one's fields by their
+    own names), in declaration order, each by its flag (`renamed`: a field whose flag has another name), and
+    OUT."""
+    renamed = dict(renamed or {})
     settings: dict[str, Any] = {} if out is None else {"--out": str(out)}
     for field in dataclasses.fields(options):
         value = getattr(options, field.name)
         if dataclasses.is_dataclass(value):
-            settings.update({k: v for k, v in options_settings(value).items()})
+            settings.update(options_settings(value, renamed=renamed))
             continue
-        name = GIVEN_ONLY_OPTIONS.get(field.name, field.name)
-        settings["--" + name.replace("_", "-")] = plain(value)
+        settings["--" + renamed.get(field.name, field.name).replace("_", "-")] = plain(value)
     return settings

@@ -58,7 +58,7 @@ def test_every_field_of_the_options_object_is_agreed():
     from qconvert.options import CalibrationOptions, ConvertOptions
 
     options = ConvertOptions(scheme="int4", calibration=CalibrationOptions(calib_samples=9))
-    settings = options_settings(options, Path("o"))
+    settings = options_settings(options, Path("o"), {"card_repo": "upload_repo"})
     names = {f.name for f in dataclasses.fields(ConvertOptions) if f.name != "calibration"}
     names |= {f.name for f in dataclasses.fields(CalibrationOptions)}
     expected = {"--" + {"card_repo": "upload_repo"}.get(n, n).replace("_", "-") for n in names} | {"--out"}
