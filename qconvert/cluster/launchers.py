@@ -96,12 +96,18 @@ def place_from_environment(environ: Mapping[str, str] = os.environ) -> Place:
         count = index = None
         where = coordinator
     read = _read(environ, *dict.fromkeys((*names, "JAX_COORDINATOR_ADDRESS") if coordinator else names))
-    if where is None or count is None or index is None or not 0 <= index < count:
+    if not _address(where) or count is None or index is None or not 0 <= index < count:
         raise ClusterError(f"cannot join the run's processes: the environment ({name}: "
                            f"{', '.join(read) or 'none of ' + ', '.join(names)}) does not say where process 0 is, "
                            "how many processes there are and which this is; give --coordinator, --num-processes "
                            "and --process-id")
     return Place(name, where, count, index, read)
+
+
+def _address(where: str | None) -> bool:
+    """Whether `where` is HOST:PORT (a port in 1..65535)."""
+    host, _, port = (where or "").rpartition(":")
+    return bool(host.strip("[]")) and port.isascii() and port.isdigit() and 0 < int(port) < 65536
 
 
 def _jax_address(method: str, environ: Mapping[str, str]) -> str | None:
@@ -136,7 +142,7 @@ def place_as_jax_detects(timeout_s: int) -> Place:
     except Exception as err:  # noqa: BLE001 - a detector's own failure (a metadata server, a variable)
         text = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ClusterError(f"cannot join the run's processes (the environment, as JAX detects it): {text}") from None
-    if coordinator is None or count is None or index is None:
+    if not _address(coordinator) or count is None or index is None:
         raise ClusterError("cannot join the run's processes (the environment, as JAX detects it): no launcher "
                            "of several processes found (a TPU pod slice, SLURM, MPI, Kubernetes)")
     return Place("the environment, as JAX detects it", coordinator, int(count), int(index))

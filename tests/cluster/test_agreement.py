@@ -137,3 +137,7 @@ def test_a_launcher_that_says_too_little_is_refused_naming_what_it_read():
         "is; give --coordinator, --num-processes and --process-id")
     with pytest.raises(ClusterError, match=r"\(JAX_COORDINATOR_ADDRESS: JAX_COORDINATOR_ADDRESS='h:1'\)"):
         place_from_environment({"JAX_COORDINATOR_ADDRESS": "h:1"})
+    task = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0"}
+    for address in ("::", "h:port", "h:99999", "h:\u0661"):  # not HOST:PORT: refused, never a crash
+        with pytest.raises(ClusterError, match=r"^cannot join the run's processes: the environment \(SLURM: "):
+            place_from_environment({**task, "JAX_COORDINATOR_ADDRESS": address})
