@@ -50,12 +50,16 @@ class RealNumber(_Checked):
 
 
 class Text(_Checked):
-    """Text without control characters, UTF-8, bounded; a blank one is refused."""
+    """Text without control characters, UTF-8, bounded; a blank one is refused unless `empty` (the flag's own
+    check then says what a blank value means)."""
 
     name = "text"
 
+    def __init__(self, *, empty: bool = False):
+        self.empty = empty
+
     def check(self, value, what: str):
-        return outside.text(value, what)
+        return outside.text(value, what, empty=self.empty)
 
 
 class LocalPath(_Checked):

@@ -210,7 +210,7 @@ def _group_size(ctx, param, value):
               help="Replace OUT if it is an empty folder or one qconvert wrote (its qconvert.json lists every "
                    "file in it); anything else is never replaced.")
 @click.option("--dry-run", is_flag=True, help="List what would be quantized and the expected size; write nothing.")
-@click.option("--upload-repo", type=Text(), default=None, metavar="OWNER/NAME",
+@click.option("--upload-repo", type=Text(empty=True), default=None, metavar="OWNER/NAME",
               help="Once OUT is written, upload it (every file, the model card included) to this Hugging Face Hub "
                    "model repository in one commit, creating it if missing. Needs a token (HF_TOKEN or `hf auth "
                    "login`), checked before converting; a failed upload leaves OUT written and says how to retry.")
