@@ -185,3 +185,29 @@ def test_sigint_while_process_0_waits_for_the_others(llama, tmp_path):
     assert the_error(err) == "interrupted"
     the_document(out, 130, "interrupted")
     assert entries(tmp_path) == []
+
+
+def test_a_jax_start_that_stalls_ends_on_qconverts_deadline_not_jaxs(llama, tmp_path):
+    """Process 0 (played here) welcomes process 1 to a service port where nothing answers: jax.distributed would
+    wait JAX's own deadline and abort from C++; qconvert's deadline ends the process first, one line, exit 10."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    with socket.socket() as probe:  # a port with nothing behind it
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    proc = launch(quantize(llama, tmp_path / "out"), port, 2, 1)
+    conn, _ = server.accept()
+    hello = json.loads(conn.makefile("rb").readline())
+    assert (hello["kind"], hello["process"], hello["count"]) == ("qconvert-join", 1, 2)
+    assert hello["settings"]["the command"] == "quantize" and hello["settings"]["--json"] is True
+    conn.sendall(json.dumps({"kind": "welcome", "service_port": dead}).encode() + b"\n")
+    started = time.monotonic()
+    ((code, out, err),) = finish([proc], timeout=60)
+    conn.close()
+    server.close()
+    assert code == 10
+    assert the_error(err) == f"process 1 failed: jax.distributed did not start within {JOIN_S} s (process 0's " \
+                             f"service at 127.0.0.1:{dead})"
+    assert out == ""  # joined: process 0 speaks for the run
+    assert time.monotonic() - started < JOIN_S + 30  # JAX's own deadline is 60 s later
+    assert entries(tmp_path) == []
