@@ -54,27 +54,62 @@ def inverse_cholesky(h: jax.Array) -> jax.Array:
     return jax.scipy.linalg.solve_triangular(upper, jnp.eye(h.shape[0], dtype=h.dtype), lower=False)
 
 
+SUB_BLOCK = 16  # columns rounded one by one on their own; the rest of the block takes their errors at once
+
+
 def _round_block(w1, s1, u1, grid: RoundingGrid, z1=None):
-    """One block of columns rounded in order, each error fed into the block's later columns at once.
+    """One block of columns rounded in order, each error fed into the block's later columns.
 
-    Returns the block's codes, its dequantized values (grid value * step) and the scaled errors. The loop
-    carries the block alone: column j's error moves only the columns after it, so once the loop is done
-    column j still holds the value it was rounded from, and the codes, values and errors of every column
-    come out of one pass over the block, the same numbers the loop computed. z1 holds the block's zero points
-    (an asymmetric grid's), None for a symmetric grid."""
-    later = jnp.arange(w1.shape[1])[None, :] > jnp.arange(w1.shape[1])[:, None]  # [j, k]: k after j
+    The block goes by sub-blocks of SUB_BLOCK columns: inside one, the columns are rounded one by one on the
+    sub-block alone; the block's later columns then take the sub-block's errors in one fused pass, one
+    subtraction a column in column order, so every weight sees the same float32 operations in the same order
+    as a column-by-column loop over the whole block (the float64 reference's), at a sub-block's memory traffic.
+    Returns the block's codes, its dequantized values (grid value * step) and the scaled errors. z1 holds
+    the block's zero points (an asymmetric grid's), None for a symmetric grid."""
+    width = w1.shape[1]
     steps = jnp.where(s1 == 0, 1, s1)
-
-    def column(j, w1):
-        x = w1[:, j]
-        _, value = grid.round(x / steps[:, j], *(() if z1 is None else (z1[:, j],)))
-        error = (x - value * s1[:, j]) / u1[j, j]
-        return w1 - error[:, None] * jnp.where(later[j], u1[j], 0)[None, :]
-
-    rounded_from = jax.lax.fori_loop(0, w1.shape[1], column, w1)
+    parts, errors = [], []
+    for a in range(0, width, SUB_BLOCK):
+        b = min(a + SUB_BLOCK, width)
+        part, error = _round_sub_block(w1[:, a:b], steps[:, a:b], s1[:, a:b], u1[a:b, a:b], grid,
+                                       None if z1 is None else z1[:, a:b])
+        parts.append(part)
+        errors.append(error)
+        if b < width:
+            rest = w1[:, b:]
+            for j in range(b - a):  # one subtraction a column, in column order (no sum of products first)
+                rest = rest - error[:, j:j + 1] * u1[a + j:a + j + 1, b:]
+            w1 = jnp.concatenate([w1[:, :b], rest], axis=1)
+    rounded_from = _signed_zeros(jnp.concatenate(parts, axis=1), jnp.concatenate(errors, axis=1))
     codes, values = grid.round(rounded_from / steps, *(() if z1 is None else (z1,)))
     q = values * s1
     return codes, q, (rounded_from - q) / jnp.diagonal(u1)[None, :]
+
+
+def _round_sub_block(w1, steps, s1, u1, grid: RoundingGrid, z1):
+    """A sub-block's columns rounded in order on the sub-block alone: (the value each column was rounded from,
+    each column's scaled error)."""
+    later = jnp.arange(w1.shape[1])[None, :] > jnp.arange(w1.shape[1])[:, None]  # [j, k]: k after j
+    masked = jnp.where(later, u1, 0)
+
+    def column(j, carry):
+        w1, errors = carry
+        x = w1[:, j]
+        _, value = grid.round(x / steps[:, j], *(() if z1 is None else (z1[:, j],)))
+        error = (x - value * s1[:, j]) / u1[j, j]
+        return w1 - error[:, None] * masked[j][None, :], errors.at[:, j].set(error)
+
+    return jax.lax.fori_loop(0, w1.shape[1], column, (w1, jnp.zeros_like(w1)))
+
+
+def _signed_zeros(rounded_from, errors):
+    """The values the columns were rounded from, with the sign of zero a loop over the whole block leaves: there
+    every later column's error e also subtracts e * 0 from a column already rounded, and -0 - (-0) is +0. So a
+    -0 turns +0 where a later column of the block has a negative error (ties of zero only; codes of other
+    values are untouched)."""
+    negative = jnp.signbit(errors)[:, ::-1]
+    later_negative = (jnp.cumsum(negative, axis=1) - negative)[:, ::-1] > 0  # some column after k
+    return jnp.where((rounded_from == 0) & later_negative, jnp.zeros_like(rounded_from), rounded_from)
 
 
 @functools.partial(jax.jit, static_argnames=("act_order",))
@@ -111,26 +146,47 @@ def round_columns(w: jax.Array, steps: jax.Array, u: jax.Array, perm: jax.Array,
     if offsets is not None:
         offsets = jnp.pad(offsets.astype(dtype)[:, perm], ((0, 0), (0, padded - n)))
     u = jnp.pad(u.astype(dtype), ((0, padded - n), (0, padded - n))) + jnp.diag(jnp.arange(padded) >= n).astype(dtype)
-    columns = jnp.arange(padded)
+    codes = values = jnp.zeros_like(w)
+    blocks = padded // block_size
+    for first, last in _segments(blocks):
+        w, codes, values = _round_segment(w, codes, values, steps, u, offsets, first, last, grid, block_size)
+    order = jnp.argsort(perm)
+    return codes[:, :n][:, order], values[:, :n][:, order]
+
+
+LAZY_SEGMENTS = 8  # compiled loops over the blocks, each with its lazy update as wide as its first block needs
+
+
+def _segments(blocks: int) -> list[tuple[int, int]]:
+    """The blocks cut into LAZY_SEGMENTS runs (first, last + 1) of about equal length."""
+    cuts = sorted({round(blocks * i / LAZY_SEGMENTS) for i in range(LAZY_SEGMENTS + 1)})
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _round_segment(w, codes, values, steps, u, offsets, first: int, last: int, grid: RoundingGrid,
+                   block_size: int):
+    """Blocks first..last-1 rounded in order. Each block's errors reach the columns after it in one matrix
+    product (the lazy batch update) over the columns from the segment's second block on: those of the block
+    and the segment's earlier blocks it also moves are rounded already and never read again, and each
+    remaining column's sum over the block's rows of U is the one a product over U's whole width computes."""
+    rows, padded = w.shape
+    tail = min((first + 1) * block_size, padded)  # the first column a lazy update of this segment must reach
 
     def block(b, carry):
         w, codes, values = carry
         start = b * block_size
         w1 = jax.lax.dynamic_slice(w, (0, start), (rows, block_size))
         s1 = jax.lax.dynamic_slice(steps, (0, start), (rows, block_size))
-        u_rows = jax.lax.dynamic_slice(u, (start, 0), (block_size, padded))
-        u1 = jax.lax.dynamic_slice(u_rows, (0, start), (block_size, block_size))
+        u_rows = jax.lax.dynamic_slice(u, (start, tail), (block_size, padded - tail))
+        u1 = jax.lax.dynamic_slice(u, (start, start), (block_size, block_size))
         z1 = None if offsets is None else jax.lax.dynamic_slice(offsets, (0, start), (rows, block_size))
         block_codes, block_values, errors = _round_block(w1, s1, u1, grid, z1)
-        later = jnp.where(columns[None, :] >= start + block_size, u_rows, 0)
-        w = w - errors @ later
+        if tail < padded:
+            w = jax.lax.dynamic_update_slice(w, w[:, tail:] - errors @ u_rows, (0, tail))
         return (w, jax.lax.dynamic_update_slice(codes, block_codes, (0, start)),
                 jax.lax.dynamic_update_slice(values, block_values, (0, start)))
 
-    zeros = jnp.zeros_like(w)
-    _, codes, values = jax.lax.fori_loop(0, padded // block_size, block, (w, zeros, zeros))
-    order = jnp.argsort(perm)
-    return codes[:, :n][:, order], values[:, :n][:, order]
+    return jax.lax.fori_loop(first, last, block, (w, codes, values))
 
 
 def gptq_codes(w: jax.Array, h: jax.Array, steps: jax.Array, damp, *, grid: RoundingGrid,

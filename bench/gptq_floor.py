@@ -1,0 +1,99 @@
+"""GPTQ's solve against the matmul floor: gptq_codes' time beside one float32 matmul of the same FLOPs.
+
+    python bench/gptq_floor.py                   # SmolLM2, Qwen3-30B-A3B's experts, Llama-3-8B's down_proj rows
+    python bench/gptq_floor.py --repeat 5        # best of 5 (default 3)
+    python bench/gptq_floor.py --shape 576x1536  # one shape, rows x input width (repeatable)
+
+Per shape [rows, in], one process, int4 with groups of 128 (act order on, as the pipeline runs it), float32:
+
+  floor      a plain [rows, in] @ [in, in] float32 matmul: 2 rows in^2 FLOP, the column loop's FLOP count
+             (its lazy updates are rows in^2, its in-block updates rows in 128)
+  loop       round_columns (the column loop) on a factor computed beforehand
+  factor     hessian_factor (the damped inverse's Cholesky factor: about 4/3 in^3 FLOP)
+  gptq       gptq_codes, the factor and the loop, as the tests and bench/scaling_model.py count them
+
+Each is compiled first and timed best of --repeat. The ratios are loop / floor and gptq / floor (the factor
+has its own FLOP, but the floor is what one device would spend on the rows at the matmul rate). Llama-3-8B's
+down_proj (4096 x 14336) runs on 256 of its rows: the loop's time is linear in the rows, the factor's is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qconvert.formats.layout_base import LayoutFlags  # noqa: E402
+from qconvert.methods.gptq_core import gptq_codes, hessian_factor, round_columns  # noqa: E402
+from qconvert.schemes import scheme_named  # noqa: E402
+
+SHAPES = {"SmolLM2 (576 x 1536)": (576, 1536),
+          "Qwen3-30B-A3B expert down (2048 x 768)": (2048, 768),
+          "Qwen3-30B-A3B expert gate/up (1536 x 2048)": (1536, 2048),
+          "Llama-3-8B down_proj, 256 of 4096 rows (256 x 14336)": (256, 14336)}
+
+
+def best(fn, repeat: int) -> float:
+    jax.block_until_ready(fn())  # compiled (and warm) before timing
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def inputs(rows: int, width: int, seed: int = 0):
+    """A weight, its int4 steps and a Hessian of correlated inputs (more tokens than the width: full rank)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, width), np.float32) * 0.02
+    mix = rng.standard_normal((width, width), np.float32) / np.sqrt(width)
+    x = rng.standard_normal((width + 256, width), np.float32) @ (np.eye(width, dtype=np.float32) + 0.3 * mix)
+    h = (2.0 / x.shape[0]) * (x.T @ x)
+    scheme, flags = scheme_named("int4"), LayoutFlags(group_size=128)
+    q = scheme.quantize(w, flags, scale_dtype=np.float32)
+    return jnp.asarray(w), jnp.asarray(h, jnp.float32), jnp.asarray(scheme.gptq_steps(q, flags)), scheme.gptq_grid()
+
+
+def measure(rows: int, width: int, repeat: int) -> dict[str, float]:
+    w, h, steps, grid = inputs(rows, width)
+    a = jnp.asarray(np.random.default_rng(1).standard_normal((rows, width), np.float32))
+    b = jnp.asarray(np.random.default_rng(2).standard_normal((width, width), np.float32))
+    matmul = jax.jit(lambda a, b: a @ b)
+    u, perm, dead = hessian_factor(h, 0.1, act_order=True)
+    return {
+        "floor": best(lambda: matmul(a, b), repeat),
+        "loop": best(lambda: round_columns(w, steps, u, perm, dead, grid=grid), repeat),
+        "factor": best(lambda: hessian_factor(h, 0.1, act_order=True), repeat),
+        "gptq": best(lambda: gptq_codes(w, h, steps, 0.1, grid=grid, act_order=True), repeat),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--shape", action="append", default=[], help="ROWSxIN (repeatable)")
+    opts = parser.parse_args()
+    shapes = ({s: tuple(int(v) for v in s.split("x")) for s in opts.shape} if opts.shape else SHAPES)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"{platform.machine()} {os.cpu_count()} cores, jax {jax.__version__} on {jax.devices()[0].platform}, "
+          f"load {load:.1f}, best of {opts.repeat}, int4 g128 act order, float32")
+    print("| shape | floor (2 rows in^2) | column loop | loop / floor | factor | gptq_codes | gptq / floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, (rows, width) in shapes.items():
+        t = measure(rows, width, opts.repeat)
+        print(f"| {name} | {t['floor'] * 1e3:.0f} ms | {t['loop'] * 1e3:.0f} ms | {t['loop'] / t['floor']:.1f}x | "
+              f"{t['factor'] * 1e3:.0f} ms | {t['gptq'] * 1e3:.0f} ms | {t['gptq'] / t['floor']:.1f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
