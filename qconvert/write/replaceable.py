@@ -2,14 +2,16 @@
 before the work that ends in the write, so a refusal comes first and not after a verdict.
 
 A folder that takes a new file may still refuse the rename: the file or its folder marked immutable or
-append-only (chattr +i / +a: even root cannot rename over them or remove an entry), or the file a mount point
-of its own (a file bind-mounted into a container: EBUSY). The folder's own writability is check_writable's.
+append-only (chattr +i / +a: even root cannot rename over them or remove an entry), the file a mount point of its
+own (a file bind-mounted into a container: EBUSY), or another user's file in a sticky folder such as /tmp. The
+folder's own writability is check_writable's.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
 import struct
 from pathlib import Path
 
@@ -60,6 +62,17 @@ def _refusal(path: Path) -> str | None:
     return None
 
 
+def _sticky_refusal(folder: Path, path: Path) -> str | None:
+    """In a sticky folder (/tmp's mode), only the file's owner, the folder's or root may rename over a file."""
+    try:
+        folder_stat, file_stat, user = os.stat(folder), os.lstat(path), os.geteuid()
+    except (OSError, AttributeError):
+        return None
+    if folder_stat.st_mode & stat.S_ISVTX and user not in (0, folder_stat.st_uid, file_stat.st_uid):
+        return f"{path} belongs to another user in a sticky folder ({folder})"
+    return None
+
+
 def check_replaceable(path: Path, what: str) -> None:
     """OutputWriteError (exit 9) when `path` could not be replaced by a rename: it, or the folder that holds it,
     is immutable or append-only, or it is a mount point. A file not there yet needs only its folder."""
@@ -67,7 +80,7 @@ def check_replaceable(path: Path, what: str) -> None:
     folder = path.parent if str(path.parent) else Path(".")
     reason = _refusal(folder) if folder.is_dir() else None
     if reason is None and os.path.lexists(path) and not path.is_symlink():
-        reason = _refusal(path)
+        reason = _refusal(path) or _sticky_refusal(folder, path)
         if reason is None and _is_mount_point(path):
             reason = f"{path} is a mount point of its own (a file mounted there)"
     if reason is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -110,3 +111,24 @@ def test_a_place_that_takes_the_file_still_gets_it(converted, tmp_path, capsys):
     assert code == 0 and stdout.startswith("PASS "), stderr
     record = json.loads(target.read_text())
     assert record["passed"] is True and record["verdict"] == stdout.strip()
+
+
+def test_another_users_file_in_a_sticky_folder_cannot_be_replaced(tmp_path, monkeypatch):
+    from qconvert.formats.errors import OutputWriteError
+    from qconvert.write.replaceable import check_replaceable
+
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    os.chmod(folder, 0o1777)  # /tmp's mode
+    target = folder / "v.json"
+    target.write_text("{}")
+    check_replaceable(target, "--json-file")  # its owner may
+    check_replaceable(folder / "new.json", "--json-file")  # a new name needs only the folder
+    monkeypatch.setattr(os, "geteuid", lambda: 4242)  # another user, not root
+    with pytest.raises(OutputWriteError) as refused:
+        check_replaceable(target, f"--json-file {target}")
+    assert str(refused.value) == (f"cannot write --json-file {target}: {target} belongs to another user in a sticky "
+                                  f"folder ({folder}), so v.json cannot be replaced there; choose a place you can "
+                                  "write to, before anything is computed")
+    os.chmod(folder, 0o777)  # not sticky: anyone who may write the folder may rename over the file
+    check_replaceable(target, "--json-file")
