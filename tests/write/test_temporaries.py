@@ -133,3 +133,12 @@ def test_a_live_run_in_another_namespace_keeps_its_temporary_after_its_lock_is_g
     finally:
         child.communicate("", timeout=60)
     assert stale_temporaries(out) == [] and path.is_dir()  # unlocked now, and still not proven dead here
+
+
+def test_a_file_written_atomically_under_a_long_name_leaves_only_itself(tmp_path):
+    """--json-file and calibrate's statistics file are staged the same way as OUT."""
+    from qconvert.write.folder import write_file_atomically
+
+    target = tmp_path / ("j" * 250 + ".json")  # 255 bytes
+    write_file_atomically(target, lambda f: f.write(b"{}\n"), lambda: None)
+    assert [p.name for p in tmp_path.iterdir()] == [target.name] and target.read_bytes() == b"{}\n"
