@@ -10,6 +10,7 @@ MAX_SECONDS (an exception raised into the rendering thread, so a loop that write
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -183,7 +184,7 @@ def bounded_render(environment: BoundedEnvironmentMixin, stream) -> str:
     state = environment._state
     state.written, state.deadline = 0, time.monotonic() + MAX_SECONDS
     try:
-        with _Watchdog(MAX_SECONDS):
+        with _WATCHDOG.watching(state.deadline):
             return "".join(stream)
     except _Timeout:
         raise TemplateBoundError(f"it took more than {MAX_SECONDS:g} s to render one row") from None
@@ -192,34 +193,52 @@ def bounded_render(environment: BoundedEnvironmentMixin, stream) -> str:
 
 
 class _Watchdog:
-    """Raises _Timeout in this thread after `seconds`, unless the block has ended first (a loop that writes and
-    calls nothing is stopped too: the exception arrives between two bytecodes)."""
+    """One daemon thread that raises _Timeout in a rendering thread whose deadline has passed, unless its block
+    has ended first: a loop that writes and calls nothing is stopped too, the exception arriving between two
+    bytecodes. Started on first use; a rendering costs a lock and a notification, not a thread."""
 
-    def __init__(self, seconds: float):
-        self.seconds, self.thread = seconds, threading.get_ident()
-        self.lock, self.active, self.fired = threading.Lock(), False, False
-        self.timer = threading.Timer(seconds, self._fire)
-        self.timer.daemon = True
+    def __init__(self):
+        self.condition = threading.Condition()
+        self.watched: dict[int, float] = {}  # rendering thread -> its deadline
+        self.fired: set[int] = set()
+        self.thread: threading.Thread | None = None
+        self.wakes_at = math.inf  # when the watchdog next looks (inf: when notified)
 
-    def _set(self, exception) -> None:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread),
-                                                   ctypes.py_object(exception) if exception else None)
+    @contextlib.contextmanager
+    def watching(self, deadline: float):
+        me = threading.get_ident()
+        with self.condition:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="qconvert-template-watchdog", daemon=True)
+                self.thread.start()
+            self.watched[me] = deadline
+            if deadline < self.wakes_at:  # else it wakes in time anyway: no switch to it per rendering
+                self.condition.notify()
+        try:
+            yield
+        finally:
+            with self.condition:
+                self.watched.pop(me, None)
+                if me in self.fired:  # raised already, or about to be: no longer wanted once the block is left
+                    self.fired.discard(me)
+                    _raise_in(me, None)
 
-    def _fire(self) -> None:
-        with self.lock:
-            if self.active:
-                self._set(_Timeout)
-                self.fired = True
+    def _run(self) -> None:
+        with self.condition:
+            while True:
+                now = time.monotonic()
+                for thread, deadline in list(self.watched.items()):
+                    if deadline <= now:
+                        del self.watched[thread]
+                        self.fired.add(thread)
+                        _raise_in(thread, _Timeout)
+                self.wakes_at = min(self.watched.values(), default=math.inf)
+                self.condition.wait(None if self.wakes_at == math.inf else max(0.0, self.wakes_at - now))
 
-    def __enter__(self) -> "_Watchdog":
-        self.active = True
-        self.timer.start()
-        return self
 
-    def __exit__(self, *exc) -> None:
-        with self.lock:
-            self.active = False
-            if self.fired:  # raised already, or about to be: no longer wanted once the block is left
-                self._set(None)
-        self.timer.cancel()
+def _raise_in(thread: int, exception) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread),
+                                               ctypes.py_object(exception) if exception else None)
 
+
+_WATCHDOG = _Watchdog()
