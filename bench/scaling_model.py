@@ -9,7 +9,11 @@ Per layer, a conversion with GPTQ does (T calibration tokens, D devices over p p
   Hessians   2 T sum(in^2) FLOP over the distinct inputs (q/k/v, o, gate/up, down; per expert its routed
              tokens): split over the D devices
   GPTQ       per group of linears sharing an input, 2 rows in^2 (the column loop) + 4/3 in^3 (factor and
-             inverse): groups spread over the devices, the largest first, so the layer waits for the largest
+             inverse): groups spread over the devices, the largest first; a group that costs more than an even
+             share of the layer (and has 64 rows a device) is split by rows over every device instead
+             (qconvert.methods.gptq_rows.split_groups): its factor on one device, its loop over all, its output
+             error on the whole (4 rows in^2 at the forward's rate); a layer waits for the spread groups, then
+             the split ones
   gathers    every process receives the layer's outputs (T h 4 bytes, twice with GPTQ), the layer's summed
              Hessians once (sum(in^2) 4 bytes) and every rounded weight (5 bytes a parameter); each device
              sends and receives about one layer's Hessians per group of batches it runs (b / D groups of b
@@ -24,6 +28,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qconvert.methods.gptq_rows import split_groups  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,41 +64,52 @@ MODELS = [
 @dataclasses.dataclass(frozen=True)
 class Device:
     name: str
-    flops: float        # effective float32 rate of the calibration's forward and Hessians (FLOP/s)
-    solve_flops: float  # effective rate of GPTQ's column loop and factorization (FLOP/s)
+    flops: float        # effective float32 rate of the calibration's forward and Hessians, and of GPTQ's
+    #                     factorization (blocked Cholesky and triangular solve: matrix products) (FLOP/s)
+    solve_flops: float  # effective rate of GPTQ's column loop (FLOP/s)
     memory: float       # bytes
     link: float         # bytes/s a process receives in the gathers (between hosts)
 
 
 # Rates from the H200 measurements (docs/BENCHMARKS.md, "The 8B shape on an H200": 3.2 s a layer of forward and
-# statistics, 8.2 s a layer of GPTQ with its re-run); the H100 scaled by its memory bandwidth (3.35 / 4.8 TB/s),
-# the v5e by its float32 matrix rate (about 1/3 of the H100's effective one through bf16 passes).
-H200 = Device("H200", 19.4e12, 1.05e12, 141e9, 50e9)
-DEVICES = [Device("H100", 13.5e12, 0.73e12, 80e9, 50e9), Device("TPU v5e", 4.5e12, 0.35e12, 16e9, 25e9)]
+# statistics, 8.2 s a layer of GPTQ with its re-run): the factorization taken at the forward's rate, the column
+# loop fitted to the rest (H200_LOOP_FLOPS); the H100 scaled by its memory bandwidth (3.35 / 4.8 TB/s), the v5e
+# by its float32 matrix rate (about 1/3 of the H100's effective one through bf16 passes).
+H200_FLOPS, H200_GPTQ_LAYER_S = 19.4e12, 8.2
+
+
+def fitted_loop_flops() -> float:
+    """The H200's column-loop rate that makes the 8B layer's GPTQ with its re-run take the measured 8.2 s (the
+    factorizations and the output errors, 4 rows in^2 a group, at the forward's rate)."""
+    forward, _, groups, _ = layer_work(MODELS[0], False)
+    at_forward_rate = sum(4 / 3 * width ** 3 + 4 * rows * width ** 2 for rows, width in groups) / H200_FLOPS
+    loop = sum(2 * rows * width ** 2 for rows, width in groups)
+    return loop / (H200_GPTQ_LAYER_S - forward / H200_FLOPS - at_forward_rate)
+
+
 TOKENS, SEQLEN, BATCH = 128 * 512, 512, 8
 READ_BPS, WRITE_BPS = 2e9, 1e9  # a process's checkpoint read, process 0's write (bytes/s)
 
 
-def layer_work(m: Model, moe: bool) -> tuple[float, float, list[float], float]:
-    """(forward FLOP, Hessian FLOP, GPTQ FLOP per group, weight parameters) of one layer."""
+def layer_work(m: Model, moe: bool) -> tuple[float, float, list[tuple[int, int]], float]:
+    """(forward FLOP, Hessian FLOP, GPTQ's groups as (rows, input width), weight parameters) of one layer."""
     h, t = m.hidden, TOKENS
     attention = h * (h + 2 * m.kv) + h * h
     hess = 2 * t * (3 * h * h)                    # q/k/v's, o's and gate/up's inputs (width h)
-    groups = [2 * (h + 2 * m.kv) * h * h + 4 / 3 * h ** 3, 2 * h * h * h + 4 / 3 * h ** 3]
+    groups = [(h + 2 * m.kv, h), (h, h)]
     if moe:
         f, e = m.intermediate, m.experts
         routed = t * m.active / e                 # tokens per expert
         active = attention + 3 * h * (m.active * f + m.shared)
         weights = attention + 3 * h * (e * f + m.shared)
         hess = 2 * t * 2 * h * h + e * 2 * routed * (h * h + f * f) + 2 * t * (h * h + m.shared ** 2)
-        groups += [2 * 2 * f * h * h + 4 / 3 * h ** 3] * e + [2 * h * f * f + 4 / 3 * f ** 3] * e
-        groups += [2 * 2 * m.shared * h * h + 4 / 3 * h ** 3, 2 * h * m.shared ** 2 + 4 / 3 * m.shared ** 3]
+        groups += [(2 * f, h)] * e + [(h, f)] * e + [(2 * m.shared, h), (h, m.shared)]
         forward = 2 * active * t
     else:
         f = m.dense_intermediate or m.intermediate
         weights = attention + 3 * h * f
         hess += 2 * t * f * f
-        groups += [2 * 2 * f * h * h + 4 / 3 * h ** 3, 2 * h * f * f + 4 / 3 * f ** 3]
+        groups += [(2 * f, h), (h, f)]
         forward = 2 * weights * t
     return forward, hess, groups, weights
 
@@ -139,6 +160,11 @@ def splits_experts(m: Model, dev: Device, devices: int, moe: bool) -> bool:
     return moe and devices > 1 and layer_peak(m, moe, devices, False) > dev.memory
 
 
+H200 = Device("H200", H200_FLOPS, fitted_loop_flops(), 141e9, 50e9)
+DEVICES = [Device("H100", 13.5e12, 0.70 * H200.solve_flops, 80e9, 50e9),
+           Device("TPU v5e", 4.5e12, H200.solve_flops / 3, 16e9, 25e9)]
+
+
 def spread(costs: list[float], devices: int) -> float:
     """The largest device's load when `costs` are bin-packed the largest first."""
     load = [0.0] * devices
@@ -147,7 +173,21 @@ def spread(costs: list[float], devices: int) -> float:
     return max(load)
 
 
-def predict(m: Model, dev: Device, devices: int, per_host: int = 8) -> dict[str, float]:
+def gptq_seconds(groups: list[tuple[int, int]], dev: Device, devices: int, rows_split: bool = True) -> float:
+    """A layer's GPTQ: the groups qconvert keeps whole spread over the devices, then each split one (its factor
+    on one device, its loop over all, its output error on the whole group)."""
+    costs = [float(rows * width ** 2 + width ** 3) for rows, width in groups]  # gptq._cost
+    split = split_groups(costs, [rows for rows, _ in groups], devices) if rows_split else [False] * len(groups)
+
+    def alone(rows: int, width: int) -> float:
+        return 2 * rows * width ** 2 / dev.solve_flops + (4 / 3 * width ** 3 + 4 * rows * width ** 2) / dev.flops
+
+    whole = spread([alone(*g) for g, s in zip(groups, split) if not s], devices)
+    return whole + sum(4 / 3 * width ** 3 / dev.flops + 2 * rows * width ** 2 / (devices * dev.solve_flops)
+                       + 4 * rows * width ** 2 / dev.flops for (rows, width), s in zip(groups, split) if s)
+
+
+def predict(m: Model, dev: Device, devices: int, per_host: int = 8, rows_split: bool = True) -> dict[str, float]:
     processes = max(1, devices // per_host)
     seconds = {"forward": 0.0, "gptq": 0.0, "gathers": 0.0}
     peak, split_any = 0.0, False
@@ -157,7 +197,7 @@ def predict(m: Model, dev: Device, devices: int, per_host: int = 8) -> dict[str,
             continue
         forward, hess, groups, weights = layer_work(m, moe)
         seconds["forward"] += count * (2 * forward + hess) / (devices * dev.flops)
-        seconds["gptq"] += count * spread(groups, devices) / dev.solve_flops
+        seconds["gptq"] += count * gptq_seconds(groups, dev, devices, rows_split)
         batches = TOKENS // (SEQLEN * BATCH)
         groups_run = -(-batches // devices)  # the Hessians' ordered sum: an all-to-all per group of batches
         split = splits_experts(m, dev, devices, moe)
@@ -205,10 +245,14 @@ def check() -> str:
     m = MODELS[0]
     forward, hess, groups, _ = layer_work(m, False)
     observe = (forward + hess) / H200.flops
-    gptq = sum(groups) / H200.solve_flops + forward / H200.flops
+    gptq = gptq_seconds(groups, H200, 1) + forward / H200.flops
+    down = gptq_seconds(groups[-1:], H200, 1) / gptq_seconds(groups, H200, 1)
+    factor = sum(4 / 3 * width ** 3 for _, width in groups) / H200.flops / gptq_seconds(groups, H200, 1)
     return (f"8B shape, one H200, a layer: forward + statistics {observe:.1f} s (measured 3.2 s: w8a8 without "
             f"GPTQ, 70.6 s fixed part apart); GPTQ with its re-run {gptq:.1f} s (measured 8.2 s: int4 with GPTQ "
-            f"11.4 s a layer minus 3.2 s); down_proj's group is {max(groups) / sum(groups):.0%} of GPTQ's solve")
+            f"11.4 s a layer minus 3.2 s; the column loop fitted at {H200.solve_flops / 1e12:.2f} TFLOP/s, the "
+            f"factorization taken at the forward's {H200.flops / 1e12:.1f}); down_proj's group is {down:.0%} of "
+            f"GPTQ's solve, the factorizations {factor:.0%}")
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.qarray import QArray
 from qconvert.formats.errors import OutputWriteError, UsageError
 from qconvert.methods.gptq_core import DEFAULT_DAMP, GPTQConfig, hessian_factor, round_columns, row_output_errors
+from qconvert.methods.gptq_rows import round_rows, split_groups
 from qconvert.methods.scale_search import ScaleSearches
 from qconvert.methods.loop import Results, Step, weight_shape
 from qconvert.methods.fold import TensorFold, apply_fold
@@ -112,9 +113,16 @@ class SequentialGPTQ:
         effective = {}
         groups = {group[0]: group for group in _sharing_groups([m for m in modules if m in stats.of(InputHessian)], stats,
                                                                folds)}
-        solved = spread(list(groups), [_cost(group, self.params) for group in groups.values()],
+        costs = {key: _cost(group, self.params) for key, group in groups.items()}
+        rows = [sum(weight_shape(self.params, m)[0] for m in group) for group in groups.values()]
+        split = dict(zip(groups, split_groups(list(costs.values()), rows, len(jax.devices()))))
+        whole = [key for key in groups if not split[key]]
+        solved = spread(whole, [costs[key] for key in whole],
                         lambda key, device: self._round(stats, groups[key], folds, device),
                         self._encoded, self._decoded)
+        for key in groups:  # the groups a device would hold the layer up with: every device rounds their rows
+            if split[key]:
+                solved[key] = self._round(stats, groups[key], folds, jax.local_devices()[0], rows_split=True)
         for key, group in groups.items():
             for m in group:
                 q, values, dtype = solved[key][m]
@@ -122,9 +130,11 @@ class SequentialGPTQ:
                 effective[f"{m}.weight"] = _unfolded(values, folds.get(f"{m}.weight")).astype(dtype)
         self._pending[stats.index] = effective
 
-    def _round(self, stats: LayerStats, group: list[str], folds: Mapping[str, TensorFold], device
-               ) -> dict[str, tuple[QArray, np.ndarray, np.dtype]]:
-        """One sharing group rounded: per linear its QArray, its float32 values and the source's dtype."""
+    def _round(self, stats: LayerStats, group: list[str], folds: Mapping[str, TensorFold], device,
+               rows_split: bool = False) -> dict[str, tuple[QArray, np.ndarray, np.dtype]]:
+        """One sharing group rounded: per linear its QArray, its float32 values and the source's dtype. With
+        `rows_split`, every device of every process rounds a block of its rows (gptq_rows), and every process
+        holds the whole group's result."""
         tokens = stats.of(InputHessian)[group[0]]["tokens"]
         weights = {m: self._weight(m, folds.get(f"{m}.weight")) for m in group}
         rtn = {m: self.scheme.quantize(w, self.flags, scale_dtype=raw_dtype, clip=self._clip(m, w))
@@ -139,7 +149,8 @@ class SequentialGPTQ:
             fold = folds.get(f"{group[0]}.weight")
             if fold is not None and fold.col_multiplier is not None:
                 h = _smoothed_hessian(h, fold.col_multiplier)
-            chosen, values = self._round_group(group, {m: w for m, (w, _) in weights.items()}, rtn, h, tokens)
+            chosen, values = self._round_group(group, {m: w for m, (w, _) in weights.items()}, rtn, h, tokens,
+                                               rows_split)
         return {m: (chosen[m], np.asarray(values[m]), np.dtype(weights[m][1])) for m in group}
 
     def _encoded(self, solved: dict[str, tuple[QArray, np.ndarray, np.dtype]]) -> tuple[dict, dict]:
@@ -181,23 +192,35 @@ class SequentialGPTQ:
         return self.searches.clip_for(module, weight, self.scheme, self.flags) if self.searches.enabled else None
 
     def _round_group(self, group: list[str], weights: dict[str, np.ndarray], rtn: dict[str, QArray], h,
-                     tokens: int) -> tuple[dict[str, QArray], dict[str, np.ndarray]]:
+                     tokens: int, rows_split: bool = False) -> tuple[dict[str, QArray], dict[str, np.ndarray]]:
         """GPTQ's QArrays of a group of linears sharing Hessian h, and the float32 weights they stand for."""
-        u, perm, dead = hessian_factor(h, self.config.damp, act_order=self.config.act_order)
-        if not bool(jnp.isfinite(u).all()):
+        factor = hessian_factor(h, self.config.damp, act_order=self.config.act_order)
+        if not bool(jnp.isfinite(factor[0]).all()):
             raise self._singular(group[0], h.shape[0], tokens)
-        stacked = jnp.asarray(np.concatenate([np.asarray(weights[m], np.float32) for m in group]))
-        steps = jnp.asarray(np.concatenate([self.scheme.gptq_steps(rtn[m], self.flags) for m in group]))
+        stacked = np.concatenate([np.asarray(weights[m], np.float32) for m in group])
+        steps = np.concatenate([self.scheme.gptq_steps(rtn[m], self.flags) for m in group])
         offsets = [self.scheme.gptq_offsets(rtn[m], self.flags) for m in group]  # zero points, asymmetric grids
-        offsets = None if offsets[0] is None else jnp.asarray(np.concatenate(offsets))
-        codes, values = round_columns(stacked, steps, u, perm, dead, grid=self.scheme.gptq_grid(),
-                                      block_size=self.config.block_size, offsets=offsets)
-        if not bool(jnp.isfinite(values).all()):  # checked where produced: NaN never reaches a code or a record
-            raise self._singular(group[0], h.shape[0], tokens)
+        offsets = None if offsets[0] is None else np.concatenate(offsets)
         rtn_values = np.concatenate([np.asarray(rtn[m].dequantize(np.float32)) for m in group])
-        errors, reference = (np.asarray(a, np.float64) for a in
-                             row_output_errors(stacked, jnp.stack([values, rtn_values]), h))
-        codes, values = np.asarray(codes), np.asarray(values)
+        grid, block_size = self.scheme.gptq_grid(), self.config.block_size
+        if rows_split:
+            codes, values = round_rows(stacked, steps, offsets, factor, grid=grid, block_size=block_size)
+        else:
+            codes, values = round_columns(jnp.asarray(stacked), jnp.asarray(steps), *factor, grid=grid,
+                                          block_size=block_size,
+                                          offsets=None if offsets is None else jnp.asarray(offsets))
+        # On the whole group, where it was rounded by rows too: a product's float32 sums over a block of rows
+        # need not be those over all of them (the records are one device's bytes).
+        errors, reference = row_output_errors(stacked, jnp.stack([values, rtn_values]), h)
+        if not bool(np.isfinite(np.asarray(values)).all()):  # checked where produced: NaN never reaches a code
+            raise self._singular(group[0], h.shape[0], tokens)
+        return self._chosen(group, weights, rtn, np.asarray(codes), np.asarray(values),
+                            np.asarray(errors, np.float64), np.asarray(reference, np.float64), tokens)
+
+    def _chosen(self, group: list[str], weights: dict[str, np.ndarray], rtn: dict[str, QArray], codes: np.ndarray,
+                values: np.ndarray, errors: np.ndarray, reference: np.ndarray, tokens: int
+                ) -> tuple[dict[str, QArray], dict[str, np.ndarray]]:
+        """Per linear of a group, its QArray of GPTQ's codes and its rows of values; its output errors recorded."""
         chosen, dequantized, start = {}, {}, 0
         for m in group:
             rows = slice(start, start + weights[m].shape[0])
