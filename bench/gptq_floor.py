@@ -14,7 +14,10 @@ Per shape [rows, in], one process, int4 with groups of 128 (act order on, as the
 
 Each is compiled first and timed best of --repeat. The ratios are loop / floor and gptq / floor (the factor
 has its own FLOP, but the floor is what one device would spend on the rows at the matmul rate). Llama-3-8B's
-down_proj (4096 x 14336) runs on 256 of its rows: the loop's time is linear in the rows, the factor's is not.
+down_proj (4096 x 14336) runs on 256 of its rows, the loop alone: the loop's time is linear in the rows, and
+the factor of a 14,336-wide Hessian (about 4 TFLOP, the same code before and after) takes minutes on a CPU;
+inputs wider than FACTOR_WIDTH time the loop alone, on a synthetic U (upper triangular, a positive diagonal,
+act order's permutation random): the loop does the same work whatever U holds.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ SHAPES = {"SmolLM2 (576 x 1536)": (576, 1536),
           "Llama-3-8B down_proj, 256 of 4096 rows (256 x 14336)": (256, 14336)}
 
 
+FACTOR_WIDTH = 8192
+
+
 def best(fn, repeat: int) -> float:
     jax.block_until_ready(fn())  # compiled (and warm) before timing
     times = []
@@ -53,15 +59,19 @@ def best(fn, repeat: int) -> float:
 
 
 def inputs(rows: int, width: int, seed: int = 0):
-    """A weight, its int4 steps and a Hessian of correlated inputs (more tokens than the width: full rank)."""
+    """A weight, its int4 steps and a Hessian of correlated inputs (more tokens than the width: full rank; None
+    above FACTOR_WIDTH)."""
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((rows, width), np.float32) * 0.02
+    scheme, flags = scheme_named("int4"), LayoutFlags(group_size=128)
+    q = scheme.quantize(w, flags, scale_dtype=np.float32)
+    steps = jnp.asarray(scheme.gptq_steps(q, flags))
+    if width > FACTOR_WIDTH:
+        return jnp.asarray(w), None, steps, scheme.gptq_grid()
     mix = rng.standard_normal((width, width), np.float32) / np.sqrt(width)
     x = rng.standard_normal((width + 256, width), np.float32) @ (np.eye(width, dtype=np.float32) + 0.3 * mix)
     h = (2.0 / x.shape[0]) * (x.T @ x)
-    scheme, flags = scheme_named("int4"), LayoutFlags(group_size=128)
-    q = scheme.quantize(w, flags, scale_dtype=np.float32)
-    return jnp.asarray(w), jnp.asarray(h, jnp.float32), jnp.asarray(scheme.gptq_steps(q, flags)), scheme.gptq_grid()
+    return jnp.asarray(w), jnp.asarray(h, jnp.float32), steps, scheme.gptq_grid()
 
 
 def measure(rows: int, width: int, repeat: int) -> dict[str, float]:
@@ -69,13 +79,18 @@ def measure(rows: int, width: int, repeat: int) -> dict[str, float]:
     a = jnp.asarray(np.random.default_rng(1).standard_normal((rows, width), np.float32))
     b = jnp.asarray(np.random.default_rng(2).standard_normal((width, width), np.float32))
     matmul = jax.jit(lambda a, b: a @ b)
-    u, perm, dead = hessian_factor(h, 0.1, act_order=True)
-    return {
-        "floor": best(lambda: matmul(a, b), repeat),
-        "loop": best(lambda: round_columns(w, steps, u, perm, dead, grid=grid), repeat),
-        "factor": best(lambda: hessian_factor(h, 0.1, act_order=True), repeat),
-        "gptq": best(lambda: gptq_codes(w, h, steps, 0.1, grid=grid, act_order=True), repeat),
-    }
+    if width > FACTOR_WIDTH:
+        rng = np.random.default_rng(3)
+        u = jnp.triu(jnp.asarray(rng.standard_normal((width, width), np.float32) * (0.1 / np.sqrt(width))), 1)
+        u, perm, dead = u + jnp.eye(width), jnp.asarray(rng.permutation(width)), jnp.zeros(width, bool)
+    else:
+        u, perm, dead = hessian_factor(h, 0.1, act_order=True)
+    times = {"floor": best(lambda: matmul(a, b), repeat),
+             "loop": best(lambda: round_columns(w, steps, u, perm, dead, grid=grid), repeat)}
+    if width <= FACTOR_WIDTH:
+        times["factor"] = best(lambda: hessian_factor(h, 0.1, act_order=True), repeat)
+        times["gptq"] = best(lambda: gptq_codes(w, h, steps, 0.1, grid=grid, act_order=True), repeat)
+    return times
 
 
 def main() -> None:
@@ -91,8 +106,10 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, (rows, width) in shapes.items():
         t = measure(rows, width, opts.repeat)
+        rest = (f"{t['factor'] * 1e3:.0f} ms | {t['gptq'] * 1e3:.0f} ms | {t['gptq'] / t['floor']:.1f}x" if "gptq" in t
+                else "- | - | -")
         print(f"| {name} | {t['floor'] * 1e3:.0f} ms | {t['loop'] * 1e3:.0f} ms | {t['loop'] / t['floor']:.1f}x | "
-              f"{t['factor'] * 1e3:.0f} ms | {t['gptq'] * 1e3:.0f} ms | {t['gptq'] / t['floor']:.1f}x |", flush=True)
+              f"{rest} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ A weight's rows are independent once U (the Cholesky factor of the damped invers
 are known: GPTQ feeds a column's error only along its own row. So the group whose solve a layer would wait for
 (down_proj's, input 14,336 wide on Llama-3-8B) is not given to one device: every process factors its Hessian
 once, on its first device, and hands U to its other devices; each device of every process rounds one block of
-the stacked rows (and their output errors); every process receives every block. The rows a device rounds see
-the same float32 operations as on one device (each row's sums run over columns, never over rows), so the
-codes are one device's, whatever the mesh.
+the stacked rows; every process receives every block. The rows a device rounds see the same float32 operations
+as on one device (each row's sums run over columns, never over rows), so the codes are one device's whatever
+the mesh, where each block's products take the kernel the whole matrix's take (MIN_ROWS_A_DEVICE).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from qconvert.cluster.share import share
 from qconvert.methods.gptq_core import round_columns
 from qconvert.schemes.grids import FloatGrid, IntegerGrid, RoundingGrid
 
-MIN_ROWS_A_DEVICE = 64  # fewer rows a device: XLA's CPU dot takes another kernel, which sums otherwise (docs/SCALING.md)
+# Fewer rows a device and XLA's CPU dot takes another kernel, whose sums round otherwise (docs/SCALING.md).
+MIN_ROWS_A_DEVICE = 64
 
 
 def split_groups(costs: Sequence[float], rows: Sequence[int], devices: int) -> list[bool]:

@@ -118,8 +118,9 @@ def test_rows_split_over_four_devices_round_as_one_device(tmp_path):
 
     script = tmp_path / "split.py"
     script.write_text(SPLIT_SCRIPT)
-    done = subprocess.run([sys.executable, str(script), str(Path(__file__).parent), str(Path(__file__).parents[1])], env=_env(4),
-                          capture_output=True, text=True, timeout=600)
+    paths = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # test_gptq_core's folder, tests/
+    done = subprocess.run([sys.executable, str(script), *paths], env=_env(4), capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
     assert set(result) == {"int8", "int4", "int4-asym", "nf4", "fp8"}
