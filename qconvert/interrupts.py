@@ -68,6 +68,7 @@ class _State:
         self.exiting = False
         self.lock = threading.Lock()
         self.last_words: list = []  # (message, code) -> None, before a thread ends the process
+        self.sayer = None  # (message, code) -> None: the failure's document and line (the CLI's exit path)
 
 
 _state = _State()
@@ -132,6 +133,27 @@ def add_last_words(say) -> None:
         _state.last_words.append(say)
 
 
+def set_sayer(say) -> None:
+    """`say(message, exit_code)` prints a failure's one line (and its --json document) when a thread ends the
+    process: the CLI's one exit path. Without it, the line alone is written."""
+    _state.sayer = say
+
+
+def end_from_thread(message: str, code: int) -> None:
+    """End the process from a thread (the signal watchdog, a run's watch, a deadline): temporaries removed, the
+    last words said, the failure said through the sayer, exit `code` (never returns). The caller has claimed
+    the exit (claim_exit)."""
+    remove_temporaries()
+    try:
+        say_last_words(message, code)
+        if _state.sayer is not None:
+            _state.sayer(message, code)
+        else:
+            error_line(message)
+    finally:
+        flush_and_exit(code)
+
+
 def say_last_words(message: str, code: int) -> None:
     """Run the last words (see add_last_words), once."""
     with _state.lock:
@@ -184,12 +206,7 @@ def _watchdog(read_fd: int) -> None:
         if not claim_exit():  # the main thread is printing its line and leaving: give it a moment
             _wait_for_second_signal(read_fd)
             os._exit(128 + signum)
-        remove_temporaries()
-        try:
-            say_last_words(Interrupted(signum).message, 128 + signum)
-            error_line(Interrupted(signum).message)
-        finally:
-            os._exit(128 + signum)
+        end_from_thread(Interrupted(signum).message, 128 + signum)
 
 
 def claim_exit() -> bool:

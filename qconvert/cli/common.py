@@ -4,12 +4,12 @@ one-line failure, and the checks every command makes before it starts JAX or the
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import click
 
 from qconvert.cli.flag_types import Text, WholeNumber
+from qconvert.cli import outcome
 from qconvert.formats.errors import EXIT_CODES
 from qconvert.formats.outside import shown
 
@@ -34,64 +34,12 @@ def verbose_option(command):
 
 
 def print_document(command: str, body: dict, exit_code: int = 0, error: str | None = None) -> None:
-    """A command's --json document on stdout: the shared envelope (formats/documents.py), then its own fields.
-    With `error` (a result that ends in that refusal) it is the run's one document: its failure prints no other."""
-    from qconvert import __version__
-    from qconvert.formats.documents import dumps, envelope
-
-    out = body.get("out")
-    click.echo(dumps({**envelope(command, __version__, exit_code=exit_code, out=None if out is None else str(out),
-                                 error=error), **body}))
-    if error is not None:
-        expect_json_failures(None)
+    """A command's --json document (qconvert.cli.outcome holds it until the run's outcome is final)."""
+    outcome.hold_document(command, body, exit_code, error)
 
 
-class _Run:
-    """What the failure paths need to know of the command running: its name where it was given --json (its
-    failures then print a JSON document too), where else the document goes (verify's --json-file, once its
-    target is checked), and the OUT it was given, once its arguments parsed."""
-
-    json_command: str | None = None
-    record_command: str | None = None
-    write_record: Callable[[str], None] | None = None
-    out: str | None = None
-
-
-def expect_json_failures(command: str | None) -> None:
-    """Failures from here on print the command's JSON error document on stdout as well (it was given --json)."""
-    _Run.json_command = command
-
-
-def record_failures(command: str, write: Callable[[str], None]) -> None:
-    """Failures from here on also hand the command's JSON error document to `write` (a file the user named)."""
-    _Run.record_command, _Run.write_record = command, write
-
-
-def note_out(out) -> None:
-    """The OUT a command was given, for its JSON error document."""
-    _Run.out = None if out is None else str(out)
-
-
-def print_error_document(message: str, exit_code: int) -> None:
-    """The JSON error document of a command given --json, on stdout, and to the file it records in (process 0
-    only, in a run of several)."""
-    command = _Run.json_command or _Run.record_command
-    if command is None or not is_leader():
-        return
-    from qconvert import __version__
-    from qconvert.formats.documents import dumps, error_document
-
-    text = dumps(error_document(command, __version__, message, exit_code, _Run.out))
-    if _Run.json_command is not None:
-        click.echo(text)
-    write, _Run.write_record = _Run.write_record, None  # once: a failure to write it fails nothing again
-    if write is not None:
-        from qconvert.formats.errors import QConvertError
-
-        try:
-            write(text)
-        except (QConvertError, OSError) as err:  # the run's own line stays the one that matters
-            click.echo(f"qconvert: the error record was not written: {err}", err=True)
+note_out = outcome.note_out
+record_failures = outcome.record_failures
 
 
 def check_model(model: str) -> None:
@@ -111,8 +59,7 @@ def fail(message: str, exit_code: int) -> None:
     if cluster.active():
         cluster.settle()
         cluster.note_failure(message)
-    print_error_document(message, exit_code)
-    click.echo(f"qconvert: error: {message}", err=True)
+    outcome.say_failure(message, exit_code, leader=is_leader())
     sys.exit(exit_code)
 
 
@@ -187,7 +134,7 @@ def join_cluster(flags: dict) -> None:
 
     cluster.start(cluster.Launch(flags.pop("coordinator", None), flags.pop("num_processes", None),
                                  flags.pop("process_id", None), flags.pop("detect_cluster", False)),
-                  before_joining=native_output_silenced, report=print_error_document)
+                  before_joining=native_output_silenced)
 
 
 def is_leader() -> bool:

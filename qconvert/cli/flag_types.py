@@ -102,6 +102,8 @@ class Source(_Checked):
     name = "model"
 
     def check(self, value, what: str):
+        if isinstance(value, str) and not value.strip():
+            return value  # MODEL's own check says what an empty MODEL is not (the current folder)
         found = outside.path(value, what)
         local = found.expanduser()
         if local.exists():

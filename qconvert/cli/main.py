@@ -13,7 +13,8 @@ import click
 
 from qconvert import __version__, interrupts
 from qconvert.cli.calibrate import calibrate
-from qconvert.cli.common import EXIT_CODES_EPILOG, expect_json_failures, fail, print_error_document
+from qconvert.cli import outcome
+from qconvert.cli.common import EXIT_CODES_EPILOG, fail, is_leader
 from qconvert.cli.inspect import example_model, inspect_command
 from qconvert.cli.quantize import quantize
 from qconvert.cli.streams import guard_stdout
@@ -67,8 +68,7 @@ def _internal_error(err: Exception, command: str | None) -> None:
         import traceback
 
         traceback.print_exception(err)
-    print_error_document(line.removeprefix("qconvert: "), INTERNAL_ERROR_EXIT_CODE)
-    click.echo(line, err=True)
+    outcome.say_failure(line.removeprefix("qconvert: "), INTERNAL_ERROR_EXIT_CODE, leader=is_leader(), line=line)
     sys.exit(INTERNAL_ERROR_EXIT_CODE)
 
 
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     guard_stdout()
     argv = legacy_json_dash(sys.argv[1:] if argv is None else list(argv))
     command = _command_name(argv)
-    expect_json_failures(command if _asks_json(argv, command) else None)
+    outcome.start(command if _asks_json(argv, command) else None)
+    interrupts.set_sayer(lambda message, code: outcome.say_failure(message, code, leader=is_leader()))
     try:
         _run(argv, command)
     except SystemExit as done:
@@ -130,8 +131,18 @@ def main(argv: list[str] | None = None) -> None:
         from qconvert import cluster
 
         if cluster.active():  # one of several processes: all leave with the run's code
-            cluster.leave(code)
+            cluster.leave(code, _end_of_run)
+        outcome.finish(code)
         raise
+
+
+def _end_of_run(final: int, failure: str | None) -> None:
+    """What a run of several processes says once its outcome is agreed: the failure that decided it, or this
+    process's own result."""
+    if failure is not None:
+        outcome.say_failure(failure, final, leader=is_leader())
+    else:
+        outcome.finish(final)
 
 
 def _run(argv: list[str], command: str | None) -> None:

@@ -121,8 +121,12 @@ def settle() -> None:
 PEER_GRACE_S = 30.0
 
 
-def leave(code: int) -> None:
-    """End this process of the run with the run's exit code, agreed with the others (never returns)."""
+def leave(code: int, end) -> None:
+    """End this process of the run with the run's exit code, agreed with the others (never returns).
+
+    `end(final, line)` prints what the run's end says before the process exits: `line` is the failure to say
+    (another process's that decided the run, or a signal's while waiting), or None when the run ended as this
+    process said (its own document and line were its own to print)."""
     from qconvert import interrupts
 
     from qconvert.cluster.watch import failure_text
@@ -130,14 +134,14 @@ def leave(code: int) -> None:
     try:
         decided = _state.watch.finish(code, _state.failure_line if code else "")
     except (KeyboardInterrupt, interrupts.Interrupted) as err:
-        # A signal while waiting for the others: this process's outcome is already printed (its document
-        # too); the others hear of the signal, and this process leaves with its code and its one line.
+        # A signal while waiting for the others: the others hear of it, and this process leaves with its
+        # code, its one line and (where none was said yet) its document.
         signal_code, line = interrupts.exit_code_for(err), interrupts.message_for(err)
         _state.watch.tell(line, signal_code)
         if interrupts.claim_exit():
-            interrupts.error_line(line)
+            end(signal_code, line)
         interrupts.flush_and_exit(signal_code)
     final, process, _ = decided
-    if final != 0 and process != _state.index and (code == 0 or code != final):
-        interrupts.error_line(failure_text(decided))
+    elsewhere = final != 0 and process != _state.index and (code == 0 or code != final)
+    end(final, failure_text(decided) if elsewhere else None)
     interrupts.flush_and_exit(final)

@@ -201,12 +201,7 @@ def end_from_thread(final: tuple[int, int, str]) -> None:
     """End this process from the watch's thread: temporaries removed, one line, the run's exit code."""
     if not interrupts.claim_exit():
         return  # a signal's exit is under way
-    interrupts.remove_temporaries()
-    try:
-        interrupts.say_last_words(failure_text(final), final[0])  # the --json document
-        interrupts.error_line(failure_text(final))
-    finally:
-        interrupts.flush_and_exit(final[0])
+    interrupts.end_from_thread(failure_text(final), final[0])
 
 
 def _read_line(stream) -> dict | None:

@@ -187,7 +187,7 @@ def test_ctrl_c_exits_130_and_leaves_nothing(source, tmp_path, capsys, monkeypat
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--max-shard-size", "lots"], "cannot read size"),
+    (["--max-shard-size", "lots"], "is not a size"),
     (["--scheme", "int8", "--double-quant"], "--double-quant"),
     (["--scheme", "fp6"], "fp6"),
     (["--revision", "main"], "--revision"),

@@ -101,7 +101,9 @@ def _beside_out(work, before, code, out: str) -> dict:
     after = tree(work)
     if code == 0:
         named = os.path.relpath(os.path.abspath(os.path.join(work, out)), work)
-        after = {k: v for k, v in after.items() if not (k == named or k.startswith(named + "/"))}
+        # OUT, what it holds, and the folders on its way that the run made for it
+        after = {k: v for k, v in after.items() if not (k == named or k.startswith(named + "/")
+                                                        or named.startswith(k + "/"))}
     return {k: v for k, v in after.items() if before.get(k, "absent") != v}
 
 
