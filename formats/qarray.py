@@ -24,6 +24,12 @@ Kinds:
           has zero_point int8 [out, in / block_size] in [-8, 7]: value = (qvalue - zero) * scale.
   "fp8"   qvalue float8_e4m3fn codes at the logical shape ([out, in]; [G, out, in] for stacked experts);
           scale float [out, 1] per output channel ([G, out, 1]). value = float(qvalue) * scale.
+  "fp4"   qvalue uint8 E2M1 codes (0..15: bit 3 the sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, 3, 4, 6) at the
+          logical shape [out, in]; scale float32 [out, in / block_size], each group's scale (NVFP4: an E4M3
+          value; MXFP4: a power of two). NVFP4's second-level scale, one float32 per tensor, rides in the
+          zero_point slot as [1, 1] (a float kind has no zero point; the slot keeps it beside the codes
+          wherever a QArray's leaves go): value = FP4_LEVELS[code] * (scale / zero_point), the quotient in
+          float32, as compressed-tensors divides it; without it value = FP4_LEVELS[code] * scale.
 """
 
 from __future__ import annotations
@@ -48,6 +54,10 @@ NF4_LEVELS = np.array(
     dtype=np.float32,
 )
 
+
+# The 16 E2M1 values by 4-bit code: bit 3 the sign, bits 0-2 the magnitude's index (code 8 is -0.0).
+FP4_LEVELS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      dtype=np.float32)
 
 
 class QKind(str):
@@ -100,7 +110,8 @@ INT8 = QKind("int8", bits=8)
 NF4 = QKind("nf4", bits=4, levels=NF4_LEVELS, flat_blocks=True)
 INT4 = QKind("int4", bits=4, column_groups=True)
 FP8 = QKind("fp8", bits=8, float_codes=True)
-KINDS = {kind: kind for kind in (INT8, NF4, INT4, FP8)}  # name -> QKind (a QKind is its own name)
+FP4 = QKind("fp4", bits=4, levels=FP4_LEVELS)
+KINDS = {kind: kind for kind in (INT8, NF4, INT4, FP8, FP4)}  # name -> QKind (a QKind is its own name)
 
 
 def kind_named(name: str) -> QKind:
@@ -187,6 +198,15 @@ def group_columns(values, q: QArray) -> jax.Array:
     return jnp.broadcast_to(values, q.shape)
 
 
+def fp4_group_scale(q: QArray) -> jax.Array:
+    """An fp4 QArray's float32 scale broadcast to its logical shape: the group scale, divided by the second-level
+    scale where there is one (NVFP4), as compressed-tensors divides it (float32)."""
+    scale = jnp.asarray(q.scale).astype(jnp.float32)
+    if q.zero_point is not None:
+        scale = scale / jnp.asarray(q.zero_point).astype(jnp.float32)
+    return group_columns(scale, q)
+
+
 def dequantize(q: QArray, dtype=None) -> jax.Array:
     """Materialize a QArray as a float array (computed in float32, cast at the end)."""
     out_dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(q.dtype)
@@ -195,6 +215,8 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
         if q.zero_point is not None:
             values = values - group_columns(q.zero_point, q)
         return (values * group_scale(q)).astype(out_dtype)
+    if q.kind == FP4:
+        return (jnp.asarray(FP4_LEVELS)[jnp.asarray(q.qvalue).astype(jnp.int32)] * fp4_group_scale(q)).astype(out_dtype)
     n = q.size
     codes = unpack_nf4_codes(q.qvalue, n)
     levels = jnp.asarray(NF4_LEVELS)[codes]

@@ -32,6 +32,8 @@ from qconvert.kernels.activations import (fake_quantize_fp8_rows, fake_quantize_
 from qconvert.kernels.dense import fp8_matmul, int4_weight_matmul, int8_matmul, int8_weight_matmul, nf4_matmul
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.grouped import grouped_matmul
+from qconvert.kernels.plan import KernelPlan
+from qconvert.kernels.reference import fp4_weight_matmul_reference
 from qconvert.kernels.prepared import PreparedWeight, prepared_matmul
 from qconvert.kernels.w4a8 import w4a8_fp8_grouped_matmul, w4a8_fp8_matmul
 
@@ -103,6 +105,7 @@ def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None
         lead, lhs = x.shape[:-1], x.reshape(-1, x.shape[-1])
         out_dtype = x.dtype if out_dtype is None else out_dtype
     route = (_nf4_linear if q.kind.flat_blocks else _fp8_linear if q.kind.float_codes
+             else _fp4_linear if q.kind.levels is not None
              else _int4_linear if q.kind.column_groups else _int8_linear)
     y, plan = route(lhs, q, bias, act, input_scale, out_dtype=out_dtype, backend=backend)
     y = y.reshape(*lead, q.shape[0])
@@ -139,6 +142,17 @@ def _int4_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
                                   "(W4A8-FP8: E4M3 per token); not static or int8 activations")
     return int4_weight_matmul(lhs, q.qvalue, q.scale, group_size=q.block_size, bias=bias, out_dtype=out_dtype,
                               backend=backend, return_plan=True, w_zero=q.zero_point)
+
+
+def _fp4_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
+    if act is not None or isinstance(lhs, tuple):
+        raise KernelArgumentError("qlinear: FP4 weights take float activations (NVFP4A16, MXFP4A16); drop act")
+    y = fp4_weight_matmul_reference(lhs, q.qvalue, q.scale, group_size=q.block_size, w_global=q.zero_point,
+                                    bias=bias, out_dtype=out_dtype)
+    plan = KernelPlan("fp4_weight_matmul", "fp4_weight_matmul_reference", "reference", None,
+                      "E2M1 codes times their group's scale (over the global scale) in float32, cast to the "
+                      "activation dtype, float32 accumulation", fallback_reason="no Pallas FP4 kernel yet")
+    return y, plan
 
 
 def _int8_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qconvert.formats.qarray import NF4_BLOCK_SIZE, NF4_LEVELS
+from qconvert.formats.qarray import FP4_LEVELS, NF4_BLOCK_SIZE, NF4_LEVELS
 from qconvert.formats.quotient import f32_quotient
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -207,6 +207,33 @@ def w4a8_fp8_matmul_reference(x, w_codes, w_scale, *, group_size: int | None, bi
         x_e4m3, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=HIGHEST
     )
     y = y * x_scale
+    if bias is not None:
+        y = y + jnp.asarray(bias, jnp.float32).reshape(1, -1)
+    return y.astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size",))
+def fp4_dequantize_reference(w_codes, w_scale, group_size: int, w_global=None) -> jax.Array:
+    """The float32 weight [N, K] of E2M1 codes (uint8 0..15, bit 3 the sign): E2M1[code] times its group's scale
+    w_scale[n, k // group_size], divided by the tensor's global scale w_global first where there is one (NVFP4:
+    scale / global in float32, as compressed-tensors divides it; MXFP4: the power-of-two scale itself)."""
+    scale = jnp.asarray(w_scale, jnp.float32)
+    if w_global is not None:
+        scale = scale / jnp.asarray(w_global, jnp.float32).reshape(())
+    values = jnp.asarray(FP4_LEVELS)[jnp.asarray(w_codes).astype(jnp.int32)]
+    return values * jnp.repeat(scale, group_size, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "out_dtype"))
+def fp4_weight_matmul_reference(x, w_codes, w_scale, *, group_size: int, w_global=None, bias=None,
+                                out_dtype=jnp.float32) -> jax.Array:
+    """NVFP4A16 / MXFP4A16: y = x @ W^T + bias[n], W the E2M1 weight dequantized in float32 and cast to x's dtype
+    (what a W4A16 dequantizing kernel computes); float32 accumulation."""
+    x = jnp.asarray(x)
+    w = fp4_dequantize_reference(w_codes, w_scale, group_size, w_global).astype(x.dtype)
+    y = jax.lax.dot_general(
+        x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=HIGHEST
+    )
     if bias is not None:
         y = y + jnp.asarray(bias, jnp.float32).reshape(1, -1)
     return y.astype(out_dtype)

@@ -127,7 +127,9 @@ def _tensor_rows(qc) -> list[TensorRow]:
         container = ckpt.dtype(max(parts, key=ckpt.nbytes)).name
         codes = code_dtype(q)
         stored = codes if codes == container else f"{codes} in {container}"
-        if q.zero_point is not None:  # asymmetric: each group's zero point is stored beside its scale
+        if q.zero_point is not None and q.kind.levels is not None:  # NVFP4: the slot holds the tensor's global scale
+            stored += " + global scale"
+        elif q.zero_point is not None:  # asymmetric: each group's zero point is stored beside its scale
             stored += " + zero points"
         rows.append(TensorRow(module, qc.scheme, q.shape, stored, sum(ckpt.nbytes(n) for n in parts),
                               float_dtype=q.dtype))

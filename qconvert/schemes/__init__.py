@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 # name -> "module:class" under qconvert.schemes
 _CLASSES = {"int8": "int8:Int8", "int4": "int4:Int4", "w8a8": "w8a8:W8A8", "fp8": "fp8:FP8", "nf4": "nf4:NF4",
-            "int4-asym": "int4_asym:Int4Asym", "w4a8-fp8": "w4a8:W4A8FP8"}
+            "int4-asym": "int4_asym:Int4Asym", "w4a8-fp8": "w4a8:W4A8FP8",
+            "nvfp4a16": "nvfp4:NVFP4A16", "mxfp4a16": "nvfp4:MXFP4A16"}
 NAMES = tuple(_CLASSES)
 # compressed-tensors' preset names (what llm-compressor users write), taken in any case for the scheme that writes
 # that preset; an entry whose scheme this build lacks is left out.
@@ -32,6 +33,8 @@ _PRESETS = {
     "W8A8": "w8a8",
     "FP8_DYNAMIC": "fp8",
     "W4AFP8": "w4a8-fp8",
+    "NVFP4A16": "nvfp4a16",
+    "MXFP4A16": "mxfp4a16",
 }
 ALIASES = {alias: name for alias, name in _PRESETS.items() if name in _CLASSES}
 # name -> (what it stores, in one line; the loaders that read its layout, as measured): the scheme's own words,
@@ -51,6 +54,10 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
                   "(W4A16_ASYM)", "vLLM (dense and MoE), transformers + compressed-tensors"),
     "w4a8-fp8": ("int4 weights per group of 128 input channels, FP8 activations per token at run time (W4AFP8)",
                  "vLLM (Hopper), vLLM TPU, transformers + compressed-tensors"),
+    "nvfp4a16": ("NVFP4 weights: E2M1 in groups of 16, E4M3 scales, a float32 global scale per tensor; float "
+                 "activations (NVFP4A16)", "transformers + compressed-tensors; vLLM not measured"),
+    "mxfp4a16": ("MXFP4 weights: E2M1 in groups of 32, power-of-two (E8M0) scales; float activations (MXFP4A16)",
+                 "transformers + compressed-tensors; vLLM not measured"),
 }
 
 __all__ = ["ALIASES", "DESCRIPTIONS", "NAMES", "SCHEMES", "canonical_name", "names_where", "scheme_named"]

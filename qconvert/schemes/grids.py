@@ -50,4 +50,27 @@ class FloatGrid:
         return value, value
 
 
-RoundingGrid = IntegerGrid | LevelGrid | FloatGrid
+# E2M1's magnitudes' rounding boundaries, each with whether a value on it rounds up (a tie goes to the even
+# mantissa: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4).
+E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+E2M1_MAX = 6.0
+
+
+@dataclasses.dataclass(frozen=True)
+class E2M1Grid:
+    """FP4 E2M1 codes (NVFP4, MXFP4): x in units of its group's scale, clamped to +-6, to the nearest E2M1 value
+    (ties to even); code = its 4-bit code (bit 3 the sign, kept for a negative x that rounds to zero), value
+    = the E2M1 value."""
+
+    def round(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        from qconvert.formats.qarray import FP4_LEVELS
+
+        a = jnp.abs(jnp.clip(x, -E2M1_MAX, E2M1_MAX))
+        code = jnp.zeros(x.shape, jnp.int32)
+        for bound, up in E2M1_BOUNDS:
+            code = code + ((a >= bound) if up else (a > bound)).astype(jnp.int32)
+        code = code + 8 * (x < 0).astype(jnp.int32)
+        return code.astype(x.dtype), jnp.asarray(FP4_LEVELS, x.dtype)[code]
+
+
+RoundingGrid = IntegerGrid | LevelGrid | FloatGrid | E2M1Grid

@@ -90,6 +90,10 @@ TABLE: dict[tuple[str, str], str] = {
     ("nf4", "bert"): "N??Y",
     ("int4-asym", "bert"): "???Y",
     ("w4a8-fp8", "bert"): "???Y",
+    # FP4: transformers 5.24 + compressed-tensors by tests/schemes/test_fp4.py (logits against the dequantized
+    # folder); vLLM's and vLLM TPU's loading checks have not been run on these layouts.
+    ("nvfp4a16", "llama"): "???Y",
+    ("mxfp4a16", "llama"): "???Y",
 }
 
 
@@ -109,6 +113,8 @@ LAYOUTS = {
     "nf4": "bitsandbytes 4-bit",
     "int4-asym": "compressed-tensors `pack-quantized`, 4 bits, with `weight_zero_point`",
     "w4a8-fp8": "compressed-tensors `pack-quantized`, 4 bits, FP8 `input_activations`",
+    "nvfp4a16": "compressed-tensors `nvfp4-pack-quantized`",
+    "mxfp4a16": "compressed-tensors `mxfp4-pack-quantized`",
 }
 
 # What a server's verdict on a scheme holds under, or why it says no, where the cells alone would not tell (a
@@ -131,6 +137,8 @@ NOTES = {
                               "`--exclude '*.experts.*'` gives a folder it loads"),
     ("int4-asym", "transformers"): "With `CompressedTensorsConfig(dequantize=True)`; fused experts lose their zero points",
     ("w4a8-fp8", "transformers"): "Weights decompressed to float; activations not rounded",
+    ("nvfp4a16", "transformers"): "Decompressed to bf16 whatever the model's dtype (compressed-tensors' FP4)",
+    ("mxfp4a16", "transformers"): "Decompressed to bf16 whatever the model's dtype (compressed-tensors' FP4)",
 }
 
 

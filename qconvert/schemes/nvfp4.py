@@ -1,0 +1,105 @@
+"""`--scheme nvfp4a16` and `--scheme mxfp4a16`: E2M1 weights with group scales, float activations.
+
+Written in compressed-tensors `nvfp4-pack-quantized` (groups of 16, E4M3 scales, a float32 global scale per
+tensor) and `mxfp4-pack-quantized` (groups of 32, E8M0 scales). Plain rounding is compressed-tensors' own
+round-to-nearest, byte for byte (schemes/fp4.py, docs/FORMATS.md FP4). GPTQ rounds onto the same E2M1 grid with
+the round-to-nearest scales kept (the global scale fixed first, from the whole weight).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from qconvert.formats.layout_base import LayoutFlags
+from qconvert.formats.layout_fp4 import MXFP4PackQuantized, NVFP4PackQuantized
+from qconvert.formats.qarray import QArray
+from qconvert.schemes.base import ClipSearch, Scheme, SearchResult, Thresholds
+from qconvert.schemes.fp4 import (NVFP4_GROUP, check_finite, dequantize_fp4, effective_scale,
+                                  nvfp4_global_scale, quantize_mxfp4, quantize_nvfp4)
+from qconvert.schemes.grids import E2M1Grid
+from qconvert.schemes.rowwise import block_rows, quantize_rows
+
+FP4_CLIP_GRID = tuple(round(1.0 - 0.0125 * k, 4) for k in range(21))  # 1.00 .. 0.75
+
+
+def group_errors(quantize: Callable, w: np.ndarray, ratios: np.ndarray, group: int) -> np.ndarray:
+    """[rows, groups] squared error of each group of `w` quantized with one clip ratio for every group."""
+    w32 = np.asarray(w, np.float32)
+    q = quantize(w, np.full((w.shape[0], w.shape[1] // group), ratios, np.float32))
+    d = (dequantize_fp4(q) - w32).reshape(w.shape[0], -1, group)
+    return np.sum(d.astype(np.float64) ** 2, axis=2)
+
+
+def fp4_clip_search(quantize: Callable, w: np.ndarray, group: int,
+                    grid: tuple[float, ...] = FP4_CLIP_GRID) -> SearchResult:
+    """Per output row and group, the absmax ratio of `grid` (largest first) whose squared error is least."""
+    errors = np.stack([group_errors(quantize, w, ratio, group) for ratio in grid])
+    best = np.argmin(errors, axis=0)
+    chosen = np.take_along_axis(errors, best[None], axis=0)[0]
+    return SearchResult(np.asarray(grid, np.float32)[best], float(errors[0].sum()), float(chosen.sum()))
+
+
+class FP4Scheme(Scheme):
+    """E2M1 codes with one scale per output row and group of input columns, float activations."""
+
+    group: int
+    # int4's floors: E2M1 in groups of 16 or 32 loses about what int4 in groups of 128 does.
+    thresholds = Thresholds(
+        min_layer_sqnr_db=12.0, min_layer_cosine=0.97, max_mean_kl=0.15,
+        min_top1_agreement=0.65, max_perplexity_ratio=1.35, min_pooled_cosine=0.91,
+        min_fidelity_sqnr_db=40.0,
+    )
+
+    def gptq_grid(self):
+        return E2M1Grid()
+
+    def gptq_steps(self, q: QArray, flags: LayoutFlags) -> np.ndarray:
+        return np.ascontiguousarray(np.repeat(effective_scale(q), q.block_size, axis=-1))
+
+    def folder_weight(self, q: QArray) -> np.ndarray:
+        return dequantize_fp4(q).astype(np.float64)
+
+    def clip_search(self, weight: np.ndarray, flags: LayoutFlags):
+        return fp4_clip_search(lambda w, ratios: self.quantize(w, flags, scale_dtype=None, clip=ratios),
+                               weight, self.group)
+
+
+class NVFP4A16(FP4Scheme):
+    """NVFP4: E4M3 scales per group of 16 and a float32 global scale per tensor."""
+
+    name = "nvfp4a16"
+    layout = NVFP4PackQuantized()
+    group = NVFP4_GROUP
+    clip = ClipSearch(FP4_CLIP_GRID, "per output row and group of 16: group absmax * c before its E4M3 scale")
+
+    def quantize(self, weight: np.ndarray, flags: LayoutFlags, *, scale_dtype, clip=None) -> QArray:
+        return quantize_nvfp4(weight, clip=clip)
+
+    def quantize_rows(self, read_rows, shape: tuple[int, int], dtype: np.dtype, flags: LayoutFlags) -> QArray:
+        """The global scale from the whole weight's absmax (one pass over its blocks of rows), then the blocks."""
+        rows, cols = shape
+        step = block_rows(rows, cols, np.dtype(dtype).itemsize)
+        absmax = 0.0
+        for start in range(0, rows, step):
+            part = np.asarray(read_rows(start, min(rows, start + step)))
+            check_finite(part)
+            absmax = max(absmax, float(np.abs(part.astype(np.float32)).max(initial=0.0)))
+        global_scale = nvfp4_global_scale(absmax, dtype)
+        joined = quantize_rows(lambda part: quantize_nvfp4(part, global_scale), read_rows, shape, dtype)
+        # The blocks' zero-point slots each carry the one global scale; the whole tensor's is [1, 1].
+        return dataclasses.replace(joined, zero_point=np.full((1, 1), global_scale, np.float32))
+
+
+class MXFP4A16(FP4Scheme):
+    """MXFP4: power-of-two (E8M0) scales per group of 32."""
+
+    name = "mxfp4a16"
+    layout = MXFP4PackQuantized()
+    group = 32
+    clip = ClipSearch(FP4_CLIP_GRID, "per output row and group of 32: group absmax * c before its power-of-two scale")
+
+    def quantize(self, weight: np.ndarray, flags: LayoutFlags, *, scale_dtype, clip=None) -> QArray:
+        return quantize_mxfp4(weight, clip=clip)
