@@ -179,3 +179,22 @@ def finite_json(value):
     if isinstance(value, (list, tuple)):
         return [finite_json(item) for item in value]
     return value
+
+
+# The Hub's variables huggingface_hub parses strictly when it loads (a value it cannot parse is an exception
+# from inside its import, wherever that happens).
+HUB_WHOLE_NUMBERS = ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
+_URL = re.compile(r"https?://[^/\s?#]+(?:/[^\s]*)?", re.ASCII)
+
+
+def hub_environment(environ) -> None:
+    """OutsideValueError naming the variable when HF_ENDPOINT is not an http(s) address or a timeout
+    huggingface_hub reads is not a whole number of seconds."""
+    endpoint = environ.get("HF_ENDPOINT")
+    if endpoint is not None:
+        text(endpoint, "HF_ENDPOINT")
+        if not _URL.fullmatch(endpoint.strip()):
+            raise refuse("HF_ENDPOINT", f"{shown(endpoint)!r} is not an http:// or https:// address")
+    for name in HUB_WHOLE_NUMBERS:
+        if environ.get(name, "").strip():
+            whole_number(environ[name], f"{name} ({shown(environ[name])!r})", low=1, high=86_400)

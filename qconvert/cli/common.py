@@ -185,8 +185,16 @@ def check_jax_platforms() -> None:
 
 def hub_messages(verbose: bool) -> None:
     """huggingface_hub's own retry lines and warnings stay off stderr unless --verbose."""
+    import os
+
+    from qconvert.formats.errors import UsageError
+    from qconvert.formats.outside import OutsideValueError, hub_environment
     from qconvert.source.hub import quiet_hub_logging
 
+    try:
+        hub_environment(os.environ)  # the Hub's variables, before huggingface_hub reads them as it loads
+    except OutsideValueError as err:
+        raise UsageError(f"{err}; fix or unset it") from None
     quiet_hub_logging(not verbose)
 
 

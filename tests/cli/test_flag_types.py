@@ -125,3 +125,16 @@ def test_forced_colour_never_redraws_bars_into_a_log(model, tmp_path):
     assert done.returncode == 0, text
     assert text and all(line.startswith("qconvert: ") for line in text.splitlines())
     assert "\x1b[" not in text and "\r" not in text
+
+
+@pytest.mark.parametrize("variable, value, words", [
+    ("HF_ENDPOINT", "notaurl", "HF_ENDPOINT 'notaurl' is not an http:// or https:// address"),
+    ("HF_ENDPOINT", "http://hub\x1b[2J", "HF_ENDPOINT holds a control character (\\x1b)"),
+    ("HF_HUB_ETAG_TIMEOUT", "abc", "HF_HUB_ETAG_TIMEOUT ('abc') is not a whole number"),
+    ("HF_HUB_DOWNLOAD_TIMEOUT", "١٠", "HF_HUB_DOWNLOAD_TIMEOUT ('١٠') is not a whole number"),
+])
+def test_a_hub_variable_huggingface_hub_would_choke_on_is_exit_2_naming_it(model, tmp_path, capsys, monkeypatch,
+                                                                           variable, value, words):
+    monkeypatch.setenv(variable, value)
+    line = _refused(["quantize", "someone/model", "-o", str(tmp_path / "out")], tmp_path, capsys, 2)
+    assert words in line and line.endswith("; fix or unset it\n")
