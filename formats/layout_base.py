@@ -67,6 +67,9 @@ class Layout(abc.ABC):
     # The config transformers' from_pretrained needs to read the layout right ("" for none): a Python expression
     # of the transformers namespace, passed as quantization_config=.
     transformers_quantization_config: str = ""
+    # The dtype transformers must load the model in to read the layout ("" for the checkpoint's own): a torch
+    # dtype's name, passed as dtype=.
+    transformers_dtype: str = ""
 
     def kernel_act(self, flags: LayoutFlags) -> str | None:
         """How the deployment kernels quantize this layout's activations: "dynamic" (per token), "static"

@@ -64,6 +64,9 @@ class FP4Packed(Layout):
 
     qarray_kind = "fp4"
     quant_method = ct.QUANT_METHOD
+    # compressed-tensors decompresses FP4 weights to bf16 whatever the model's dtype, and a float32 or float16
+    # model's matmuls then refuse them.
+    transformers_dtype = "bfloat16"
     marker_suffix = ".weight_packed"
     format: str
     group_size: int

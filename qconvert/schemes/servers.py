@@ -93,6 +93,8 @@ TABLE: dict[tuple[str, str], str] = {
     # FP4: transformers 5.24 + compressed-tensors by tests/schemes/test_fp4.py (logits against the dequantized
     # folder); vLLM's and vLLM TPU's loading checks have not been run on these layouts.
     ("nvfp4a16", "llama"): "???Y",
+    ("nvfp4a16", "bert"): "???Y",
+    ("mxfp4a16", "bert"): "???Y",
     ("mxfp4a16", "llama"): "???Y",
 }
 
@@ -137,8 +139,8 @@ NOTES = {
                               "`--exclude '*.experts.*'` gives a folder it loads"),
     ("int4-asym", "transformers"): "With `CompressedTensorsConfig(dequantize=True)`; fused experts lose their zero points",
     ("w4a8-fp8", "transformers"): "Weights decompressed to float; activations not rounded",
-    ("nvfp4a16", "transformers"): "Decompressed to bf16 whatever the model's dtype (compressed-tensors' FP4)",
-    ("mxfp4a16", "transformers"): "Decompressed to bf16 whatever the model's dtype (compressed-tensors' FP4)",
+    ("nvfp4a16", "transformers"): "Loaded with dtype=torch.bfloat16 (compressed-tensors decompresses FP4 to bf16)",
+    ("mxfp4a16", "transformers"): "Loaded with dtype=torch.bfloat16 (compressed-tensors decompresses FP4 to bf16)",
 }
 
 

@@ -46,6 +46,7 @@ class CardFacts:
     act_applies: bool = True  # the scheme quantizes activations, so the act flag shaped the folder
     repo: str | None = None  # the Hub repository the folder is uploaded to (--upload-repo): loads name it
     transformers_quantization_config: str = ""  # the layout's quantization_config= for from_pretrained, if any
+    transformers_dtype: str = ""  # the layout's dtype= (a torch dtype's name) for from_pretrained, if any
     # Each server's recorded answer for this scheme, flags and model family (qconvert.schemes.servers, what
     # `qconvert inspect` prints): the card's "loads in" row, and whether it shows vLLM's snippet. Empty: loads_in.
     servers: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -118,8 +119,9 @@ def _transformers_snippet(facts: CardFacts) -> list[str]:
     qconfig = facts.transformers_quantization_config
     names = ", ".join([auto, "AutoTokenizer"] + ([qconfig.split("(")[0]] if qconfig else []))
     load_args = f'"{where}"' + (f", quantization_config={qconfig}" if qconfig else "")
+    load_args += f", dtype=torch.{facts.transformers_dtype}" if facts.transformers_dtype else ""
     return [f"transformers (with `pip install transformers {packages}`):", "", "```python",
-            f"from transformers import {names}", "",
+            *(["import torch"] if facts.transformers_dtype else []), f"from transformers import {names}", "",
             f'model = {auto}.from_pretrained({load_args})', f'tokenizer = AutoTokenizer.from_pretrained("{where}")',
             *use, "```", ""]
 

@@ -75,4 +75,5 @@ def card_facts(source: SourceModel, plan, options, record: ConversionRecord, spe
         input_bytes=sum(ckpt.nbytes(name) for name in ckpt.tensor_names),
         output_bytes=sum(spec.nbytes for spec in specs), pip_packages=scheme.layout.pip_packages,
         act_applies=bool(scheme.act_modes), repo=options.card_repo,
-        transformers_quantization_config=scheme.layout.transformers_quantization_config)
+        transformers_quantization_config=scheme.layout.transformers_quantization_config,
+        transformers_dtype=scheme.layout.transformers_dtype)

@@ -20,7 +20,8 @@ FOLDER = "path/to/this/folder"
 CALIB = ["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "16"]
 # Each scheme with the flags that change where it loads (servers.scheme_key), round-to-nearest where that is a flag.
 CASES = {"int8": [], "int4": ["--no-awq", "--no-gptq"], "w8a8": CALIB, "w8a8-static": [*CALIB, "--act", "static"],
-         "fp8": [], "nf4": [], "int4-asym": ["--no-awq", "--no-gptq"], "w4a8-fp8": ["--no-gptq"]}
+         "fp8": [], "nf4": [], "int4-asym": ["--no-awq", "--no-gptq"], "w4a8-fp8": ["--no-gptq"],
+         "nvfp4a16": [], "mxfp4a16": []}
 
 
 def pooled(model, ids) -> np.ndarray:
@@ -37,7 +38,7 @@ def card_model(out):
     snippet = re.findall(r"```python\n(.*?)```", card, flags=re.DOTALL)[-1].replace(FOLDER, str(out))
     assert "AutoModel.from_pretrained" in snippet
     namespace: dict = {}
-    code = "\n".join(line for line in snippet.splitlines() if line.startswith(("from ", "model = ")))
+    code = "\n".join(line for line in snippet.splitlines() if line.startswith(("import ", "from ", "model = ")))
     exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the card's own code, as a reader runs it
     return namespace["model"].eval()
 
