@@ -1,9 +1,11 @@
-"""DequantizedCheckpoint: a quantized source (block FP8, compressed-tensors FP8) seen as the float checkpoint it
-stands for, each fp8 weight dequantized to bfloat16 a block of rows at a time as it is read.
+"""DequantizedCheckpoint: a quantized source (block FP8, compressed-tensors FP8, pack-quantized int4, NVFP4,
+gpt-oss MXFP4) seen as the float checkpoint it stands for, each quantized weight dequantized a block of rows at a
+time as it is read (fp8 to bfloat16; the 4-bit formats to the checkpoint's dtype, their packed weights under the
+float weight's name: formats/int4_sources.py, formats/fp4_sources.py).
 
 It answers what SafetensorsCheckpoint answers (names, shapes, dtypes, bytes, files, tensors, rows), so the plan,
 calibration, the methods, the writer and verify read it as they read a float folder. The scale tensors
-(`weight_scale_inv`, `weight_scale`, `input_scale`) are not in its view; every other tensor is read as stored.
+(`weight_scale_inv`, `weight_scale`, `input_scale`) and a packed weight's parts are not in its view; every other tensor is read as stored.
 Nothing dense is written anywhere: a read holds the rows asked for in bfloat16 and one chunk in float32.
 """
 
@@ -16,9 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from qconvert.formats.errors import FormatError
+from qconvert.formats.fp4_sources import BLOCKS, SCALES, mxfp4_weights, nvfp4_weights
+from qconvert.formats.int4_sources import PACKED, SHAPE, ZERO_POINT, PackedWeight, check_claimed, int4_weights
 from qconvert.formats.quantized_sources import (
-    ACTIVATION_SCALE_SUFFIXES, DEQUANTIZED_DTYPE, FP8_WEIGHT_DTYPE, SCALE_DTYPES, SourceFormat, check_finite,
-    check_power_of_two, dequantize_block_rows, dequantize_rows,
+    ACTIVATION_SCALE_SUFFIXES, DEQUANTIZED_DTYPE, FP8, FP8_WEIGHT_DTYPE, INT_PACKED, NVFP4, SCALE_DTYPES,
+    SourceFormat, check_finite, check_power_of_two, dequantize_block_rows, dequantize_rows,
 )
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint
 
@@ -30,13 +34,20 @@ CHUNK_ELEMENTS = 1 << 22
 class DequantizedCheckpoint:
     """A quantized checkpoint read as float: SafetensorsCheckpoint's reading surface over `stored`."""
 
-    def __init__(self, stored: SafetensorsCheckpoint, source_format: SourceFormat):
+    def __init__(self, stored: SafetensorsCheckpoint, source_format: SourceFormat,
+                 dtype: np.dtype = DEQUANTIZED_DTYPE):
         self.stored = stored
         self.source_format = source_format
         self.folder = stored.folder
         self.files = stored.files
         # weight name -> (its scale tensor's name, rows x columns each scale covers)
         self._quantized: dict[str, tuple[str, tuple[int, int]]] = {}
+        # a 4-bit format's float weight name -> its packed weight; the dtype it is read as
+        self._packed: dict[str, PackedWeight] = {}
+        self._dtype = np.dtype(DEQUANTIZED_DTYPE if source_format.kind == FP8 else dtype)
+        if source_format.kind != FP8:
+            self._open_packed(stored, source_format)
+            return
         hidden: set[str] = set()
         for name in stored.tensor_names:
             if stored.dtype(name) == FP8_WEIGHT_DTYPE:
@@ -50,6 +61,15 @@ class DequantizedCheckpoint:
                                   f"float8_e4m3fn weight; the {source_format.name} checkpoint is incomplete")
         self._hidden = frozenset(hidden)
         self.tensor_names = [name for name in stored.tensor_names if name not in hidden]
+
+    def _open_packed(self, stored: SafetensorsCheckpoint, fmt: SourceFormat) -> None:
+        """A 4-bit source's packed weights, checked against the config, and the names of the float view."""
+        finder, suffixes = {INT_PACKED: (int4_weights, (PACKED, fmt.scale_suffix, ZERO_POINT, SHAPE)),
+                            NVFP4: (nvfp4_weights, (PACKED, fmt.scale_suffix, ".weight_global_scale"))}.get(
+            fmt.kind, (mxfp4_weights, (BLOCKS, SCALES)))
+        self._packed = finder(stored, fmt)
+        self._hidden = check_claimed(stored, fmt, self._packed, suffixes)
+        self.tensor_names = sorted([n for n in stored.tensor_names if n not in self._hidden] + list(self._packed))
 
     def _fp8_module(self, name: str) -> str:
         where = self.stored.file_of(name)
@@ -81,7 +101,7 @@ class DequantizedCheckpoint:
         return grid.block_of(shape)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.stored and name not in self._hidden
+        return name in self._packed or name in self.stored and name not in self._hidden
 
     def __len__(self) -> int:
         return len(self.tensor_names)
@@ -90,33 +110,33 @@ class DequantizedCheckpoint:
         return iter(self.tensor_names)
 
     def _check(self, name: str) -> None:
-        if name in self._hidden or name not in self.stored:
+        if name not in self:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}")
 
     @property
     def quantized_weights(self) -> list[str]:
-        """The weights stored in fp8, read dequantized."""
-        return sorted(self._quantized)
+        """The weights stored quantized (fp8 or packed), read dequantized."""
+        return sorted([*self._quantized, *self._packed])
 
     def file_of(self, name: str) -> Path:
-        """The file that holds tensor `name` (a dequantized weight: its fp8 codes)."""
+        """The file that holds tensor `name` (a dequantized weight: its fp8 or packed codes)."""
         self._check(name)
-        return self.stored.file_of(name)
+        return self.stored.file_of(self._packed[name].parts[0] if name in self._packed else name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         self._check(name)
-        return self.stored.shape(name)
+        return self._packed[name].shape if name in self._packed else self.stored.shape(name)
 
     def dtype(self, name: str) -> np.dtype:
-        """bfloat16 for an fp8 weight, else the stored dtype."""
+        """bfloat16 for an fp8 weight, the read dtype for a packed one, else the stored dtype."""
         self._check(name)
-        return DEQUANTIZED_DTYPE if name in self._quantized else self.stored.dtype(name)
+        return self._dtype if name in self._quantized or name in self._packed else self.stored.dtype(name)
 
     def nbytes(self, name: str) -> int:
-        """Bytes of tensor `name` as read (an fp8 weight: its bfloat16 copy)."""
+        """Bytes of tensor `name` as read (a quantized weight: its float copy)."""
         self._check(name)
-        if name in self._quantized:
-            return math.prod(self.stored.shape(name)) * DEQUANTIZED_DTYPE.itemsize
+        if name in self._quantized or name in self._packed:
+            return math.prod(self.shape(name)) * self._dtype.itemsize
         return self.stored.nbytes(name)
 
     def metadata(self, path: Path) -> dict[str, str]:
@@ -125,13 +145,15 @@ class DequantizedCheckpoint:
     def get(self, name: str) -> np.ndarray:
         """Tensor `name` as float (an fp8 weight dequantized to bfloat16), in a new array."""
         self._check(name)
-        if name not in self._quantized:
+        if name not in self._quantized and name not in self._packed:
             return self.stored.get(name)
-        return self.get_rows(name, 0, self.stored.shape(name)[0])
+        return self.get_rows(name, 0, self.shape(name)[0])
 
     def get_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of tensor `name`, an fp8 weight's dequantized a chunk of rows at a time."""
         self._check(name)
+        if name in self._packed:
+            return self._packed_rows(name, start, stop)
         if name not in self._quantized:
             return self.stored.get_rows(name, start, stop)
         out_features, in_features = self.stored.shape(name)
@@ -154,6 +176,18 @@ class DequantizedCheckpoint:
                 dequantize_block_rows(self.stored.get_rows(name, begin, end), scales[begin // block_rows - first],
                                       block_cols, out[begin - start:end - start])
             begin = end
+        return out
+
+    def _packed_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of a packed weight, read and dequantized a chunk of rows at a time."""
+        weight = self._packed[name]
+        if not 0 <= start <= stop <= weight.shape[0]:
+            raise ValueError(f"rows {start}:{stop} are outside tensor {name!r} of shape {list(weight.shape)}")
+        out = np.empty((stop - start, *weight.shape[1:]), self._dtype)
+        chunk = max(1, CHUNK_ELEMENTS // max(1, math.prod(weight.shape[1:])))
+        for begin in range(start, stop, chunk):
+            end = min(stop, begin + chunk)
+            weight.fill(begin, end, out[begin - start:end - start])
         return out
 
     def _scale_rows(self, scale_name: str, first: int, last: int) -> np.ndarray:

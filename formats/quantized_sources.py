@@ -10,8 +10,15 @@ dequantization rule w = fp8 x scale.
         <m>.weight            float8_e4m3fn [out, in]
         <m>.weight_scale      [1] per tensor, [out, 1] per channel, [ceil(out/b0), ceil(in/b1)] per block
         <m>.input_scale       static activations only: not part of the weights, hidden
+    compressed-tensors pack-quantized int4 (W4A16, W4A16_ASYM; formats/int4_sources.py):
+        <m>.weight_packed int32 [out, ceil(in/8)], <m>.weight_scale [out, groups], <m>.weight_shape,
+        <m>.weight_zero_point int32 [ceil(out/8), groups] (asymmetric only)
+    compressed-tensors nvfp4-pack-quantized and gpt-oss's MXFP4 (quant_method "mxfp4"; formats/fp4_sources.py)
 
-Every scale covers a block of rows x columns of the weight (a channel: 1 x in; the tensor: out x in), the
+The 4-bit sources are read as (q - zero point) x scale computed in float32 and rounded once to the checkpoint's
+own dtype (config.json's torch_dtype), as compressed-tensors' and transformers' decompression compute them.
+
+Every FP8 scale covers a block of rows x columns of the weight (a channel: 1 x in; the tensor: out x in), the
 blocks at the right and bottom edges partial. The dequantized value is the float32 product fp8 x scale rounded
 once to bfloat16, as DeepSeek's own fp8_cast_bf16 (its weight_dequant kernel) computes it; compressed-tensors'
 decompression (fp8 cast to the scale's dtype, times the scale) gives the same bfloat16 values for bfloat16
@@ -39,8 +46,13 @@ SCALE_DTYPES = tuple(np.dtype(d) for d in (np.float32, ml_dtypes.bfloat16, np.fl
 # Tensors of a quantized linear besides its weight that no float model has: hidden with the linear's scales.
 ACTIVATION_SCALE_SUFFIXES = (".input_scale",)
 
-READS = ("block FP8 (quant_method 'fp8' with weight_block_size, e4m3 weights) and compressed-tensors "
-         "float-quantized FP8 (per tensor, channel or block) as float")
+READS = ("block FP8 (quant_method 'fp8' with weight_block_size, e4m3 weights), compressed-tensors "
+         "float-quantized FP8 (per tensor, channel or block), compressed-tensors pack-quantized int4 (per group or "
+         "channel, with or without zero points), nvfp4-pack-quantized and gpt-oss's MXFP4 as float")
+FP8, INT_PACKED, NVFP4, MXFP4_BLOCKS = "fp8", "int-packed", "nvfp4", "mxfp4-blocks"
+# The dtypes config.json's torch_dtype may name for a 4-bit source's dequantized weights.
+FLOAT_DTYPES_BY_NAME = {"bfloat16": DEQUANTIZED_DTYPE, "float16": np.dtype(np.float16),
+                        "float32": np.dtype(np.float32)}
 
 
 class NotReadable(ValueError):
@@ -75,12 +87,15 @@ TENSOR = ScaleGrid("tensor", (None, None))
 @dataclasses.dataclass(frozen=True)
 class SourceFormat:
     """A quantized source format qconvert reads as float: its name (recorded in qconvert.json), the suffix of its
-    weight scales, the scale grids its config allows, and whether its scales must be powers of two."""
+    weight scales, the scale grids its config allows, whether its scales must be powers of two, its kind (how
+    its weights are stored) and, for packed int weights, whether they have zero points."""
 
     name: str  # e.g. "fp8-block-128x128", "compressed-tensors-fp8-channel"
     scale_suffix: str  # ".weight_scale_inv" (DeepSeek style) or ".weight_scale" (compressed-tensors)
     grids: tuple[ScaleGrid, ...]
     power_of_two_scales: bool = False  # DeepSeek's "scale_fmt": "ue8m0"
+    kind: str = FP8  # FP8, INT_PACKED, NVFP4 or MXFP4_BLOCKS
+    symmetric: bool | None = True  # INT_PACKED: True none has zero points, False all have, None some groups
 
     def grid_for(self, weight_shape: tuple[int, int], scale_shape: tuple[int, ...]) -> ScaleGrid | None:
         """The grid a scale tensor's shape says, among those the config allows (None: it fits none)."""
@@ -111,6 +126,8 @@ def source_format(qconfig: Any) -> SourceFormat | None:
         return _deepseek_format(qconfig)
     if method == "compressed-tensors":
         return _compressed_tensors_format(qconfig)
+    if method == "mxfp4":
+        return SourceFormat("gpt-oss-mxfp4", "_scales", (), power_of_two_scales=True, kind=MXFP4_BLOCKS)
     raise NotReadable(f"quant_method {method!r}" if isinstance(method, str) else "no quant_method")
 
 
@@ -130,13 +147,13 @@ def _deepseek_format(qconfig: dict) -> SourceFormat:
 
 
 def _compressed_tensors_format(qconfig: dict) -> SourceFormat:
-    what = f"quant_method 'compressed-tensors', format {qconfig.get('format')!r}"
     groups = qconfig.get("config_groups")
-    group_formats = {g.get("format") for g in groups.values() if isinstance(g, dict)} \
+    formats = {g.get("format") or qconfig.get("format") for g in groups.values() if isinstance(g, dict)} \
         if isinstance(groups, dict) else set()
-    if not (qconfig.get("format") == "float-quantized" and group_formats <= {None, "float-quantized"}
-            or group_formats == {"float-quantized"}):
-        raise NotReadable(what)
+    fmt = formats.pop() if len(formats) == 1 else qconfig.get("format")
+    what = f"quant_method 'compressed-tensors', format {fmt!r}"
+    if formats or fmt not in ("float-quantized", "pack-quantized", "nvfp4-pack-quantized"):
+        raise NotReadable(what if not formats else f"{what} mixed with {sorted(map(str, formats))}")
     status = qconfig.get("quantization_status", "compressed")
     if status != "compressed":
         raise NotReadable(f"{what}, quantization_status {status!r} (weights not stored compressed)")
@@ -145,6 +162,10 @@ def _compressed_tensors_format(qconfig: dict) -> SourceFormat:
             raise NotReadable(f"{what} with a {key}")
     if not isinstance(groups, dict) or not groups or not all(isinstance(g, dict) for g in groups.values()):
         raise InvalidCheckpointError("config.json: quantization_config has no config_groups of objects")
+    if fmt == "pack-quantized":
+        return _int_packed_format(groups, what)
+    if fmt == "nvfp4-pack-quantized":
+        return _nvfp4_format(groups, what)
     grids: list[ScaleGrid] = []
     for name, group in sorted(groups.items()):
         grid = _group_grid(name, group.get("weights"), what)
@@ -152,6 +173,69 @@ def _compressed_tensors_format(qconfig: dict) -> SourceFormat:
             grids.append(grid)
     names = sorted(g.strategy if g.strategy != BLOCK else f"block-{g.block[0]}x{g.block[1]}" for g in grids)
     return SourceFormat("compressed-tensors-fp8-" + "+".join(names), ".weight_scale", tuple(grids))
+
+
+def _weights_of(name: str, group: dict, what: str) -> dict:
+    weights = group.get("weights")
+    if not isinstance(weights, dict):
+        raise NotReadable(f"{what}, group {name} without quantized weights")
+    return weights
+
+
+def _int_packed_format(groups: dict, what: str) -> SourceFormat:
+    """pack-quantized: static 4-bit int weights per group, channel or tensor, each group symmetric or not."""
+    grids: list[ScaleGrid] = []
+    symmetric = set()
+    for name, group in sorted(groups.items()):
+        weights = _weights_of(name, group, what)
+        settings = {k: weights.get(k) for k in ("num_bits", "type", "strategy", "symmetric", "actorder")}
+        strategy = weights.get("strategy")
+        if (weights.get("num_bits"), weights.get("type", "int")) != (4, "int") \
+                or weights.get("dynamic", False) is not False or strategy not in ("group", "channel", "tensor") \
+                or weights.get("actorder") not in (None, "weight", "static") \
+                or strategy == "tensor" and weights.get("symmetric", True) is not True:
+            raise NotReadable(f"{what}, group {name} weights {settings} (qconvert reads static 4-bit int weights "
+                              "per group or channel, with or without zero points, and symmetric per tensor)")
+        grid = CHANNEL if strategy == "channel" else TENSOR if strategy == "tensor" else \
+            ScaleGrid("group", (1, _positive_int(weights.get("group_size"), f"group {name} group_size")))
+        grids += [grid] if grid not in grids else []
+        symmetric.add(weights.get("symmetric", True) is not False)
+    names = sorted(g.strategy if g.strategy != "group" else f"group-{g.block[1]}" for g in grids)
+    sym = symmetric.pop() if len(symmetric) == 1 else None
+    return SourceFormat("compressed-tensors-int4-" + ("" if sym else "asym-") + "+".join(names), ".weight_scale",
+                        tuple(grids), kind=INT_PACKED, symmetric=sym)
+
+
+def _nvfp4_format(groups: dict, what: str) -> SourceFormat:
+    """nvfp4-pack-quantized: symmetric E2M1 weights in groups of 16 (tensor_group) under a global scale."""
+    for name, group in sorted(groups.items()):
+        weights = _weights_of(name, group, what)
+        settings = {k: weights.get(k) for k in ("num_bits", "type", "strategy", "group_size", "symmetric")}
+        if (weights.get("num_bits"), weights.get("type"), weights.get("group_size")) != (4, "float", 16) \
+                or weights.get("strategy") not in ("tensor_group", "group") \
+                or weights.get("symmetric", True) is not True or weights.get("dynamic", False) is not False:
+            raise NotReadable(f"{what}, group {name} weights {settings} (not symmetric E2M1 in groups of 16)")
+    return SourceFormat("compressed-tensors-nvfp4", ".weight_scale", (ScaleGrid("group", (1, 16)),), kind=NVFP4)
+
+
+def _positive_int(value: Any, key: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidCheckpointError(f"config.json: quantization_config {key} is {value!r}, not a positive integer")
+    return value
+
+
+def dequantized_dtype(fmt: SourceFormat, config: dict) -> np.dtype:
+    """The dtype `fmt`'s weights are read as: bfloat16 for the FP8 sources (what their releases were made from),
+    config.json's torch_dtype (or dtype) for the 4-bit ones, bfloat16 where it names none."""
+    if fmt.kind == FP8:
+        return DEQUANTIZED_DTYPE
+    declared = config.get("torch_dtype", config.get("dtype"))
+    if declared is None:
+        return DEQUANTIZED_DTYPE
+    if declared not in FLOAT_DTYPES_BY_NAME:
+        raise InvalidCheckpointError(f"config.json: torch_dtype is {declared!r}; a {fmt.name} checkpoint is read "
+                                     "as one of " + ", ".join(FLOAT_DTYPES_BY_NAME))
+    return FLOAT_DTYPES_BY_NAME[declared]
 
 
 def _group_grid(name: str, weights: Any, what: str) -> ScaleGrid:
@@ -211,15 +295,15 @@ def dequantize_block_rows(codes: np.ndarray, scales: np.ndarray, block_cols: int
     return out
 
 
-def check_finite(scale: np.ndarray, where: str) -> np.ndarray:
+def check_finite(scale: np.ndarray, where: str, weight: str = "fp8") -> np.ndarray:
     """The scales as float32 (scale_as_float32); InvalidCheckpointError naming `where` (the file and the scale
     tensor) when one is NaN or infinite, checked before any product so that no weight is blamed for it."""
     values = scale_as_float32(scale)
     if not np.isfinite(values).all():
         kinds = " and ".join(k for k, bad in (("NaN", np.isnan(values).any()), ("infinite", np.isinf(values).any()))
                              if bad)
-        raise InvalidCheckpointError(f"{where} holds scales that are not finite ({kinds}), so the fp8 weight they "
-                                     "scale cannot be read; the checkpoint is corrupt")
+        raise InvalidCheckpointError(f"{where} holds scales that are not finite ({kinds}), so the {weight} weight "
+                                     "they scale cannot be read; the checkpoint is corrupt")
     return values
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from qconvert.formats.dequantized_checkpoint import DequantizedCheckpoint
 from qconvert.formats.errors import FormatError, InvalidCheckpointError, UnsupportedModelError
-from qconvert.formats.quantized_sources import READS, NotReadable, SourceFormat, source_format
+from qconvert.formats.quantized_sources import READS, NotReadable, SourceFormat, dequantized_dtype, source_format
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, open_checkpoint
 from qconvert.source.hub import ResolvedModel, resolve_model
 from qconvert.models.family import Family, FamilyFacts
@@ -154,8 +154,8 @@ def _read_as_float(checkpoint: SafetensorsCheckpoint, resolved: ResolvedModel,
     """A quantized source as the float model it stands for: its weights dequantized as they are read, its config
     without the quantization_config (the output gets qconvert's own)."""
     try:
-        view = DequantizedCheckpoint(checkpoint, fmt)
-    except FormatError as err:
+        view = DequantizedCheckpoint(checkpoint, fmt, dequantized_dtype(fmt, resolved.config))
+    except (FormatError, InvalidCheckpointError) as err:
         checkpoint.close()
         raise InvalidCheckpointError(str(err)) from None
     config = {key: value for key, value in resolved.config.items() if key != "quantization_config"}
