@@ -33,7 +33,7 @@ from qconvert.kernels.dense import fp8_matmul, int4_weight_matmul, int8_matmul, 
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.grouped import grouped_matmul
 from qconvert.kernels.plan import KernelPlan
-from qconvert.kernels.reference import fp4_weight_matmul_reference
+from qconvert.kernels.reference import fp4_dequantize_reference, fp4_weight_matmul_reference
 from qconvert.kernels.prepared import PreparedWeight, prepared_matmul
 from qconvert.kernels.w4a8 import w4a8_fp8_grouped_matmul, w4a8_fp8_matmul
 
@@ -105,7 +105,7 @@ def qlinear(x, q: QArray, bias=None, *, act: str | None = None, input_scale=None
         lead, lhs = x.shape[:-1], x.reshape(-1, x.shape[-1])
         out_dtype = x.dtype if out_dtype is None else out_dtype
     route = (_nf4_linear if q.kind.flat_blocks else _fp8_linear if q.kind.float_codes
-             else _fp4_linear if q.kind.levels is not None
+             else _fp4_linear if _fp4(q)
              else _int4_linear if q.kind.column_groups else _int8_linear)
     y, plan = route(lhs, q, bias, act, input_scale, out_dtype=out_dtype, backend=backend)
     y = y.reshape(*lead, q.shape[0])
@@ -153,6 +153,21 @@ def _fp4_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
                       "E2M1 codes times their group's scale (over the global scale) in float32, cast to the "
                       "activation dtype, float32 accumulation", fallback_reason="no Pallas FP4 kernel yet")
     return y, plan
+
+
+def _fp4(q: QArray) -> bool:
+    """Whether q holds E2M1 codes in column groups (a level-table kind whose scales run over the last axis)."""
+    return q.kind.levels is not None and not q.kind.flat_blocks
+
+
+def _fp4_grouped(x, qs: Sequence[QArray], group_sizes, act, *, backend: str, return_plan: bool):
+    """FP4 experts: each dequantized (E2M1 times its scale, in float32, cast to x's dtype), then the float grouped
+    matmul."""
+    if act is not None:
+        raise KernelArgumentError("qgrouped_linear: FP4 experts take float activations (NVFP4A16, MXFP4A16)")
+    rhs = jnp.stack([fp4_dequantize_reference(q.qvalue, q.scale, q.block_size, q.zero_point) for q in qs])
+    return grouped_matmul(x, rhs.astype(x.dtype), group_sizes, transpose_rhs=True, backend=backend,
+                          return_plan=return_plan)
 
 
 def _int8_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
@@ -240,6 +255,8 @@ def qgrouped_linear(x, qs: Sequence[QArray], group_sizes, *, act: str | None = N
         raise KernelArgumentError("qgrouped_linear: fp8 experts quantize float activations to E4M3 first: pass "
                                   "act='dynamic' (per token) or act='static' with input_scales")
     group_sizes = jnp.asarray(group_sizes, jnp.int32)
+    if qs and _fp4(qs[0]):
+        return _fp4_grouped(jnp.asarray(x), qs, group_sizes, act, backend=backend, return_plan=return_plan)
     if act == "dynamic" and qs[0].kind.column_groups:
         return w4a8_fp8_grouped_matmul(jnp.asarray(x), stack_experts(qs), group_sizes, backend=backend,
                                        return_plan=return_plan)

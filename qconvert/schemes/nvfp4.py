@@ -9,10 +9,11 @@ the round-to-nearest scales kept (the global scale fixed first, from the whole w
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from qconvert.formats.errors import UsageError
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_fp4 import MXFP4PackQuantized, NVFP4PackQuantized
 from qconvert.formats.qarray import QArray
@@ -52,6 +53,16 @@ class FP4Scheme(Scheme):
         min_top1_agreement=0.65, max_perplexity_ratio=1.35, min_pooled_cosine=0.91,
         min_fidelity_sqnr_db=40.0,
     )
+
+    def layout_flags(self, *, act: str = "dynamic", double_quant: bool = False, group_size: int | str | None = None,
+                     shapes: Mapping[str, tuple[int, int]] | None = None) -> LayoutFlags:
+        """UsageError naming the first linear whose input width the scheme's group does not divide (compressed-tensors
+        and its loaders take whole groups only)."""
+        bad = next((m for m, (_, k) in sorted((shapes or {}).items()) if int(k) % self.group), None)
+        if bad is not None:
+            raise UsageError(f"--scheme {self.name} needs input widths that are multiples of {self.group}: {bad}'s is "
+                             f"{shapes[bad][1]}; leave such linears float with --exclude, or use --scheme int4")
+        return LayoutFlags()
 
     def gptq_grid(self):
         return E2M1Grid()

@@ -93,6 +93,8 @@ TABLE: dict[tuple[str, str], str] = {
     # FP4: transformers 5.24 + compressed-tensors by tests/schemes/test_fp4.py (logits against the dequantized
     # folder); vLLM's and vLLM TPU's loading checks have not been run on these layouts.
     ("nvfp4a16", "llama"): "???Y",
+    ("nvfp4a16", "qwen3_moe"): "???N",  # transformers decompresses fused NVFP4 experts without their global scale
+    ("mxfp4a16", "qwen3_moe"): "???Y",
     ("nvfp4a16", "bert"): "???Y",
     ("mxfp4a16", "bert"): "???Y",
     ("mxfp4a16", "llama"): "???Y",
@@ -127,6 +129,9 @@ NOTES = {
     ("int4-asym", "vLLM GPU"): "Machete / Marlin with zero points (bench/vllm_zero_points.py)",
     ("w4a8-fp8", "vLLM GPU"): ("Hopper only: group 128, input widths multiples of 128, experts' 256; `quantize` says so "
                                "in one line otherwise"),
+    ("nvfp4a16", "vLLM GPU"): ("Not measured: vLLM's CPU check stops at its FP4 kernel choice (no Marlin FP4 on "
+                               "a CPU) before loading; q/k/v and gate/up keep a global scale each, vLLM takes one"),
+    ("mxfp4a16", "vLLM GPU"): "Not measured: vLLM's CPU check stops at its FP4 kernel choice before loading",
     ("int8", "vLLM TPU"): "No weight-only int8 scheme",
     ("int4", "vLLM TPU"): "No WNA16 scheme on its torchax path",
     ("fp8", "vLLM TPU"): "Llama: its JAX loader has no e4m3 dtype",
@@ -139,7 +144,8 @@ NOTES = {
                               "`--exclude '*.experts.*'` gives a folder it loads"),
     ("int4-asym", "transformers"): "With `CompressedTensorsConfig(dequantize=True)`; fused experts lose their zero points",
     ("w4a8-fp8", "transformers"): "Weights decompressed to float; activations not rounded",
-    ("nvfp4a16", "transformers"): "Loaded with dtype=torch.bfloat16 (compressed-tensors decompresses FP4 to bf16)",
+    ("nvfp4a16", "transformers"): ("Loaded with dtype=torch.bfloat16 (compressed-tensors decompresses FP4 to bf16); "
+                                   "fused experts come out without their global scale, wrong"),
     ("mxfp4a16", "transformers"): "Loaded with dtype=torch.bfloat16 (compressed-tensors decompresses FP4 to bf16)",
 }
 
