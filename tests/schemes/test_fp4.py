@@ -239,3 +239,28 @@ def test_a_width_the_group_does_not_divide_is_a_usage_error(tmp_path, capsys):
     code, _, err = run_cli(["quantize", str(source), "-o", str(tmp_path / "out"), "--scheme", "mxfp4a16"], capsys)
     assert code == 2
     assert "multiples of 32" in err and "down_proj's is 88" in err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["nvfp4a16", "mxfp4a16"])
+def test_the_reference_matmul_equals_float64_at_real_k(name):
+    from qconvert.kernels.reference import fp4_weight_matmul_reference
+
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((384, 4096)) * 0.02).astype(ml_dtypes.bfloat16)
+    x = rng.standard_normal((8, 4096)).astype(np.float32)
+    q = scheme_named(name).quantize(w, LayoutFlags(), scale_dtype=None)
+    # float64 from the format's definition: E2M1 value times (scale / global scale), the quotient in float32.
+    magnitudes = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
+    codes = np.asarray(q.qvalue).astype(int)
+    values = np.where(codes & 8, -1.0, 1.0) * magnitudes[codes & 7]
+    scale = np.asarray(q.scale, np.float32)
+    if q.zero_point is not None:
+        scale = scale / np.float32(np.asarray(q.zero_point).reshape(()))
+    weight = values * np.repeat(scale.astype(np.float64), q.block_size, axis=1)
+    expected = x.astype(np.float64) @ weight.T
+    got = np.asarray(fp4_weight_matmul_reference(x, q.qvalue, q.scale, group_size=q.block_size, w_global=q.zero_point))
+    assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+    # Through qlinear, as verify runs a folder's linear.
+    from qconvert.kernels import qlinear
+
+    np.testing.assert_allclose(np.asarray(qlinear(x, q, out_dtype=np.float32)), got, rtol=0, atol=0)
