@@ -91,13 +91,21 @@ TABLE: dict[tuple[str, str], str] = {
     ("int4-asym", "bert"): "???Y",
     ("w4a8-fp8", "bert"): "???Y",
     # FP4: transformers 5.24 + compressed-tensors by tests/schemes/test_fp4.py (logits against the dequantized
-    # folder); vLLM's and vLLM TPU's loading checks have not been run on these layouts.
-    ("nvfp4a16", "llama"): "???Y",
-    ("nvfp4a16", "qwen3_moe"): "???N",  # transformers decompresses fused NVFP4 experts without their global scale
-    ("mxfp4a16", "qwen3_moe"): "???Y",
+    # folder, in bf16); vLLM's CPU check stops at its FP4 kernel choice (not measured); vLLM TPU by tpu_accept.py:
+    # the JAX path (a plain `vllm serve`) has no FP4 compressed-tensors scheme; on the torchax path NVFP4A16 loads
+    # (every tensor consumed, every array written) but its values are not judged (the check has no map of
+    # tpu-inference's FP4 arrays), and MXFP4A16 is refused (its scheme match reads input activations' num_bits).
+    # vLLM by bench/vllm_fp4.py (vllm_accept.py with the FP4 kernel choice a CPU lacks answered by a stub):
+    # MXFP4A16 read bit for bit, dense and MoE; NVFP4A16 wrong on q/k/v and gate/up, whose shards keep their own
+    # global scales where vLLM applies one per layer (w13: the gate's).
+    ("nvfp4a16", "llama"): "NN?Y",
+    ("nvfp4a16", "qwen3"): "NN?Y",
+    ("mxfp4a16", "llama"): "YNNY",
+    ("mxfp4a16", "qwen3"): "YNNY",
+    ("nvfp4a16", "qwen3_moe"): "N??N",  # transformers decompresses fused NVFP4 experts without their global scale
+    ("mxfp4a16", "qwen3_moe"): "Y??Y",
     ("nvfp4a16", "bert"): "???Y",
     ("mxfp4a16", "bert"): "???Y",
-    ("mxfp4a16", "llama"): "???Y",
 }
 
 
@@ -129,10 +137,13 @@ NOTES = {
     ("int4-asym", "vLLM GPU"): "Machete / Marlin with zero points (bench/vllm_zero_points.py)",
     ("w4a8-fp8", "vLLM GPU"): ("Hopper only: group 128, input widths multiples of 128, experts' 256; `quantize` says so "
                                "in one line otherwise"),
-    ("nvfp4a16", "vLLM GPU"): ("Not measured: vLLM's CPU check stops at its FP4 kernel choice (no Marlin FP4 on "
-                               "a CPU) before loading; q/k/v and gate/up keep a global scale each, vLLM takes one"),
-    ("mxfp4a16", "vLLM GPU"): "Not measured: vLLM's CPU check stops at its FP4 kernel choice before loading",
+    ("nvfp4a16", "vLLM GPU"): ("Loads, but q/k/v and gate/up keep a global scale each where vLLM applies one per "
+                               "fused layer: wrong (bench/vllm_fp4.py)"),
+    ("mxfp4a16", "vLLM GPU"): "Read bit for bit with the GPU kernel choice stubbed on a CPU (bench/vllm_fp4.py)",
     ("int8", "vLLM TPU"): "No weight-only int8 scheme",
+    ("nvfp4a16", "vLLM TPU"): "Its JAX path has no FP4 compressed-tensors scheme",
+    ("mxfp4a16", "vLLM TPU"): "Its JAX path has no FP4 compressed-tensors scheme",
+    ("mxfp4a16", "vLLM TPU MODEL_IMPL_TYPE=vllm"): "Its scheme match reads input activations a weight-only config lacks",
     ("int4", "vLLM TPU"): "No WNA16 scheme on its torchax path",
     ("fp8", "vLLM TPU"): "Llama: its JAX loader has no e4m3 dtype",
     ("w4a8-fp8", "vLLM TPU"): "tpu-inference requantizes the experts per channel",

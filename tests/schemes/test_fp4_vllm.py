@@ -1,0 +1,78 @@
+"""vLLM 0.33's own loading code judges nvfp4a16 and mxfp4a16 folders of a dense family and an MoE one
+(bench/vllm_fp4.py: vllm_accept.py with the GPU kernel choice a CPU lacks answered by a stub), a folder with one
+scale changed is caught, and the servers table says what vLLM says. They run only where the vLLM venv was built
+(bash ../shared/vllm/setup_venv.sh .vllm-venv); `pytest -m vllm` runs them alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import run as run_cli
+from hf_checkpoints import make_hf_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_PYTHON = ROOT / ".vllm-venv" / "bin" / "python"
+CHECK = ROOT.parent / "shared" / "vllm" / "vllm_accept.py"
+BENCH = ROOT / "bench" / "vllm_fp4.py"
+SOURCES = {"llama": dict(hidden=128, intermediate=256, layers=1),
+           "qwen3_moe": dict(hidden=128, intermediate=128, layers=1, moe_intermediate_size=64)}
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(
+    not (VENV_PYTHON.exists() and CHECK.exists()),
+    reason="vLLM's check needs .vllm-venv and ../shared/vllm/vllm_accept.py (bash ../shared/vllm/setup_venv.sh .vllm-venv)")]
+
+
+def judged(out, ref=None) -> str:
+    done = subprocess.run([str(VENV_PYTHON), str(BENCH), str(out), *(["--ref", str(ref)] if ref else []),
+                           "--accept", str(CHECK)], capture_output=True, text=True,
+                          env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    return done.stdout
+
+
+def verdict(stdout: str) -> str:
+    return next(line.split()[1] for line in reversed(stdout.splitlines()) if line.startswith("VERDICT"))
+
+
+def folder(family, scheme, tmp_path, capsys):
+    source = make_hf_checkpoint(tmp_path / "src", family, dtype="bfloat16", **SOURCES[family])
+    out = tmp_path / scheme
+    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", scheme, "-q"], capsys)
+    assert code == 0, err
+    return source, out
+
+
+@pytest.mark.parametrize("family", sorted(SOURCES))
+@pytest.mark.parametrize("scheme", ["mxfp4a16", "nvfp4a16"])
+def test_vllm_says_what_the_servers_table_records(family, scheme, tmp_path, capsys):
+    from qconvert.schemes.servers import NO, YES, servers
+
+    source, out = folder(family, scheme, tmp_path, capsys)
+    stdout = judged(out, source)
+    recorded = servers(scheme, family)["vLLM GPU"]
+    assert recorded in (YES, NO)
+    assert verdict(stdout) == ("OK" if recorded == YES else "WRONG"), stdout[-3000:]
+    if recorded == YES:
+        assert "bit for bit" in stdout and "OK          ref.fp4_vs_float" in stdout
+    else:
+        # The fused layers: q/k/v and gate/up each keep their own global scale, and vLLM takes one for the layer.
+        assert "FAIL-WRONG  dequant.vs_compressed_tensors" in stdout and "qkv_proj" in stdout
+
+
+def test_one_changed_scale_is_caught(tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source, out = folder("llama", "mxfp4a16", tmp_path, capsys)
+    [shard] = sorted(out.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    name = "model.layers.0.self_attn.k_proj.weight_scale"
+    tensors[name] = tensors[name].clone()
+    tensors[name][3, 1] += 1  # one group's power-of-two scale doubled
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    stdout = judged(out, source)
+    assert verdict(stdout) == "WRONG" and "FAIL-WRONG  ref.fp4_vs_float" in stdout, stdout[-3000:]
+    assert torch.equal(load_file(str(shard))[name], tensors[name])
