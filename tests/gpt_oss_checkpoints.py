@@ -32,7 +32,7 @@ def quantize_mxfp4(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     index = np.abs(np.abs(scaled)[..., None] - E2M1).argmin(axis=-1)  # nearest magnitude (6 at most)
     codes = (index | np.where(scaled < 0, 8, 0)).astype(np.uint8)
     blocks = codes[..., 0::2] | codes[..., 1::2] << 4
-    return blocks.astype(np.uint8), (exponent + 127).astype(np.uint8)
+    return np.ascontiguousarray(blocks, np.uint8), np.ascontiguousarray(exponent + 127, np.uint8)
 
 
 def make_gpt_oss_checkpoint(folder, *, hidden: int = 64, layers: int = 2, experts: int = 4, top_k: int = 2,
@@ -47,7 +47,7 @@ def make_gpt_oss_checkpoint(folder, *, hidden: int = 64, layers: int = 2, expert
     config = transformers.GptOssConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=experts,
-        num_experts_per_tok=top_k, sliding_window=8, max_position_embeddings=256, tie_word_embeddings=False,
+        num_experts_per_tok=top_k, sliding_window=8, max_position_embeddings=4096 * 32, tie_word_embeddings=False,
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
     torch.manual_seed(seed)
     model = transformers.GptOssForCausalLM(config)

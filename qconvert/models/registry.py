@@ -15,6 +15,7 @@ from qconvert.models.deepseek_v3 import DeepseekV3Model
 from qconvert.models.family import Family
 from qconvert.models.gemma import GemmaModel
 from qconvert.models.gemma3_mm import Gemma3MultimodalModel
+from qconvert.models.gpt_oss import GptOssModel
 from qconvert.models.llama import LlamaModel
 from qconvert.models.mixtral import MixtralModel
 from qconvert.models.phi3 import Phi3Model
@@ -25,7 +26,7 @@ from qconvert.models.qwen3_moe import Qwen3MoeModel
 
 FAMILIES: tuple[type[Family], ...] = (LlamaModel, Qwen2Model, BertModel, MixtralModel, GemmaModel, Phi3Model,
                                       Qwen2MoeModel, Qwen3Model, Qwen3MoeModel, Gemma3MultimodalModel,
-                                      DeepseekV3Model)
+                                      DeepseekV3Model, GptOssModel)
 
 
 def supported_architectures() -> list[str]:
