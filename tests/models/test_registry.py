@@ -40,8 +40,12 @@ CONFIGS = {
     "Gemma2ForCausalLM": GEMMA2, "Gemma3ForCausalLM": GEMMA3, "Gemma3ForConditionalGeneration": GEMMA3_MM,
     **{_tiny_config(f)["architectures"][0]: _tiny_config(f)
        for f in ("qwen3", "phi3", "qwen2_moe", "qwen3_moe", "deepseek_v3")},
+    "GptOssForCausalLM": {**transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False).to_dict(), "architectures": ["GptOssForCausalLM"]},
 }
-ROUTERS = re.compile(r"(\.gate|\.shared_expert_gate)$")
+ROUTERS = re.compile(r"(\.gate|\.shared_expert_gate|\.router)$")
 
 
 def test_every_supported_architecture_has_a_test_config():
