@@ -55,6 +55,13 @@ FLOAT_DTYPES_BY_NAME = {"bfloat16": DEQUANTIZED_DTYPE, "float16": np.dtype(np.fl
                         "float32": np.dtype(np.float32)}
 
 
+def read_as(format_name: str) -> str:
+    """How a source of the recorded format `format_name` was read, for the card and inspect."""
+    if format_name.startswith(("fp8-", "compressed-tensors-fp8-")):
+        return "its fp8 weights read as bfloat16"
+    return "its 4-bit weights read as float, in its own dtype"
+
+
 class NotReadable(ValueError):
     """A quantization_config qconvert does not read as float; the message says what it is."""
 

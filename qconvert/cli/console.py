@@ -10,6 +10,7 @@ from rich.progress import (
 from rich.table import Table
 
 from qconvert.convert import ConvertResult
+from qconvert.formats.quantized_sources import read_as
 from qconvert.inspection import InspectReport
 
 
@@ -132,7 +133,7 @@ def print_inspect_report(report: InspectReport, console: Console) -> None:
         console.print("loads in: " + "; ".join(f"{server} {answer}" for server, answer in report.servers.items()))
     if report.record is not None and report.record.source.format is not None:
         source = report.record.source
-        console.print(f"converted from {source.model} ({source.format}: its fp8 weights read as bfloat16)")
+        console.print(f"converted from {source.model} ({source.format}: {read_as(source.format)})")
     if report.hashes_ok is None:
         console.print("no qconvert.json: file hashes not checked")
     elif report.hashes_ok:

@@ -18,6 +18,7 @@ from typing import Any
 
 from qconvert import interrupts
 from qconvert.formats.jsonfile import json_bytes
+from qconvert.formats.quantized_sources import read_as
 from qconvert.formats.record import RECORD_NAME, ConversionRecord, SourceRecord, read_record
 
 CARD_NAME = "README.md"
@@ -63,7 +64,7 @@ def _source_lines(source: SourceRecord) -> list[str]:
     else:
         where = f"`{model}` (a local folder; no Hub commit)"
     if source.format is not None:
-        where += f" ({source.format}: its fp8 weights read as bfloat16)"
+        where += f" ({source.format}: {read_as(source.format)})"
     return [f"| source | {where} |"]
 
 

@@ -333,3 +333,13 @@ def test_a_broken_mxfp4_source_is_refused(tmp_path, scales, words):
     with pytest.raises((FormatError, InvalidCheckpointError), match=words.replace("(", r"\(").replace(")", r"\)")):
         with DequantizedCheckpoint(open_checkpoint(folder), source_format({"quant_method": "mxfp4"})) as view:
             view.get("model.layers.0.mlp.experts.gate_up_proj")
+
+
+def test_inspect_and_the_card_name_the_4bit_source(sources, tmp_path, capsys):
+    source, _ = sources["int4-asym"]
+    out = tmp_path / "out"
+    assert run(["quantize", str(source), "-o", str(out), "-q", "--scheme", "int8"], capsys)[0] == 0
+    said = "(compressed-tensors-int4-asym-group-32: its 4-bit weights read as float, in its own dtype)"
+    code, stdout, _ = run(["inspect", str(out)], capsys)
+    assert code == 0 and said in " ".join(stdout.split())
+    assert said in (out / "README.md").read_text()
