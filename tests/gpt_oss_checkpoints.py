@@ -93,3 +93,28 @@ def write_mxfp4_source(float_folder, dst) -> Path:
     (dst / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_CONFIG}, indent=2))
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def write_dequantized_copy(mxfp4_folder, dst) -> Path:
+    """The float checkpoint an MXFP4 gpt-oss folder stands for: each blocks and scales pair dequantized by
+    transformers' own convert_moe_packed_tensors to bfloat16 (what loading the release without MXFP4 kernels
+    gives), its config without the quantization_config."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src, dst = Path(mxfp4_folder), Path(dst)
+    dst.mkdir(parents=True)
+    stored = load_file(str(src / "model.safetensors"))
+    tensors = {name: t for name, t in stored.items() if not name.endswith(("_blocks", "_scales"))}
+    for name in stored:
+        if name.endswith("_blocks"):
+            base = name[: -len("_blocks")]
+            tensors[base] = convert_moe_packed_tensors(stored[name], stored[base + "_scales"]).contiguous()
+    for path in src.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json":
+            shutil.copy(path, dst / path.name)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

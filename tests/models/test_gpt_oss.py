@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from cli_helpers import run
-from gpt_oss_checkpoints import make_gpt_oss_checkpoint, write_mxfp4_source
+from gpt_oss_checkpoints import make_gpt_oss_checkpoint, write_dequantized_copy, write_mxfp4_source
 from hf_checkpoints import load_config, reference_logits, token_batch
 from peer_references import cosine, max_rel
 from qconvert.calibration.layers import forward_layerwise
@@ -42,7 +42,8 @@ def release(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpt_oss")
     fp32 = make_gpt_oss_checkpoint(root / "fp32", dtype="float32")
     bf16 = make_gpt_oss_checkpoint(root / "bf16" / "model", dtype="bfloat16")
-    return {"fp32": fp32, "bf16": bf16, "mxfp4": write_mxfp4_source(bf16, root / "mxfp4" / "model")}
+    mxfp4 = write_mxfp4_source(bf16, root / "mxfp4" / "model")
+    return {"fp32": fp32, "bf16": bf16, "mxfp4": mxfp4, "copy": write_dequantized_copy(mxfp4, root / "copy" / "model")}
 
 
 def test_logits_match_transformers_whole_and_layer_by_layer(release):
@@ -107,3 +108,24 @@ def test_converts_passes_verify_and_loads_back_in_transformers(release, tmp_path
     assert max_rel(loaded, reference_logits(meant_folder(out, tmp_path / "meant"), ids, mask), mask) <= 1e-4
     # and it is close to the float model: the MXFP4 release as transformers dequantizes it, or the bf16 one.
     assert cosine(loaded, reference_logits(release[form], ids, mask), mask) >= floor
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [["--scheme", "int8"], ["--scheme", "int4", "--gptq", *CALIB],
+                                  ["--scheme", "w8a8", *CALIB]], ids=["int8", "int4-gptq", "w8a8"])
+def test_the_mxfp4_release_converts_as_its_dequantized_copy(release, tmp_path, capsys, args):
+    """Byte for byte, calibration included: the MXFP4 form read while streaming is the float checkpoint
+    transformers dequantizes it to."""
+    for src, name in ((release["mxfp4"], "from-mxfp4"), (release["copy"], "from-copy")):
+        code, _, err = run(["quantize", str(src), "-o", str(tmp_path / name), "-q", *args], capsys)
+        assert code == 0, err
+    names = sorted(p.name for p in (tmp_path / "from-mxfp4").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "from-copy").iterdir())
+    for name in names:
+        if name not in ("qconvert.json", "README.md"):
+            assert (tmp_path / "from-mxfp4" / name).read_bytes() == (tmp_path / "from-copy" / name).read_bytes(), name
+    records = [json.loads((tmp_path / n / "qconvert.json").read_text()) for n in ("from-mxfp4", "from-copy")]
+    assert records[0]["source"]["format"] == "gpt-oss-mxfp4"
+    for record in records:
+        del record["source"], record["files"]["README.md"]
+    assert records[0] == records[1]
