@@ -23,6 +23,8 @@ from qconvert.schemes.fp4 import (NVFP4_GROUP, check_finite, dequantize_fp4, eff
 from qconvert.schemes.grids import E2M1Grid
 from qconvert.schemes.rowwise import block_rows, quantize_rows
 
+# The linears vLLM loads into one fused layer with one global scale (qkv_proj, gate_up_proj, an expert's w13).
+FUSED_SHARDS = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3"})
 FP4_CLIP_GRID = tuple(round(1.0 - 0.0125 * k, 4) for k in range(21))  # 1.00 .. 0.75
 
 
@@ -88,6 +90,15 @@ class NVFP4A16(FP4Scheme):
 
     def quantize(self, weight: np.ndarray, flags: LayoutFlags, *, scale_dtype, clip=None) -> QArray:
         return quantize_nvfp4(weight, clip=clip)
+
+    def group_note(self, group_size: int | str | None, shapes: Mapping[str, tuple[int, int]]) -> str:
+        """One line where linears vLLM fuses (q/k/v, gate/up) are quantized: each keeps its own global scale,
+        and vLLM applies one per fused layer (docs/FORMATS.md, FP4)."""
+        fused = sorted(m for m in shapes if m.rpartition(".")[2] in FUSED_SHARDS)
+        if not fused:
+            return ""
+        return (f"nvfp4a16: {fused[0]} and the other q/k/v and gate/up shards keep a global scale each; vLLM applies "
+                "one per fused layer and reads them wrong (transformers reads them as written)")
 
     def quantize_rows(self, read_rows, shape: tuple[int, int], dtype: np.dtype, flags: LayoutFlags) -> QArray:
         """The global scale from the whole weight's absmax (one pass over its blocks of rows), then the blocks."""

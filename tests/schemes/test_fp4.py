@@ -169,8 +169,10 @@ def test_a_folder_has_the_presets_config_passes_verify_and_loads_in_transformers
 
     source = family_source(tmp_path, "llama")
     out = tmp_path / name
-    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", preset, "-q"], capsys)
+    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", preset], capsys)
     assert code == 0, err
+    # What vLLM's own check finds (test_fp4_vllm.py), said while planning.
+    assert ("keep a global scale each; vLLM applies one per fused layer" in err) == (name == "nvfp4a16")
     qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
     parsed = QuantizationConfig.model_validate(qconfig)
     group = parsed.config_groups["group_0"]
