@@ -266,3 +266,20 @@ def test_the_reference_matmul_equals_float64_at_real_k(name):
     from qconvert.kernels import qlinear
 
     np.testing.assert_allclose(np.asarray(qlinear(x, q, out_dtype=np.float32)), got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["nvfp4a16", "mxfp4a16"])
+def test_the_clip_search_never_does_worse_than_the_plain_scale(name):
+    rng = np.random.default_rng(4)
+    w = (rng.standard_t(3, size=(32, 256)) * 0.02).astype(np.float32)  # heavy tails: clipping pays somewhere
+    scheme = scheme_named(name)
+    found = scheme.clip_search(w, LayoutFlags())
+    assert found.ratios.shape == (32, 256 // scheme.group) and (found.ratios < 1).any()
+    assert found.error_searched < found.error_plain
+
+    def error(ratios):
+        q = scheme.quantize(w, LayoutFlags(), scale_dtype=None, clip=ratios)
+        return float(np.sum((dequantize_fp4(q).astype(np.float64) - w) ** 2))
+
+    assert error(found.ratios) == pytest.approx(found.error_searched, rel=1e-6)
+    assert error(found.ratios) < error(None)
