@@ -93,6 +93,9 @@ class GptOssModel(LlamaModel):
     # Attention, then the router, which stays float; the fused experts are no linears (see the module's text).
     LAYER_LINEARS = ATTENTION_LINEARS + (ROUTER,)
     FLOAT_LINEARS = (ROUTER,)
+    # The fused experts stay float: the loaders' ignore list names them, so that one that builds them as a
+    # quantized MoE layer under a compressed-tensors config (vLLM) reads them as float.
+    float_towers = (r"model\.layers\.[0-9]+\.mlp\.experts",)
 
     moe: GptOssArgs = GptOssArgs(1, 1, 1.702, 7.0)
 
