@@ -131,11 +131,15 @@ def test_rows_split_over_four_devices_round_as_one_device(tmp_path):
 
 
 @pytest.mark.slow
-def test_down_proj_split_over_two_processes_of_two_devices_writes_the_bytes_of_one_device(tmp_path):
+@pytest.mark.parametrize("flags", [["--scheme", "int4", "--no-awq"], ["--scheme", "w8a8", "--gptq"]],
+                         ids=["int4-gptq", "w8a8-smoothed-gptq"])
+def test_groups_split_over_two_processes_of_two_devices_write_the_bytes_of_one_device(flags, tmp_path):
+    """Every group of the layer is split on 4 devices (test_a_group_is_split_...): int4, and w8a8 whose GPTQ
+    rounds the smoothed weights on the smoothed Hessians."""
     source = tmp_path / "llama"
     make_llama_checkpoint(source, hidden=HIDDEN, intermediate=INTERMEDIATE, heads=4, kv_heads=2, layers=2,
                           dtype="bfloat16", outlier_channels=(3, 17))
-    args = ["quantize", str(source), "--scheme", "int4", "--no-awq", *CALIB, "-q"]
+    args = ["quantize", str(source), *flags, *CALIB, "-q"]
     alone = subprocess.run(_command([*args, "-o", str(tmp_path / "one")]), env=_env(1), capture_output=True,
                            text=True, timeout=600)
     assert alone.returncode == 0, alone.stderr
