@@ -5,8 +5,9 @@ float weight's name: formats/int4_sources.py, formats/fp4_sources.py).
 
 It answers what SafetensorsCheckpoint answers (names, shapes, dtypes, bytes, files, tensors, rows), so the plan,
 calibration, the methods, the writer and verify read it as they read a float folder. The scale tensors
-(`weight_scale_inv`, `weight_scale`, `input_scale`) and a packed weight's parts are not in its view; every other tensor is read as stored.
-Nothing dense is written anywhere: a read holds the rows asked for in bfloat16 and one chunk in float32.
+(`weight_scale_inv`, `weight_scale`, `input_scale`) and a packed weight's parts are not in its view; every
+other tensor is read as stored. Nothing dense is written anywhere: a read holds the rows asked for in the read
+dtype and one chunk in float32.
 """
 
 from __future__ import annotations

@@ -236,12 +236,13 @@ def dequantized_dtype(fmt: SourceFormat, config: dict) -> np.dtype:
     config.json's torch_dtype (or dtype) for the 4-bit ones, bfloat16 where it names none."""
     if fmt.kind == FP8:
         return DEQUANTIZED_DTYPE
-    declared = config.get("torch_dtype", config.get("dtype"))
+    key = "torch_dtype" if "torch_dtype" in config else "dtype"
+    declared = config.get(key)
     if declared is None:
         return DEQUANTIZED_DTYPE
     if declared not in FLOAT_DTYPES_BY_NAME:
-        raise InvalidCheckpointError(f"config.json: torch_dtype is {declared!r}; a {fmt.name} checkpoint is read "
-                                     "as one of " + ", ".join(FLOAT_DTYPES_BY_NAME))
+        raise InvalidCheckpointError(f"config.json: {key} is {declared!r}; a {fmt.name} checkpoint is read as "
+                                     "one of " + ", ".join(FLOAT_DTYPES_BY_NAME))
     return FLOAT_DTYPES_BY_NAME[declared]
 
 

@@ -343,3 +343,14 @@ def test_inspect_and_the_card_name_the_4bit_source(sources, tmp_path, capsys):
     code, stdout, _ = run(["inspect", str(out)], capsys)
     assert code == 0 and said in " ".join(stdout.split())
     assert said in (out / "README.md").read_text()
+
+
+def test_a_4bit_source_whose_dtype_is_not_a_float_one_is_refused(sources, tmp_path, capsys):
+    folder, _ = sources["int4"]
+    source = tmp_path / "model"
+    shutil.copytree(folder, source)
+    (source / "config.json").write_text(json.dumps({**_config(folder), "dtype": "int8"}))
+    code, _, err = run(["quantize", str(source), "-o", str(tmp_path / "out"), "--scheme", "int8"], capsys)
+    (line,) = err.strip().splitlines()
+    assert code == 6 and "config.json: dtype is 'int8'; a compressed-tensors-int4-group-32 checkpoint is read as" \
+        in line, line
