@@ -80,9 +80,9 @@ def calibration_options(command):
                           "hf://datasets/OWNER/NAME[@REV] (a whole Hub dataset: parquet, JSON, CSV or text files, "
                           "found by split as the datasets library finds them), hf://datasets/OWNER/NAME[@REV]/FILE, "
                           "or random (random token ids)."),
-        click.option("--calib-samples", type=WholeNumber(1, 10**7), default=None,
+        click.option("--calib-samples", type=WholeNumber(1, 10**12), default=None,
                      help="Calibration windows (default 128; fewer when the text runs out)."),
-        click.option("--calib-seqlen", type=WholeNumber(2, 10**7), default=None,
+        click.option("--calib-seqlen", type=WholeNumber(2, 10**12), default=None,
                      help="Tokens per window (default 512, capped at the model's positions)."),
         click.option("--calib-split", type=Text(), default=None, metavar="SPLIT",
                      help="A whole Hub dataset's split to read (default train)."),

@@ -25,8 +25,8 @@ from qconvert.formats.errors import UsageError, require_converted_folder
                    "auto = text calibration did not read: qconvert's held-out prose, or random ids from "
                    "another seed after random calibration or when the reference has no tokenizer. Text "
                    "that shares a run of 16 tokens with the calibration text is refused.")
-@click.option("--samples", type=WholeNumber(1, 10**6), default=None, help="Evaluation sequences (default 8; 2 with --quick).")
-@click.option("--seqlen", type=WholeNumber(2, 10**7), default=None, help="Tokens per sequence (default 64; 32 with --quick).")
+@click.option("--samples", type=WholeNumber(1, 10**12), default=None, help="Evaluation sequences (default 8; 2 with --quick).")
+@click.option("--seqlen", type=WholeNumber(2, 10**12), default=None, help="Tokens per sequence (default 64; 32 with --quick).")
 @click.option("--quick", is_flag=True, help="A small evaluation sample: a fast smoke check.")
 @click.option("--backend", type=BACKEND_CHOICE, default="auto", show_default=True,
               help="Kernel backend; auto: tpu or gpu kernels, xla on a CPU host; cpu runs the TPU kernels in "
