@@ -130,9 +130,10 @@ def patch_vllm(accept) -> None:
 
 
 def fp4_ref_check(accept, model, ref: str, packed_map) -> None:
-    """--ref: each FP4 weight as vLLM reads it is the float model's weight rounded to E2M1: |W / s - v / s| at most
-    half the E2M1 gap around v (0.25 below 2, 0.5 below 4, 1 at 4 and 6: a clamped 6 included), s the effective
-    scale vLLM applies, plus bf16's rounding of the read. A changed scale or a wrong global scale breaks it."""
+    """--ref (a round-to-nearest folder): each FP4 weight as vLLM reads it, v, is the E2M1 value nearest to the
+    float model's W / s clamped to +-6, s the effective scale vLLM applies: |x - v / s| is no more than x's distance
+    to the nearest E2M1 value (a tie either way), plus bf16's rounding of the read. A changed scale or a wrong
+    global scale breaks it."""
     import glob
 
     import torch
@@ -157,14 +158,16 @@ def fp4_ref_check(accept, model, ref: str, packed_map) -> None:
                 weights.append(handle.get_tensor(files[source][1]).double())
         w, _, scale = accept._vllm_dequant_linear(mod, scheme)
         x, v = torch.cat(weights, 0) / scale.double(), w.double() / scale.double()
-        gap = torch.where(v.abs() < 2, 0.5, torch.where(v.abs() < 4, 1.0, 2.0))
-        err = ((x - v).abs() - gap / 2 - v.abs() * 2.0 ** -8).max().item()
+        x = x.clamp(-6, 6)
+        grid = torch.tensor(E2M1, dtype=torch.float64)
+        nearest = (x.abs()[..., None] - grid).abs().min(dim=-1).values
+        err = ((x - v).abs() - nearest - v.abs() * 2.0 ** -8).max().item()
         count += 1
         worst = max(worst, (err, name))
     if count:
         status = "OK" if worst[0] <= 1e-6 else "FAIL-WRONG"
-        accept.emit(status, "ref.fp4_vs_float", f"{count} weights: the largest excess over half the E2M1 gap (and "
-                    f"bf16's rounding) is {max(worst[0], 0.0):.3f} x scale (worst {worst[1]})")
+        accept.emit(status, "ref.fp4_vs_float", f"{count} weights: the largest excess over the nearest E2M1 value's "
+                    f"distance (and bf16's rounding) is {max(worst[0], 0.0):.3f} x scale (worst {worst[1]})")
 
 
 def main() -> None:

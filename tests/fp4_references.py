@@ -18,10 +18,11 @@ def torch_weight(w: np.ndarray):
     return torch.from_numpy(np.asarray(w, np.float32)).to(dtypes[np.dtype(w.dtype)])
 
 
-def compressed_tensors_fp4(w: np.ndarray, preset: str) -> dict[str, np.ndarray]:
+def compressed_tensors_fp4(w: np.ndarray, preset: str, global_scale=None) -> dict[str, np.ndarray]:
     """The compressed tensors (weight_packed, weight_scale, weight_global_scale for NVFP4) of one [out, in] weight
     under compressed-tensors preset `preset` (NVFP4A16, NVFP4 or MXFP4A16), as numpy arrays (float8 scales as
-    ml_dtypes, bytes unchanged)."""
+    ml_dtypes, bytes unchanged). NVFP4's `global_scale` (a torch float32 [1]) is the weight's own unless given
+    (the fused observers' joint one)."""
     import torch
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationStrategy, preset_name_to_scheme
@@ -31,10 +32,10 @@ def compressed_tensors_fp4(w: np.ndarray, preset: str) -> dict[str, np.ndarray]:
     scheme = preset_name_to_scheme(preset, ["Linear"])
     args = scheme.weights
     state = {"weight": t}
-    global_scale = None
     if args.strategy == QuantizationStrategy.TENSOR_GROUP:
-        low, high = torch.aminmax(t)
-        global_scale = generate_gparam(low.reshape(1), high.reshape(1))
+        if global_scale is None:
+            low, high = torch.aminmax(t)
+            global_scale = generate_gparam(low.reshape(1), high.reshape(1))
         state["weight_global_scale"] = global_scale
     groups = t.reshape(t.shape[0], -1, args.group_size)
     scale, _ = calculate_qparams(groups.amin(dim=2), groups.amax(dim=2), args, global_scale=global_scale)

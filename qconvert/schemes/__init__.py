@@ -55,7 +55,7 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
     "w4a8-fp8": ("int4 weights per group of 128 input channels, FP8 activations per token at run time (W4AFP8)",
                  "vLLM (Hopper), vLLM TPU, transformers + compressed-tensors"),
     "nvfp4a16": ("NVFP4 weights: E2M1 in groups of 16, E4M3 scales, a float32 global scale per tensor; float "
-                 "activations (NVFP4A16)", "transformers + compressed-tensors (dense)"),
+                 "activations (NVFP4A16)", "vLLM (dense), transformers + compressed-tensors (dense)"),
     "mxfp4a16": ("MXFP4 weights: E2M1 in groups of 32, power-of-two (E8M0) scales; float activations (MXFP4A16)",
                  "vLLM (dense and MoE), transformers + compressed-tensors"),
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -125,6 +125,12 @@ class Scheme(abc.ABC):
     @abc.abstractmethod
     def clip_search(self, weight: np.ndarray, flags: LayoutFlags):
         """The per row/group/block ratios minimising the weight's squared error (a SearchResult)."""
+
+    def shared_absmax(self, modules: Sequence[str], absmax: Callable[[str], float]) -> dict[str, float]:
+        """Per linear, the absmax its scales are computed from where the scheme shares one between the linears a
+        server fuses (NVFP4's global scale across q/k/v and gate/up), given each linear's own `absmax(module)`;
+        the writer then passes it to quantize and quantize_rows as `shared_absmax`. {}: every linear its own."""
+        return {}
 
     def gptq_grid(self):
         """The grid GPTQ rounds each column onto (a qconvert.methods.gptq_core grid); None: the scheme takes no --gptq."""

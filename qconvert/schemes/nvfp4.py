@@ -9,7 +9,7 @@ the round-to-nearest scales kept (the global scale fixed first, from the whole w
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -23,8 +23,10 @@ from qconvert.schemes.fp4 import (NVFP4_GROUP, check_finite, dequantize_fp4, eff
 from qconvert.schemes.grids import E2M1Grid
 from qconvert.schemes.rowwise import block_rows, quantize_rows
 
-# The linears vLLM loads into one fused layer with one global scale (qkv_proj, gate_up_proj, an expert's w13).
-FUSED_SHARDS = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3"})
+# The linears vLLM loads into one fused layer with one global scale: qkv_proj, gate_up_proj (an expert's w13, Mixtral's
+# w1/w3), DeepSeek's fused_qkv_a_proj.
+FUSED_SHARDS = (frozenset({"q_proj", "k_proj", "v_proj"}), frozenset({"gate_proj", "up_proj"}), frozenset({"w1", "w3"}),
+                frozenset({"q_a_proj", "kv_a_proj_with_mqa"}))
 FP4_CLIP_GRID = tuple(round(1.0 - 0.0125 * k, 4) for k in range(21))  # 1.00 .. 0.75
 
 
@@ -88,27 +90,41 @@ class NVFP4A16(FP4Scheme):
     group = NVFP4_GROUP
     clip = ClipSearch(FP4_CLIP_GRID, "per output row and group of 16: group absmax * c before its E4M3 scale")
 
-    def quantize(self, weight: np.ndarray, flags: LayoutFlags, *, scale_dtype, clip=None) -> QArray:
-        return quantize_nvfp4(weight, clip=clip)
+    def quantize(self, weight: np.ndarray, flags: LayoutFlags, *, scale_dtype, clip=None,
+                 shared_absmax: float | None = None) -> QArray:
+        """`shared_absmax`: the absmax of the linears a server fuses with this one (shared_absmax): the global
+        scale is theirs together, as llm-compressor's fused observers give it; else the tensor's own."""
+        global_scale = None if shared_absmax is None else nvfp4_global_scale(shared_absmax, np.asarray(weight).dtype)
+        return quantize_nvfp4(weight, global_scale, clip=clip)
 
-    def group_note(self, group_size: int | str | None, shapes: Mapping[str, tuple[int, int]]) -> str:
-        """One line where linears vLLM fuses (q/k/v, gate/up) are quantized: each keeps its own global scale,
-        and vLLM applies one per fused layer (docs/FORMATS.md, FP4)."""
-        fused = sorted(m for m in shapes if m.rpartition(".")[2] in FUSED_SHARDS)
-        if not fused:
-            return ""
-        return (f"nvfp4a16: {fused[0]} and the other q/k/v and gate/up shards keep a global scale each; vLLM applies "
-                "one per fused layer and reads them wrong (transformers reads them as written)")
+    def shared_absmax(self, modules: Sequence[str], absmax: Callable[[str], float]) -> dict[str, float]:
+        """q/k/v, gate/up (an expert's too) and DeepSeek's q_a/kv_a: one global scale from their joint absmax, as
+        vLLM applies one per fused layer."""
+        groups: dict[tuple[str, int], list[str]] = {}
+        for module in modules:
+            parent, _, leaf = module.rpartition(".")
+            for index, shards in enumerate(FUSED_SHARDS):
+                if leaf in shards:
+                    groups.setdefault((parent, index), []).append(module)
+        shared = {}
+        for members in groups.values():
+            joint = max(absmax(m) for m in members)
+            shared.update({m: joint for m in members})
+        return shared
 
-    def quantize_rows(self, read_rows, shape: tuple[int, int], dtype: np.dtype, flags: LayoutFlags) -> QArray:
-        """The global scale from the whole weight's absmax (one pass over its blocks of rows), then the blocks."""
+    def quantize_rows(self, read_rows, shape: tuple[int, int], dtype: np.dtype, flags: LayoutFlags,
+                      shared_absmax: float | None = None) -> QArray:
+        """The global scale from the whole weight's absmax (one pass over its blocks of rows; `shared_absmax`
+        instead where given), then the blocks."""
         rows, cols = shape
         step = block_rows(rows, cols, np.dtype(dtype).itemsize)
-        absmax = 0.0
-        for start in range(0, rows, step):
-            part = np.asarray(read_rows(start, min(rows, start + step)))
-            check_finite(part)
-            absmax = max(absmax, float(np.abs(part.astype(np.float32)).max(initial=0.0)))
+        absmax = shared_absmax
+        if absmax is None:
+            absmax = 0.0
+            for start in range(0, rows, step):
+                part = np.asarray(read_rows(start, min(rows, start + step)))
+                check_finite(part)
+                absmax = max(absmax, float(np.abs(part.astype(np.float32)).max(initial=0.0)))
         global_scale = nvfp4_global_scale(absmax, dtype)
         joined = quantize_rows(lambda part: quantize_nvfp4(part, global_scale), read_rows, shape, dtype)
         # The blocks' zero-point slots each carry the one global scale; the whole tensor's is [1, 1].

@@ -95,14 +95,16 @@ TABLE: dict[tuple[str, str], str] = {
     # the JAX path (a plain `vllm serve`) has no FP4 compressed-tensors scheme; on the torchax path NVFP4A16 loads
     # (every tensor consumed, every array written) but its values are not judged (the check has no map of
     # tpu-inference's FP4 arrays), and MXFP4A16 is refused (its scheme match reads input activations' num_bits).
-    # vLLM by bench/vllm_fp4.py (vllm_accept.py with the FP4 kernel choice a CPU lacks answered by a stub):
-    # MXFP4A16 read bit for bit, dense and MoE; NVFP4A16 wrong on q/k/v and gate/up, whose shards keep their own
-    # global scales where vLLM applies one per layer (w13: the gate's).
-    ("nvfp4a16", "llama"): "NN?Y",
-    ("nvfp4a16", "qwen3"): "NN?Y",
+    # vLLM by bench/vllm_fp4.py (vllm_accept.py with the FP4 kernel choice a CPU lacks answered by a stub): read
+    # bit for bit, dense and MoE, q/k/v and gate/up sharing one global scale as vLLM applies one per fused layer.
+    # NVFP4A16 Qwen3-MoE: the experts read bit for bit, but vLLM's NVFP4 MoE method also registers
+    # w13/w2_input_global_scale, which a weight-only checkpoint has none of (llm-compressor's neither): left unset,
+    # the check says WRONG; whether its W4A16 kernels read them is not settled here.
+    ("nvfp4a16", "llama"): "YN?Y",
+    ("nvfp4a16", "qwen3"): "YN?Y",
     ("mxfp4a16", "llama"): "YNNY",
     ("mxfp4a16", "qwen3"): "YNNY",
-    ("nvfp4a16", "qwen3_moe"): "N??N",  # transformers decompresses fused NVFP4 experts without their global scale
+    ("nvfp4a16", "qwen3_moe"): "???N",  # transformers decompresses fused NVFP4 experts without their global scale
     ("mxfp4a16", "qwen3_moe"): "Y??Y",
     ("nvfp4a16", "bert"): "???Y",
     ("mxfp4a16", "bert"): "???Y",
@@ -137,8 +139,8 @@ NOTES = {
     ("int4-asym", "vLLM GPU"): "Machete / Marlin with zero points (bench/vllm_zero_points.py)",
     ("w4a8-fp8", "vLLM GPU"): ("Hopper only: group 128, input widths multiples of 128, experts' 256; `quantize` says so "
                                "in one line otherwise"),
-    ("nvfp4a16", "vLLM GPU"): ("Loads, but q/k/v and gate/up keep a global scale each where vLLM applies one per "
-                               "fused layer: wrong (bench/vllm_fp4.py)"),
+    ("nvfp4a16", "vLLM GPU"): ("Read bit for bit with the GPU kernel choice stubbed on a CPU (bench/vllm_fp4.py); "
+                               "with --gptq q/k/v and gate/up keep a global scale each, which vLLM reads wrong"),
     ("mxfp4a16", "vLLM GPU"): "Read bit for bit with the GPU kernel choice stubbed on a CPU (bench/vllm_fp4.py)",
     ("int8", "vLLM TPU"): "No weight-only int8 scheme",
     ("nvfp4a16", "vLLM TPU"): "Its JAX path has no FP4 compressed-tensors scheme",

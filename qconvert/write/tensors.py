@@ -135,21 +135,40 @@ def stream_tensors(ckpt: SafetensorsCheckpoint, plan, scheme, calibrated: Calibr
     if progress is not None:
         progress.start(sum(t.source_bytes for t in plan.tensors), len(plan.tensors))
     following = extras_after(plan, calibrated.extra_tensors)
+    shared = shared_absmax(ckpt, plan, scheme, calibrated)
     tasks = ((planned.source_bytes, functools.partial(_task, ckpt, planned, scheme, calibrated, plan.flags,
-                                                      following.get(planned.source, ())))
+                                                      following.get(planned.source, ()), shared))
              for planned in plan.tensors)
     return run_ahead(tasks, prefetch_limit(plan), on_done=progress.advance if progress is not None else None,
                      workers=workers or available_cores())
 
 
+def shared_absmax(ckpt: SafetensorsCheckpoint, plan, scheme, calibrated: Calibrated) -> dict[str, float]:
+    """The absmax each quantized linear's scale is computed from where the scheme shares it between linears a
+    server fuses (NVFP4's global scale: `Scheme.shared_absmax`), read once from the weights as they are written
+    (transformed); linears GPTQ rounded keep their own."""
+    rounded = calibrated.quantized if calibrated.quantized is not None else {}
+    by_module = {t.module: t for t in plan.tensors if t.module is not None and t.module not in rounded}
+
+    def absmax(module: str) -> float:
+        planned = by_module[module]
+        array = ckpt.get(planned.source)
+        if calibrated.weight_transform is not None:
+            array = _transformed(planned, calibrated.weight_transform(planned.source, array))
+        return float(np.abs(np.asarray(array, np.float32)).max(initial=0.0))
+
+    return scheme.shared_absmax(sorted(by_module), absmax)
+
+
 def _task(ckpt: SafetensorsCheckpoint, planned, scheme, calibrated: Calibrated, flags: LayoutFlags,
-          extras: tuple[str, ...]) -> list[tuple[str, np.ndarray]]:
+          extras: tuple[str, ...], shared: Mapping[str, float] | None = None) -> list[tuple[str, np.ndarray]]:
     """One prefetch task: a planned tensor's output tensors, then the extra tensors that follow it."""
-    return output_tensors(ckpt, planned, scheme, calibrated, flags) + [(n, calibrated.extra_tensors[n]) for n in extras]
+    return (output_tensors(ckpt, planned, scheme, calibrated, flags, shared=shared)
+            + [(n, calibrated.extra_tensors[n]) for n in extras])
 
 
 def output_tensors(ckpt: SafetensorsCheckpoint, planned, scheme, calibrated: Calibrated,
-                   flags: LayoutFlags) -> list[tuple[str, np.ndarray]]:
+                   flags: LayoutFlags, *, shared: Mapping[str, float] | None = None) -> list[tuple[str, np.ndarray]]:
     """The (name, array) output tensors of one planned tensor: read, transform, check, quantize.
 
     A linear GPTQ rounded during calibration is taken from `calibrated.quantized` as it is. An
@@ -165,7 +184,7 @@ def output_tensors(ckpt: SafetensorsCheckpoint, planned, scheme, calibrated: Cal
     if (planned.module is not None and calibrated.weight_transform is None and len(planned.shape) == 2
             and planned.source_dtype in FLOAT_DTYPES_BY_NAME and not (searches is not None and searches.enabled)):
         tensors = quantized_tensors(planned, functools.partial(ckpt.get_rows, planned.source), scheme, flags,
-                                    input_scale)
+                                    input_scale, shared_absmax=(shared or {}).get(planned.module))
         return [(spec.name, tensors.pop(spec.name)) for spec in planned.specs]
     array = ckpt.get(planned.source)
     if calibrated.weight_transform is not None:
@@ -174,7 +193,8 @@ def output_tensors(ckpt: SafetensorsCheckpoint, planned, scheme, calibrated: Cal
         if np.dtype(array.dtype).name in (*FLOAT_DTYPES_BY_NAME, "float64") and not all_finite(array):
             raise InvalidWeightError(f"{planned.source} has NaN or Inf values; fix the checkpoint")
         return [(planned.source, array)]
-    tensors = quantized_tensors(planned, array, scheme, flags, input_scale, searches)
+    tensors = quantized_tensors(planned, array, scheme, flags, input_scale, searches,
+                                shared_absmax=(shared or {}).get(planned.module))
     return [(spec.name, tensors.pop(spec.name)) for spec in planned.specs]
 
 
@@ -187,20 +207,23 @@ def _transformed(planned, array) -> np.ndarray:
 
 
 def quantized_tensors(planned, weight: np.ndarray | Callable[[int, int], np.ndarray], scheme, flags: LayoutFlags,
-                      input_scale: float | None, searches: ClipSearches | None = None) -> dict[str, np.ndarray]:
+                      input_scale: float | None, searches: ClipSearches | None = None, *,
+                      shared_absmax: float | None = None) -> dict[str, np.ndarray]:
     """One linear's weight -> its output tensors in the scheme's layout with the plan's `flags` (NaN/Inf refused).
 
     `weight` is the array, or `read_rows(start, stop)` returning a block of its rows (no scale search).
+    `shared_absmax`: the absmax the scheme shares with the linears a server fuses this one with (`shared_absmax`).
     """
     dtype = np.dtype(planned.source_dtype)
+    shared = {} if shared_absmax is None else {"shared_absmax": shared_absmax}
     try:
         if callable(weight):
-            q = scheme.quantize_rows(weight, planned.shape, dtype, flags)
+            q = scheme.quantize_rows(weight, planned.shape, dtype, flags, **shared)
         else:
             clip = None
             if searches is not None and searches.enabled:
                 clip = searches.clip_for(planned.module, weight, scheme, flags)
-            q = scheme.quantize(weight, flags, scale_dtype=dtype, clip=clip)
+            q = scheme.quantize(weight, flags, scale_dtype=dtype, clip=clip, **shared)
     except InvalidWeightError:
         raise InvalidWeightError(f"{planned.source} has NaN or Inf values; fix the checkpoint") from None
     return scheme.layout.to_tensors(planned.module, q, flags, input_scale=input_scale)

@@ -169,10 +169,8 @@ def test_a_folder_has_the_presets_config_passes_verify_and_loads_in_transformers
 
     source = family_source(tmp_path, "llama")
     out = tmp_path / name
-    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", preset], capsys)
+    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", preset, "-q"], capsys)
     assert code == 0, err
-    # What vLLM's own check finds (test_fp4_vllm.py), said while planning.
-    assert ("keep a global scale each; vLLM applies one per fused layer" in err) == (name == "nvfp4a16")
     qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
     parsed = QuantizationConfig.model_validate(qconfig)
     group = parsed.config_groups["group_0"]
@@ -283,3 +281,36 @@ def test_the_clip_search_never_does_worse_than_the_plain_scale(name):
 
     assert error(found.ratios) == pytest.approx(found.error_searched, rel=1e-6)
     assert error(found.ratios) < error(None)
+
+
+def test_fused_shards_share_one_global_scale_as_llm_compressors_fused_observers_give_it(tmp_path, capsys):
+    """q/k/v and gate/up: one global scale from their joint absmax (vLLM applies one per fused layer), each shard's
+    bytes compressed-tensors' own with that global scale; o_proj and down_proj keep their own."""
+    import torch
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    from hf_checkpoints import make_hf_checkpoint
+
+    source = make_hf_checkpoint(tmp_path / "src", "llama", hidden=64, intermediate=128, layers=1, dtype="bfloat16")
+    out = tmp_path / "out"
+    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", "nvfp4a16", "-q"], capsys)
+    assert code == 0, err
+    from safetensors.torch import load_file
+
+    weights = {k: v.float().numpy().astype(ml_dtypes.bfloat16) for k, v in
+               load_file(str(source / "model.safetensors")).items()}
+    folder = {}
+    for shard in out.glob("*.safetensors"):
+        folder.update(load_file(str(shard)))
+    prefix = "model.layers.0."
+    for fused in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"),
+                  ("self_attn.o_proj",), ("mlp.down_proj",)):
+        joint = max(float(np.abs(weights[f"{prefix}{m}.weight"].astype(np.float32)).max()) for m in fused)
+        gparam = generate_gparam(torch.tensor([-joint], dtype=torch.bfloat16), torch.tensor([joint], dtype=torch.bfloat16))
+        for m in fused:
+            assert folder[f"{prefix}{m}.weight_global_scale"].item() == gparam.item(), m
+            theirs = compressed_tensors_fp4(weights[f"{prefix}{m}.weight"], "NVFP4A16", global_scale=gparam)
+            for key, value in theirs.items():
+                got = folder[f"{prefix}{m}.{key}"]
+                got = got.view(torch.uint8).numpy() if got.dtype == torch.float8_e4m3fn else got.numpy()
+                assert got.tobytes() == value.tobytes(), (m, key)
