@@ -1,5 +1,5 @@
 """DequantizedCheckpoint: a quantized source (block FP8, compressed-tensors FP8, pack-quantized int4, NVFP4,
-gpt-oss MXFP4) seen as the float checkpoint it stands for, each quantized weight dequantized a block of rows at a
+MXFP4, gpt-oss MXFP4) seen as the float checkpoint it stands for, each quantized weight dequantized a block of rows at a
 time as it is read (fp8 to bfloat16; the 4-bit formats to the checkpoint's dtype, their packed weights under the
 float weight's name: formats/int4_sources.py, formats/fp4_sources.py).
 
@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from qconvert.formats.errors import FormatError
-from qconvert.formats.fp4_sources import BLOCKS, SCALES, mxfp4_weights, nvfp4_weights
+from qconvert.formats.fp4_sources import BLOCKS, SCALES, fp4_weights, mxfp4_weights
 from qconvert.formats.int4_sources import PACKED, SHAPE, ZERO_POINT, PackedWeight, check_claimed, int4_weights
 from qconvert.formats.quantized_sources import (
-    ACTIVATION_SCALE_SUFFIXES, DEQUANTIZED_DTYPE, FP8, FP8_WEIGHT_DTYPE, INT_PACKED, NVFP4, SCALE_DTYPES,
+    ACTIVATION_SCALE_SUFFIXES, DEQUANTIZED_DTYPE, FP8, FP8_WEIGHT_DTYPE, INT_PACKED, MXFP4_PACKED, NVFP4, SCALE_DTYPES,
     SourceFormat, check_finite, check_power_of_two, dequantize_block_rows, dequantize_rows,
 )
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint
@@ -66,7 +66,8 @@ class DequantizedCheckpoint:
     def _open_packed(self, stored: SafetensorsCheckpoint, fmt: SourceFormat) -> None:
         """A 4-bit source's packed weights, checked against the config, and the names of the float view."""
         finder, suffixes = {INT_PACKED: (int4_weights, (PACKED, fmt.scale_suffix, ZERO_POINT, SHAPE)),
-                            NVFP4: (nvfp4_weights, (PACKED, fmt.scale_suffix, ".weight_global_scale"))}.get(
+                            NVFP4: (fp4_weights, (PACKED, fmt.scale_suffix, ".weight_global_scale")),
+                            MXFP4_PACKED: (fp4_weights, (PACKED, fmt.scale_suffix))}.get(
             fmt.kind, (mxfp4_weights, (BLOCKS, SCALES)))
         self._packed = finder(stored, fmt)
         self._hidden = check_claimed(stored, fmt, self._packed, suffixes)

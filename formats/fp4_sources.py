@@ -1,5 +1,5 @@
 """FP4-shipped weights read as float, a block of rows at a time: compressed-tensors `nvfp4-pack-quantized` and
-gpt-oss's MXFP4 (transformers' `quant_method: mxfp4`).
+`mxfp4-pack-quantized`, and gpt-oss's MXFP4 (transformers' `quant_method: mxfp4`).
 
     nvfp4-pack-quantized:
     <m>.weight_packed        uint8 [out, in/2]            E2M1 codes, column 2k in the low nibble of byte k
@@ -7,6 +7,11 @@ gpt-oss's MXFP4 (transformers' `quant_method: mxfp4`).
     <m>.weight_global_scale  float32 [1]                  the tensor's global scale g (a divisor)
     value = E2M1[code] x (scale / g): the quotient and the product in float32 (compressed-tensors' decompression),
     rounded once to the checkpoint's dtype
+
+    mxfp4-pack-quantized:
+    <m>.weight_packed        uint8 [out, in/2]            as above
+    <m>.weight_scale         uint8 [out, in/32]           E8M0: 2^(byte - 127)
+    value = E2M1[code] x 2^(byte - 127), rounded to the checkpoint's dtype (exact but out of range)
 
     gpt-oss MXFP4 (experts only):
     <e>.gate_up_proj_blocks  uint8 [experts, 2 x intermediate, hidden/32, 16]  32 E2M1 codes a group, the
@@ -81,6 +86,48 @@ class NVFP4Weight(PackedWeight):
         np.copyto(out, values, casting="unsafe")
 
 
+class MXFP4PackedWeight(PackedWeight):
+    """One mxfp4-pack-quantized linear: E2M1 codes, an E8M0 scale per row and 32 columns."""
+
+    def __init__(self, stored: SafetensorsCheckpoint, module: str, fmt: SourceFormat):
+        self.stored = stored
+        packed, scale = module + PACKED, module + SCALE
+        where = stored.file_of(packed)
+        if stored.dtype(packed) != np.uint8 or len(stored.shape(packed)) != 2:
+            raise FormatError(f"{where}: {packed} is {stored.dtype(packed)} {list(stored.shape(packed))}, not uint8 "
+                              "[out, in/2] (two E2M1 codes a byte); the packing does not match the format")
+        out_features, half = stored.shape(packed)
+        self.shape = (int(out_features), 2 * int(half))
+        if scale not in stored:
+            raise FormatError(f"{where}: {packed} is stored but {scale} is missing; a {fmt.name} checkpoint has a "
+                              "scale beside every packed weight")
+        expected = (self.shape[0], -(-self.shape[1] // 32))
+        if stored.dtype(scale) != np.uint8 or tuple(stored.shape(scale)) != expected:
+            raise FormatError(f"{stored.file_of(scale)}: {scale} is {stored.dtype(scale)} {list(stored.shape(scale))}, "
+                              f"but the E8M0 scales of a {list(self.shape)} {fmt.name} weight are uint8 "
+                              f"{list(expected)} (one per 32 columns)")
+        self.parts = (packed, scale)
+
+    def fill(self, start: int, stop: int, out: np.ndarray) -> None:
+        """Rows [start, stop): E2M1 x 2^(byte - 127), rounded to out's dtype."""
+        stored, (packed, scale) = self.stored, self.parts
+        exponent = _e8m0_rows(stored, scale, start, stop)
+        values = E2M1_VALUES[unpack_fp4(stored.get_rows(packed, start, stop))]
+        values = np.ldexp(values, np.repeat(exponent, 32, axis=1)[:, :self.shape[1]])
+        np.copyto(out, values, casting="unsafe")
+
+
+def _e8m0_rows(stored: SafetensorsCheckpoint, name: str, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of an E8M0 scale tensor as int32 exponents (byte - 127); InvalidCheckpointError for
+    the NaN byte 255."""
+    raw = stored.get_rows(name, start, stop)
+    if (raw == 0xFF).any():
+        raise InvalidCheckpointError(f"{stored.file_of(name)}: {name} holds scales that are not finite (NaN: E8M0 "
+                                     "byte 255), so the MXFP4 weight they scale cannot be read; the checkpoint is "
+                                     "corrupt")
+    return raw.astype(np.int32) - E8M0_BIAS
+
+
 class MXFP4BlocksWeight(PackedWeight):
     """One gpt-oss MXFP4 expert tensor: `_blocks` and `_scales` read as the float [experts, in, out] tensor."""
 
@@ -107,26 +154,23 @@ class MXFP4BlocksWeight(PackedWeight):
         """Experts [start, stop): E2M1 x 2^(byte - 127), each expert's [rows, columns] transposed."""
         stored, (blocks, scales) = self.stored, self.parts
         experts, columns, rows = stop - start, self.shape[1], self.shape[2]
-        raw = stored.get_rows(scales, start, stop)
-        if (raw == 0xFF).any():
-            raise InvalidCheckpointError(f"{stored.file_of(scales)}: {scales} holds scales that are not finite "
-                                         "(NaN: E8M0 byte 255), so the MXFP4 weight they scale cannot be read; the "
-                                         "checkpoint is corrupt")
+        exponent = _e8m0_rows(stored, scales, start, stop)
         codes = unpack_fp4(stored.get_rows(blocks, start, stop).reshape(experts * rows, -1))
         values = E2M1_VALUES[codes].reshape(experts, rows, columns // 32, 32)
-        values = np.ldexp(values, raw.astype(np.int32)[..., None] - E8M0_BIAS)
+        values = np.ldexp(values, exponent[..., None])
         np.copyto(out, values.reshape(experts, rows, columns).transpose(0, 2, 1), casting="unsafe")
 
 
-def nvfp4_weights(stored: SafetensorsCheckpoint, fmt: SourceFormat) -> dict[str, PackedWeight]:
-    """Every nvfp4-pack-quantized linear of `stored`, by the name of the float weight it stands for."""
+def fp4_weights(stored: SafetensorsCheckpoint, fmt: SourceFormat) -> dict[str, PackedWeight]:
+    """Every nvfp4- or mxfp4-pack-quantized linear of `stored`, by the name of the float weight it stands for."""
+    kind = MXFP4PackedWeight if fmt.power_of_two_scales else NVFP4Weight
     weights: dict[str, PackedWeight] = {}
     for name in stored.tensor_names:
         if name.endswith(PACKED):
             module = name[: -len(PACKED)]
             if module + ".weight" in stored:
                 raise FormatError(f"{stored.file_of(name)}: {module} has both a float weight and {name}")
-            weights[module + ".weight"] = NVFP4Weight(stored, module, fmt)
+            weights[module + ".weight"] = kind(stored, module, fmt)
     return weights
 
 

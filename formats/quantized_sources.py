@@ -13,7 +13,8 @@ dequantization rule w = fp8 x scale.
     compressed-tensors pack-quantized int4 (W4A16, W4A16_ASYM; formats/int4_sources.py):
         <m>.weight_packed int32 [out, ceil(in/8)], <m>.weight_scale [out, groups], <m>.weight_shape,
         <m>.weight_zero_point int32 [ceil(out/8), groups] (asymmetric only)
-    compressed-tensors nvfp4-pack-quantized and gpt-oss's MXFP4 (quant_method "mxfp4"; formats/fp4_sources.py)
+    compressed-tensors nvfp4- and mxfp4-pack-quantized and gpt-oss's MXFP4 (quant_method "mxfp4";
+    formats/fp4_sources.py)
 
 The 4-bit sources are read as (q - zero point) x scale computed in float32 and rounded once to the checkpoint's
 own dtype (config.json's torch_dtype), as compressed-tensors' and transformers' decompression compute them.
@@ -48,8 +49,8 @@ ACTIVATION_SCALE_SUFFIXES = (".input_scale",)
 
 READS = ("block FP8 (quant_method 'fp8' with weight_block_size, e4m3 weights), compressed-tensors "
          "float-quantized FP8 (per tensor, channel or block), compressed-tensors pack-quantized int4 (per group or "
-         "channel, with or without zero points), nvfp4-pack-quantized and gpt-oss's MXFP4 as float")
-FP8, INT_PACKED, NVFP4, MXFP4_BLOCKS = "fp8", "int-packed", "nvfp4", "mxfp4-blocks"
+         "channel, with or without zero points), nvfp4- and mxfp4-pack-quantized and gpt-oss's MXFP4 as float")
+FP8, INT_PACKED, NVFP4, MXFP4_PACKED, MXFP4_BLOCKS = "fp8", "int-packed", "nvfp4", "mxfp4-packed", "mxfp4-blocks"
 # The dtypes config.json's torch_dtype may name for a 4-bit source's dequantized weights.
 FLOAT_DTYPES_BY_NAME = {"bfloat16": DEQUANTIZED_DTYPE, "float16": np.dtype(np.float16),
                         "float32": np.dtype(np.float32)}
@@ -101,7 +102,7 @@ class SourceFormat:
     scale_suffix: str  # ".weight_scale_inv" (DeepSeek style) or ".weight_scale" (compressed-tensors)
     grids: tuple[ScaleGrid, ...]
     power_of_two_scales: bool = False  # DeepSeek's "scale_fmt": "ue8m0"
-    kind: str = FP8  # FP8, INT_PACKED, NVFP4 or MXFP4_BLOCKS
+    kind: str = FP8  # FP8, INT_PACKED, NVFP4, MXFP4_PACKED or MXFP4_BLOCKS
     symmetric: bool | None = True  # INT_PACKED: True none has zero points, False all have, None some groups
 
     def grid_for(self, weight_shape: tuple[int, int], scale_shape: tuple[int, ...]) -> ScaleGrid | None:
@@ -159,7 +160,7 @@ def _compressed_tensors_format(qconfig: dict) -> SourceFormat:
         if isinstance(groups, dict) else set()
     fmt = formats.pop() if len(formats) == 1 else qconfig.get("format")
     what = f"quant_method 'compressed-tensors', format {fmt!r}"
-    if formats or fmt not in ("float-quantized", "pack-quantized", "nvfp4-pack-quantized"):
+    if formats or fmt not in ("float-quantized", "pack-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized"):
         raise NotReadable(what if not formats else f"{what} mixed with {sorted(map(str, formats))}")
     status = qconfig.get("quantization_status", "compressed")
     if status != "compressed":
@@ -171,8 +172,8 @@ def _compressed_tensors_format(qconfig: dict) -> SourceFormat:
         raise InvalidCheckpointError("config.json: quantization_config has no config_groups of objects")
     if fmt == "pack-quantized":
         return _int_packed_format(groups, what)
-    if fmt == "nvfp4-pack-quantized":
-        return _nvfp4_format(groups, what)
+    if fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
+        return _fp4_format(groups, what, 16 if fmt.startswith("nvfp4") else 32)
     grids: list[ScaleGrid] = []
     for name, group in sorted(groups.items()):
         grid = _group_grid(name, group.get("weights"), what)
@@ -213,16 +214,21 @@ def _int_packed_format(groups: dict, what: str) -> SourceFormat:
                         tuple(grids), kind=INT_PACKED, symmetric=sym)
 
 
-def _nvfp4_format(groups: dict, what: str) -> SourceFormat:
-    """nvfp4-pack-quantized: symmetric E2M1 weights in groups of 16 (tensor_group) under a global scale."""
+def _fp4_format(groups: dict, what: str, group_size: int) -> SourceFormat:
+    """nvfp4-pack-quantized (E2M1 in groups of 16 under a global scale) or mxfp4-pack-quantized (groups of 32,
+    E8M0 scales): symmetric static E2M1 weights."""
     for name, group in sorted(groups.items()):
         weights = _weights_of(name, group, what)
         settings = {k: weights.get(k) for k in ("num_bits", "type", "strategy", "group_size", "symmetric")}
-        if (weights.get("num_bits"), weights.get("type"), weights.get("group_size")) != (4, "float", 16) \
+        if (weights.get("num_bits"), weights.get("type"), weights.get("group_size")) != (4, "float", group_size) \
                 or weights.get("strategy") not in ("tensor_group", "group") \
                 or weights.get("symmetric", True) is not True or weights.get("dynamic", False) is not False:
-            raise NotReadable(f"{what}, group {name} weights {settings} (not symmetric E2M1 in groups of 16)")
-    return SourceFormat("compressed-tensors-nvfp4", ".weight_scale", (ScaleGrid("group", (1, 16)),), kind=NVFP4)
+            raise NotReadable(f"{what}, group {name} weights {settings} (not symmetric E2M1 in groups of "
+                              f"{group_size})")
+    if group_size == 16:
+        return SourceFormat("compressed-tensors-nvfp4", ".weight_scale", (ScaleGrid("group", (1, 16)),), kind=NVFP4)
+    return SourceFormat("compressed-tensors-mxfp4", ".weight_scale", (ScaleGrid("group", (1, 32)),),
+                        power_of_two_scales=True, kind=MXFP4_PACKED)
 
 
 def _positive_int(value: Any, key: str) -> int:

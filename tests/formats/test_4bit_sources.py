@@ -1,6 +1,6 @@
 """4-bit-shipped checkpoints read as float sources: compressed-tensors pack-quantized int4 (symmetric and with zero
-points, as qconvert writes it and as compressed-tensors' own compressor writes it), nvfp4-pack-quantized and
-gpt-oss's MXFP4. Each reads as the peer library's own decompression says (compressed-tensors' decompressors,
+points, as qconvert writes it and as compressed-tensors' own compressor writes it), nvfp4- and mxfp4-pack-quantized
+and gpt-oss's MXFP4. Each reads as the peer library's own decompression says (compressed-tensors' decompressors,
 transformers' MXFP4 dequantization); a conversion of one equals, byte for byte, the conversion of that
 decompressed copy; broken ones are one line and exit 6."""
 
@@ -146,7 +146,7 @@ def write_compressor_source(bf16_folder, dst, *, group_size: int | None, symmetr
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    """A tiny bf16 Qwen3 and its 4-bit forms: qconvert's int4 and int4-asym (groups of 32) and nvfp4a16, and
+    """A tiny bf16 Qwen3 and its 4-bit forms: qconvert's int4 and int4-asym (groups of 32), nvfp4a16 and mxfp4a16, and
     compressed-tensors' own compressor's int4 (asymmetric, groups of 64, bfloat16; symmetric per channel,
     float16), each under <root>/<form>/model beside its decompressed copy under <root>/<form>-copy/model."""
     from qconvert.cli.main import main
@@ -157,7 +157,8 @@ def sources(tmp_path_factory):
     forms = {}
     for form, args in (("int4", ["--scheme", "int4", "--group-size", "32", "--no-gptq", "--no-awq"]),
                        ("int4-asym", ["--scheme", "int4-asym", "--group-size", "32", "--no-gptq", "--no-awq"]),
-                       ("nvfp4a16", ["--scheme", "nvfp4a16", "--no-gptq", "--no-awq"])):
+                       ("nvfp4a16", ["--scheme", "nvfp4a16", "--no-gptq", "--no-awq"]),
+                       ("mxfp4a16", ["--scheme", "mxfp4a16", "--no-gptq", "--no-awq"])):
         with pytest.raises(SystemExit) as done:
             main(["quantize", str(bf16), "-o", str(root / form / "model"), "-q", *args])
         assert done.value.code == 0
@@ -174,6 +175,7 @@ def sources(tmp_path_factory):
     ("int4", "compressed-tensors-int4-group-32", ml_dtypes.bfloat16),
     ("int4-asym", "compressed-tensors-int4-asym-group-32", ml_dtypes.bfloat16),
     ("nvfp4a16", "compressed-tensors-nvfp4", ml_dtypes.bfloat16),
+    ("mxfp4a16", "compressed-tensors-mxfp4", ml_dtypes.bfloat16),
     ("ct-asym-g64", "compressed-tensors-int4-asym-group-64", ml_dtypes.bfloat16),
     ("ct-channel-fp16", "compressed-tensors-int4-channel", np.float16)])
 def test_each_4bit_form_reads_as_compressed_tensors_decompresses_it(sources, monkeypatch, form, name, dtype):
@@ -213,9 +215,10 @@ def _converted_equal(source, copy, out, args, capsys) -> dict:
     ("int4", ["--scheme", "int4", "--gptq", *CALIB]),
     ("int4-asym", ["--scheme", "int8"]),
     ("nvfp4a16", ["--scheme", "w8a8", *CALIB]),
+    ("mxfp4a16", ["--scheme", "int8"]),
     ("ct-asym-g64", ["--scheme", "int8"]),
     ("ct-channel-fp16", ["--scheme", "int4", "--gptq", *CALIB]),
-], ids=["int4-gptq", "asym-int8", "nvfp4-w8a8", "ct-asym-int8", "ct-fp16-gptq"])
+], ids=["int4-gptq", "asym-int8", "nvfp4-w8a8", "mxfp4-int8", "ct-asym-int8", "ct-fp16-gptq"])
 def test_a_4bit_source_converts_as_its_decompressed_copy(sources, tmp_path, capsys, form, args):
     source, copy = sources[form]
     record = _converted_equal(source, copy, tmp_path, args, capsys)
@@ -291,6 +294,8 @@ def _edit_scale_nan(t, c, s):
      "[128, 12]"),
     ("int4", lambda t, c, s: c.update(quantization_config=_config(s["nvfp4a16"][0])["quantization_config"]),
      "not uint8 [out, in/2] (two E2M1 codes a byte); the packing does not match the format"),
+    ("mxfp4a16", lambda t, c, s: t.update({DOWN + ".weight_scale": torch.full((128, 6), 255, dtype=torch.uint8)}),
+     "holds scales that are not finite (NaN: E8M0 byte 255)"),
 ])
 def test_a_broken_4bit_source_is_one_line_and_exit_6(sources, tmp_path, capsys, form, edit, words):
     folder, _ = sources[form]
