@@ -5,12 +5,9 @@ and what happens when one process dies, fails, or reads other files."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,28 +15,11 @@ import pytest
 
 from checkpoints import make_llama_checkpoint
 from cli_helpers import tree
+from cluster_helpers import command, env, finish, free_port
 from hf_checkpoints import make_hf_checkpoint
 
 # Enough windows that the batches fill whole groups of 4 devices (8 per batch) and leave some over.
 CALIB = ["--calib", "random", "--calib-samples", "40", "--calib-seqlen", "32"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env(devices: int) -> dict[str, str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "SLURM_", "OMPI_"))}
-    environ.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    if devices > 1:
-        environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return environ
-
-
-def command(args: list[str]) -> list[str]:
-    return [sys.executable, "-c", "from qconvert.cli.entry import main; main()", *args]
 
 
 def run_one(args: list[str], devices: int = 1) -> subprocess.CompletedProcess:
@@ -53,14 +33,6 @@ def start_run(args_of, processes: int = 2, devices: int = 2) -> list[subprocess.
                                       str(processes), "--process-id", str(i)]),
                              env=env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for i in range(processes)]
-
-
-def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, str, str]]:
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        results.append((p.returncode, out, err))
-    return results
 
 
 def errors(stderr: str) -> list[str]:

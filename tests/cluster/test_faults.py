@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from checkpoints import make_llama_checkpoint
-from cluster_helpers import (JOIN_S, entries, finish, free_port, launch, listening, the_document, the_error,
+from cluster_helpers import (JOIN_S, JOINED_S, entries, finish, free_port, launch, listening, the_document, the_error,
                              wait_for)
 
 
@@ -119,7 +119,7 @@ def test_a_second_run_given_the_same_coordinator_is_turned_away(llama, tmp_path)
     second run's process 1 is refused, never joined to the first run."""
     port = free_port()
     args = ["quantize", str(llama), "-o", str(tmp_path / "out"), "--json"]  # int8: no calibration, quick
-    first = [launch(args, port, 2, 0), launch(args, port, 2, 1)]
+    first = [launch(args, port, 2, 0, join_s=JOINED_S), launch(args, port, 2, 1, join_s=JOINED_S)]
     wait_for(lambda: listening(port), 60, "coordinator")
     second = [launch(quantize(llama, tmp_path / "other"), port, 2, i) for i in (0, 1)]
     (code0, out0, err0), (code1, out1, err1) = finish(second)
@@ -150,7 +150,7 @@ def test_a_signal_to_one_process_ends_the_run(target, signum, llama, tmp_path):
     work.mkdir()
     port = free_port()
     args = quantize(llama, work / "out", "--calib-samples", "4000")
-    procs = [launch(args, port, 2, i) for i in (0, 1)]
+    procs = [launch(args, port, 2, i, join_s=JOINED_S) for i in (0, 1)]
     _mid_run(procs, work)
     procs[target].send_signal(signum)
     sent = time.monotonic()

@@ -5,8 +5,6 @@ grid, and the float64 reference's."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,28 +14,11 @@ import pytest
 
 from checkpoints import make_llama_checkpoint
 from cli_helpers import tree
+from cluster_helpers import command, env, free_port
 from qconvert.methods.gptq_rows import MIN_ROWS_A_DEVICE, row_blocks, split_groups
 
 CALIB = ["--calib", "random", "--calib-samples", "16", "--calib-seqlen", "32"]
 HIDDEN, INTERMEDIATE = 256, 512  # down_proj: 256 rows, 64 a device over 4
-
-
-def _env(devices: int) -> dict[str, str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "SLURM_", "OMPI_"))}
-    environ.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    if devices > 1:
-        environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return environ
-
-
-def _command(args: list[str]) -> list[str]:
-    return [sys.executable, "-c", "from qconvert.cli.entry import main; main()", *args]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _group_costs(hidden: int, intermediate: int, kv: int) -> tuple[list[float], list[int]]:
@@ -119,7 +100,7 @@ def test_rows_split_over_four_devices_round_as_one_device(tmp_path):
     script = tmp_path / "split.py"
     script.write_text(SPLIT_SCRIPT)
     paths = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # test_gptq_core's folder, tests/
-    done = subprocess.run([sys.executable, str(script), *paths], env=_env(4), capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(script), *paths], env=env(4), capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])
@@ -140,13 +121,13 @@ def test_groups_split_over_two_processes_of_two_devices_write_the_bytes_of_one_d
     make_llama_checkpoint(source, hidden=HIDDEN, intermediate=INTERMEDIATE, heads=4, kv_heads=2, layers=2,
                           dtype="bfloat16", outlier_channels=(3, 17))
     args = ["quantize", str(source), *flags, *CALIB, "-q"]
-    alone = subprocess.run(_command([*args, "-o", str(tmp_path / "one")]), env=_env(1), capture_output=True,
+    alone = subprocess.run(command([*args, "-o", str(tmp_path / "one")]), env=env(1), capture_output=True,
                            text=True, timeout=600)
     assert alone.returncode == 0, alone.stderr
-    port = _free_port()
-    procs = [subprocess.Popen(_command([*args, "-o", str(tmp_path / "two"), "--coordinator", f"127.0.0.1:{port}",
+    port = free_port()
+    procs = [subprocess.Popen(command([*args, "-o", str(tmp_path / "two"), "--coordinator", f"127.0.0.1:{port}",
                                         "--num-processes", "2", "--process-id", str(i)]),
-                              env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              env=env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for i in range(2)]
     errs = [p.communicate(timeout=600)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for err in errs]

@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-# Seconds the processes of a fault test wait for one another (QCONVERT_JOIN_TIMEOUT).
+# Seconds the processes of a fault test wait for one another (QCONVERT_JOIN_TIMEOUT) where one is meant to be
+# missing; a run meant to join waits JOINED_S, which a loaded machine's imports and JAX start meet.
 JOIN_S = 6
+JOINED_S = 90
 
 
 def free_port() -> int:
@@ -21,7 +23,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def env(devices: int = 2, join_s: float | None = JOIN_S) -> dict[str, str]:
+def env(devices: int = 2, join_s: float | None = None) -> dict[str, str]:
+    """A process's environment: CPU JAX with `devices` forced devices, the Hub offline, the launchers' variables
+    of the test's own shell dropped; `join_s`: qconvert's join deadline (None: its default)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "SLURM_", "OMPI_"))}
     environ.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     if join_s is not None:
@@ -35,14 +39,16 @@ def command(args: list[str]) -> list[str]:
     return [sys.executable, "-c", "from qconvert.cli.entry import main; main()", *args]
 
 
-def launch(args: list[str], port: int, count: int, index: int, **popen) -> subprocess.Popen:
-    """One process of a run: `args` and the run's flags."""
+def launch(args: list[str], port: int, count: int, index: int, join_s: float = JOIN_S, **popen) -> subprocess.Popen:
+    """One process of a run: `args` and the run's flags; a run meant to join gets a deadline a loaded machine
+    meets (`join_s`), a run meant to miss a process the short JOIN_S."""
     return subprocess.Popen(command([*args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(count),
                                      "--process-id", str(index)]),
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+                            env=env(join_s=join_s), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **popen)
 
 
-def finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[int, str, str]]:
+def finish(procs: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, str, str]]:
     results = []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
