@@ -131,3 +131,46 @@ def test_the_mxfp4_release_converts_as_its_dequantized_copy(release, tmp_path, c
     for record in records:
         del record["source"], record["files"]["README.md"]
     assert records[0] == records[1]
+
+
+# gpt-oss-20b's config.json as released (without its quantization_config): rope_scaling in the earlier spelling,
+# no swiglu_alpha (transformers' default 1.702), layer_types starting sliding.
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "attention_dropout": 0.0,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+    "initial_context_length": 4096, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+    "vocab_size": 201088}
+
+
+def test_the_released_config_reads_as_transformers_reads_it():
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from qconvert.models.rope import attention_factor, inverse_frequencies
+
+    hf = transformers.GptOssConfig(**{k: v for k, v in GPT_OSS_20B.items() if k not in ("architectures", "model_type")})
+    rotary = GptOssRotaryEmbedding(hf)
+    model = build(GPT_OSS_20B)
+    np.testing.assert_allclose(inverse_frequencies(model.args.rope, 64), rotary.inv_freq.numpy(), rtol=1e-6)
+    assert attention_factor(model.args.rope) == pytest.approx(rotary.attention_scaling, rel=1e-12)
+    assert model.args.sliding_windows == (128, None) * 12 and model.args.attention_bias
+    assert (model.moe.swiglu_alpha, model.moe.swiglu_limit) == (hf.swiglu_alpha, hf.swiglu_limit)
+    assert model.expected_shapes()["model.layers.0.mlp.experts.gate_up_proj"] == (32, 2880, 5760)
+    assert model.expected_shapes()["model.layers.0.self_attn.q_proj.weight"] == (4096, 2880)
+
+
+@pytest.mark.parametrize("edit, words", [
+    ({"layer_types": ["sliding_attention"] * 3}, "config.json: layer_types is"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"] * 12}, "config.json: layer_types is"),
+    ({"num_experts_per_tok": 33}, "num_experts_per_tok = 33 exceeds num_local_experts = 32"),
+])
+def test_a_config_that_does_not_fit_is_refused_naming_the_key(edit, words):
+    from qconvert.formats.errors import InvalidCheckpointError
+
+    with pytest.raises(InvalidCheckpointError, match=words):
+        build({**GPT_OSS_20B, **edit})
