@@ -31,6 +31,7 @@ from qconvert.formats.safetensors_io import TensorSpec
 NVFP4_FORMAT = "nvfp4-pack-quantized"
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 E8M0_BIAS = 127
+E8M0_NAN = 255
 
 
 def pack_fp4(codes: np.ndarray) -> np.ndarray:
@@ -183,6 +184,9 @@ class MXFP4PackQuantized(FP4Packed):
 
     def read_qarray(self, source: TensorSource, module: str) -> QArray:
         exponent = source.tensor(f"{module}.weight_scale", [np.uint8], 2)
+        if (exponent == E8M0_NAN).any():
+            raise FormatError(f"{source.file_of(module + '.weight_scale')}: {module} weight_scale holds E8M0's NaN "
+                              f"byte {E8M0_NAN}")
         codes = self._codes(source, module, exponent)
         scale = np.exp2(exponent.astype(np.float32) - E8M0_BIAS).astype(np.float32)
         return QArray(qvalue=codes, scale=scale, kind=self.qarray_kind, block_size=self.group_size,

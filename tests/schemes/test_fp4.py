@@ -314,3 +314,14 @@ def test_fused_shards_share_one_global_scale_as_llm_compressors_fused_observers_
                 got = folder[f"{prefix}{m}.{key}"]
                 got = got.view(torch.uint8).numpy() if got.dtype == torch.float8_e4m3fn else got.numpy()
                 assert got.tobytes() == value.tobytes(), (m, key)
+
+
+def test_a_folder_whose_scale_is_not_a_number_is_refused_naming_it():
+    from qconvert.formats.errors import FormatError
+
+    w = awkward_weight(ml_dtypes.bfloat16, rows=16, cols=64)
+    for name, preset, bad in (("mxfp4a16", "MXFP4A16", 255), ("nvfp4a16", "NVFP4A16", 0x7F)):
+        tensors = {f"m.{k}": v.copy() for k, v in compressed_tensors_fp4(w, preset).items()}
+        tensors["m.weight_scale"].view(np.uint8)[2, 1] = bad  # E8M0's NaN; E4M3's NaN
+        with pytest.raises(FormatError, match="m weight_scale"):
+            scheme_named(name).layout.read_qarray(_Source(tensors), "m")
