@@ -13,8 +13,14 @@ def _bad(key: str, value: Any, want: str) -> InvalidCheckpointError:
     return InvalidCheckpointError(f"config.json: {key} is {value!r}; it must be {want}")
 
 
+# The largest whole number a config value may hold: a count past it (1e308 layers) describes no checkpoint, and
+# would only reach the code that sizes per-layer tables.
+CONFIG_INT_MAX = 2**31 - 1
+
+
 def config_int(config: dict[str, Any], key: str, default: Any = _MISSING, minimum: int = 1) -> int:
-    """config[key] as an int >= minimum (JSON integers only: "two", 2.5 and true are refused).
+    """config[key] as an int in [minimum, CONFIG_INT_MAX] (JSON integers, or floats with a whole value: "two",
+    2.5, 1e308 and true are refused).
 
     `default` (which may be None) when the key is absent or null; without one, a missing key is an error.
     """
@@ -25,6 +31,8 @@ def config_int(config: dict[str, Any], key: str, default: Any = _MISSING, minimu
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
         raise _bad(key, value, "a whole number")
+    if int(value) > CONFIG_INT_MAX:
+        raise _bad(key, value, f"at most {CONFIG_INT_MAX}")
     if int(value) < minimum:
         raise _bad(key, value, f"at least {minimum}")
     return int(value)

@@ -17,6 +17,7 @@ from qconvert.formats.qarray import is_prepared
 from qconvert.models.hooks import (GroupedLinearHook, LinearHook, as_float32, dense_grouped_linear,
                                    dense_linear)
 from qconvert.models.activations import check_activation
+from qconvert.models.config_values import config_float, config_int
 from qconvert.models.family import LayerStack, SmoothingGroup
 from qconvert.models.llama import (LAYER_LINEARS, LLAMA_REMEDY, UP_DOWN_GROUP, DecoderArgs, DecoderBlock,
                                    attention_bias, rms_norm, value_output_group)
@@ -27,28 +28,12 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 _SLIDING_PATTERN = {"gemma2": 2, "gemma3_text": 6}
 
 
-def _config_int(config: dict[str, Any], key: str, default: Any = None) -> int:
-    value = config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidCheckpointError(f"config.json: {key} must be a positive integer, not {value!r}")
-    return value
-
-
-def _config_float(config: dict[str, Any], key: str, default: Any = None) -> float | None:
-    value = config.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise InvalidCheckpointError(f"config.json: {key} must be a positive number or null, not {value!r}")
-    return float(value)
-
-
 def layer_types(config: dict[str, Any], layers: int) -> tuple[str, ...]:
     """Each layer's attention: `layer_types`, else the family's pattern (layer i is global when
     (i + 1) is a multiple of `sliding_window_pattern`)."""
     types = config.get("layer_types")
     if types is None:
-        pattern = _config_int(config, "sliding_window_pattern", _SLIDING_PATTERN.get(config.get("model_type"), 2))
+        pattern = config_int(config, "sliding_window_pattern", _SLIDING_PATTERN.get(config.get("model_type"), 2))
         return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(layers))
     if not isinstance(types, list) or len(types) != layers or any(t not in (SLIDING, FULL) for t in types):
         raise InvalidCheckpointError(
@@ -96,13 +81,13 @@ class GemmaArgs(DecoderArgs):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "GemmaArgs":
         """Read a Gemma2ForCausalLM / Gemma3ForCausalLM config.json (InvalidCheckpointError naming a bad key)."""
-        layers = _config_int(config, "num_hidden_layers")
-        heads = _config_int(config, "num_attention_heads")
-        kv_heads = _config_int(config, "num_key_value_heads", heads)
+        layers = config_int(config, "num_hidden_layers")
+        heads = config_int(config, "num_attention_heads")
+        kv_heads = config_int(config, "num_key_value_heads", heads)
         if heads % kv_heads:
             raise InvalidCheckpointError(f"config.json: num_key_value_heads ({kv_heads}) must divide "
                                          f"num_attention_heads ({heads})")
-        hidden = _config_int(config, "hidden_size")
+        hidden = config_int(config, "hidden_size")
         activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
         check_activation(activation, key="hidden_activation")
         gemma3 = config.get("model_type") == "gemma3_text"
@@ -110,21 +95,21 @@ class GemmaArgs(DecoderArgs):
         window = config.get("sliding_window")
         return cls(
             hidden_size=hidden,
-            intermediate_size=_config_int(config, "intermediate_size"),
+            intermediate_size=config_int(config, "intermediate_size"),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=_config_int(config, "head_dim", hidden // heads),
-            vocab_size=_config_int(config, "vocab_size"),
-            rms_norm_eps=_config_float(config, "rms_norm_eps", 1e-6),
-            query_pre_attn_scalar=_config_float(config, "query_pre_attn_scalar", 256),
+            head_dim=config_int(config, "head_dim", hidden // heads),
+            vocab_size=config_int(config, "vocab_size"),
+            rms_norm_eps=config_float(config, "rms_norm_eps", 1e-6),
+            query_pre_attn_scalar=config_float(config, "query_pre_attn_scalar", 256),
             layer_types=types,
             ropes=layer_ropes(config, types),
-            sliding_window=None if window is None else _config_int(config, "sliding_window"),
+            sliding_window=None if window is None else config_int(config, "sliding_window"),
             hidden_activation=activation,
             # Gemma 3 configs carry attn_logit_softcapping, but its attention does not apply it.
-            attn_logit_softcapping=None if gemma3 else _config_float(config, "attn_logit_softcapping"),
-            final_logit_softcapping=_config_float(config, "final_logit_softcapping"),
+            attn_logit_softcapping=None if gemma3 else config_float(config, "attn_logit_softcapping", None),
+            final_logit_softcapping=config_float(config, "final_logit_softcapping", None),
             qk_norm=gemma3,
             attention_bias=bool(config.get("attention_bias", False)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),

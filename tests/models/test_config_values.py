@@ -8,6 +8,7 @@ import pytest
 
 from cli_helpers import run, tree
 from checkpoints import make_llama_checkpoint
+from qconvert.formats.errors import InvalidCheckpointError
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +89,11 @@ def test_gemma3_local_rope_base_of_0_is_named(tmp_path, capsys):
     assert (exit_code, stderr) == (6, "qconvert: error: config.json: rope_local_base_freq is 0; it must be a "
                                       "positive number\n")
     assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("value", [1e308, 2**31, 10**30])
+def test_a_count_past_any_checkpoint_is_refused_before_anything_sizes_by_it(value):
+    from qconvert.models.config_values import config_int
+
+    with pytest.raises(InvalidCheckpointError, match="num_hidden_layers .* at most 2147483647"):
+        config_int({"num_hidden_layers": value}, "num_hidden_layers")
