@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from qconvert.kernels.tiles import Tiling, group_scale_columns, int4_nibbles, nf4_level
+from qconvert.kernels.tiles import Tiling, fp4_nibbles, group_scale_columns, int4_nibbles, nf4_level
 
 NT_DIMS = (((1,), (1,)), ((), ()))
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -184,18 +184,19 @@ def nf4_matmul_gpu(x_even, x_odd, w_bytes, absmax, bias, *, tiling: Tiling, out_
                          out_dtype=out_dtype, has_bias=has_bias, interpret=interpret)
 
 
-def int4_step_dot(acc, xe, xo, packed, group_scales, group_zeros=None):
+def int4_step_dot(acc, xe, xo, packed, group_scales, group_zeros=None, *, nibbles=int4_nibbles):
     """acc + one K step's products: packed int32 [tn, tk/2] bytes (sign-extended), group_scales the step's
     scale columns [tn, 1], one per group (a single one for a per-channel scale), and group_zeros its zero
     point columns alike (asymmetric int4; None: symmetric).
 
     Each code is sign-extended from its nibble, less its group's zero point,
     times its group's scale in float32 and cast to the activation dtype; low
-    nibbles meet xe [tm, tk/2], high nibbles xo, and both products accumulate in float32.
+    nibbles meet xe [tm, tk/2], high nibbles xo, and both products accumulate in float32. `nibbles` decodes
+    the bytes into their (low, high) values: int4's sign extension, or FP4's E2M1 table.
     """
     group_bytes = packed.shape[1] // len(group_scales)
     scale = group_scale_columns(group_scales, packed.shape, group_bytes)
-    low, high = (c.astype(jnp.float32) for c in int4_nibbles(packed))
+    low, high = (c.astype(jnp.float32) for c in nibbles(packed))
     if group_zeros is not None:
         zero = group_scale_columns(group_zeros, packed.shape, group_bytes)
         low, high = low - zero, high - zero
@@ -219,3 +220,15 @@ def int4_weight_matmul_gpu(x_even, x_odd, w_bytes, scales, bias, *, tiling: Tili
     scales [Np, Kp/group] f32, bias [1, Np]; zeros (optional) the zero points [Np, Kp/group] f32."""
     return _packed4_call("_int4_kernel", int4_step_dot, x_even, x_odd, w_bytes, scales, bias, tiling=tiling,
                          out_dtype=out_dtype, has_bias=has_bias, interpret=interpret, zeros=zeros)
+
+
+fp4_step_dot = functools.partial(int4_step_dot, nibbles=fp4_nibbles)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
+def fp4_weight_matmul_gpu(x_even, x_odd, w_bytes, scales, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
+                          interpret: bool = False):
+    """NVFP4A16 / MXFP4A16. Padded operands: x_even/x_odd [Mp, Kp/2], w_bytes [Np, Kp/2] i8 E2M1 code pairs
+    (int4_weight_operands), scales [Np, Kp/group] f32 (each group's scale over the global scale), bias [1, Np]."""
+    return _packed4_call("_fp4_kernel", fp4_step_dot, x_even, x_odd, w_bytes, scales, bias, tiling=tiling,
+                         out_dtype=out_dtype, has_bias=has_bias, interpret=interpret)

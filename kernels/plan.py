@@ -31,11 +31,13 @@ from qconvert.kernels.gpu_tuning import GROUPED_VARIANTS, VARIANT_OPS, Variant, 
 from qconvert.kernels.tile_tables import check_tiling, decodes_int4, decodes_nf4, default_tiling, grid_steps, table_name
 from qconvert.kernels.tiles import FLOAT, RHS_KINDS, Tiling
 
-OPS = ("int8_matmul", "fp8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "grouped_matmul",
-       "transposed_grouped_matmul")
+OPS = ("int8_matmul", "fp8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "fp4_weight_matmul",
+       "grouped_matmul", "transposed_grouped_matmul")
 
 # int4 group sizes the kernels decode (or one scale per output channel): a K tile holds whole groups.
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+# FP4 group sizes the kernels decode: NVFP4's 16 and MXFP4's 32 input columns per scale.
+FP4_GROUP_SIZES = (16, 32)
 # TPU interpret mode simulates every grid step in Python-driven XLA code; past this
 # many steps the XLA reference is the only sensible way to get an answer on CPU.
 CPU_INTERPRET_MAX_STEPS = 256
@@ -55,6 +57,10 @@ GUARANTEES = {
     "int4_weight_matmul": ("int4 codes sign-extended from their nibbles, times their group's scale in float32, "
                            "cast to the activation dtype, float32 accumulation, then + bias[n]; matches the "
                            "reference within float32 summation-order error"),
+    "fp4_weight_matmul": ("E2M1 codes decoded with the exact 16-value table, times their group's scale (over the "
+                          "tensor's global scale, the quotient in float32) in float32, cast to the activation "
+                          "dtype, float32 accumulation, then + bias[n]; matches the reference within float32 "
+                          "summation-order error"),
     "grouped_matmul": ("per-group float32 accumulation (int8 or fp8 rhs: exact codes, per-channel scale after the sum; "
                        "NF4 rhs: exact table decode; int4 rhs: code times group scale, cast to the activation "
                        "dtype); matches the reference within float32 summation-order error"),
@@ -155,6 +161,13 @@ def _reference_plan(problem: KernelProblem, reason: str | None) -> KernelPlan:
 
 
 def _fallback_reason(problem: KernelProblem) -> str | None:
+    if problem.op == "fp4_weight_matmul":
+        if problem.group_size not in FP4_GROUP_SIZES:
+            return (f"the FP4 kernels decode groups of {' or '.join(map(str, FP4_GROUP_SIZES))} input columns, "
+                    f"not {problem.group_size}")
+        if problem.k % problem.group_size:
+            return f"K={problem.k} is not a multiple of the FP4 group size {problem.group_size}"
+        return None
     if decodes_int4(problem) and problem.group_size is not None:
         if problem.group_size not in INT4_GROUP_SIZES:
             sizes = ", ".join(str(g) for g in INT4_GROUP_SIZES)

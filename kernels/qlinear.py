@@ -9,6 +9,8 @@
                              (or per-channel) scale
   int4 weight, act=dynamic   W4A8-FP8 (kernels.w4a8): E4M3 per token, int4_weight_matmul on those values,
                              then x token scale (experts: the same ahead of grouped_matmul)
+  fp4 weight                 fp4_weight_matmul (NVFP4A16, MXFP4A16): E2M1 codes x group scale (over the
+                             global scale where there is one)
   fp8 weight, act=...        quantize_fp8_activations (E4M3 per token, or the static input_scale), then
                              fp8_matmul: E4M3 products, float32 accumulation, x_scale * w_scale rescale
   experts (qgrouped_linear)  grouped_matmul over the experts' stacked QArrays (int8, fp8, NF4 or int4);
@@ -32,8 +34,8 @@ from qconvert.kernels.activations import (fake_quantize_fp8_rows, fake_quantize_
 from qconvert.kernels.dense import fp8_matmul, int4_weight_matmul, int8_matmul, int8_weight_matmul, nf4_matmul
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.grouped import grouped_matmul
-from qconvert.kernels.plan import KernelPlan
-from qconvert.kernels.reference import fp4_dequantize_reference, fp4_weight_matmul_reference
+from qconvert.kernels.fp4 import fp4_weight_matmul
+from qconvert.kernels.reference import fp4_dequantize_reference
 from qconvert.kernels.prepared import PreparedWeight, prepared_matmul
 from qconvert.kernels.w4a8 import w4a8_fp8_grouped_matmul, w4a8_fp8_matmul
 
@@ -147,12 +149,8 @@ def _int4_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
 def _fp4_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
     if act is not None or isinstance(lhs, tuple):
         raise KernelArgumentError("qlinear: FP4 weights take float activations (NVFP4A16, MXFP4A16); drop act")
-    y = fp4_weight_matmul_reference(lhs, q.qvalue, q.scale, group_size=q.block_size, w_global=q.zero_point,
-                                    bias=bias, out_dtype=out_dtype)
-    plan = KernelPlan("fp4_weight_matmul", "fp4_weight_matmul_reference", "reference", None,
-                      "E2M1 codes times their group's scale (over the global scale) in float32, cast to the "
-                      "activation dtype, float32 accumulation", fallback_reason="no Pallas FP4 kernel yet")
-    return y, plan
+    return fp4_weight_matmul(lhs, q.qvalue, q.scale, group_size=q.block_size, w_global=q.zero_point, bias=bias,
+                             out_dtype=out_dtype, backend=backend, return_plan=True)
 
 
 def _fp4(q: QArray) -> bool:

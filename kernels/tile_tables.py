@@ -20,8 +20,10 @@ def decodes_nf4(problem: KernelProblem) -> bool:
 
 
 def decodes_int4(problem: KernelProblem) -> bool:
-    """Whether the kernel for the problem decodes int4 weights (its K tiles hold whole scale groups)."""
-    return problem.op == "int4_weight_matmul" or (problem.op == "grouped_matmul" and problem.rhs_kind.column_groups)
+    """Whether the kernel for the problem decodes int4 weights, or FP4 ones packed as int4 (its K tiles hold whole
+    scale groups)."""
+    return (problem.op in ("int4_weight_matmul", "fp4_weight_matmul")
+            or (problem.op == "grouped_matmul" and problem.rhs_kind.column_groups))
 
 
 def _gpu_k_align(problem: KernelProblem) -> int:
@@ -54,7 +56,8 @@ def _int4_k_tile(problem: KernelProblem, backend: str) -> int:
 # bounds clamped to the padded K and N. int4 steps K by whole scale groups (packed
 # two codes per byte, so a tk of 256 reads 128 bytes of each weight row); on Mosaic
 # each K tile's scales are one block as wide as their array, so tk is not tied to
-# the whole K as NF4's is. Grouped int4 experts step K as the dense int4 kernel.
+# the whole K as NF4's is. Grouped int4 experts step K as the dense int4 kernel. FP4 (E2M1 codes packed as
+# int4's) takes int4's tiles.
 # FP8 tiles as int8 (one byte per code): Triton's fp8 dot takes a K of 32 or more,
 # and on Mosaic fp8 rows pack four to a sublane as int8 rows do.
 DECODE_MAX_M = 16
@@ -71,6 +74,7 @@ TILE_TABLES: dict[tuple[str, str], dict[str, Tiling]] = {
         "int8_weight_matmul": Tiling(16, 128, 32),
         "nf4_matmul": Tiling(16, 256, 32),
         "int4_weight_matmul": Tiling(16, 256, 32),
+        "fp4_weight_matmul": Tiling(16, 256, 32),
         "grouped_matmul": Tiling(16, 128, 32),
         "transposed_grouped_matmul": Tiling(16, 64, 64),
     },
@@ -80,6 +84,7 @@ TILE_TABLES: dict[tuple[str, str], dict[str, Tiling]] = {
         "int8_weight_matmul": Tiling(128, 64, 128),
         "nf4_matmul": Tiling(128, 128, 128),
         "int4_weight_matmul": Tiling(128, 128, 128),
+        "fp4_weight_matmul": Tiling(128, 128, 128),
         "grouped_matmul": Tiling(64, 64, 128),
         "transposed_grouped_matmul": Tiling(64, 64, 128),
     },
@@ -92,6 +97,7 @@ TILE_TABLES: dict[tuple[str, str], dict[str, Tiling]] = {
         "int8_weight_matmul": Tiling(16, 1024, 512),
         "nf4_matmul": Tiling(16, NF4_TPU_MAX_TK, 256),
         "int4_weight_matmul": Tiling(16, 4096, 256),
+        "fp4_weight_matmul": Tiling(16, 4096, 256),
         "grouped_matmul": Tiling(16, 512, 256),
         "transposed_grouped_matmul": Tiling(256, 256, 256),
     },
@@ -101,6 +107,7 @@ TILE_TABLES: dict[tuple[str, str], dict[str, Tiling]] = {
         "int8_weight_matmul": Tiling(256, 512, 256),
         "nf4_matmul": Tiling(256, NF4_TPU_MAX_TK, 256),
         "int4_weight_matmul": Tiling(256, 2048, 256),
+        "fp4_weight_matmul": Tiling(256, 2048, 256),
         "grouped_matmul": Tiling(256, 512, 256),
         "transposed_grouped_matmul": Tiling(256, 256, 256),
     },

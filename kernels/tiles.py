@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.formats.qarray import FP8, INT4, INT8, NF4, NF4_BLOCK_SIZE, NF4_LEVELS, QKind
+from qconvert.formats.qarray import FP4_LEVELS, FP8, INT4, INT8, NF4, NF4_BLOCK_SIZE, NF4_LEVELS, QKind
 
 
 # A grouped rhs of plain float weights: quantized by nothing, so no QKind property holds for it.
@@ -51,17 +51,29 @@ def pad_to(a: jax.Array, shape) -> jax.Array:
     return a if a.shape == tuple(shape) else jnp.pad(a, [(0, t - s) for s, t in zip(a.shape, shape)])
 
 
-def nf4_level(codes: jax.Array) -> jax.Array:
-    """float32 NF4 level of each int32 code 0..15, exactly NF4_LEVELS[code].
-
-    A binary tree of selects over the 16 table constants, one level per code bit:
-    no gather (the TPU compiler takes none on vectors) and no approximation.
-    """
-    layer = [np.float32(v) for v in NF4_LEVELS]
+def _table_level(codes: jax.Array, table) -> jax.Array:
+    """float32 table[code] of each int32 code 0..15: a binary tree of selects over the 16 constants, one level
+    per code bit; no gather (the TPU compiler takes none on vectors) and no approximation."""
+    layer = [np.float32(v) for v in table]
     for bit in range(4):
         is_set = ((codes >> bit) & 1) == 1
         layer = [jnp.where(is_set, layer[2 * i + 1], layer[2 * i]) for i in range(len(layer) // 2)]
     return layer[0].astype(jnp.float32)
+
+
+def nf4_level(codes: jax.Array) -> jax.Array:
+    """float32 NF4 level of each int32 code 0..15, exactly NF4_LEVELS[code]."""
+    return _table_level(codes, NF4_LEVELS)
+
+
+def fp4_level(codes: jax.Array) -> jax.Array:
+    """float32 E2M1 value of each int32 code 0..15 (bit 3 the sign), exactly FP4_LEVELS[code], -0.0 included."""
+    return _table_level(codes, FP4_LEVELS)
+
+
+def fp4_nibbles(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """int32 bytes (sign-extended from int8, as pack_int4_pairs packs) -> the (low, high) float32 E2M1 values."""
+    return fp4_level(packed & 0xF), fp4_level((packed >> 4) & 0xF)
 
 
 def split_even_odd_columns(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from qconvert.kernels.tiles import Tiling, group_scale_columns, int4_nibbles, nf4_level
+from qconvert.kernels.tiles import Tiling, fp4_nibbles, group_scale_columns, int4_nibbles, nf4_level
 
 NT_DIMS = (((1,), (1,)), ((), ()))  # contract the last axis of both: x [m, k] . w [n, k]
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -237,7 +237,7 @@ def nf4_matmul_tpu(x_even, x_odd, w_bytes, absmax, bias, *, tiling: Tiling, out_
                          out_dtype=out_dtype, has_bias=has_bias, interpret=interpret)
 
 
-def int4_tile_dot(acc, xe_ref, xo_ref, w_ref, s_ref, z_ref=None):
+def int4_tile_dot(acc, xe_ref, xo_ref, w_ref, s_ref, z_ref=None, *, nibbles=int4_nibbles):
     """acc + one tile's products: packed int4 bytes w_ref [tn, tile_bytes] with scales s_ref [tn, groups] (and
     zero points z_ref, float32 laid out as the scales, for asymmetric int4).
 
@@ -245,6 +245,7 @@ def int4_tile_dot(acc, xe_ref, xo_ref, w_ref, s_ref, z_ref=None):
     less its group's zero point, times its group's scale in float32 and cast to
     the activation dtype (the reference's dequantize); both products accumulate
     in float32. The tile holds whole groups (one per channel scale: a single group).
+    `nibbles` decodes a chunk's bytes into its (low, high) values: int4's sign extension, or FP4's E2M1 table.
     """
     tn, tile_bytes = w_ref.shape
     scales = s_ref[...]  # the tile's [tn, groups] scales: one load, then a column per group
@@ -256,7 +257,7 @@ def int4_tile_dot(acc, xe_ref, xo_ref, w_ref, s_ref, z_ref=None):
         first, last = start // group_bytes, (start + width - 1) // group_bytes
         scale = group_scale_columns([scales[:, g:g + 1] for g in range(first, last + 1)], (tn, width), group_bytes,
                                     start - first * group_bytes)
-        low, high = (c.astype(jnp.float32) for c in int4_nibbles(w_ref[:, cols].astype(jnp.int32)))
+        low, high = (c.astype(jnp.float32) for c in nibbles(w_ref[:, cols].astype(jnp.int32)))
         if zeros is not None:
             zero = group_scale_columns([zeros[:, g:g + 1] for g in range(first, last + 1)], (tn, width),
                                        group_bytes, start - first * group_bytes)
@@ -279,3 +280,16 @@ def int4_weight_matmul_tpu(x_even, x_odd, w_bytes, scales, bias, *, tiling: Tili
     scale_spec = pl.BlockSpec((None, tiling.tn, scales.shape[2]), lambda i, j, k: (k, j, 0))
     return _packed4_call("_int4_kernel", int4_tile_dot, scale_spec, x_even, x_odd, w_bytes, scales, bias, tiling=tiling,
                          out_dtype=out_dtype, has_bias=has_bias, interpret=interpret, zeros=zeros)
+
+
+fp4_tile_dot = functools.partial(int4_tile_dot, nibbles=fp4_nibbles)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "out_dtype", "has_bias", "interpret"))
+def fp4_weight_matmul_tpu(x_even, x_odd, w_bytes, scales, bias, *, tiling: Tiling, out_dtype, has_bias: bool,
+                          interpret: bool):
+    """NVFP4A16 / MXFP4A16. Padded operands as int4_weight_matmul_tpu's: w_bytes [Np, Kp/2] i8 E2M1 code pairs
+    (int4_weight_operands), scales [Kp/tk, Np, tk/group] f32 (each group's scale over the global scale)."""
+    scale_spec = pl.BlockSpec((None, tiling.tn, scales.shape[2]), lambda i, j, k: (k, j, 0))
+    return _packed4_call("_fp4_kernel", fp4_tile_dot, scale_spec, x_even, x_odd, w_bytes, scales, bias, tiling=tiling,
+                         out_dtype=out_dtype, has_bias=has_bias, interpret=interpret)

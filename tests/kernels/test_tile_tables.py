@@ -113,8 +113,8 @@ def test_kernel_lowers_to_a_verified_module_at_its_tile_table_entry(backend, reg
 
 
 def test_every_operation_has_an_entry_in_every_table():
-    ops = {"int8_matmul", "fp8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "grouped_matmul",
-           "transposed_grouped_matmul"}
+    ops = {"int8_matmul", "fp8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "fp4_weight_matmul",
+           "grouped_matmul", "transposed_grouped_matmul"}
     assert set(TILE_TABLES) == {(b, r) for b in ("tpu", "gpu") for r in REGIMES}
     assert all(set(table) == ops for table in TILE_TABLES.values())
     # the two backends tile differently: Triton's power-of-two tiles are not Mosaic's (8, 128) vreg tiles
