@@ -137,7 +137,9 @@ class SequentialGPTQ:
         holds the whole group's result."""
         tokens = stats.of(InputHessian)[group[0]]["tokens"]
         weights = {m: self._weight(m, folds.get(f"{m}.weight")) for m in group}
-        rtn = {m: self.scheme.quantize(w, self.flags, scale_dtype=raw_dtype, clip=self._clip(m, w))
+        shared = self.scheme.shared_absmax(sorted(weights), lambda m: _absmax(weights[m][0]))
+        rtn = {m: self.scheme.quantize(w, self.flags, scale_dtype=raw_dtype, clip=self._clip(m, w),
+                                       **({"shared_absmax": shared[m]} if m in shared else {}))
                for m, (w, raw_dtype) in weights.items()}
         h = jax.device_put(stats.of(InputHessian)[group[0]]["hessian"], device)
         if tokens == 0 or not float(jnp.max(jnp.diagonal(h))) > 0:
@@ -292,6 +294,11 @@ def _cost(group: list[str], params: Mapping) -> float:
     width = weight_shape(params, group[0])[-1]
     rows = sum(weight_shape(params, m)[0] for m in group)
     return float(rows * width * width + width ** 3)
+
+
+def _absmax(weight: np.ndarray) -> float:
+    """A weight's largest magnitude, as the writer reads it for a scale the scheme shares between linears."""
+    return float(np.abs(np.asarray(weight, np.float32)).max(initial=0.0))
 
 
 def _smoothed_hessian(h, col_multiplier: np.ndarray):

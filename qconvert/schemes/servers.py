@@ -139,8 +139,8 @@ NOTES = {
     ("int4-asym", "vLLM GPU"): "Machete / Marlin with zero points (bench/vllm_zero_points.py)",
     ("w4a8-fp8", "vLLM GPU"): ("Hopper only: group 128, input widths multiples of 128, experts' 256; `quantize` says so "
                                "in one line otherwise"),
-    ("nvfp4a16", "vLLM GPU"): ("Read bit for bit with the GPU kernel choice stubbed on a CPU (bench/vllm_fp4.py); "
-                               "with --gptq q/k/v and gate/up keep a global scale each, which vLLM reads wrong"),
+    ("nvfp4a16", "vLLM GPU"): ("Read bit for bit with the GPU kernel choice stubbed on a CPU (bench/vllm_fp4.py), "
+                               "--gptq's folders too (q/k/v and gate/up share one global scale a fused layer)"),
     ("mxfp4a16", "vLLM GPU"): "Read bit for bit with the GPU kernel choice stubbed on a CPU (bench/vllm_fp4.py)",
     ("int8", "vLLM TPU"): "No weight-only int8 scheme",
     ("nvfp4a16", "vLLM TPU"): "Its JAX path has no FP4 compressed-tensors scheme",

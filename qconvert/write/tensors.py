@@ -146,7 +146,7 @@ def stream_tensors(ckpt: SafetensorsCheckpoint, plan, scheme, calibrated: Calibr
 def shared_absmax(ckpt: SafetensorsCheckpoint, plan, scheme, calibrated: Calibrated) -> dict[str, float]:
     """The absmax each quantized linear's scale is computed from where the scheme shares it between linears a
     server fuses (NVFP4's global scale: `Scheme.shared_absmax`), read once from the weights as they are written
-    (transformed); linears GPTQ rounded keep their own."""
+    (transformed); linears GPTQ rounded got theirs in the GPTQ step, from the weights it rounded."""
     rounded = calibrated.quantized if calibrated.quantized is not None else {}
     by_module = {t.module: t for t in plan.tensors if t.module is not None and t.module not in rounded}
 

@@ -316,6 +316,29 @@ def test_fused_shards_share_one_global_scale_as_llm_compressors_fused_observers_
                 assert got.tobytes() == value.tobytes(), (m, key)
 
 
+def test_gptq_rounds_fused_shards_on_their_one_global_scale(tmp_path, capsys):
+    """nvfp4a16 with --gptq: q/k/v and gate/up each carry the global scale compressed-tensors' generate_gparam
+    gives their joint absmax (the weights GPTQ rounds are the source's: --no-awq, no smoothing)."""
+    import torch
+    from compressed_tensors.quantization.utils import generate_gparam
+    from safetensors.torch import load_file
+
+    from hf_checkpoints import make_hf_checkpoint
+
+    source = make_hf_checkpoint(tmp_path / "src", "llama", hidden=64, intermediate=128, layers=1, dtype="bfloat16")
+    out = tmp_path / "out"
+    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", "nvfp4a16", "--gptq", "--no-awq",
+                            "--calib", "random", "--calib-samples", "4", "--calib-seqlen", "16", "-q"], capsys)
+    assert code == 0, err
+    weights = load_file(str(source / "model.safetensors"))
+    folder = {k: v for shard in out.glob("*.safetensors") for k, v in load_file(str(shard)).items()}
+    prefix = "model.layers.0."
+    for fused in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+        joint = max(float(weights[f"{prefix}{m}.weight"].float().abs().max()) for m in fused)
+        gparam = generate_gparam(torch.tensor([-joint], dtype=torch.bfloat16), torch.tensor([joint], dtype=torch.bfloat16))
+        assert [folder[f"{prefix}{m}.weight_global_scale"].item() for m in fused] == [gparam.item()] * len(fused)
+
+
 def test_a_folder_whose_scale_is_not_a_number_is_refused_naming_it():
     from qconvert.formats.errors import FormatError
 

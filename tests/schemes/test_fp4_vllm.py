@@ -107,3 +107,16 @@ def test_one_changed_scale_is_caught(tmp_path, capsys):
     stdout = judged(out, source)
     assert verdict(stdout) == "WRONG" and "FAIL-WRONG  ref.fp4_vs_float" in stdout, stdout[-3000:]
     assert torch.equal(load_file(str(shard))[name], tensors[name])
+
+
+def test_gptq_folders_share_the_fused_layers_global_scale_as_vllm_reads_it(tmp_path, capsys):
+    """nvfp4a16 with --gptq: q/k/v and gate/up rounded on one global scale each fused layer, which vLLM reads bit
+    for bit (the codes are GPTQ's, so the nearest-E2M1 check does not apply)."""
+    source = make_hf_checkpoint(tmp_path / "src", "llama", dtype="bfloat16", **SOURCES["llama"])
+    out = tmp_path / "gptq"
+    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", "nvfp4a16", "--gptq", "--calib",
+                            "random", "--calib-samples", "4", "--calib-seqlen", "16", "-q"], capsys)
+    assert code == 0, err
+    stdout = judged(out)
+    assert "OK          dequant.vs_compressed_tensors" in stdout and "bit for bit" in stdout, stdout[-3000:]
+    assert verdict(stdout) == "OK", stdout[-3000:]
