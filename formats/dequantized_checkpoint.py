@@ -32,6 +32,10 @@ from qconvert.formats.safetensors_io import SafetensorsCheckpoint
 CHUNK_ELEMENTS = 1 << 22
 
 
+# compressed-tensors' per-column group index (actorder 'group'), which qconvert does not read.
+G_IDX = ".weight_g_idx"
+
+
 class DequantizedCheckpoint:
     """A quantized checkpoint read as float: SafetensorsCheckpoint's reading surface over `stored`."""
 
@@ -71,6 +75,11 @@ class DequantizedCheckpoint:
             fmt.kind, (mxfp4_weights, (BLOCKS, SCALES)))
         self._packed = finder(stored, fmt)
         self._hidden = check_claimed(stored, fmt, self._packed, suffixes)
+        stray = next((n for n in stored.tensor_names if n.endswith(G_IDX)), None)
+        if stray is not None:  # activation-order groups the config does not declare: its columns would read wrong
+            raise FormatError(f"{stored.file_of(stray)}: {stray} orders the weight's columns by activation groups "
+                              f"(actorder 'group'), which config.json's quantization_config does not declare; the "
+                              f"{fmt.name} checkpoint is inconsistent")
         self.tensor_names = sorted([n for n in stored.tensor_names if n not in self._hidden] + list(self._packed))
 
     def _fp8_module(self, name: str) -> str:

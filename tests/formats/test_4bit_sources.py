@@ -296,6 +296,8 @@ def _edit_scale_nan(t, c, s):
      "not uint8 [out, in/2] (two E2M1 codes a byte); the packing does not match the format"),
     ("mxfp4a16", lambda t, c, s: t.update({DOWN + ".weight_scale": torch.full((128, 6), 255, dtype=torch.uint8)}),
      "holds scales that are not finite (NaN: E8M0 byte 255)"),
+    ("int4", lambda t, c, s: t.update({DOWN + ".weight_g_idx": torch.zeros(192, dtype=torch.int32)}),
+     "weight_g_idx orders the weight's columns by activation groups (actorder 'group'), which config.json's"),
 ])
 def test_a_broken_4bit_source_is_one_line_and_exit_6(sources, tmp_path, capsys, form, edit, words):
     folder, _ = sources[form]
