@@ -197,10 +197,19 @@ def _json_array(file: DataFile, text: str) -> Iterator[tuple[str, dict[str, Any]
         yield f"item {k}", record
 
 
+# The longest line of a calibration file read, in bytes: a record longer than this is no text to calibrate on,
+# and reading it whole could take the machine's memory.
+MAX_LINE_BYTES = 64 * 2**20
+
+
 def _lines(file: DataFile, binary: BinaryIO) -> Iterator[str]:
-    """The file's lines, each decoded as it is read (a byte order mark at the start is no part of the first)."""
+    """The file's lines, each decoded as it is read (a byte order mark at the start is no part of the first);
+    UsageError for a line longer than MAX_LINE_BYTES, read no further than that."""
     offset = 0
-    for lineno, raw in enumerate(binary, 1):
+    for lineno, raw in enumerate(iter(lambda: binary.readline(MAX_LINE_BYTES + 1), b""), 1):
+        if len(raw) > MAX_LINE_BYTES:
+            raise UsageError(f"{file.name} line {lineno} is longer than {MAX_LINE_BYTES // 2**20} MiB; split it "
+                             "into records of text")
         skip = len(codecs.BOM_UTF8) if lineno == 1 and raw.startswith(codecs.BOM_UTF8) else 0
         yield decoded(file.name, raw[skip:], offset + skip, codecs.getincrementaldecoder("utf-8")(), final=True)
         offset += len(raw)
