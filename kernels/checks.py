@@ -157,3 +157,33 @@ def check_int4_weight_matmul(x, w_codes, w_scale, group_size, bias, out_dtype, w
         require_vector(op, "bias", bias, (n,), f"[{n}]")
     require_floatdtype_of(op, out_dtype)
     return m, k, n
+
+
+def check_fp4_weight_matmul(x, w_codes, w_scale, group_size, w_global, bias, out_dtype) -> tuple[int, int, int]:
+    """Check NVFP4A16 / MXFP4A16 arguments (codes at the logical shape, one scale per group, an optional scalar
+    global scale); returns (M, K, N)."""
+    op = "fp4_weight_matmul"
+    m, k = require_matrix(op, "x", x, None, "[M, K]")
+    require_float(op, "x", x)
+    n, k_w = require_matrix(op, "w_codes", w_codes, (jnp.uint8,), "[N, K] (E2M1 codes 0..15, nn.Linear layout)")
+    if k != k_w:
+        raise KernelArgumentError(f"{op}: x has K={k} but w_codes has K={k_w}; w_codes must be [N, K] "
+                                  "(nn.Linear layout)")
+    if not isinstance(group_size, int) or group_size <= 0:
+        raise KernelArgumentError(f"{op}: group_size must be a positive int, got {group_size!r}")
+    if k % group_size:
+        raise KernelArgumentError(f"{op}: K={k} is not a multiple of group_size={group_size}; each scale covers "
+                                  "whole groups of input columns")
+    require_float(op, "w_scale", w_scale)
+    if _shape(w_scale) != (n, k // group_size):
+        raise KernelArgumentError(f"{op}: w_scale has shape {_shape(w_scale)}; a ({n}, {k}) weight in groups of "
+                                  f"{group_size} needs [{n}, {k // group_size}]")
+    if w_global is not None:
+        require_float(op, "w_global", w_global)
+        if len([d for d in _shape(w_global) if d != 1]):
+            raise KernelArgumentError(f"{op}: w_global must be one value (the tensor's global scale), "
+                                      f"got shape {_shape(w_global)}")
+    if bias is not None:
+        require_vector(op, "bias", bias, (n,), f"[{n}]")
+    require_floatdtype_of(op, out_dtype)
+    return m, k, n

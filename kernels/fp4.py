@@ -17,41 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from qconvert.kernels import gpu_dense, reference, tpu_dense
-from qconvert.kernels.checks import _shape, require_float, require_floatdtype_of, require_matrix, require_vector
-from qconvert.kernels.errors import KernelArgumentError
+from qconvert.kernels.checks import check_fp4_weight_matmul
 from qconvert.kernels.plan import KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
 from qconvert.kernels.tiles import int4_weight_operands, pad2d, round_up, split_even_odd_columns
 
 OP = "fp4_weight_matmul"
-
-
-def check_fp4_weight_matmul(x, w_codes, w_scale, group_size, w_global, bias, out_dtype) -> tuple[int, int, int]:
-    """Check NVFP4A16 / MXFP4A16 arguments (codes at the logical shape, one scale per group, an optional scalar
-    global scale); returns (M, K, N)."""
-    m, k = require_matrix(OP, "x", x, None, "[M, K]")
-    require_float(OP, "x", x)
-    n, k_w = require_matrix(OP, "w_codes", w_codes, (jnp.uint8,), "[N, K] (E2M1 codes 0..15, nn.Linear layout)")
-    if k != k_w:
-        raise KernelArgumentError(f"{OP}: x has K={k} but w_codes has K={k_w}; w_codes must be [N, K] "
-                                  "(nn.Linear layout)")
-    if not isinstance(group_size, int) or group_size <= 0:
-        raise KernelArgumentError(f"{OP}: group_size must be a positive int, got {group_size!r}")
-    if k % group_size:
-        raise KernelArgumentError(f"{OP}: K={k} is not a multiple of group_size={group_size}; each scale covers "
-                                  "whole groups of input columns")
-    require_float(OP, "w_scale", w_scale)
-    if _shape(w_scale) != (n, k // group_size):
-        raise KernelArgumentError(f"{OP}: w_scale has shape {_shape(w_scale)}; a ({n}, {k}) weight in groups of "
-                                  f"{group_size} needs [{n}, {k // group_size}]")
-    if w_global is not None:
-        require_float(OP, "w_global", w_global)
-        if len([d for d in _shape(w_global) if d != 1]):
-            raise KernelArgumentError(f"{OP}: w_global must be one value (the tensor's global scale), "
-                                      f"got shape {_shape(w_global)}")
-    if bias is not None:
-        require_vector(OP, "bias", bias, (n,), f"[{n}]")
-    require_floatdtype_of(OP, out_dtype)
-    return m, k, n
 
 
 def effective_scale(w_scale, w_global) -> jax.Array:
