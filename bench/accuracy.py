@@ -145,7 +145,7 @@ def simulated_linear(quantized, float_activations: bool = False):
             if scale is None:
                 scale = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0, 1e-12)
             x = jnp.clip(jnp.round(x / scale), -127, 127) * scale
-        elif scheme == "fp8":
+        elif scheme in ("fp8", "w4a8-fp8"):  # both round activations to E4M3 per token at run time
             x = fp8_activations(x)
         y = jnp.matmul(x, w.T, precision=HI)
         return y if bias is None else y + jnp.asarray(bias, jnp.float32)

@@ -6,10 +6,13 @@ int4's defaults (docs/ACCURACY.md).
     python bench/int4_defaults.py /tmp/smollm2-135m --calib /tmp/licenses.txt --recipes gptq,rtn --schemes int4 \
         --lc none                                   # qconvert's rows alone
     python bench/int4_defaults.py /tmp/smollm2-135m --calib /tmp/licenses.txt --recipes none   # llm-compressor's
+    python bench/int4_defaults.py /tmp/smollm2-135m --calib /tmp/licenses.txt --schemes nvfp4a16,mxfp4a16 --lc none
 
 Rows: every recipe of --recipes (gptq: GPTQ alone, `--no-awq`; awq: AWQ with round-to-nearest, `--no-gptq`;
 awq-gptq: AWQ then GPTQ, qconvert's int4 default; rtn: round-to-nearest, `--no-gptq --no-awq`) times every scheme of --schemes (int4: symmetric; int4-asym:
-zero points) times every group of --groups, converted by `qconvert quantize`'s own functions; plus, for each group,
+zero points; w4a8-fp8: int4 weights, E4M3 activations per token) times every group of --groups, converted by `qconvert
+quantize`'s own functions; a scheme whose format fixes its group (nvfp4a16: 16, mxfp4a16: 32) takes each recipe once,
+at that group, whatever --groups says; plus, for each group,
 llm-compressor 0.14's recipes of --lc (awq-gptq-asym: AWQModifier(duo_scaling="both") then GPTQModifier, W4A16_ASYM;
 gptq-asym; gptq-sym), run by bench/lc_int4.py in --lc-venv on the same token windows. A recipe, scheme or option this
 build lacks (`--awq`, `int4-asym` come from their own branches) is named and skipped; so is a group that does not
@@ -72,6 +75,36 @@ def missing_in_build(recipe: str, scheme: str) -> str | None:
     return None
 
 
+def fixed_group(scheme: str) -> int | None:
+    """The group an FP4 scheme's format fixes (NVFP4: 16, MXFP4: 32; no --group-size), or None."""
+    from qconvert.schemes import scheme_named
+
+    try:
+        chosen = scheme_named(scheme)
+    except QConvertError:
+        return None
+    return None if chosen.takes_group_size else getattr(chosen, "group", None)
+
+
+def fixed_group_plan(args, widths: set[int]) -> list:
+    """The rows of the schemes whose group the format fixes: each recipe once, at that group, --groups ignored."""
+    plan = []
+    for scheme in listed(args.schemes):
+        group = fixed_group(scheme)
+        if group is None:
+            continue
+        if any(w % group for w in widths):
+            print(f"{scheme}: skipped, its group {group} does not divide every linear's input", flush=True)
+            continue
+        for recipe in listed(args.recipes):
+            why = missing_in_build(recipe, scheme)
+            if why:
+                print(f"{recipe} {scheme}: skipped, {why}", flush=True)
+                continue
+            plan.append((f"qconvert {recipe} {scheme} g{group}", ("qconvert", scheme, recipe, None)))
+    return plan
+
+
 def linear_inputs(params, config: dict) -> set[int]:
     """The input widths of the linears int4 quantizes (every 2-D weight but the embedding and the head)."""
     skip = ("embed", "lm_head", "norm")
@@ -128,6 +161,8 @@ def run(args, key: dict, done: set[str], results: Path) -> None:
             print(f"group {group}: skipped, it does not divide every linear's input ({sorted(widths)})", flush=True)
             continue
         for scheme in listed(args.schemes):
+            if fixed_group(scheme) is not None:
+                continue  # FP4: its group is the format's, planned once below
             for recipe in listed(args.recipes):
                 why = missing_in_build(recipe, scheme)
                 if why:
@@ -135,6 +170,7 @@ def run(args, key: dict, done: set[str], results: Path) -> None:
                     continue
                 plan.append((f"qconvert {recipe} {scheme} g{group}", ("qconvert", scheme, recipe, group)))
         plan += [(f"llm-compressor {r} g{group}", ("lc", r, None, group)) for r in listed(args.lc)]
+    plan += fixed_group_plan(args, widths)
     plan = [p for p in plan if p[0] not in done]
     if not plan:
         return

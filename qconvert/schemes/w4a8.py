@@ -46,7 +46,9 @@ class W4A8FP8(Int4):
     name = "w4a8-fp8"
     layout = PackQuantizedW4A8FP8()
     act_modes = ("dynamic",)
-    default_awq = False  # int4's recipe was measured with float activations; here AWQ is opt-in (--awq)
+    # AWQ then GPTQ, as int4: with E4M3 activations it beat GPTQ alone on SmolLM2-135M and Gemma 3 270M
+    # (docs/ACCURACY.md, "FP4 (nvfp4a16, mxfp4a16) and w4a8-fp8's AWQ default"); --no-awq for GPTQ alone.
+    default_awq = True
     # int4's floors: the E4M3 activations cost next to nothing beside int4's weights. Measured on SmolLM2-135M
     # (round-to-nearest, group 64, verify's held-out text): worst linear 11.75 dB against int4's 11.78 dB on the
     # same weights, KL 0.467 against 0.458, top-1 0.574 against 0.598, perplexity x1.246 against x1.243; with one

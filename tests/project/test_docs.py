@@ -127,7 +127,8 @@ def test_the_docs_say_inspect_reads_every_scheme_and_it_reads_4_bit_and_grouped_
     assert "4-bit" not in text  # what the docs once said inspect refused
     source = make_llama_checkpoint(tmp_path / "src")
     for scheme, flags in (("int4", ["--no-awq", "--no-gptq", "--group-size", "32"]),
-                          ("int4-asym", ["--no-awq", "--no-gptq"]), ("nf4", []), ("w4a8-fp8", ["--no-gptq"])):
+                          ("int4-asym", ["--no-awq", "--no-gptq"]), ("nf4", []),
+                          ("w4a8-fp8", ["--no-awq", "--no-gptq"])):
         out = quantize_quietly(source, tmp_path / scheme, "--scheme", scheme, *flags)
         code, shown, err = run(["inspect", str(out), "--json"], capsys)
         assert code == 0, err
