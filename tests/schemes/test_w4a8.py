@@ -57,7 +57,7 @@ def test_the_quantization_config_is_the_w4afp8_preset(tmp_path, capsys):
     src = make_llama_checkpoint(tmp_path / "src", hidden=128, intermediate=256)
     out = tmp_path / "w4a8"
     code, _, err = run_cli(["quantize", str(src), "-o", str(out), "--scheme", "W4A8-FP8".lower(), "-q",
-                            "--no-gptq"], capsys)
+                            "--no-gptq", "--no-awq"], capsys)
     assert code == 0, err
     qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
     parsed = QuantizationConfig.model_validate(qconfig)
@@ -144,8 +144,8 @@ def test_folders_pass_verify_and_load_in_transformers_as_meant(source, capsys, t
     # GPTQ on one family (its grid is int4's, whose GPTQ every family's int4 test runs); the rest round to nearest.
     rounding = "gptq" if load_config(source)["model_type"] == "llama" else "rtn"
     out = tmp_path / "w4a8"
-    extra = (["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "32"] if rounding == "gptq"
-             else ["--no-gptq"])
+    extra = (["--no-awq", "--calib", "random", "--calib-samples", "4", "--calib-seqlen", "32"] if rounding == "gptq"
+             else ["--no-gptq", "--no-awq"])
     code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", "w4a8-fp8", "-q", *extra], capsys)
     assert code == 0, err
     record = json.loads((out / "qconvert.json").read_text())
@@ -184,7 +184,7 @@ def test_what_neither_server_loads_is_refused_in_one_line(flags, words, tmp_path
 def test_a_group_vllm_on_gpu_refuses_is_said_in_one_line(tmp_path, capsys):
     src = make_llama_checkpoint(tmp_path / "src", hidden=128, intermediate=256)
     code, _, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "o"), "--scheme", "w4a8-fp8", "--no-gptq",
-                            "--group-size", "64"], capsys)
+                            "--no-awq", "--group-size", "64"], capsys)
     assert code == 0, err
     assert "w4a8-fp8: group size 64 (vLLM on GPU takes group 128 only): vLLM TPU loads it" in err
 
@@ -195,7 +195,7 @@ def test_experts_no_group_divides_are_refused_in_one_line(tmp_path, capsys):
     src = make_hf_checkpoint(tmp_path / "src", "qwen3_moe", layers=1)
     capsys.readouterr()  # transformers' own progress while saving it
     before = tree(tmp_path)
-    code, out, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "o"), "--scheme", "w4a8-fp8", "--no-gptq"],
-                             capsys)
+    code, out, err = run_cli(["quantize", str(src), "-o", str(tmp_path / "o"), "--scheme", "w4a8-fp8", "--no-gptq",
+                             "--no-awq"], capsys)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "needs group scales" in err
     assert tree(tmp_path) == before
