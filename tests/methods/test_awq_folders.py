@@ -186,8 +186,8 @@ def test_help_documents_awq(capsys):
     assert code == 0 and "--awq / --no-awq" in out
 
 
-def test_awq_then_gptq_is_int4s_default_and_only_int4s(llama, tmp_path, capsys):
-    """int4 and int4-asym search AWQ's scales unasked, then GPTQ rounds; --no-awq and w4a8-fp8 do not."""
+def test_awq_then_gptq_is_the_4_bit_integer_schemes_default(llama, tmp_path, capsys):
+    """int4, int4-asym and w4a8-fp8 search AWQ's scales unasked, then GPTQ rounds; --no-awq does not."""
     methods = {}
     for name, flags in (("int4", ["--scheme", "int4"]), ("int4-asym", ["--scheme", "W4A16_ASYM"]),
                         ("no-awq", ["--scheme", "int4", "--no-awq"]), ("w4a8", ["--scheme", "w4a8-fp8"])):
@@ -198,7 +198,7 @@ def test_awq_then_gptq_is_int4s_default_and_only_int4s(llama, tmp_path, capsys):
         record = json.loads((out / "qconvert.json").read_text())
         methods[name] = ((record.get("smoothing") or {}).get("method"), record["rounding"]["method"])
     assert methods == {"int4": ("awq", "gptq"), "int4-asym": ("awq", "gptq"), "no-awq": (None, "gptq"),
-                       "w4a8": (None, "gptq")}
+                       "w4a8": ("awq", "gptq")}
 
 
 def test_awq_on_a_decoder_without_a_forward_is_refused_in_one_line(tmp_path, capsys):

@@ -20,7 +20,7 @@ FOLDER = "path/to/this/folder"
 CALIB = ["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "16"]
 # Each scheme with the flags that change where it loads (servers.scheme_key), round-to-nearest where that is a flag.
 CASES = {"int8": [], "int4": ["--no-awq", "--no-gptq"], "w8a8": CALIB, "w8a8-static": [*CALIB, "--act", "static"],
-         "fp8": [], "nf4": [], "int4-asym": ["--no-awq", "--no-gptq"], "w4a8-fp8": ["--no-gptq"],
+         "fp8": [], "nf4": [], "int4-asym": ["--no-awq", "--no-gptq"], "w4a8-fp8": ["--no-awq", "--no-gptq"],
          "nvfp4a16": [], "mxfp4a16": []}
 
 
