@@ -31,14 +31,14 @@ import ml_dtypes
 import numpy as np
 
 from qconvert.formats.errors import FormatError, InvalidCheckpointError
-from qconvert.formats.int4_sources import PackedWeight, SCALE
+from qconvert.formats.int4_sources import PACKED, SCALE, PackedWeight, packed_weights
 from qconvert.formats.layout_fp4 import E8M0_BIAS, unpack_fp4
 from qconvert.formats.quantized_sources import SourceFormat, check_finite
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint
 
 _MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 E2M1_VALUES = np.concatenate([_MAGNITUDES, -_MAGNITUDES])  # by code: bit 3 the sign
-PACKED, GLOBAL_SCALE = ".weight_packed", ".weight_global_scale"
+GLOBAL_SCALE = ".weight_global_scale"
 BLOCKS, SCALES = "_blocks", "_scales"
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
@@ -163,15 +163,7 @@ class MXFP4BlocksWeight(PackedWeight):
 
 def fp4_weights(stored: SafetensorsCheckpoint, fmt: SourceFormat) -> dict[str, PackedWeight]:
     """Every nvfp4- or mxfp4-pack-quantized linear of `stored`, by the name of the float weight it stands for."""
-    kind = MXFP4PackedWeight if fmt.power_of_two_scales else NVFP4Weight
-    weights: dict[str, PackedWeight] = {}
-    for name in stored.tensor_names:
-        if name.endswith(PACKED):
-            module = name[: -len(PACKED)]
-            if module + ".weight" in stored:
-                raise FormatError(f"{stored.file_of(name)}: {module} has both a float weight and {name}")
-            weights[module + ".weight"] = kind(stored, module, fmt)
-    return weights
+    return packed_weights(stored, fmt, MXFP4PackedWeight if fmt.power_of_two_scales else NVFP4Weight)
 
 
 def mxfp4_weights(stored: SafetensorsCheckpoint, fmt: SourceFormat) -> dict[str, PackedWeight]:

@@ -149,16 +149,22 @@ def _zero_point(stored: SafetensorsCheckpoint, module: str, fmt: SourceFormat, s
     return True
 
 
-def int4_weights(stored: SafetensorsCheckpoint, fmt: SourceFormat) -> dict[str, PackedWeight]:
-    """Every pack-quantized linear of `stored`, by the name of the float weight it stands for."""
+def packed_weights(stored: SafetensorsCheckpoint, fmt: SourceFormat, kind) -> dict[str, PackedWeight]:
+    """Every linear of `stored` stored as `<m>.weight_packed`, as `kind(stored, module, fmt)`, by the name of the
+    float weight it stands for; FormatError for a linear stored both packed and as float."""
     weights: dict[str, PackedWeight] = {}
     for name in stored.tensor_names:
         if name.endswith(PACKED):
             module = name[: -len(PACKED)]
             if module + ".weight" in stored:
                 raise FormatError(f"{stored.file_of(name)}: {module} has both a float weight and {name}")
-            weights[module + ".weight"] = Int4Weight(stored, module, fmt)
+            weights[module + ".weight"] = kind(stored, module, fmt)
     return weights
+
+
+def int4_weights(stored: SafetensorsCheckpoint, fmt: SourceFormat) -> dict[str, PackedWeight]:
+    """Every pack-quantized linear of `stored`, by the name of the float weight it stands for."""
+    return packed_weights(stored, fmt, Int4Weight)
 
 
 def check_claimed(stored: SafetensorsCheckpoint, fmt: SourceFormat, weights: dict[str, PackedWeight],
