@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from cli_helpers import run
+from compile_cache import compiled_once  # noqa: F401 - autouse: this module's conversions compile once
 from fp8_checkpoints import (
     as_torch, bfloat16_bits, dequantized_by_hand, e8m0_values, quantize_blocks, write_dequantized_copy,
     write_fp8_source,
@@ -25,30 +26,6 @@ from qconvert.formats.quantized_sources import source_format
 from qconvert.formats.safetensors_io import open_checkpoint
 
 CALIB = ["--calib", "random", "--calib-samples", "2", "--calib-seqlen", "16"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compiled_once(tmp_path_factory):
-    """Each pair of conversions below runs the same layer programs: JAX's persistent compilation cache (in a
-    temporary folder, for this module only) compiles them once instead of once a conversion."""
-    import jax
-
-    try:  # the cache's in-memory state, set up on first use: reset so the folder given here is read
-        from jax._src.compilation_cache import reset_cache
-    except ImportError:  # another JAX: the conversions compile twice, slower and the same
-        yield
-        return
-
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes")
-    saved = {key: getattr(jax.config, key) for key in keys}
-    for key, value in zip(keys, (str(tmp_path_factory.mktemp("jax-cache")), 0.0, -1)):
-        jax.config.update(key, value)
-    reset_cache()
-    yield
-    for key, value in saved.items():
-        jax.config.update(key, value)
-    reset_cache()
 
 
 DEEPSEEK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
