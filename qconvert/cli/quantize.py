@@ -203,7 +203,7 @@ def _group_size(ctx, param, value):
               cls=_RegistryHelp, help_from=_awq_help)
 @click.option("--kv-cache", type=click.Choice(["none", "fp8"]), default="none", show_default=True,
               cls=_RegistryHelp, help_from=_kv_cache_help)
-@click.option("--workers", type=WholeNumber(1, 1024), default=None,
+@click.option("--workers", type=WholeNumber(1, 10**12), default=None,
               help="Threads reading and quantizing ahead of the writer [default: one per core; at most 4 per "
                    "core]; same output bytes.")
 @click.option("--overwrite", is_flag=True,
