@@ -44,6 +44,16 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
 
+
+def _packed_shape(stored: SafetensorsCheckpoint, packed: str) -> tuple[int, int]:
+    """The [out, in] weight a uint8 [out, in/2] tensor of two E2M1 codes a byte stands for; FormatError for any
+    other dtype or rank."""
+    if stored.dtype(packed) != np.uint8 or len(stored.shape(packed)) != 2:
+        raise FormatError(f"{stored.file_of(packed)}: {packed} is {stored.dtype(packed)} {list(stored.shape(packed))}, "
+                          "not uint8 [out, in/2] (two E2M1 codes a byte); the packing does not match the format")
+    out_features, half = stored.shape(packed)
+    return int(out_features), 2 * int(half)
+
 class NVFP4Weight(PackedWeight):
     """One nvfp4-pack-quantized linear: E2M1 codes, an E4M3 scale per row and 16 columns, a global scale."""
 
@@ -51,11 +61,7 @@ class NVFP4Weight(PackedWeight):
         self.stored, self.module = stored, module
         packed, scale, global_scale = (module + s for s in (PACKED, SCALE, GLOBAL_SCALE))
         where = stored.file_of(packed)
-        if stored.dtype(packed) != np.uint8 or len(stored.shape(packed)) != 2:
-            raise FormatError(f"{where}: {packed} is {stored.dtype(packed)} {list(stored.shape(packed))}, not uint8 "
-                              "[out, in/2] (two E2M1 codes a byte); the packing does not match the format")
-        out_features, half = stored.shape(packed)
-        self.shape = (int(out_features), 2 * int(half))
+        self.shape = _packed_shape(stored, packed)
         for name, what in ((scale, "scale"), (global_scale, "global scale")):
             if name not in stored:
                 raise FormatError(f"{where}: {packed} is stored but {name} is missing; a {fmt.name} checkpoint "
@@ -93,11 +99,7 @@ class MXFP4PackedWeight(PackedWeight):
         self.stored = stored
         packed, scale = module + PACKED, module + SCALE
         where = stored.file_of(packed)
-        if stored.dtype(packed) != np.uint8 or len(stored.shape(packed)) != 2:
-            raise FormatError(f"{where}: {packed} is {stored.dtype(packed)} {list(stored.shape(packed))}, not uint8 "
-                              "[out, in/2] (two E2M1 codes a byte); the packing does not match the format")
-        out_features, half = stored.shape(packed)
-        self.shape = (int(out_features), 2 * int(half))
+        self.shape = _packed_shape(stored, packed)
         if scale not in stored:
             raise FormatError(f"{where}: {packed} is stored but {scale} is missing; a {fmt.name} checkpoint has a "
                               "scale beside every packed weight")

@@ -150,6 +150,13 @@ def resolve_group_size(requested: int | str | None, shapes: Mapping[str, tuple[i
     return None, "int4: one scale per output channel (no group size of 128, 64 or 32 divides every input width)"
 
 
+# verify's floors for 4-bit weights in groups (FP4 in groups of 16 or 32 loses about what these do in 128).
+INT4_THRESHOLDS = Thresholds(
+    min_layer_sqnr_db=12.0, min_layer_cosine=0.97, max_mean_kl=0.15,
+    min_top1_agreement=0.65, max_perplexity_ratio=1.35, min_pooled_cosine=0.91,
+    min_fidelity_sqnr_db=40.0,
+)
+
 class Int4(Scheme):
     """Symmetric int4 codes with one scale per output row and group of input columns, float activations."""
 
@@ -160,11 +167,7 @@ class Int4(Scheme):
     # AWQ then GPTQ: on SmolLM2-135M and Gemma 3 270M it beat GPTQ alone, AWQ alone and rounding (docs/ACCURACY.md)
     default_awq = True
     clip = ClipSearch(INT4_CLIP_GRID, "per output row and group: scale = c * absmax / 7.5")
-    thresholds = Thresholds(
-        min_layer_sqnr_db=12.0, min_layer_cosine=0.97, max_mean_kl=0.15,
-        min_top1_agreement=0.65, max_perplexity_ratio=1.35, min_pooled_cosine=0.91,
-        min_fidelity_sqnr_db=40.0,
-    )
+    thresholds = INT4_THRESHOLDS
 
     def layout_flags(self, *, act: str = "dynamic", double_quant: bool = False, group_size: int | str | None = None,
                      shapes: Mapping[str, tuple[int, int]] | None = None) -> LayoutFlags:

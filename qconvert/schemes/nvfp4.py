@@ -17,10 +17,11 @@ from qconvert.formats.errors import UsageError
 from qconvert.formats.layout_base import LayoutFlags
 from qconvert.formats.layout_fp4 import MXFP4PackQuantized, NVFP4PackQuantized
 from qconvert.formats.qarray import QArray
-from qconvert.schemes.base import ClipSearch, Scheme, SearchResult, Thresholds
+from qconvert.schemes.base import ClipSearch, Scheme, SearchResult
 from qconvert.schemes.fp4 import (NVFP4_GROUP, check_finite, dequantize_fp4, effective_scale,
                                   nvfp4_global_scale, quantize_mxfp4, quantize_nvfp4)
 from qconvert.schemes.grids import E2M1Grid
+from qconvert.schemes.int4 import INT4_THRESHOLDS
 from qconvert.schemes.rowwise import block_rows, quantize_rows
 
 # The linears vLLM loads into one fused layer with one global scale: qkv_proj, gate_up_proj (an expert's w13, Mixtral's
@@ -52,11 +53,7 @@ class FP4Scheme(Scheme):
 
     group: int
     # int4's floors: E2M1 in groups of 16 or 32 loses about what int4 in groups of 128 does.
-    thresholds = Thresholds(
-        min_layer_sqnr_db=12.0, min_layer_cosine=0.97, max_mean_kl=0.15,
-        min_top1_agreement=0.65, max_perplexity_ratio=1.35, min_pooled_cosine=0.91,
-        min_fidelity_sqnr_db=40.0,
-    )
+    thresholds = INT4_THRESHOLDS
 
     def layout_flags(self, *, act: str = "dynamic", double_quant: bool = False, group_size: int | str | None = None,
                      shapes: Mapping[str, tuple[int, int]] | None = None) -> LayoutFlags:
