@@ -9,7 +9,9 @@ The sources are the tests' own tiny checkpoints (tests/checkpoints.py,
 tests/hf_checkpoints.py, tests/gemma_checkpoints.py: Llama in bfloat16 with
 outlier channels and two shards, Llama bfloat16 with tied embeddings, Mixtral,
 Qwen3, Phi-3, Qwen3-MoE, Gemma 3 and BERT), built under OUT/../sources
-once and reused, so both sides convert the same bytes. Calibration uses random
+once and reused, so both sides convert the same bytes; with them, the Llama
+written in compressed-tensors int4, NVFP4 and MXFP4 (DERIVED), read again as
+4-bit sources. Calibration uses random
 ids (no tokenizer needed). `--compare` lists, per conversion, every file whose
 bytes differ; qconvert.json and the model card (README.md) are compared apart,
 since new fields there are expected.
@@ -41,7 +43,21 @@ FLAG_SETS = {
     "w8a8-static": ["--scheme", "w8a8", "--act", "static", *CALIB],
     "w8a8-family-gptq": ["--scheme", "w8a8", "--alpha", "family", "--gptq", *CALIB],
     "w8a8-no-smooth": ["--scheme", "w8a8", "--no-smooth", *CALIB],
+    "int4-asym": ["--scheme", "int4-asym", "--no-gptq", "--no-awq"],
+    "int4-asym-default": ["--scheme", "int4-asym", *CALIB],
+    "w4a8-fp8": ["--scheme", "w4a8-fp8", *CALIB],  # AWQ then GPTQ, its default
+    "w4a8-fp8-gptq": ["--scheme", "w4a8-fp8", "--no-awq", *CALIB],
+    "nvfp4a16": ["--scheme", "nvfp4a16"],
+    "nvfp4a16-gptq": ["--scheme", "nvfp4a16", "--gptq", *CALIB],
+    "nvfp4a16-awq": ["--scheme", "nvfp4a16", "--awq", *CALIB],
+    "mxfp4a16": ["--scheme", "mxfp4a16"],
+    "mxfp4a16-gptq": ["--scheme", "mxfp4a16", "--gptq", *CALIB],
 }
+# Folders in the 4-bit source formats (a conversion of the llama source), converted again: the streaming reads.
+DERIVED = {"llama-ct-int4": ("llama", ["--scheme", "int4", "--no-gptq", "--no-awq"]),
+           "llama-ct-nvfp4": ("llama", ["--scheme", "nvfp4a16"]),
+           "llama-ct-mxfp4": ("llama", ["--scheme", "mxfp4a16"])}
+DERIVED_FLAG_SETS = ("int8", "fp8", "int4-gptq", "w8a8")
 SKIP = {("bert", "int4-gptq"), ("bert", "int4-awq-gptq"), ("bert", "int8-gptq"), ("bert", "w8a8-family-gptq"), ("mixtral", "nf4"),
         ("mixtral", "nf4-double-quant"), ("qwen3_moe", "nf4"), ("qwen3_moe", "nf4-double-quant")}
 
@@ -71,24 +87,42 @@ def sources(root: Path) -> dict[str, Path]:
     return found
 
 
+def derived_sources(root: Path, found: dict[str, Path]) -> dict[str, Path]:
+    """DERIVED's 4-bit folders, written by qconvert under root once."""
+    from qconvert.cli.main import main
+
+    derived = {}
+    for name, (base, flags) in DERIVED.items():
+        folder = root / name
+        if not (folder / "config.json").is_file():
+            try:
+                main(["quantize", str(found[base]), "-o", str(folder), "-q", *flags])
+            except SystemExit as exit_:
+                if exit_.code:
+                    raise SystemExit(f"{name}: the 4-bit source could not be written (exit {exit_.code})")
+        derived[name] = folder
+    return derived
+
+
 def convert_all(out: Path) -> None:
     from qconvert.cli.main import main
 
     out.mkdir(parents=True, exist_ok=True)
-    for name, src in sources(out.parent / "sources").items():
-        for label, flags in FLAG_SETS.items():
-            if (name, label) in SKIP:
+    found = sources(out.parent / "sources")
+    runs = [(name, src, label) for name, src in found.items() for label in FLAG_SETS]
+    runs += [(name, src, label) for name, src in derived_sources(out.parent / "sources", found).items()
+             for label in DERIVED_FLAG_SETS]
+    for name, src, label in runs:
+        target = out / f"{name}-{label}"
+        if (name, label) in SKIP or target.exists():
+            continue
+        try:
+            main(["quantize", str(src), "-o", str(target), "-q", *FLAG_SETS[label]])
+        except SystemExit as exit_:
+            if exit_.code:
+                print(f"{name} {label}: exit {exit_.code}", flush=True)
                 continue
-            target = out / f"{name}-{label}"
-            if target.exists():
-                continue
-            try:
-                main(["quantize", str(src), "-o", str(target), "-q", *flags])
-            except SystemExit as exit_:
-                if exit_.code:
-                    print(f"{name} {label}: exit {exit_.code}", flush=True)
-                    continue
-            print(f"{name} {label}: converted", flush=True)
+        print(f"{name} {label}: converted", flush=True)
 
 
 def digest(path: Path) -> str:
