@@ -7,6 +7,10 @@
     <m>.weight_global_scale  float32 [1]            the tensor's second-level scale g (a divisor)
     value = E2M1[code] * (scale / g), the quotient in float32
 
+    nvfp4 (W4A4): the nvfp4a16 tensors, and
+    <m>.input_global_scale   float32 [1]            448 * 6 / max|x| of the calibrated inputs (a divisor, as g)
+    the activations are rounded at run time per token and group of 16 inputs, E4M3 group scales over it
+
     mxfp4a16:
     <m>.weight_packed        uint8 [out, in/2]      as above
     <m>.weight_scale         uint8 [out, in/32]     E8M0: the group scale is 2^(byte - 127)
@@ -32,6 +36,7 @@ NVFP4_FORMAT = "nvfp4-pack-quantized"
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 E8M0_BIAS = 127
 E8M0_NAN = 255
+INPUT_GLOBAL_SCALE = ".input_global_scale"
 
 
 def pack_fp4(codes: np.ndarray) -> np.ndarray:
@@ -152,6 +157,67 @@ class NVFP4PackQuantized(FP4Packed):
             raise FormatError(f"{source.file_of(module + '.weight_scale')}: {module} weight_scale has NaN values")
         return QArray(qvalue=codes, scale=scale, zero_point=global_scale.reshape(1, 1), kind=self.qarray_kind,
                       block_size=self.group_size, shape=codes.shape, dtype="float32")
+
+
+class NVFP4W4A4(NVFP4PackQuantized):
+    """`--scheme nvfp4`: NVFP4A16's tensors and a calibrated float32 `input_global_scale` per linear; the config's
+    input activations are 4-bit floats in groups of 16, dynamic "local" (group scales at run time), as
+    compressed-tensors' NVFP4 preset."""
+
+    scheme = "nvfp4"
+    part_suffixes = (*NVFP4PackQuantized.part_suffixes, INPUT_GLOBAL_SCALE)
+    takes_input_scale = True
+
+    def tensor_specs(self, module: str, shape: tuple[int, int], float_dtype, flags: LayoutFlags) -> list[TensorSpec]:
+        return [*super().tensor_specs(module, shape, float_dtype, flags),
+                TensorSpec(f"{module}{INPUT_GLOBAL_SCALE}", np.float32, (1,))]
+
+    def to_tensors(self, module: str, q: QArray, flags: LayoutFlags,
+                   input_scale: float | None = None) -> dict[str, np.ndarray]:
+        if input_scale is None or not np.isfinite(input_scale) or input_scale <= 0:
+            raise ValueError(f"{module}: an NVFP4 W4A4 linear needs a positive calibrated input global scale, "
+                             f"got {input_scale!r}")
+        return {**super().to_tensors(module, q, flags),
+                f"{module}{INPUT_GLOBAL_SCALE}": np.array([input_scale], np.float32)}
+
+    def read_input_scale(self, source: TensorSource, module: str) -> float:
+        """The linear's input global scale (FormatError naming the file unless one positive finite float32)."""
+        name = f"{module}{INPUT_GLOBAL_SCALE}"
+        if name not in source:
+            raise FormatError(f"{module}: the folder's config quantizes activations to NVFP4 but it has no {name}")
+        value = source.tensor(name, [np.float32], 1)
+        if value.shape != (1,) or not np.isfinite(value).all() or value[0] <= 0:
+            raise FormatError(f"{source.file_of(name)}: {module} input_global_scale {value.tolist()} is not one "
+                              "positive finite float32")
+        return float(value[0])
+
+    def quantization_config(self, flags: LayoutFlags, ignore: tuple[str, ...], compute_dtype: str) -> dict:
+        config = super().quantization_config(flags, ignore, compute_dtype)
+        config["config_groups"]["group_0"]["input_activations"] = nvfp4_input_args()
+        return config
+
+    def claims(self, qconfig: dict[str, Any]) -> bool:
+        groups = qconfig.get("config_groups")
+        return (ct.claims(qconfig, self.format) and isinstance(groups, dict) and bool(groups)
+                and all(isinstance(g, dict) and g.get("input_activations") is not None for g in groups.values()))
+
+    def flags_of(self, qconfig: dict[str, Any]) -> LayoutFlags:
+        for name, group in qconfig["config_groups"].items():
+            acts = group.get("input_activations")
+            if not (_is_fp4(acts, self.group_size, self.strategy) and acts.get("dynamic") == "local"):
+                shown = {k: acts.get(k) for k in ("num_bits", "type", "strategy", "group_size", "dynamic")} \
+                    if isinstance(acts, dict) else acts
+                raise ValueError(f"compressed-tensors {self.format} group {name} input activations are {shown}; "
+                                 "qconvert's nvfp4 layout reads 4-bit float activations in groups of 16, strategy "
+                                 "tensor_group, dynamic local (NVFP4)")
+        return super().flags_of(qconfig)
+
+
+def nvfp4_input_args() -> dict:
+    """The NVFP4 preset's input_activations: E2M1 in groups of 16 with E4M3 scales found at run time ("local"),
+    over a calibrated global scale (the static_minmax observer)."""
+    return fp4_args(NVFP4PackQuantized.group_size, NVFP4PackQuantized.strategy, NVFP4PackQuantized.scale_dtype_name,
+                    dynamic="local", observer="static_minmax")
 
 
 class MXFP4PackQuantized(FP4Packed):

@@ -9,6 +9,7 @@
     "nf4"   bitsandbytes 4-bit                          (layout_nf4.BitsandbytesNF4)
     "nvfp4a16"  compressed-tensors nvfp4-pack-quantized (layout_fp4.NVFP4PackQuantized)
     "mxfp4a16"  compressed-tensors mxfp4-pack-quantized (layout_fp4.MXFP4PackQuantized)
+    "nvfp4"     the same as nvfp4a16, NVFP4 activations  (layout_fp4.NVFP4W4A4)
 
 Callers ask the Layout object (layout_base.Layout) rather than branch on the
 scheme name; the module-level functions below are that, spelled with a scheme.
@@ -24,7 +25,7 @@ import numpy as np
 from qconvert.formats.errors import FormatError, InvalidCheckpointError
 from qconvert.formats.jsonfile import CONFIG_NAME, read_config
 from qconvert.formats.layout_base import FLOAT_DTYPES, Layout, LayoutFlags
-from qconvert.formats.layout_fp4 import MXFP4PackQuantized, NVFP4PackQuantized
+from qconvert.formats.layout_fp4 import MXFP4PackQuantized, NVFP4PackQuantized, NVFP4W4A4
 from qconvert.formats.layout_fp8 import FloatQuantizedFP8
 from qconvert.formats.layout_int4 import PackQuantizedInt4
 from qconvert.formats.layout_int4_asym import PackQuantizedInt4Asym
@@ -37,7 +38,7 @@ from qconvert.formats.safetensors_io import SafetensorsCheckpoint, TensorSpec, o
 
 LAYOUTS: tuple[Layout, ...] = (PackQuantizedInt8(), PackQuantizedInt4(), PackQuantizedInt4Asym(), IntQuantizedW8A8(),
                                FloatQuantizedFP8(), BitsandbytesNF4(), PackQuantizedW4A8FP8(), NVFP4PackQuantized(),
-                               MXFP4PackQuantized())
+                               MXFP4PackQuantized(), NVFP4W4A4())
 SCHEMES = tuple(layout.scheme for layout in LAYOUTS)
 _BY_SCHEME = {layout.scheme: layout for layout in LAYOUTS}
 ACTS = ("dynamic", "static")

@@ -191,9 +191,9 @@ class ConvertOptions:
         object.__setattr__(self, "_scheme", scheme)  # looked up once, the Scheme carried
         _check_gptq(self, scheme)
         text_only = self.calibration is not None and not _smoothing_given(self.calibration) and not self.static_act
+        text_used = self.uses_gptq or self.uses_awq or self.kv_cache is not None or scheme.calibrated_inputs
         scheme.check_options(act=self.act, double_quant=self.double_quant, group_size=self.group_size,
-                             calibrates=self.calibration is not None
-                             and not ((self.uses_gptq or self.uses_awq or self.kv_cache is not None) and text_only))
+                             calibrates=self.calibration is not None and not (text_used and text_only))
         if self.group_size is not None and self.group_size not in GROUP_SIZE_CHOICES:
             raise UsageError(f"--group-size must be 32, 64, 128 or channel, not {self.group_size!r}")
         if self.max_shard_size <= 0:
@@ -206,7 +206,8 @@ class ConvertOptions:
                              f"({prefetch.max_workers()} on this machine's {prefetch.available_cores()} cores); "
                              f"give at most {prefetch.max_workers()}")
         _check_kv_cache(self, scheme)
-        if scheme.calibrates or self.uses_gptq or self.uses_awq or self.kv_cache is not None:
+        if (scheme.calibrates or scheme.calibrated_inputs or self.uses_gptq or self.uses_awq
+                or self.kv_cache is not None):
             if self.calibration is None:
                 object.__setattr__(self, "calibration", CalibrationOptions())
             _check_calibration(self.calibration)

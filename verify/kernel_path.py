@@ -22,6 +22,7 @@ from qconvert.formats import QArray
 from qconvert.kernels import KernelArgumentError, qgrouped_linear, qlinear, resolve_backend
 from qconvert.kernels.plan import KernelPlan
 from qconvert.kernels.prepared import PreparedWeight, prepare_weight
+from qconvert.schemes import scheme_named
 from qconvert.verify.results import KernelChoice
 
 def kernel_choice(plan: KernelPlan) -> KernelChoice:
@@ -85,6 +86,9 @@ class KernelPath:
     def __init__(self, quantized, backend: str = "auto"):
         self.quantized, self.backend = quantized, backend
         self.act = quantized.layout.kernel_act(quantized.flags)
+        # A scheme whose activations round over a stored scale ahead of its weight-only kernel (nvfp4).
+        scheme = scheme_named(quantized.scheme)
+        self.rounding = scheme if scheme.calibrated_inputs else None
         self.choices: dict[str, KernelChoice] = {}
         self._input_scales: dict[str, float | None] = {}
         # On a GPU or TPU each weight is laid out for its kernel once (prepare_weight), not on every call.
@@ -109,8 +113,9 @@ class KernelPath:
         return kept
 
     def input_scale(self, name: str) -> float | None:
-        """The folder's static input_scale of linear `name` (None unless activations are static)."""
-        if self.act != "static":
+        """The folder's static input_scale of linear `name` (None unless activations are static or rounded over
+        a stored scale)."""
+        if self.act != "static" and self.rounding is None:
             return None
         if name not in self._input_scales:
             self._input_scales[name] = self.quantized.input_scale(name)
@@ -119,6 +124,9 @@ class KernelPath:
     def linear(self, name: str, x, q: QArray, bias) -> tuple[jax.Array, KernelChoice]:
         """(y [M, out] float32, its KernelChoice) of linear `name` on x [M, in]; an expert alone runs as a
         grouped matmul with one group holding every row."""
+        if self.rounding is not None:
+            x = self.rounding.kernel_activations(jnp.asarray(x).astype(deployment_dtype(q.source if isinstance(
+                q, Prepared) else q)), self.input_scale(name))
         if is_expert(name):
             y, plan = run_grouped_experts(x, [x.shape[0]], [q], self.act, backend=self.backend,
                                           input_scales=[self.input_scale(name)])
@@ -130,6 +138,10 @@ class KernelPath:
 
     def grouped(self, names: Sequence[str], x, qs: Sequence[QArray], group_sizes) -> jax.Array:
         """The experts `names` (their QArrays `qs`) on the rows of x sorted by expert; float32."""
+        if self.rounding is not None:
+            scales = jnp.repeat(jnp.asarray([self.input_scale(n) for n in names], jnp.float32),
+                                jnp.asarray(group_sizes), total_repeat_length=x.shape[0])
+            x = self.rounding.kernel_activations(jnp.asarray(x).astype(deployment_dtype(qs[0])), scales[:, None])
         y, _ = run_grouped_experts(x, group_sizes, qs, self.act, backend=self.backend,
                                    input_scales=[self.input_scale(n) for n in names])
         return y.astype(jnp.float32)

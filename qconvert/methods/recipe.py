@@ -101,8 +101,9 @@ def choose_steps(source: SourceModel, options: ConvertOptions, quantized_modules
         steps.append(AWQ(source.model, source.family, scheme, flags or LayoutFlags(), quantized_modules))
     if activations and options.searches_scales and calib.act_stats is None:
         steps.append(ScaleSearch(linears, static))
-    if activations and static:  # the head's lm_head too, where included; any other included linear refused
-        steps.append(StaticInputScales([*linears, *head_linears_for_static(source, linears, quantized_modules)]))
+    if (activations and static) or scheme.calibrated_inputs:  # the head's lm_head too, where included
+        steps.append(StaticInputScales([*linears, *head_linears_for_static(source, linears, quantized_modules)],
+                                       scheme if scheme.calibrated_inputs else None))
     if gptq is not None:
         steps.append(GPTQ(gptq, quantized_modules, source.model.num_layers))
     if options.kv_cache is not None:

@@ -220,13 +220,23 @@ def _decoded_search(module: str, arrays: dict, meta: dict) -> LinearSearch:
 
 class StaticInputScales(Step):
     """The step (w8a8 with --act static): each quantized linear's per-tensor input scale, the searched one
-    (ScaleSearch, before it) or max|x / s| / 127 of the calibrated maxima, once every step before it is done."""
+    (ScaleSearch, before it) or max|x / s| / 127 of the calibrated maxima, once every step before it is done;
+    with a `scheme` that stores its own calibrated scales (Scheme.calibrated_inputs), that scheme's from the
+    same maxima (Scheme.input_scales)."""
 
-    def __init__(self, modules: Sequence[str]):
-        self.modules = list(modules)
+    def __init__(self, modules: Sequence[str], scheme=None):
+        self.modules, self.scheme = list(modules), scheme
 
     def finish(self, results: Results) -> None:
-        results.input_scales = static_input_scales(results, self.modules)
+        if self.scheme is None:
+            results.input_scales = static_input_scales(results, self.modules)
+        else:
+            smoothed = {m: g.input_scales for g in results.smoothing.values() for m in g.group.linears}
+            absmax = {m: smoothed_input_absmax(results.act_absmax[m], smoothed.get(m)) for m in self.modules}
+            dtypes = {m: np.dtype(results.params.checkpoint.dtype(f"{m}.weight"))
+                      if hasattr(results.params, "checkpoint") else np.asarray(results.params[f"{m}.weight"]).dtype
+                      for m in self.modules}
+            results.input_scales = self.scheme.input_scales(absmax, dtypes)
 
 
 def static_input_scales(results: Results, modules: Sequence[str]) -> dict[str, float]:

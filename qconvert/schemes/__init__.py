@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # name -> "module:class" under qconvert.schemes
 _CLASSES = {"int8": "int8:Int8", "int4": "int4:Int4", "w8a8": "w8a8:W8A8", "fp8": "fp8:FP8", "nf4": "nf4:NF4",
             "int4-asym": "int4_asym:Int4Asym", "w4a8-fp8": "w4a8:W4A8FP8",
-            "nvfp4a16": "nvfp4:NVFP4A16", "mxfp4a16": "nvfp4:MXFP4A16"}
+            "nvfp4a16": "nvfp4:NVFP4A16", "mxfp4a16": "nvfp4:MXFP4A16", "nvfp4": "nvfp4_w4a4:NVFP4"}
 NAMES = tuple(_CLASSES)
 # compressed-tensors' preset names (what llm-compressor users write), taken in any case for the scheme that writes
 # that preset; an entry whose scheme this build lacks is left out.
@@ -35,6 +35,7 @@ _PRESETS = {
     "W4AFP8": "w4a8-fp8",
     "NVFP4A16": "nvfp4a16",
     "MXFP4A16": "mxfp4a16",
+    "NVFP4": "nvfp4",
 }
 ALIASES = {alias: name for alias, name in _PRESETS.items() if name in _CLASSES}
 # name -> (what it stores, in one line; the loaders that read its layout, as measured): the scheme's own words,
@@ -58,6 +59,8 @@ DESCRIPTIONS: dict[str, tuple[str, str]] = {
                  "activations (NVFP4A16)", "vLLM (dense), transformers + compressed-tensors (dense)"),
     "mxfp4a16": ("MXFP4 weights: E2M1 in groups of 32, power-of-two (E8M0) scales; float activations (MXFP4A16)",
                  "vLLM (dense and MoE), transformers + compressed-tensors"),
+    "nvfp4": ("NVFP4 weights as nvfp4a16, NVFP4 activations (E2M1 per 16 inputs at run time) over a calibrated "
+              "input global scale (NVFP4, W4A4)", "vLLM (dense and MoE; Blackwell kernels)"),
 }
 
 __all__ = ["ALIASES", "DESCRIPTIONS", "NAMES", "SCHEMES", "canonical_name", "names_where", "scheme_named"]

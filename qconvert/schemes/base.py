@@ -62,6 +62,9 @@ class Scheme(abc.ABC):
     vllm_loads: bool = True          # vLLM has a loader for its layout (the model card's load snippet)
     act_modes: tuple[str, ...] = ()  # activation modes it quantizes with; () keeps activations float
     calibrates: bool = False         # takes calibration and smoothing (--calib, --alpha, ...)
+    # Its folder holds a static activation scale per quantized linear from calibration whatever --act says
+    # (NVFP4's input_global_scale): the run calibrates (--calib), and `input_scales` makes the scales.
+    calibrated_inputs: bool = False
     default_scale_search: bool = False
     default_gptq: bool = False       # GPTQ rounding unless --no-gptq (a scheme that calibrates anyway)
     default_awq: bool = False        # AWQ's scales before rounding unless --no-awq (docs/ACCURACY.md)
@@ -132,6 +135,11 @@ class Scheme(abc.ABC):
         the writer then passes it to quantize and quantize_rows as `shared_absmax`. {}: every linear its own."""
         return {}
 
+    def input_scales(self, absmax: Mapping[str, float], dtypes: Mapping[str, np.dtype]) -> dict[str, float]:
+        """Per linear, the activation scale a scheme with calibrated_inputs stores, from max|x| of the calibrated
+        inputs as the quantized linear sees them (after smoothing or AWQ's folding) and its weight's dtype."""
+        raise NotImplementedError(f"--scheme {self.name} stores no calibrated activation scale")
+
     def gptq_grid(self):
         """The grid GPTQ rounds each column onto (a qconvert.methods.gptq_core grid); None: the scheme takes no --gptq."""
         return None
@@ -160,6 +168,11 @@ class Scheme(abc.ABC):
         """(codes, per-row scales), float64, of activations x [M, K] as the deployment rounds them
         (verify's fidelity); only for a scheme with act_modes."""
         raise NotImplementedError(f"--scheme {self.name} keeps activations in float")
+
+    def kernel_activations(self, x, input_scale):
+        """jnp: activations x [M, K] rounded as the server rounds them ahead of a weight-only kernel, with the
+        stored `input_scale` (one, or one per row); only for a scheme with calibrated_inputs."""
+        raise NotImplementedError(f"--scheme {self.name} stores no calibrated activation scale")
 
     def folder_weight(self, q: QArray) -> np.ndarray:
         """The float64 weight the folder's tensors define: codes times their scale (verify's fidelity)."""
