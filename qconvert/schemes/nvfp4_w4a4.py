@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
+from qconvert.formats.errors import UsageError
 from qconvert.formats.layout_fp4 import NVFP4W4A4
 from qconvert.schemes.base import Thresholds
 from qconvert.formats.qarray import FP4_LEVELS
@@ -90,6 +91,14 @@ class NVFP4(NVFP4A16):
         min_top1_agreement=0.55, max_perplexity_ratio=1.60, min_pooled_cosine=0.85,
         min_fidelity_sqnr_db=40.0,
     )
+
+    def check_options(self, *, act: str, double_quant: bool, group_size, calibrates: bool) -> None:
+        """`calibrates` here: smoothing flags given beside the calibration text, which nvfp4 does not take."""
+        if act == "static" or calibrates:
+            raise UsageError("--scheme nvfp4 calibrates one input global scale per linear from the --calib text and "
+                             "rounds activations per group of 16 at run time: --act static, --alpha, --no-smooth "
+                             "and --act-stats do not apply; drop them")
+        super().check_options(act=act, double_quant=double_quant, group_size=group_size, calibrates=False)
 
     def input_scales(self, absmax: Mapping[str, float], dtypes: Mapping[str, np.dtype]) -> dict[str, float]:
         """Each linear's input_global_scale from the max|x| of its calibrated input: the fused shards' joint
