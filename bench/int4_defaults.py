@@ -11,16 +11,21 @@ int4's defaults (docs/ACCURACY.md).
 Rows: every recipe of --recipes (gptq: GPTQ alone, `--no-awq`; awq: AWQ with round-to-nearest, `--no-gptq`;
 awq-gptq: AWQ then GPTQ, qconvert's int4 default; rtn: round-to-nearest, `--no-gptq --no-awq`) times every scheme of --schemes (int4: symmetric; int4-asym:
 zero points; w4a8-fp8: int4 weights, E4M3 activations per token) times every group of --groups, converted by `qconvert
-quantize`'s own functions; a scheme whose format fixes its group (nvfp4a16: 16, mxfp4a16: 32) takes each recipe once,
-at that group, whatever --groups says; plus, for each group,
-llm-compressor 0.14's recipes of --lc (awq-gptq-asym: AWQModifier(duo_scaling="both") then GPTQModifier, W4A16_ASYM;
-gptq-asym; gptq-sym), run by bench/lc_int4.py in --lc-venv on the same token windows. A recipe, scheme or option this
+quantize`'s own functions; a scheme whose format fixes its group (nvfp4a16, nvfp4: 16, mxfp4a16: 32) takes each recipe
+once, at that group, whatever --groups says (nvfp4 calibrates its input global scales, so its rtn reads the calibration
+text too); plus, for each group, llm-compressor 0.14's recipes of --lc (awq-gptq-asym: AWQModifier(duo_scaling="both")
+then GPTQModifier, W4A16_ASYM; gptq-asym; gptq-sym), run by bench/lc_int4.py in --lc-venv on the same token windows,
+and once, its FP4 round-to-nearest of --lc (nvfp4a16-rtn, nvfp4-rtn, mxfp4a16-rtn: QuantizationModifier with the
+NVFP4A16, NVFP4 or MXFP4A16 preset, bench/lc_fp4.py; NVFP4 calibrated on the same windows). A recipe, scheme or option this
 build lacks (`--awq`, `int4-asym` come from their own branches) is named and skipped; so is a group that does not
 divide every quantized linear's input (llm-compressor refuses one, and qconvert's layout needs it).
 
 Each folder is evaluated as bench/accuracy.py evaluates --gguf-model: perplexity and mean KL to the float model
 (nats/token) on --windows windows of the held-out text (the last --held-out of Python's documentation topics, each
 window the model's document separator and 255 tokens), the perplexity change with its standard error over windows.
+Activations are rounded as the server rounds them: w4a8-fp8 to E4M3 per token (bench/accuracy.py), nvfp4 (qconvert's
+folders and llm-compressor's NVFP4) to E2M1 per group of 16 with E4M3 scales over each linear's input_global_scale,
+as vLLM's NVFP4 activation quantizer computes them (qconvert.schemes.nvfp4_w4a4.round_nvfp4_activations).
 Rows go to --results (JSON lines, one per row, keyed by model, calibration and evaluation): a row already there is
 not run again, so rows recorded earlier (llm-compressor's, say) join a later run's table. The table is printed last,
 as markdown for docs/ACCURACY.md.
@@ -53,6 +58,7 @@ from qconvert.options import CalibrationOptions  # noqa: E402
 RECIPES = {"gptq": {"gptq": True, "awq": False}, "awq": {"gptq": False, "awq": True},
            "awq-gptq": {"gptq": True, "awq": True}, "rtn": {"gptq": False, "awq": False}}
 LC_RECIPES = ("awq-gptq-asym", "gptq-asym", "gptq-sym")
+LC_FP4 = {"nvfp4a16-rtn": "NVFP4A16", "nvfp4-rtn": "NVFP4", "mxfp4a16-rtn": "MXFP4A16"}  # bench/lc_fp4.py's presets
 OUT = Path(__file__).resolve().parent / "out" / "int4_defaults"
 
 
@@ -134,8 +140,8 @@ def main() -> None:
         if r not in RECIPES:
             sys.exit(f"--recipes: unknown recipe {r!r}; choose from {', '.join(RECIPES)}")
     for r in listed(args.lc):
-        if r not in LC_RECIPES:
-            sys.exit(f"--lc: unknown recipe {r!r}; choose from {', '.join(LC_RECIPES)}")
+        if r not in LC_RECIPES and r not in LC_FP4:
+            sys.exit(f"--lc: unknown recipe {r!r}; choose from {', '.join((*LC_RECIPES, *LC_FP4))}")
     results = args.results or OUT / f"{args.model.name}.jsonl"
     key = {"model": args.model.name, "calib": f"{Path(args.calib).name} {args.calib_samples}x{args.calib_seqlen}",
            "eval": f"python-docs tail {args.held_out} x {args.windows} windows"}
@@ -169,8 +175,9 @@ def run(args, key: dict, done: set[str], results: Path) -> None:
                     print(f"{recipe} {scheme} g{group}: skipped, {why}", flush=True)
                     continue
                 plan.append((f"qconvert {recipe} {scheme} g{group}", ("qconvert", scheme, recipe, group)))
-        plan += [(f"llm-compressor {r} g{group}", ("lc", r, None, group)) for r in listed(args.lc)]
+        plan += [(f"llm-compressor {r} g{group}", ("lc", r, None, group)) for r in listed(args.lc) if r in LC_RECIPES]
     plan += fixed_group_plan(args, widths)
+    plan += [(f"llm-compressor {r} {LC_FP4[r]}", ("lc", r, None, None)) for r in listed(args.lc) if r in LC_FP4]
     plan = [p for p in plan if p[0] not in done]
     if not plan:
         return
@@ -196,19 +203,12 @@ def run(args, key: dict, done: set[str], results: Path) -> None:
         shutil.rmtree(out, ignore_errors=True)
         started = time.perf_counter()
         if kind == "qconvert":
-            calibrates = any(RECIPES[recipe].values())  # round-to-nearest reads no calibration text
             convert(str(args.model), out, ConvertOptions(scheme=what, group_size=group, **RECIPES[recipe],
-                                                         calibration=calibration if calibrates else None))
+                                                         calibration=calibration if calibrates(recipe, what) else None))
         else:
-            subprocess.run([str(args.lc_venv / "bin" / "python"), "-P", str(Path(__file__).with_name("lc_int4.py")),
-                            str(args.model), str(windows_file), str(out), "--group", str(group), "--recipe", what],
-                           check=True, stdout=sys.stderr)
+            subprocess.run(lc_command(args, what, group, windows_file, out), check=True, stdout=sys.stderr)
         seconds = time.perf_counter() - started
-        if kind == "qconvert":
-            q, params = folder_params(out)
-            linear = simulated_linear(q)
-        else:  # llm-compressor's dequantized weights, a float folder
-            q, params, linear = None, {k: np.asarray(v) for k, v in open_params(out).items()}, None
+        q, params, linear = folder_to_evaluate(out, kind)
         per_window: list[float] = []
         ppl, _, kl = evaluate(model, params, windows, **({"linear": linear} if linear else {}), reference=reference,
                               batch=2, per_window=per_window)
@@ -222,6 +222,61 @@ def run(args, key: dict, done: set[str], results: Path) -> None:
         with results.open("a") as f:
             f.write(json.dumps(record) + "\n")
         shutil.rmtree(out, ignore_errors=True)
+
+
+def calibrates(recipe: str, scheme: str) -> bool:
+    """Whether the conversion reads calibration text: a recipe that calibrates, or a scheme whose input scales do
+    (nvfp4); round-to-nearest of a weight-only scheme reads none."""
+    from qconvert.schemes import scheme_named
+
+    return any(RECIPES[recipe].values()) or bool(getattr(scheme_named(scheme), "calibrated_inputs", False))
+
+
+def lc_command(args, recipe: str, group: int | None, windows_file: Path, out: Path) -> list[str]:
+    """llm-compressor's run of `recipe` in --lc-venv: bench/lc_int4.py at `group`, or bench/lc_fp4.py's preset."""
+    python = [str(args.lc_venv / "bin" / "python"), "-P"]
+    if recipe in LC_FP4:
+        preset = LC_FP4[recipe]
+        windows = ["--windows", str(windows_file)] if preset == "NVFP4" else []
+        return [*python, str(Path(__file__).with_name("lc_fp4.py")), str(args.model), str(out), "--preset", preset,
+                *windows]
+    return [*python, str(Path(__file__).with_name("lc_int4.py")), str(args.model), str(windows_file), str(out),
+            "--group", str(group), "--recipe", recipe]
+
+
+def nvfp4_input_linear(scales: dict[str, float], inner):
+    """`inner` with each listed linear's activations rounded to NVFP4 over its input global scale first."""
+    import jax.numpy as jnp
+
+    from qconvert.schemes.nvfp4_w4a4 import round_nvfp4_activations
+
+    def linear(name, x, weight, bias):
+        if name in scales:
+            rows = jnp.asarray(x, jnp.float32).reshape(-1, x.shape[-1])
+            x = round_nvfp4_activations(rows, scales[name]).reshape(x.shape)
+        return inner(name, x, weight, bias)
+
+    return linear
+
+
+def folder_to_evaluate(out: Path, kind: str):
+    """(the open folder or None, its params, the linear hook or None) of a converted folder: qconvert's through
+    bench/accuracy.py's simulated linear (nvfp4's activations rounded over the folder's input_global_scale), or
+    llm-compressor's float folder of dequantized weights (its NVFP4 input_global_scale from
+    input_global_scales.json)."""
+    from qconvert.models import dense_linear
+
+    if kind == "qconvert":
+        q, params = folder_params(out)
+        linear = simulated_linear(q)
+        if q.scheme == "nvfp4":
+            linear = nvfp4_input_linear({m: q.input_scale(m) for m in q.quantized_modules}, linear)
+        return q, params, linear
+    params = {k: np.asarray(v) for k, v in open_params(out).items()}
+    scales_file = out / "input_global_scales.json"
+    if scales_file.is_file():
+        return None, params, nvfp4_input_linear(json.loads(scales_file.read_text()), dense_linear)
+    return None, params, None
 
 
 def print_table(rows: list[dict], key: dict) -> None:
