@@ -7,6 +7,7 @@ Rescale order of every kernel (fixed; the references define it):
   NF4    acc_f32 (x @ (level[code] * absmax[block] in f32, cast to x's dtype)), + bias[n], cast
   W4A16  acc_f32 (x @ (code * scale[n, group] in f32, cast to x's dtype)), + bias[n], cast
   FP4    acc_f32 (x @ (E2M1[code] * (scale[n, group] / global) in f32, cast to x's dtype)), + bias[n], cast
+         (grouped FP4 experts alike, each expert over its own global scale)
   W4A8-FP8  x rounded to E4M3 per token (x_scale[m]), W4A16 on those values, * x_scale[m], + bias[n], cast
 """
 
@@ -14,6 +15,7 @@ from qconvert.kernels.activations import (fake_quantize_fp8_rows, fake_quantize_
                                           quantize_fp8_activations)
 from qconvert.kernels.dense import fp8_matmul, int4_weight_matmul, int8_matmul, int8_weight_matmul, nf4_matmul
 from qconvert.kernels.fp4 import fp4_weight_matmul
+from qconvert.kernels.fp4_grouped import fp4_grouped_matmul
 from qconvert.kernels.grouped import grouped_matmul, transposed_grouped_matmul
 from qconvert.kernels.grouped_metadata import make_group_metadata
 from qconvert.kernels.errors import KernelArgumentError
@@ -21,8 +23,8 @@ from qconvert.kernels.qlinear import qgrouped_linear, qlinear, stack_experts
 from qconvert.kernels.backends import BACKENDS
 from qconvert.kernels.plan import (GUARANTEES, KernelPlan, KernelProblem, resolve_backend,
                                    select_kernel)
-from qconvert.kernels.reference import (fp8_matmul_reference, grouped_matmul_reference, int4_dequantize_reference,
-                                        int4_weight_matmul_reference, int8_matmul_reference,
+from qconvert.kernels.reference import (fp4_grouped_matmul_reference, fp8_matmul_reference, grouped_matmul_reference,
+                                        int4_dequantize_reference, int4_weight_matmul_reference, int8_matmul_reference,
                                         int8_weight_matmul_reference, nf4_dequantize_reference,
                                         nf4_matmul_reference, transposed_grouped_matmul_reference)
 from qconvert.kernels.tiles import Tiling
@@ -34,7 +36,8 @@ from qconvert.kernels.w4a8 import w4a8_fp8_grouped_matmul, w4a8_fp8_matmul
 __all__ = [
     "BACKENDS", "GUARANTEES", "KernelArgumentError", "KernelPlan", "KernelProblem", "PreparedWeight", "Tiling",
     "Variant", "prepare_weight", "prepared_matmul", "fake_quantize_fp8_rows",
-    "fake_quantize_rows", "fp4_weight_matmul", "fp8_matmul", "fp8_matmul_reference",
+    "fake_quantize_rows", "fp4_grouped_matmul", "fp4_grouped_matmul_reference", "fp4_weight_matmul", "fp8_matmul",
+    "fp8_matmul_reference",
     "grouped_matmul", "grouped_matmul_reference", "int4_dequantize_reference", "int4_weight_matmul",
     "int4_weight_matmul_reference", "int8_matmul", "int8_matmul_reference", "int8_weight_matmul",
     "int8_weight_matmul_reference", "make_group_metadata", "nf4_dequantize_reference", "nf4_matmul", "nf4_matmul_reference",

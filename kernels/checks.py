@@ -187,3 +187,23 @@ def check_fp4_weight_matmul(x, w_codes, w_scale, group_size, w_global, bias, out
         require_vector(op, "bias", bias, (n,), f"[{n}]")
     require_floatdtype_of(op, out_dtype)
     return m, k, n
+
+
+def check_fp4_experts(op: str, w_codes, w_scale, w_global, group_size, shape: tuple[int, int, int]) -> None:
+    """Check stacked FP4 experts of logical shape (G, N, K): E2M1 codes uint8 [G, N, K], float scales
+    [G, N, K/group_size], and either no global scale (MXFP4) or one float per expert (NVFP4)."""
+    g, n, k = shape
+    if _shape(w_codes) != (g, n, k) or dtype_of(w_codes) != jnp.uint8:
+        raise KernelArgumentError(f"{op}: fp4 rhs codes must be uint8 E2M1 codes [G, N, K] = {(g, n, k)}, got "
+                                  f"{_shape(w_codes)} {dtype_of(w_codes)}")
+    if not isinstance(group_size, int) or group_size <= 0 or k % group_size:
+        raise KernelArgumentError(f"{op}: fp4 rhs K={k} is not a whole number of groups of {group_size!r} columns")
+    require_float(op, "fp4 rhs scale", w_scale)
+    if _shape(w_scale) != (g, n, k // group_size):
+        raise KernelArgumentError(f"{op}: fp4 rhs scale has shape {_shape(w_scale)}; experts {(g, n, k)} in groups "
+                                  f"of {group_size} need {(g, n, k // group_size)}")
+    if w_global is not None:
+        require_float(op, "fp4 rhs global scale", w_global)
+        if math.prod(_shape(w_global)) != g or len([d for d in _shape(w_global) if d != 1]) > 1:
+            raise KernelArgumentError(f"{op}: an fp4 rhs global scale is one float32 per expert ({g}), "
+                                      f"got shape {_shape(w_global)}")

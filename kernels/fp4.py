@@ -33,6 +33,15 @@ def effective_scale(w_scale, w_global) -> jax.Array:
     return scale / jnp.asarray(w_global, jnp.float32).reshape(())
 
 
+def expert_scales(w_scale, w_global) -> jax.Array:
+    """Stacked experts' group scales [G, N, K/group] each over its own expert's global scale (w_global: G
+    values), the quotient in float32 as effective_scale's; the scales themselves without one (MXFP4)."""
+    scale = jnp.asarray(w_scale, jnp.float32)
+    if w_global is None:
+        return scale
+    return scale / jnp.asarray(w_global, jnp.float32).reshape(-1, 1, 1)
+
+
 @functools.partial(jax.jit, static_argnames=("plan", "group_size", "out_dtype"))
 def _fp4_weight_matmul_launch(x, w_codes, w_scale, w_global, bias, *, plan: KernelPlan, group_size: int,
                               out_dtype):

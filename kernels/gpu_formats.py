@@ -6,7 +6,8 @@ byte) and how one K step's weight tile is decoded in registers: int8 and E4M3
 codes meet x's codes as they are; W8A16 codes are cast exactly to x's dtype;
 NF4 codes through the exact table times their 64-block absmax, int4 codes
 sign-extended (minus their zero point, when the weight has one) times their
-group's scale, both in float32 and then cast to x's dtype, as the contract of
+group's scale, FP4's E2M1 codes through their exact table times their group's
+scale (over the global scale), all in float32 and then cast to x's dtype, as the contract of
 each kernel (kernels/__init__.py) says.
 """
 
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from qconvert.formats.qarray import NF4_BLOCK_SIZE
-from qconvert.kernels.tiles import group_scale_columns, int4_nibbles, nf4_level
+from qconvert.kernels.tiles import fp4_nibbles, group_scale_columns, int4_nibbles, nf4_level
 
 NT_DIMS = (((1,), (1,)), ((), ()))
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -38,7 +39,9 @@ class WeightFormat:
     column_groups: a scale per group of input columns, or one per channel when
     the group size is None (int4, low nibble first); float_codes: x's codes are
     E4M3 (fp8), else int8; weight_only: the format the same weight serves as
-    with float x (act None), where there is one (int8 codes as W8A16).
+    with float x (act None), where there is one (int8 codes as W8A16);
+    e2m1: the column-group codes are E2M1 (FP4), decoded by their table rather
+    than sign-extended.
     """
 
     name: str
@@ -51,6 +54,7 @@ class WeightFormat:
     column_groups: bool = False
     float_codes: bool = False
     weight_only: str | None = None
+    e2m1: bool = False
 
 
 FORMATS = {f.name: f for f in (
@@ -59,6 +63,7 @@ FORMATS = {f.name: f for f in (
     WeightFormat("w8a16", "int8_weight_matmul", channel_scale=True),
     WeightFormat("nf4", "nf4_matmul", packed=True, step_scales=True, lookup=True),
     WeightFormat("int4", "int4_weight_matmul", packed=True, step_scales=True, column_groups=True),
+    WeightFormat("fp4", "fp4_weight_matmul", packed=True, step_scales=True, column_groups=True, e2m1=True),
 )}
 
 
@@ -111,7 +116,7 @@ def step_pairs(fmt: WeightFormat, x_refs, w_ref, s_ref, z_ref, k, *, tk: int, co
     else:
         # Low nibbles are the earlier columns (compressed-tensors); w = (q - z) * s.
         scale = group_scale_columns(scales, packed.shape, width // columns)
-        low, high = int4_nibbles(packed)
+        low, high = fp4_nibbles(packed) if fmt.e2m1 else int4_nibbles(packed)
         first, second = low.astype(jnp.float32), high.astype(jnp.float32)
         if z_ref is not None:
             zero = group_scale_columns(_scale_columns(z_ref, k, columns, per_channel, g), packed.shape,

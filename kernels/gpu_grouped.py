@@ -23,8 +23,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from qconvert.formats.qarray import NF4_BLOCK_SIZE
-from qconvert.kernels.gpu_dense import int4_step_dot, int4_step_scales, nf4_step_dot
-from qconvert.kernels.tiles import Tiling, grouped_operands, pad_to, rhs_kind_of, round_up
+from qconvert.kernels.gpu_dense import fp4_step_dot, int4_step_dot, int4_step_scales, nf4_step_dot
+from qconvert.kernels.tiles import Tiling, decodes_e2m1, grouped_operands, int4_packed, pad_to, rhs_kind_of, round_up
 
 NN_DIMS = (((1,), (0,)), ((), ()))
 NT_DIMS = (((1,), (1,)), ((), ()))
@@ -90,14 +90,16 @@ def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rh
 
             return step, w_ref.shape[2] // half
 
-        if rhs_kind.column_groups:
+        if int4_packed(rhs_kind):
             half = tk // 2
             steps = w_ref.shape[2] // half
             groups = a_ref.shape[2] // steps  # scale groups per K step (1 for a per-channel scale)
+            # FP4 decodes E2M1 by its table (its scales already over the expert's global scale); int4 sign-extends
+            step_dot = fp4_step_dot if decodes_e2m1(rhs_kind) else int4_step_dot
 
             def step(k, acc):
                 cols = pl.ds(pl.multiple_of(k * half, half), half)
-                return int4_step_dot(acc, xe_ref[:, cols], xo_ref[:, cols], w_ref[g, :, cols].astype(jnp.int32),
+                return step_dot(acc, xe_ref[:, cols], xo_ref[:, cols], w_ref[g, :, cols].astype(jnp.int32),
                                      int4_step_scales(a_ref, k, groups, g),
                                      *[int4_step_scales(z_ref, k, groups, g) for z_ref in zero])
 
@@ -136,7 +138,8 @@ def grouped_matmul_gpu(local_offsets, tile_first, tile_count, lhs_operands, rhs_
     lhs_operands: (lhs [Mp, Kp],) or, for NF4 and int4, (lhs_even, lhs_odd) [Mp, Kp/2].
     rhs_operands: float/int8/fp8 (rhs [G, Kp, Np] or [G, Np, Kp] transposed,) plus the
     int8 scale [G, Np]; NF4 (bytes [G, Np, Kp/2], absmax [G, Np, Kp/64]); int4
-    (bytes [G, Np, Kp/2] i8, scales [G, Np, Kp/group], as int4_weight_operands lays them out).
+    (bytes [G, Np, Kp/2] i8, scales [G, Np, Kp/group], as int4_weight_operands lays them out); FP4 as int4
+    (E2M1 code pairs, each group's float32 scale over its expert's global scale).
     """
     rhs_kind = rhs_kind_of(rhs_kind)
     tm, tn = tiling.tm, tiling.tn
@@ -220,7 +223,7 @@ def run_grouped_matmul(lhs, rhs_kind: str, rhs_data, rhs_aux, group_sizes, *, of
     rhs_data/rhs_aux as grouped.py's _rhs_parts gives them (float or int8 rhs and
     the int8 scale [G, N]; NF4 bytes and float32 absmax, flat; or int4 codes
     [G, N, K] and float32 scales [G, N, K/group_size], [G, N, 1] per channel, with rhs_zero the zero points
-    shaped as the scales or None).
+    shaped as the scales or None; or FP4's uint8 E2M1 codes [G, N, K] and float32 scales [G, N, K/group_size]).
     """
     rhs_kind = rhs_kind_of(rhs_kind)
     m, k = lhs.shape

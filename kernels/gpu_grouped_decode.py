@@ -25,7 +25,8 @@ from jax.experimental.pallas import triton as pltr
 from qconvert.formats.qarray import NF4_BLOCK_SIZE
 from qconvert.kernels.gpu_formats import FORMATS, gemv_rows, step_pairs
 from qconvert.kernels.gpu_grouped import live_count, local_group_offsets
-from qconvert.kernels.tiles import Tiling, int4_weight_operands, rhs_kind_of, round_up, split_even_odd_columns
+from qconvert.kernels.tiles import (Tiling, decodes_e2m1, int4_packed, int4_weight_operands, rhs_kind_of, round_up,
+                                    split_even_odd_columns)
 
 
 def row_experts(group_sizes, offset: int, num_local: int, m: int) -> jax.Array:
@@ -102,8 +103,8 @@ def run_grouped_gemv(lhs, rhs_kind: str, rhs_data, rhs_aux, group_sizes, *, offs
         w = jnp.asarray(rhs_data).reshape(num_local, n, k // 2)
         scales = jnp.asarray(rhs_aux, jnp.float32).reshape(num_local, n, k // NF4_BLOCK_SIZE)
         w, scales = _pad3(w, np_, kp // 2), _pad3(scales, np_, kp // NF4_BLOCK_SIZE)
-    elif rhs_kind.column_groups:
-        fmt_name, x_parts = "int4", split_even_odd_columns(lhs_p)
+    elif int4_packed(rhs_kind):  # int4, and FP4's E2M1 codes with their scales over each expert's global one
+        fmt_name, x_parts = "fp4" if decodes_e2m1(rhs_kind) else "int4", split_even_odd_columns(lhs_p)
         w, scales = int4_weight_operands(rhs_data, rhs_aux, group_size, np_, kp, tiling.tk, tpu_layout=False)
     else:
         # float, int8 and E4M3 codes are cast exactly to the rows' dtype; a code's scale comes after the sum.

@@ -1,8 +1,10 @@
 """The grouped (MoE) matmuls: check, plan, build group metadata, pad, launch, slice.
 
 grouped_matmul(lhs, rhs, group_sizes) computes lhs[rows of group i] @ rhs[i] with
-rhs in float, int8 per output channel (rhs_scale), or int8, fp8 (E4M3), NF4 or
-int4 (a QArray of logical shape (G, N, K), one nn.Linear weight per expert).
+rhs in float, int8 per output channel (rhs_scale), or int8, fp8 (E4M3), NF4,
+int4 or FP4 (a QArray of logical shape (G, N, K), one nn.Linear weight per
+expert; FP4's E2M1 codes are decoded with their group scales, over each
+expert's global scale for NVFP4, inside the kernels, as int4's codes are).
 transposed_grouped_matmul is the weight-gradient form. Rows are sorted by
 group, as an MoE router's sort gives.
 """
@@ -17,11 +19,13 @@ import jax.numpy as jnp
 
 from qconvert.formats.qarray import INT8, NF4_BLOCK_SIZE, QArray
 from qconvert.kernels import gpu_grouped, gpu_grouped_decode, reference, tpu_grouped
+from qconvert.kernels.checks import check_fp4_experts
 from qconvert.kernels.checks import dtype_of as _dtype
 from qconvert.kernels.errors import KernelArgumentError
+from qconvert.kernels.fp4 import expert_scales
 from qconvert.kernels.grouped_metadata import make_group_metadata
 from qconvert.kernels.plan import FLOAT, KernelPlan, KernelProblem, Tiling, dtype_name, plan_result, select_kernel
-from qconvert.kernels.tiles import grouped_operands, pad_to, round_up
+from qconvert.kernels.tiles import decodes_e2m1, grouped_operands, int4_packed, pad_to, round_up
 
 OP = "grouped_matmul"
 
@@ -81,6 +85,13 @@ def _fp8_parts(rhs: QArray):
     return jnp.asarray(rhs.qvalue), jnp.asarray(rhs.scale, jnp.float32).reshape(g, n)
 
 
+def _fp4_parts(rhs: QArray):
+    """The checked E2M1 codes [G, N, K] and float32 scales [G, N, K/group] of an fp4 QArray, each expert's group
+    scales over its own global scale (NVFP4's, in the zero_point slot; MXFP4 has none)."""
+    check_fp4_experts(OP, rhs.qvalue, rhs.scale, rhs.zero_point, rhs.block_size, rhs.shape)
+    return jnp.asarray(rhs.qvalue), expert_scales(rhs.scale, rhs.zero_point)
+
+
 def _rhs_parts(lhs, rhs, rhs_scale, transpose_rhs):
     """(rhs_kind, codes/float rhs, scale or absmax, G, K, N, NF4 block or int4 group size) from the accepted
     rhs forms."""
@@ -94,6 +105,8 @@ def _rhs_parts(lhs, rhs, rhs_scale, transpose_rhs):
             return rhs.kind, jnp.asarray(rhs.qvalue), jnp.asarray(rhs.scale, jnp.float32), g, k_w, n, rhs.block_size
         if rhs.kind.column_groups:
             return (rhs.kind, *_int4_parts(rhs), g, k_w, n, rhs.block_size)
+        if decodes_e2m1(rhs.kind):
+            return (rhs.kind, *_fp4_parts(rhs), g, k_w, n, rhs.block_size)
         if rhs.zero_point is not None:
             raise KernelArgumentError(f"{OP}: {rhs.kind} rhs must be symmetric (no zero point)")
         if rhs.kind.float_codes:
@@ -123,7 +136,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
     lhs float [M, K], rows sorted by group; group_sizes int32 [num_groups]
     (sum <= M); rhs one of: float [G, K, N] ([G, N, K] with transpose_rhs); int8
     codes of the same layouts with rhs_scale [G, N]; or a QArray ("int8", "fp8",
-    "nf4" or "int4") of logical shape (G, N, K) with transpose_rhs=True. int8
+    "nf4", "int4" or "fp4") of logical shape (G, N, K) with transpose_rhs=True. int8
     and fp8 codes are cast exactly to lhs' dtype in the kernel and their
     per-channel scale multiplies each group's float32 sum. G may be a
     shard of the experts starting at group_offset. Rows of groups outside the shard, and
@@ -148,7 +161,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
                                   f"{num_groups} groups")
     problem = KernelProblem(OP, m, k, n, dtype_name(lhs.dtype), dtype_name(preferred_element_type),
                             blocksize if rhs_kind.flat_blocks else NF4_BLOCK_SIZE, num_groups, rhs_kind,
-                            blocksize if rhs_kind.column_groups else None)
+                            blocksize if int4_packed(rhs_kind) else None)
     plan = _grouped_plan(problem, tiling, interpret, backend, variant)
     if plan.variant is not None and plan.variant.name == "gemv" and not (transpose_rhs or rhs_kind.packs_nibbles):
         if variant is not None:
@@ -160,7 +173,7 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=jnp.float32,
         return plan_result(y, plan, return_plan)
     y = _grouped_launch(lhs, rhs_data, rhs_aux, group_sizes, rhs_zero, plan=plan, rhs_kind=rhs_kind, offset=offset,
                         g_local=g_local, n=n, out_dtype=jnp.dtype(preferred_element_type), transpose_rhs=transpose_rhs,
-                        group_size=blocksize if rhs_kind.column_groups else None)
+                        group_size=blocksize if int4_packed(rhs_kind) else None)
     return plan_result(y, plan, return_plan)
 
 
@@ -205,6 +218,9 @@ def _local_rows(group_sizes, m: int, offset: int, g_local: int) -> jax.Array:
 
 def _grouped_reference(lhs, rhs_kind, rhs_data, rhs_aux, group_sizes, g_local, k, n, blocksize, out_dtype, offset,
                        transpose_rhs, rhs_zero=None):
+    if decodes_e2m1(rhs_kind):  # rhs_aux: the group scales already over each expert's global scale
+        return reference.fp4_grouped_matmul_reference(lhs, rhs_data, rhs_aux, group_sizes, group_size=blocksize,
+                                                      preferred_element_type=out_dtype, group_offset=offset)
     if rhs_kind.packs_nibbles:
         if rhs_kind.flat_blocks:
             dense = reference.nf4_dequantize_reference(rhs_data, rhs_aux, (g_local * n, k), blocksize)

@@ -29,7 +29,7 @@ from qconvert.kernels.backends import BACKENDS
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.gpu_tuning import GROUPED_VARIANTS, VARIANT_OPS, Variant, tuned_choice
 from qconvert.kernels.tile_tables import check_tiling, decodes_int4, decodes_nf4, default_tiling, grid_steps, table_name
-from qconvert.kernels.tiles import FLOAT, RHS_KINDS, Tiling
+from qconvert.kernels.tiles import FLOAT, RHS_KINDS, Tiling, decodes_e2m1
 
 OPS = ("int8_matmul", "fp8_matmul", "int8_weight_matmul", "nf4_matmul", "int4_weight_matmul", "fp4_weight_matmul",
        "grouped_matmul", "transposed_grouped_matmul")
@@ -63,7 +63,9 @@ GUARANTEES = {
                           "summation-order error"),
     "grouped_matmul": ("per-group float32 accumulation (int8 or fp8 rhs: exact codes, per-channel scale after the sum; "
                        "NF4 rhs: exact table decode; int4 rhs: code times group scale, cast to the activation "
-                       "dtype); matches the reference within float32 summation-order error"),
+                       "dtype; FP4 rhs: exact E2M1 table decode times group scale over the expert's global scale, "
+                       "the quotient in float32, cast to the activation dtype); matches the reference within "
+                       "float32 summation-order error"),
     "transposed_grouped_matmul": ("per-group float32 accumulation over the group's rows; empty groups give zeros; "
                                   "matches the reference within float32 summation-order error"),
 }
@@ -75,8 +77,8 @@ class KernelProblem:
 
     m, k, n are the logical sizes of y[m, n] = x[m, k] . w[n, k] (for the grouped
     forms: lhs rows, contraction and output columns). rhs_kind is the grouped rhs'
-    encoding, a QKind (or its name: "float", "int8", "nf4", "int4"); group_size
-    is the int4 weight's input columns per scale (None: one scale per output channel).
+    encoding, a QKind (or its name: "float", "int8", "nf4", "int4", "fp8", "fp4"); group_size
+    is the int4 or FP4 weight's input columns per scale (None: one scale per output channel).
     """
 
     op: str
@@ -161,7 +163,7 @@ def _reference_plan(problem: KernelProblem, reason: str | None) -> KernelPlan:
 
 
 def _fallback_reason(problem: KernelProblem) -> str | None:
-    if problem.op == "fp4_weight_matmul":
+    if problem.op == "fp4_weight_matmul" or (problem.op == "grouped_matmul" and decodes_e2m1(problem.rhs_kind)):
         if problem.group_size not in FP4_GROUP_SIZES:
             return (f"the FP4 kernels decode groups of {' or '.join(map(str, FP4_GROUP_SIZES))} input columns, "
                     f"not {problem.group_size}")

@@ -13,7 +13,7 @@
                              global scale where there is one)
   fp8 weight, act=...        quantize_fp8_activations (E4M3 per token, or the static input_scale), then
                              fp8_matmul: E4M3 products, float32 accumulation, x_scale * w_scale rescale
-  experts (qgrouped_linear)  grouped_matmul over the experts' stacked QArrays (int8, fp8, NF4 or int4);
+  experts (qgrouped_linear)  grouped_matmul over the experts' stacked QArrays (int8, fp8, NF4, int4 or FP4);
                              with act the rows enter as their quantized values x_q * x_scale in float32
                              (int8 codes for int8 experts, E4M3 codes for fp8 ones)
 
@@ -35,8 +35,8 @@ from qconvert.kernels.dense import fp8_matmul, int4_weight_matmul, int8_matmul, 
 from qconvert.kernels.errors import KernelArgumentError
 from qconvert.kernels.grouped import grouped_matmul
 from qconvert.kernels.fp4 import fp4_weight_matmul
-from qconvert.kernels.reference import fp4_dequantize_reference
 from qconvert.kernels.prepared import PreparedWeight, prepared_matmul
+from qconvert.kernels.tiles import decodes_e2m1
 from qconvert.kernels.w4a8 import w4a8_fp8_grouped_matmul, w4a8_fp8_matmul
 
 ACT_MODES = (None, "dynamic", "static")
@@ -155,17 +155,23 @@ def _fp4_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
 
 def _fp4(q: QArray) -> bool:
     """Whether q holds E2M1 codes in column groups (a level-table kind whose scales run over the last axis)."""
-    return q.kind.levels is not None and not q.kind.flat_blocks
+    return decodes_e2m1(q.kind)
 
 
-def _fp4_grouped(x, qs: Sequence[QArray], group_sizes, act, *, backend: str, return_plan: bool):
-    """FP4 experts: each dequantized (E2M1 times its scale, in float32, cast to x's dtype), then the float grouped
-    matmul."""
-    if act is not None:
-        raise KernelArgumentError("qgrouped_linear: FP4 experts take float activations (NVFP4A16, MXFP4A16)")
-    rhs = jnp.stack([fp4_dequantize_reference(q.qvalue, q.scale, q.block_size, q.zero_point) for q in qs])
-    return grouped_matmul(x, rhs.astype(x.dtype), group_sizes, transpose_rhs=True, backend=backend,
-                          return_plan=return_plan)
+def _stack_fp4(qs: Sequence[QArray]) -> QArray:
+    """FP4 experts [N, K] as one fp4 QArray (G, N, K): codes [G, N, K], group scales [G, N, K/group] and, for
+    NVFP4, each expert's own global scale [G, 1, 1] in the zero_point slot (experts quantized apart keep theirs)."""
+    first = qs[0]
+    g, (n, k) = len(qs), first.shape
+    if any(not _fp4(q) or q.block_size != first.block_size or q.shape != first.shape for q in qs):
+        raise KernelArgumentError("stack_experts: FP4 experts must share one shape and group size")
+    if any((q.zero_point is None) != (first.zero_point is None) for q in qs):
+        raise KernelArgumentError("stack_experts: FP4 experts must all have a global scale (NVFP4) or none (MXFP4)")
+    w_global = None if first.zero_point is None else jnp.stack(
+        [jnp.asarray(q.zero_point, jnp.float32).reshape(1, 1) for q in qs])
+    return QArray(jnp.stack([jnp.asarray(q.qvalue) for q in qs]),
+                  jnp.stack([jnp.asarray(q.scale, jnp.float32).reshape(n, -1) for q in qs]), w_global,
+                  kind=first.kind, block_size=first.block_size, shape=(g, n, k), dtype=first.dtype)
 
 
 def _int8_linear(lhs, q: QArray, bias, act, input_scale, *, out_dtype, backend):
@@ -188,6 +194,8 @@ def stack_experts(qs: Sequence[QArray]) -> QArray:
     """The experts' [N, K] QArrays as one QArray of logical shape (G, N, K) for grouped_matmul."""
     first = qs[0]
     g, (n, k) = len(qs), first.shape
+    if _fp4(first):
+        return _stack_fp4(qs)
     if first.kind.channel_scaled:
         if any(q.kind != first.kind or q.shape != first.shape for q in qs):
             raise KernelArgumentError(f"stack_experts: {first.kind} experts must share one kind and shape")
@@ -235,7 +243,7 @@ def qgrouped_linear(x, qs: Sequence[QArray], group_sizes, *, act: str | None = N
                     input_scales: Sequence[float | None] = (), backend: str = "auto", return_plan: bool = False):
     """Rows of x [M, in] sorted by expert (group_sizes[e] rows for expert e) times expert e's W^T.
 
-    qs holds each expert's [out, in] QArray (int8, fp8, NF4 or int4; NF4 takes
+    qs holds each expert's [out, in] QArray (int8, fp8, NF4, int4 or FP4; NF4 and FP4 take
     act=None, int4 act=None or "dynamic" (W4A8-FP8, kernels.w4a8), fp8 needs act). act="dynamic" quantizes every row per
     token, act="static" each expert's rows with its input_scales[e] (to int8
     for int8 experts, to E4M3 for fp8 ones); the quantized rows enter the
@@ -253,8 +261,8 @@ def qgrouped_linear(x, qs: Sequence[QArray], group_sizes, *, act: str | None = N
         raise KernelArgumentError("qgrouped_linear: fp8 experts quantize float activations to E4M3 first: pass "
                                   "act='dynamic' (per token) or act='static' with input_scales")
     group_sizes = jnp.asarray(group_sizes, jnp.int32)
-    if qs and _fp4(qs[0]):
-        return _fp4_grouped(jnp.asarray(x), qs, group_sizes, act, backend=backend, return_plan=return_plan)
+    if act is not None and qs and _fp4(qs[0]):
+        raise KernelArgumentError("qgrouped_linear: FP4 experts take float activations (NVFP4A16, MXFP4A16)")
     if act == "dynamic" and qs[0].kind.column_groups:
         return w4a8_fp8_grouped_matmul(jnp.asarray(x), stack_experts(qs), group_sizes, backend=backend,
                                        return_plan=return_plan)

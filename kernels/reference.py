@@ -237,3 +237,22 @@ def fp4_weight_matmul_reference(x, w_codes, w_scale, *, group_size: int, w_globa
     if bias is not None:
         y = y + jnp.asarray(bias, jnp.float32).reshape(1, -1)
     return y.astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "preferred_element_type", "group_offset"))
+def fp4_grouped_matmul_reference(lhs, w_codes, w_scale, group_sizes, *, group_size: int, w_global=None,
+                                 preferred_element_type=jnp.float32, group_offset: int = 0) -> jax.Array:
+    """FP4 experts (NVFP4A16, MXFP4A16): out[rows of group g] = lhs[rows of g] @ W[g - group_offset]^T.
+
+    w_codes uint8 [G, N, K] E2M1 codes, w_scale [G, N, K/group_size], w_global one float32 per expert or None.
+    Each expert is dequantized as fp4_dequantize_reference does (its group scale over its own global scale, in
+    float32), cast to lhs' dtype, and multiplied with float32 accumulation (grouped_matmul_reference).
+    """
+    scale = jnp.asarray(w_scale, jnp.float32)
+    if w_global is not None:
+        scale = scale / jnp.asarray(w_global, jnp.float32).reshape(-1, 1, 1)
+    values = jnp.asarray(FP4_LEVELS)[jnp.asarray(w_codes).astype(jnp.int32)]
+    weight = values * jnp.repeat(scale, group_size, axis=-1)
+    return grouped_matmul_reference(lhs, weight.astype(jnp.asarray(lhs).dtype), group_sizes,
+                                    preferred_element_type=preferred_element_type, group_offset=group_offset,
+                                    transpose_rhs=True)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from qconvert.formats.qarray import NF4_BLOCK_SIZE
 from qconvert.kernels.errors import KernelArgumentError
-from qconvert.kernels.tiles import Tiling, round_up
+from qconvert.kernels.tiles import Tiling, int4_packed, round_up
 
 if TYPE_CHECKING:
     from qconvert.kernels.plan import KernelProblem
@@ -23,7 +23,7 @@ def decodes_int4(problem: KernelProblem) -> bool:
     """Whether the kernel for the problem decodes int4 weights, or FP4 ones packed as int4 (its K tiles hold whole
     scale groups)."""
     return (problem.op in ("int4_weight_matmul", "fp4_weight_matmul")
-            or (problem.op == "grouped_matmul" and problem.rhs_kind.column_groups))
+            or (problem.op == "grouped_matmul" and int4_packed(problem.rhs_kind)))
 
 
 def _gpu_k_align(problem: KernelProblem) -> int:
@@ -57,7 +57,7 @@ def _int4_k_tile(problem: KernelProblem, backend: str) -> int:
 # two codes per byte, so a tk of 256 reads 128 bytes of each weight row); on Mosaic
 # each K tile's scales are one block as wide as their array, so tk is not tied to
 # the whole K as NF4's is. Grouped int4 experts step K as the dense int4 kernel. FP4 (E2M1 codes packed as
-# int4's) takes int4's tiles.
+# int4's) takes int4's tiles, dense and grouped alike.
 # FP8 tiles as int8 (one byte per code): Triton's fp8 dot takes a K of 32 or more,
 # and on Mosaic fp8 rows pack four to a sublane as int8 rows do.
 DECODE_MAX_M = 16

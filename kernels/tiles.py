@@ -9,17 +9,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qconvert.formats.qarray import FP4_LEVELS, FP8, INT4, INT8, NF4, NF4_BLOCK_SIZE, NF4_LEVELS, QKind
+from qconvert.formats.qarray import FP4, FP4_LEVELS, FP8, INT4, INT8, NF4, NF4_BLOCK_SIZE, NF4_LEVELS, QKind
 
 
 # A grouped rhs of plain float weights: quantized by nothing, so no QKind property holds for it.
 FLOAT = QKind("float", bits=32)
-RHS_KINDS = {kind: kind for kind in (FLOAT, INT8, NF4, INT4, FP8)}  # name -> the grouped rhs' kind
+RHS_KINDS = {kind: kind for kind in (FLOAT, INT8, NF4, INT4, FP8, FP4)}  # name -> the grouped rhs' kind
 
 
 def rhs_kind_of(kind: str) -> QKind:
-    """The grouped rhs kind a name (or kind) stands for: "float", "int8", "nf4", "int4" or "fp8"."""
+    """The grouped rhs kind a name (or kind) stands for: "float", "int8", "nf4", "int4", "fp8" or "fp4"."""
     return RHS_KINDS[kind]
+
+
+def decodes_e2m1(kind: QKind) -> bool:
+    """Whether a kind's codes are E2M1 (FP4): 4-bit codes that index a level table, one scale per group of
+    last-axis columns (not NF4's blocks of the flattened tensor)."""
+    return kind.packs_nibbles and kind.levels is not None and not kind.flat_blocks
+
+
+def int4_packed(kind: QKind) -> bool:
+    """Whether the kernels take a kind's codes as int4's operands: packed two a byte, low nibble first, with
+    one scale per group of input columns (int4 itself, and FP4's E2M1 codes decoded by their table)."""
+    return kind.column_groups or decodes_e2m1(kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,17 +178,18 @@ def grouped_operands(lhs, rhs_kind: QKind, rhs_data, rhs_aux, rhs_zero, *, num_l
     """(lhs operands, rhs operands) of a grouped matmul's kernel, from lhs [Mp, Kp] (padded) and the checked rhs
     of K = k (grouped.py's _rhs_parts), padded to Np and Kp.
 
-    lhs: itself, or its even and odd columns for NF4 and int4. rhs: NF4 bytes [G, Np, Kp/2] and absmax
-    [G, Np, Kp/64]; int4 as int4_weight_operands lays it out, the zero points (rhs_zero, or None) beside the
-    scales; float, int8 or fp8 codes [G, Kp, Np] ([G, Np, Kp] with transpose_rhs) and, for int8 and fp8, the
-    per-channel scale [G, Np] (Triton) or [G, 1, Np] (Mosaic, tpu_layout).
+    lhs: itself, or its even and odd columns for NF4, int4 and FP4. rhs: NF4 bytes [G, Np, Kp/2] and absmax
+    [G, Np, Kp/64]; int4 (and FP4's E2M1 codes with their float32 group scales over the global scale) as
+    int4_weight_operands lays it out, the zero points (rhs_zero, or None) beside the scales; float, int8 or
+    fp8 codes [G, Kp, Np] ([G, Np, Kp] with transpose_rhs) and, for int8 and fp8, the per-channel scale
+    [G, Np] (Triton) or [G, 1, Np] (Mosaic, tpu_layout).
     """
     if rhs_kind.flat_blocks:
         blocks = k // NF4_BLOCK_SIZE
         return split_even_odd_columns(lhs), (
             pad_to(jnp.asarray(rhs_data).reshape(num_local, n, k // 2), (num_local, np_, kp // 2)),
             pad_to(jnp.asarray(rhs_aux).reshape(num_local, n, blocks), (num_local, np_, kp // NF4_BLOCK_SIZE)))
-    if rhs_kind.column_groups:
+    if int4_packed(rhs_kind):
         rhs_ops = int4_weight_operands(rhs_data, rhs_aux, group_size, np_, kp, tk, tpu_layout=tpu_layout)
         if rhs_zero is not None:
             rhs_ops += (int4_group_operand(rhs_zero, group_size, np_, kp, tk, tpu_layout=tpu_layout),)

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from qconvert.kernels.tiles import Tiling, rhs_kind_of
-from qconvert.kernels.tpu_dense import int4_tile_dot, nf4_tile_dot
+from qconvert.kernels.tiles import Tiling, decodes_e2m1, int4_packed, rhs_kind_of
+from qconvert.kernels.tpu_dense import fp4_tile_dot, int4_tile_dot, nf4_tile_dot
 
 NN_DIMS = (((1,), (0,)), ((), ()))
 NT_DIMS = (((1,), (1,)), ((), ()))
@@ -56,6 +56,8 @@ def _gmm_kernel(group_offsets, group_ids, m_tile_ids, group_offset, num_tiles, *
     def _accumulate():
         if rhs_kind.flat_blocks:
             acc_ref[...] = nf4_tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, a_ref)
+        elif decodes_e2m1(rhs_kind):  # E2M1 by its table, times the group scale over the expert's global one
+            acc_ref[...] = fp4_tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, a_ref)
         elif rhs_kind.column_groups:
             acc_ref[...] = int4_tile_dot(acc_ref[...], xe_ref, xo_ref, w_ref, a_ref, z_ref)
         else:
@@ -96,7 +98,7 @@ def _gmm_in_specs(rhs_kind, tiling: Tiling, transpose_rhs: bool, num_local: int,
     if rhs_kind.flat_blocks:
         return [pl.BlockSpec((tm, tk // 2), lhs_map)] * 2 + [
             pl.BlockSpec((None, tn, tk // 2), rhs_map), pl.BlockSpec((None, tn, tk // 64), rhs_map)]
-    if rhs_kind.column_groups:
+    if int4_packed(rhs_kind):
         return [pl.BlockSpec((tm, tk // 2), lhs_map)] * 2 + [
             pl.BlockSpec((None, tn, tk // 2), rhs_map),
             pl.BlockSpec((None, None, tn, int4_groups), int4_scale_map)]
@@ -114,7 +116,8 @@ def grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs_operands, rhs_oper
     rhs_operands: float/int8/fp8 (rhs [G, Kp, Np] or [G, Np, Kp] transposed,) plus int8/fp8 scale [G, 1, Np];
     NF4 (bytes [G, Np, Kp/2], absmax [G, Np, Kp/64]); int4 (bytes [G, Np, Kp/2] i8, scales
     [G, Kp/tk, Np, groups per K tile], as int4_weight_operands lays them out, and optionally the zero points
-    laid out as the scales)."""
+    laid out as the scales); FP4 as int4 without zero points (E2M1 code pairs, and each group's float32 scale
+    over its expert's global scale)."""
     rhs_kind = rhs_kind_of(rhs_kind)
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
     group_offsets, group_ids, m_tile_ids = metadata
@@ -128,8 +131,8 @@ def grouped_matmul_tpu(metadata, group_offset, num_tiles, lhs_operands, rhs_oper
         kp, np_ = rhs_operands[0].shape[1:]
     grid = (np_ // tn, group_ids.shape[0], kp // tk)
     in_specs = _gmm_in_specs(rhs_kind, tiling, transpose_rhs, num_local,
-                             rhs_operands[1].shape[3] if rhs_kind.column_groups else 0)
-    in_specs += in_specs[-1:] * (len(rhs_operands) - 2 if rhs_kind.column_groups else 0)  # zero points: as scales
+                             rhs_operands[1].shape[3] if int4_packed(rhs_kind) else 0)
+    in_specs += in_specs[-1:] * (len(rhs_operands) - 2 if int4_packed(rhs_kind) else 0)  # zero points: as scales
     return pl.pallas_call(
         functools.partial(_gmm_kernel, rhs_kind=rhs_kind, transpose_rhs=transpose_rhs, tm=tm),
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
