@@ -173,7 +173,8 @@ def markdown(rows: list[dict], base: dict, bandwidth: float, device: str, status
              "| floor us |", "|---|---|---|---|---|---|---|---|---|---|"]
     xla = {(r["format"], r["m"], r["k"], r["n"]): r["us"] for r in rows
            if r.get("ok") and r["variant"]["name"] == "xla"}
-    for row in sorted(winners(rows), key=lambda r: (FORMATS.index(r["format"]), r["k"], r["n"], r["m"])):
+    order = FORMATS + gpu_tune_moe.FP4_KINDS
+    for row in sorted(winners(rows), key=lambda r: (order.index(r["format"]), r["k"], r["n"], r["m"])):
         us = row["us"]
         grouped = row["op"].startswith("grouped")
         b = base.get(("moe" if grouped else "dense", row["m"], row["k"], row["n"]), {}).get("bf16_us")
@@ -230,7 +231,7 @@ def shape_order(ms, kns, moe_kns=()) -> list[tuple[int, tuple[int, int], bool]]:
     return order + [(m, kn, grouped) for m in ms[2:] for kn, grouped in shapes]
 
 
-def moe_shape(m, k, n, formats, layers_n, repeats, smoke, key) -> tuple[dict, list[dict]]:
+def moe_shape(m, k, n, kinds, layers_n, repeats, smoke, key) -> tuple[dict, list[dict]]:
     """Qwen3-30B-A3B's experts at m tokens: (the bf16 ragged_dot baseline, every expert kind's candidates)."""
     experts, top = (4, 2) if smoke else (MOE_EXPERTS, MOE_TOP)
     sizes = gpu_tune_moe.routing(m, experts, top, jax.random.fold_in(key, 7 * m))
@@ -238,7 +239,7 @@ def moe_shape(m, k, n, formats, layers_n, repeats, smoke, key) -> tuple[dict, li
     base = {"kind": "moe", "tokens": m, "m": m * top, "k": k, "n": n, "bf16_us": gpu_tune_moe.bf16_ragged_dot_us(
         x, sizes, experts, k, n, layers_n, key, repeats, per_layer_us)}
     rows = []
-    for kind in dict.fromkeys(MOE_KINDS[fmt] for fmt in formats):
+    for kind in kinds:
         layers = [gpu_tune_moe.expert_weights(kind, experts, n, k, jax.random.fold_in(key, 200 + i))
                   for i in range(layers_n)]
         rows += gpu_tune_moe.run_moe(kind, m, k, n, x, sizes, layers, repeats, smoke, per_layer_us, TOLERANCE)
@@ -260,6 +261,9 @@ def sweep(args) -> int:
     rows: list[dict] = []
     base: dict = {}
     moe_kns = [] if args.no_moe else [(256, 64)] if smoke else gpu_tune_moe.KNS
+    # the formats' expert kinds; FP4 experts (no dense variants here) unless --formats names the formats
+    moe_kinds = list(dict.fromkeys(MOE_KINDS[fmt] for fmt in formats)) + (
+        [] if args.formats else list(gpu_tune_moe.FP4_KINDS))
     order = shape_order(ms, kns, moe_kns)
     done = 0
     status = "not started"
@@ -271,7 +275,7 @@ def sweep(args) -> int:
                       f"{what}")
             break
         if grouped:
-            moe_base, moe_rows = moe_shape(m, k, n, formats, layers_n, repeats, smoke, key)
+            moe_base, moe_rows = moe_shape(m, k, n, moe_kinds, layers_n, repeats, smoke, key)
             base[("moe", moe_base["m"], k, n)] = moe_base
             rows += moe_rows
         else:
