@@ -118,3 +118,54 @@ def write_dequantized_copy(mxfp4_folder, dst) -> Path:
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+# Names of a quantized expert's tensors in the forms a peer might read: vLLM's gpt-oss loader's own per-expert
+# parameter names (gate/up interleaved in one w13); compressed-tensors modules, one fused gate_up_proj per expert;
+# and llm-compressor's linearized experts (gate_proj, up_proj, down_proj linears, gate and up de-interleaved).
+EXPERT_FORMS = {
+    "vllm": lambda prefix, e, proj, leaf: f"{prefix}.{e}.{'w2' if proj == 'down_proj' else 'w13'}_{leaf}",
+    "modules": lambda prefix, e, proj, leaf: f"{prefix}.{e}.{proj}.{leaf}",
+    "linear": lambda prefix, e, proj, leaf: f"{prefix}.{e}.{proj}.{leaf}",
+}
+
+
+def int4_group_pack(weight, group: int = 64) -> dict:
+    """A float [out, in] weight as symmetric int4 in groups of `group` inputs (nearest code of absmax / 7.5, the
+    bf16 scale as stored) packed eight to an int32 by compressed-tensors' own pack_to_int32."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    groups = weight.float().reshape(weight.shape[0], -1, group)
+    scale = (groups.abs().amax(-1) / 7.5).to(torch.bfloat16)
+    codes = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).to(torch.int8)
+    return {"weight_packed": pack_to_int32(codes.reshape(weight.shape), 4), "weight_scale": scale}
+
+
+def write_int4_experts(folder, form: str):
+    """`folder` (a gpt-oss folder of int4 groups of 64) with its fused float experts replaced by int4 ones written
+    per expert in `form` (EXPERT_FORMS), biases beside them, and the experts taken out of the ignore list."""
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        fused = {n: tensors.pop(f"{prefix}.{n}") for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                                          "down_proj_bias")}
+        for e in range(fused["gate_up_proj"].shape[0]):
+            gate_up, gate_up_bias = fused["gate_up_proj"][e].t(), fused["gate_up_proj_bias"][e]
+            parts = {"down_proj": (fused["down_proj"][e].t(), fused["down_proj_bias"][e])}
+            if form == "linear":
+                parts.update(gate_proj=(gate_up[0::2], gate_up_bias[0::2]), up_proj=(gate_up[1::2], gate_up_bias[1::2]))
+            else:
+                parts["gate_up_proj"] = (gate_up, gate_up_bias)
+            for proj, (weight, bias) in parts.items():
+                for leaf, value in {**int4_group_pack(weight), "bias": bias.clone()}.items():
+                    tensors[EXPERT_FORMS[form](prefix, e, proj, leaf)] = value.contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    quantization = config["quantization_config"]
+    quantization["ignore"] = [i for i in quantization["ignore"] if "experts" not in i]
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder

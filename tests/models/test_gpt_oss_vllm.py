@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import run as run_cli
-from gpt_oss_checkpoints import make_gpt_oss_checkpoint
+from gpt_oss_checkpoints import make_gpt_oss_checkpoint, write_int4_experts
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_PYTHON = ROOT / ".vllm-venv" / "bin" / "python"
@@ -105,42 +105,15 @@ def test_vllm_fp8_and_nvfp4_moe_methods_have_no_expert_bias(source, tmp_path, ca
     assert verdict(stdout) == "REFUSE", stdout[-3000:]
 
 
-def int4_experts(out, names: str):
-    """`out` (int4, groups of 64) with its experts quantized (nearest int4 of absmax / 7.5, compressed-tensors'
-    int32 packing), one gate/up-interleaved w13 and one w2 per expert, named as vLLM's gpt-oss loader takes them
-    ("vllm": experts.{e}.w13_weight_packed) or as compressed-tensors modules ("modules":
-    experts.{e}.gate_up_proj.weight_packed)."""
-    import torch
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(out / "model.safetensors"))
-    for layer in range(2):
-        prefix = f"model.layers.{layer}.mlp.experts"
-        fused = {n: tensors.pop(f"{prefix}.{n}") for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
-                                                          "down_proj_bias")}
-        for e in range(fused["gate_up_proj"].shape[0]):
-            for short, module in (("w13", "gate_up_proj"), ("w2", "down_proj")):
-                weight = fused[module][e].t().float()
-                groups = weight.reshape(weight.shape[0], -1, 64)
-                scale = (groups.abs().amax(-1) / 7.5).to(torch.bfloat16)
-                codes = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).to(torch.int8)
-                stored = {"weight_packed": pack_to_int32(codes.reshape(weight.shape), 4), "weight_scale": scale,
-                          "bias": fused[f"{module}_bias"][e].clone()}
-                for leaf, value in stored.items():
-                    key = f"{prefix}.{e}.{short}_{leaf}" if names == "vllm" else f"{prefix}.{e}.{module}.{leaf}"
-                    tensors[key] = value
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return experts_not_ignored(out)
-
-
 def test_vllm_takes_int4_experts_only_under_its_own_parameter_names(source, tmp_path, capsys):
-    out = quantized(source, tmp_path, capsys, "int4")
-    own = judged(int4_experts(out, "vllm"))
+    own = judged(write_int4_experts(quantized(source, tmp_path / "vllm", capsys, "int4"), "vllm"))
     # Every tensor taken; only the method's weight_shape parameters, which no checkpoint name reaches, stay unset.
     assert "OK          ckpt.all_consumed" in own, own[-3000:]
     [unset] = [line for line in own.splitlines() if "params.all_written" in line]
     assert unset.startswith("FAIL-WRONG") and "4 parameter(s)" in unset and unset.count("_weight_shape(") == 4
-    modules = judged(int4_experts(quantized(source, tmp_path / "modules", capsys, "int4"), "modules"))
-    [dropped] = [line for line in modules.splitlines() if "ckpt.all_consumed" in line]
-    assert dropped.startswith("FAIL-WRONG") and "gate_up_proj.weight_packed" in dropped, modules[-3000:]
+    # compressed-tensors modules (one fused gate_up_proj per expert, or llm-compressor's gate_proj, up_proj and
+    # down_proj linears): the packed weights reach no parameter.
+    for form, module in (("modules", "gate_up_proj"), ("linear", "gate_proj")):
+        stdout = judged(write_int4_experts(quantized(source, tmp_path / form, capsys, "int4"), form))
+        [dropped] = [line for line in stdout.splitlines() if "ckpt.all_consumed" in line]
+        assert dropped.startswith("FAIL-WRONG") and f"experts.0.{module}.weight_packed" in dropped, stdout[-3000:]
