@@ -1,10 +1,10 @@
 """vLLM 0.33's own loading code judges gpt-oss folders (bench/vllm_gpt_oss.py: vllm_accept.py taught gpt-oss's
-names and its loader's direct copy of the fused float experts): int4, fp8, nvfp4a16 and mxfp4a16 folders load with
-every tensor where it belongs (int8, w8a8 and nvfp4 W4A4 as well), the experts float and exactly the checkpoint's; one changed scale and a loader that
-swaps gate and up are caught. Beside them, why the experts stay float: vLLM's fp8 and NVFP4 fused-MoE methods hold
-no expert bias, and its int4 method takes gpt-oss experts only under vLLM's own parameter names, not under any
-compressed-tensors module name. They run only where the vLLM venv was built (bash ../shared/vllm/setup_venv.sh
-.vllm-venv); `pytest -m vllm` runs them alone."""
+names and its loader's direct copy of the fused float experts): int4, fp8, nvfp4a16, mxfp4a16, nvfp4 (W4A4), int8
+and w8a8 folders load with every tensor where it belongs, the experts float and exactly the checkpoint's; one changed
+scale and a loader that swaps gate and up are caught. Beside them, why the experts stay float: vLLM's fp8 and NVFP4
+fused-MoE methods hold no expert bias, and its int4 method takes gpt-oss experts only under vLLM's own parameter
+names, not under any compressed-tensors module name. They run only where the vLLM venv was built
+(bash ../shared/vllm/setup_venv.sh .vllm-venv); `pytest -m vllm` runs them alone."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ CALIB = ("--calib", "random", "--calib-samples", "4", "--calib-seqlen", "16")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(
     not (VENV_PYTHON.exists() and CHECK.exists()),
-    reason="vLLM's check needs .vllm-venv and ../shared/vllm/vllm_accept.py (bash ../shared/vllm/setup_venv.sh .vllm-venv)")]
+    reason="vLLM's check needs .vllm-venv and ../shared/vllm/vllm_accept.py "
+           "(bash ../shared/vllm/setup_venv.sh .vllm-venv)")]
 
 
 def judged(out, *args) -> str:
