@@ -14,9 +14,14 @@ An expert computes gate = min(g, limit), up = clip(u, -limit, limit), (up + 1) *
 then down (transformers' GptOssExperts; alpha `swiglu_alpha`, 1.702, limit `swiglu_limit`, 7).
 
 The experts are stored fused, 3-D, as transformers saves them (the MXFP4 release: formats/fp4_sources.py reads
-them as float). transformers builds them as one GptOssExperts parameter per projection, not as linears, so
-compressed-tensors loads no quantized expert into it: they are kept float and written as read, and the linears
-quantized are the attention projections.
+them as float). They are kept float and written as read, and the linears quantized are the attention projections,
+because no loader reads a quantized gpt-oss expert that a compressed-tensors folder can hold:
+
+- transformers builds them as one GptOssExperts parameter per projection, not as linears, and has no conversion
+  rule that merges per-expert tensors into them, compressed or dequantized (tests/models/test_gpt_oss_transformers.py);
+- vLLM 0.33's fp8 and NVFP4 fused-MoE methods allocate no expert bias, and its int4 method takes gpt-oss experts
+  only under vLLM's own parameter names (experts.{e}.w13_weight_packed), not under compressed-tensors module names
+  (tests/models/test_gpt_oss_vllm.py). With the experts in the ignore list it loads them as its float MoE layer.
 """
 
 from __future__ import annotations
