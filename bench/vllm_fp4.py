@@ -1,4 +1,4 @@
-"""Run vLLM's own loading check (../shared/vllm/vllm_accept.py) on an nvfp4a16 or mxfp4a16 folder.
+"""Run vLLM's own loading check (../shared/vllm/vllm_accept.py) on an nvfp4a16, nvfp4 or mxfp4a16 folder.
 
     VLLM_TARGET_DEVICE=cpu VLLM_VENV/bin/python bench/vllm_fp4.py OUT [--ref FLOAT_MODEL]
         [--accept ../shared/vllm/vllm_accept.py]
@@ -22,6 +22,12 @@ equal to the checkpoint's, dequantization against compressed-tensors', --ref) wi
 The fused-MoE methods (CompressedTensorsW4A4Nvfp4MoEMethod, CompressedTensorsW4A4Mxfp4MoEMethod) are read the same
 way per expert, NVFP4's w13 with its gate's global scale for both halves (vLLM's process_weights_after_loading).
 No kernel runs; --ref is checked against the E2M1 grid (fp4_ref_check), experts not included.
+
+NVFP4 W4A4 folders (`--scheme nvfp4`, CompressedTensorsW4A4Fp4 without use_a16): each layer's input_global_scale,
+as vLLM loads it, must be one positive finite float32 per fused layer (vLLM keeps the largest of its shards' for
+the whole layer: a shard quantized with another would be read wrong), and each expert's w13 pair the same (its
+MoE backends take the gate's or the pair's largest); how far the experts' values spread is reported (vLLM's
+FlashInfer and emulation MoE backends share the smallest one over all experts).
 """
 
 from __future__ import annotations
@@ -125,8 +131,51 @@ def patch_vllm(accept) -> None:
         return (values * scale).to(torch.bfloat16).float(), scale
 
     accept._vllm_dequant_expert = fp4_expert
+    dequant_check = accept.dequant_check
+
+    def dequant_and_input_scales(model, *args, **kwargs):
+        dequant_check(model, *args, **kwargs)
+        input_global_scale_check(accept, model)
+
+    accept.dequant_check = dequant_and_input_scales
     accept.ref_check = lambda model, ref, qc, packed_map, expert_names=None: fp4_ref_check(accept, model, ref,
                                                                                            packed_map)
+
+
+def input_global_scale_check(accept, model) -> None:
+    """The NVFP4 W4A4 input global scales as vLLM holds them after loading (the module docstring)."""
+    import torch
+
+    dense, experts, bad, spread = 0, 0, [], []
+    for name, mod in model.named_modules():
+        scheme = getattr(mod, "scheme", None)
+        method = type(getattr(mod, "quant_method", None)).__name__
+        if type(scheme).__name__ == "CompressedTensorsW4A4Fp4" and not scheme.use_a16:
+            shards = [mod.input_global_scale.detach().float().reshape(-1)]
+            dense += 1
+        elif method == "CompressedTensorsW4A4Nvfp4MoEMethod" and not mod.quant_method.use_a16:
+            w13 = mod.w13_input_global_scale.detach().float()
+            w2 = mod.w2_input_global_scale.detach().float()
+            shards = [*w13.unbind(0), *w2.reshape(-1, 1).unbind(0)]  # each expert's gate/up pair, its down alone
+            spread.append(f"{name}: w13 {float(w13.min()):.4g}..{float(w13.max()):.4g}, "
+                          f"w2 {float(w2.min()):.4g}..{float(w2.max()):.4g} over {w2.numel()} experts")
+            experts += 1
+        else:
+            continue
+        for values in shards:
+            if not (torch.isfinite(values).all() and (values > 0).all()) or values.unique().numel() != 1:
+                bad.append(f"{name}: {[float(v) for v in values[:4]]}")
+                break
+    if not dense and not experts:
+        return
+    if bad:
+        accept.emit("FAIL-WRONG", "input_global_scale.fused", f"{len(bad)} layer(s) whose shards' input global scales "
+                    "differ or are not positive finite (vLLM applies one per fused layer): " + "; ".join(bad[:4]))
+    else:
+        accept.emit("OK", "input_global_scale.fused", f"{dense} dense layer(s) and {experts} MoE layer(s): one positive "
+                    "finite input global scale per fused layer and per expert's w13")
+    for line in spread:
+        accept.emit("INFO", "input_global_scale.experts", line)
 
 
 def fp4_ref_check(accept, model, ref: str, packed_map) -> None:

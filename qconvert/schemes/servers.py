@@ -97,9 +97,20 @@ TABLE: dict[tuple[str, str], str] = {
     # tpu-inference's FP4 arrays), and MXFP4A16 is refused (its scheme match reads input activations' num_bits).
     # vLLM by bench/vllm_fp4.py (vllm_accept.py with the FP4 kernel choice a CPU lacks answered by a stub): read
     # bit for bit, dense and MoE, q/k/v and gate/up sharing one global scale as vLLM applies one per fused layer.
-    # NVFP4A16 Qwen3-MoE: the experts read bit for bit, but vLLM's NVFP4 MoE method also registers
-    # w13/w2_input_global_scale, which a weight-only checkpoint has none of (llm-compressor's neither): left unset,
-    # the check says WRONG; whether its W4A16 kernels read them is not settled here.
+    # NVFP4A16 Qwen3-MoE: the experts read bit for bit, but vLLM's NVFP4 MoE method registers
+    # w13/w2_input_global_scale whatever the config, which a weight-only checkpoint has none of (llm-compressor's
+    # neither): they keep uninitialised memory and the check says WRONG (params.all_written). In vLLM 0.33's code the
+    # weight-only method (use_a16) selects a backend that takes no activation key (Marlin), whose kernel format
+    # drops the activation scales (convert_to_nvfp4_moe_kernel_format: a13_scale = None), so they are never read;
+    # not run on a GPU, so the cell stays not measured.
+    # NVFP4 (W4A4, --scheme nvfp4): vLLM by bench/vllm_fp4.py, the weights bit for bit as nvfp4a16's and one input
+    # global scale per fused layer and per expert's gate/up pair. vLLM TPU 0.32 by tpu_accept.py: the JAX path
+    # refuses it (Llama: input_global_scale is no param path of its loader; Qwen3: no JAX scheme for the layer);
+    # on the torchax path the dense layers load (VllmCompressedTensorsW4A4Fp4: every tensor consumed, every array
+    # written) but their values are not judged (the check has no map of tpu-inference's transposed FP4 arrays),
+    # and the MoE method has no w2_input_global_scale parameter (refused). transformers 5.24 + compressed-tensors
+    # loads it and rounds the activations in the model's bf16 (its fake quantization), not as vLLM's float32
+    # rounding does: not judged.
     ("nvfp4a16", "llama"): "YN?Y",
     ("nvfp4a16", "qwen3"): "YN?Y",
     ("mxfp4a16", "llama"): "YNNY",
@@ -107,6 +118,9 @@ TABLE: dict[tuple[str, str], str] = {
     ("nvfp4a16", "qwen3_moe"): "???N",  # transformers decompresses fused NVFP4 experts without their global scale
     ("mxfp4a16", "qwen3_moe"): "Y??Y",
     ("nvfp4a16", "bert"): "???Y",
+    ("nvfp4", "llama"): "YN??",
+    ("nvfp4", "qwen3"): "YN??",
+    ("nvfp4", "qwen3_moe"): "YNN?",
     ("mxfp4a16", "bert"): "???Y",
 }
 
@@ -129,6 +143,7 @@ LAYOUTS = {
     "w4a8-fp8": "compressed-tensors `pack-quantized`, 4 bits, FP8 `input_activations`",
     "nvfp4a16": "compressed-tensors `nvfp4-pack-quantized`",
     "mxfp4a16": "compressed-tensors `mxfp4-pack-quantized`",
+    "nvfp4": "compressed-tensors `nvfp4-pack-quantized` with NVFP4 `input_activations` and `input_global_scale`",
 }
 
 # What a server's verdict on a scheme holds under, or why it says no, where the cells alone would not tell (a
@@ -141,6 +156,12 @@ NOTES = {
                                "in one line otherwise"),
     ("nvfp4a16", "vLLM GPU"): ("Read bit for bit with the GPU kernel choice stubbed on a CPU (bench/vllm_fp4.py), "
                                "--gptq's folders too (q/k/v and gate/up share one global scale a fused layer)"),
+    ("nvfp4", "vLLM GPU"): ("CompressedTensorsW4A4Fp4 and its NVFP4 MoE method (Blackwell kernels): read bit for bit "
+                            "with the GPU kernel choice stubbed on a CPU (bench/vllm_fp4.py), one input global scale "
+                            "per fused layer"),
+    ("nvfp4", "vLLM TPU"): "Its JAX path has no NVFP4 W4A4 compressed-tensors scheme",
+    ("nvfp4", "vLLM TPU MODEL_IMPL_TYPE=vllm"): ("Dense layers load, values not judged; its MoE method has no "
+                                                 "input_global_scale parameter"),
     ("mxfp4a16", "vLLM GPU"): "Read bit for bit with the GPU kernel choice stubbed on a CPU (bench/vllm_fp4.py)",
     ("int8", "vLLM TPU"): "No weight-only int8 scheme",
     ("nvfp4a16", "vLLM TPU"): "Its JAX path has no FP4 compressed-tensors scheme",

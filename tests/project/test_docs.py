@@ -67,7 +67,7 @@ def test_the_methods_defaults_table_is_what_each_scheme_does_by_default():
         assert ("AWQ" in default) == scheme.default_awq, row
         assert ("GPTQ" in default) == scheme.default_gptq, row
         assert ("SmoothQuant" in default) == scheme.calibrates, row
-        calibrates = scheme.calibrates or scheme.default_gptq or scheme.default_awq
+        calibrates = scheme.calibrates or scheme.calibrated_inputs or scheme.default_gptq or scheme.default_awq
         assert ("no calibration" in default) == (not calibrates), row
 
 

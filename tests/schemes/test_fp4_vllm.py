@@ -1,4 +1,4 @@
-"""vLLM 0.33's own loading code judges nvfp4a16 and mxfp4a16 folders of a dense family and an MoE one
+"""vLLM 0.33's own loading code judges nvfp4a16, nvfp4 and mxfp4a16 folders of dense families and an MoE one
 (bench/vllm_fp4.py: vllm_accept.py with the GPU kernel choice a CPU lacks answered by a stub), a folder with one
 scale changed is caught, and the servers table says what vLLM says. They run only where the vLLM venv was built
 (bash ../shared/vllm/setup_venv.sh .vllm-venv); `pytest -m vllm` runs them alone."""
@@ -19,7 +19,9 @@ VENV_PYTHON = ROOT / ".vllm-venv" / "bin" / "python"
 CHECK = ROOT.parent / "shared" / "vllm" / "vllm_accept.py"
 BENCH = ROOT / "bench" / "vllm_fp4.py"
 SOURCES = {"llama": dict(hidden=128, intermediate=256, layers=1),
+           "qwen3": dict(hidden=128, intermediate=256, layers=1),
            "qwen3_moe": dict(hidden=128, intermediate=128, layers=1, moe_intermediate_size=64)}
+CALIB = ["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "16"]
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(
     not (VENV_PYTHON.exists() and CHECK.exists()),
@@ -40,12 +42,13 @@ def verdict(stdout: str) -> str:
 def folder(family, scheme, tmp_path, capsys):
     source = make_hf_checkpoint(tmp_path / "src", family, dtype="bfloat16", **SOURCES[family])
     out = tmp_path / scheme
-    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", scheme, "-q"], capsys)
+    calib = CALIB if scheme == "nvfp4" else []
+    code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", scheme, *calib, "-q"], capsys)
     assert code == 0, err
     return source, out
 
 
-@pytest.mark.parametrize("family", sorted(SOURCES))
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("scheme", ["mxfp4a16", "nvfp4a16"])
 def test_vllm_reads_every_fp4_weight_as_compressed_tensors_does(family, scheme, tmp_path, capsys):
     from qconvert.schemes.servers import UNMEASURED, YES, servers
@@ -59,9 +62,37 @@ def test_vllm_reads_every_fp4_weight_as_compressed_tensors_does(family, scheme, 
     if recorded == YES:
         assert verdict(stdout) == "OK", stdout[-3000:]
     else:
-        # vLLM's NVFP4 MoE method registers input_global_scale, which a weight-only checkpoint has none of.
+        # vLLM's NVFP4 MoE method registers w13/w2_input_global_scale whatever the config, which a weight-only
+        # checkpoint has none of: they stay unwritten (its W4A16 backend, Marlin, does not read them).
         assert (scheme, family, recorded) == ("nvfp4a16", "qwen3_moe", UNMEASURED)
-        assert verdict(stdout) == "WRONG" and "w13_input_global_scale" in stdout
+        assert verdict(stdout) == "WRONG" and "FAIL-WRONG  params.all_written" in stdout
+        assert "w13_input_global_scale(4, 2):100% unset" in stdout and "w2_input_global_scale(4,):100% unset" in stdout
+
+
+@pytest.mark.parametrize("family", sorted(SOURCES))
+def test_vllm_reads_nvfp4_w4a4_folders_with_one_input_global_scale_a_fused_layer(family, tmp_path, capsys):
+    from qconvert.schemes.servers import YES, servers
+
+    source, out = folder(family, "nvfp4", tmp_path, capsys)
+    stdout = judged(out, source)
+    assert "OK          dequant.vs_compressed_tensors" in stdout and "bit for bit" in stdout, stdout[-3000:]
+    assert "OK          input_global_scale.fused" in stdout, stdout[-3000:]
+    assert verdict(stdout) == "OK", stdout[-3000:]
+    assert servers("nvfp4", family)["vLLM GPU"] == YES
+
+
+def test_one_changed_input_global_scale_is_caught(tmp_path, capsys):
+    """q_proj's input global scale doubled: vLLM would take the largest of q/k/v's for the whole fused layer."""
+    from safetensors.torch import load_file, save_file
+
+    _, out = folder("llama", "nvfp4", tmp_path, capsys)
+    [shard] = sorted(out.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    name = "model.layers.0.self_attn.q_proj.input_global_scale"
+    tensors[name] = tensors[name] * 2
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    stdout = judged(out)
+    assert verdict(stdout) == "WRONG" and "FAIL-WRONG  input_global_scale.fused" in stdout, stdout[-3000:]
 
 
 def test_per_tensor_global_scales_on_fused_layers_are_read_wrong(tmp_path, capsys):
