@@ -86,9 +86,13 @@ class NVFP4(NVFP4A16):
     layout = NVFP4W4A4()
     act_modes = ("dynamic",)
     calibrated_inputs = True
+    # Measured on SmolLM2-135M (round-to-nearest, the built-in calibration, verify's held-out text, 2-core CPU):
+    # worst linear 12.8 dB (cosine 0.975, a v_proj), KL 0.449, top-1 0.590, perplexity x1.278, where nvfp4a16's
+    # same weights give KL 0.254, top-1 0.684, x1.161: the 4-bit activations cost about as much again. Fidelity
+    # >= 130 dB on CPU (the kernel and the float64 reference round the same activations); 40 dB as int4's.
     thresholds = Thresholds(
-        min_layer_sqnr_db=8.0, min_layer_cosine=0.93, max_mean_kl=0.30,
-        min_top1_agreement=0.55, max_perplexity_ratio=1.60, min_pooled_cosine=0.85,
+        min_layer_sqnr_db=8.0, min_layer_cosine=0.93, max_mean_kl=0.60,
+        min_top1_agreement=0.50, max_perplexity_ratio=1.45, min_pooled_cosine=0.85,
         min_fidelity_sqnr_db=40.0,
     )
 
