@@ -81,6 +81,38 @@ def test_vllm_reads_nvfp4_w4a4_folders_with_one_input_global_scale_a_fused_layer
     assert servers("nvfp4", family)["vLLM GPU"] == YES
 
 
+VLLM_ROUNDING = """
+import sys, numpy as np, torch
+from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import ref_nvfp4_quant
+data = np.load(sys.argv[1])
+codes, scale = ref_nvfp4_quant(torch.from_numpy(data["x"]), torch.tensor([float(data["g"])], dtype=torch.float32), 16)
+np.savez(sys.argv[2], values=codes.numpy(), scale=scale.float().numpy())
+"""
+
+
+def test_the_activation_rounding_verify_takes_is_vllms_own(tmp_path):
+    """nvfp4_activations (verify's float64 reference of an nvfp4 linear) against vLLM's ref_nvfp4_quant, the
+    rounding its NVFP4 emulation runs: the same E2M1 values and E4M3 group scales."""
+    import numpy as np
+
+    from qconvert.schemes.nvfp4_w4a4 import nvfp4_activations
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((32, 256)).astype(np.float32) * np.exp(rng.uniform(-6, 3, (32, 1))).astype(np.float32)
+    x[0, :16], x[1, 5] = 0.0, 300.0  # a zero group; an outlier past the calibrated max, its group clamped
+    for absmax in (4.0, 0.01, 50.0):
+        g = np.float32(2688.0) / np.float32(absmax)
+        np.savez(tmp_path / "in.npz", x=x, g=g)
+        done = subprocess.run([str(VENV_PYTHON), "-c", VLLM_ROUNDING, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                              capture_output=True, text=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        theirs = np.load(tmp_path / "out.npz")
+        ours, row = nvfp4_activations(x, float(g))
+        want = theirs["values"].astype(np.float64).reshape(32, 16, 16) * theirs["scale"].astype(np.float64)[..., None]
+        np.testing.assert_array_equal(ours, want.reshape(32, 256))
+        assert np.all(row == 1.0 / np.float64(g))
+
+
 def test_one_changed_input_global_scale_is_caught(tmp_path, capsys):
     """q_proj's input global scale doubled: vLLM would take the largest of q/k/v's for the whole fused layer."""
     from safetensors.torch import load_file, save_file
