@@ -107,8 +107,11 @@ TABLE: dict[tuple[str, str], str] = {
     # global scale per fused layer and per expert's gate/up pair. vLLM TPU 0.32 by tpu_accept.py: the JAX path
     # refuses it (Llama: input_global_scale is no param path of its loader; Qwen3: no JAX scheme for the layer);
     # on the torchax path the dense layers load (VllmCompressedTensorsW4A4Fp4: every tensor consumed, every array
-    # written) but their values are not judged (the check has no map of tpu-inference's transposed FP4 arrays),
-    # and the MoE method has no w2_input_global_scale parameter (refused). transformers 5.24 + compressed-tensors
+    # written) but their values are not judged (the check has no map of tpu-inference's transposed FP4 arrays); in
+    # its code the weights become [in, out] E2M1 with the E4M3 scale over the largest weight global scale, and
+    # apply_weights hands sharded_quantized_matmul the float activations to quantize its own way (its warning: FP4 x
+    # FP4 falls back to FP8 x FP8), the calibrated input_global_scale stored as input_scale and not read. The MoE
+    # method has no w2_input_global_scale parameter (refused). transformers 5.24 + compressed-tensors
     # loads it and rounds the activations in the model's bf16 (its fake quantization), not as vLLM's float32
     # rounding does: not judged.
     ("nvfp4a16", "llama"): "YN?Y",
@@ -160,8 +163,10 @@ NOTES = {
                             "with the GPU kernel choice stubbed on a CPU (bench/vllm_fp4.py), one input global scale "
                             "per fused layer"),
     ("nvfp4", "vLLM TPU"): "Its JAX path has no NVFP4 W4A4 compressed-tensors scheme",
-    ("nvfp4", "vLLM TPU MODEL_IMPL_TYPE=vllm"): ("Dense layers load, values not judged; its MoE method has no "
-                                                 "input_global_scale parameter"),
+    ("nvfp4", "vLLM TPU MODEL_IMPL_TYPE=vllm"): ("Dense layers load (values not judged): tpu-inference keeps the FP4 "
+                                                 "weights and quantizes the activations in its own matmul (FP8 where "
+                                                 "the TPU has no FP4 x FP4), the input_global_scale loaded and unused; "
+                                                 "its MoE method has no input_global_scale parameter"),
     ("mxfp4a16", "vLLM GPU"): "Read bit for bit with the GPU kernel choice stubbed on a CPU (bench/vllm_fp4.py)",
     ("int8", "vLLM TPU"): "No weight-only int8 scheme",
     ("nvfp4a16", "vLLM TPU"): "Its JAX path has no FP4 compressed-tensors scheme",
