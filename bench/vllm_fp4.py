@@ -172,8 +172,8 @@ def input_global_scale_check(accept, model) -> None:
         accept.emit("FAIL-WRONG", "input_global_scale.fused", f"{len(bad)} layer(s) whose shards' input global scales "
                     "differ or are not positive finite (vLLM applies one per fused layer): " + "; ".join(bad[:4]))
     else:
-        accept.emit("OK", "input_global_scale.fused", f"{dense} dense layer(s) and {experts} MoE layer(s): one positive "
-                    "finite input global scale per fused layer and per expert's w13")
+        accept.emit("OK", "input_global_scale.fused", f"{dense} dense layer(s) and {experts} MoE layer(s): one "
+                    "positive finite input global scale per fused layer and per expert's w13")
     for line in spread:
         accept.emit("INFO", "input_global_scale.experts", line)
 

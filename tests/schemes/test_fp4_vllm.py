@@ -103,8 +103,9 @@ def test_the_activation_rounding_verify_takes_is_vllms_own(tmp_path):
     for absmax in (4.0, 0.01, 50.0):
         g = np.float32(2688.0) / np.float32(absmax)
         np.savez(tmp_path / "in.npz", x=x, g=g)
-        done = subprocess.run([str(VENV_PYTHON), "-c", VLLM_ROUNDING, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
-                              capture_output=True, text=True, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+        done = subprocess.run([str(VENV_PYTHON), "-c", VLLM_ROUNDING, str(tmp_path / "in.npz"),
+                               str(tmp_path / "out.npz")], capture_output=True, text=True,
+                              env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
         assert done.returncode == 0, done.stderr[-2000:]
         theirs = np.load(tmp_path / "out.npz")
         ours, row = nvfp4_activations(x, float(g))
