@@ -125,6 +125,19 @@ TABLE: dict[tuple[str, str], str] = {
     ("nvfp4", "qwen3"): "YN??",
     ("nvfp4", "qwen3_moe"): "YNN?",
     ("mxfp4a16", "bert"): "???Y",
+    # gpt-oss: its attention projections quantized, its fused experts float in every scheme (vLLM 0.33's fp8 and
+    # NVFP4 MoE methods hold no expert bias, its int4 one reads gpt-oss experts only under vLLM's own parameter names,
+    # and transformers 5.24 merges no per-expert tensors into GptOssExperts: qconvert/models/gpt_oss.py). vLLM by
+    # bench/vllm_gpt_oss.py (vllm_accept.py answering under gpt-oss's name mapper and counting the experts vLLM
+    # copies directly; the experts compared exactly, a gate/up swap caught); transformers by
+    # tests/models/test_gpt_oss*.py (logits against the folder's own values and the float model).
+    ("int4", "gpt_oss"): "Y??Y",
+    ("int8", "gpt_oss"): "Y??Y",
+    ("fp8", "gpt_oss"): "Y??Y",
+    ("nvfp4a16", "gpt_oss"): "Y??Y",
+    ("mxfp4a16", "gpt_oss"): "Y??Y",
+    ("w8a8", "gpt_oss"): "Y???",
+    ("nvfp4", "gpt_oss"): "Y???",
 }
 
 
@@ -133,7 +146,7 @@ TITLES = {"vLLM GPU": "vLLM 0.33 (GPU)", "vLLM TPU": "vLLM TPU 0.32", "vLLM TPU 
           "vLLM TPU 0.32, `MODEL_IMPL_TYPE=vllm`", "transformers": "transformers 5.24"}
 FAMILIES = {"llama": "Llama", "qwen3": "Qwen3", "gemma3": "Gemma 3", "phi3": "Phi-3", "mixtral": "Mixtral",
             "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3",
-            "gemma3_mm": "Gemma 3 multimodal", "bert": "BERT"}
+            "gemma3_mm": "Gemma 3 multimodal", "gpt_oss": "gpt-oss", "bert": "BERT"}
 
 # Each scheme's layout, in the words its loaders use (docs/FORMATS.md has it tensor by tensor).
 LAYOUTS = {
