@@ -44,6 +44,10 @@ class TensorSource(Protocol):
 
     def file_of(self, name: str) -> Path: ...
 
+    @property
+    def float_dtype(self) -> str:
+        """The float dtype's name the folder stands for (config.json's), for layouts whose tensors store none."""
+
 
 class Layout(abc.ABC):
     """One on-disk scheme. Subclasses set the class attributes and implement the six methods."""

@@ -156,7 +156,7 @@ class NVFP4PackQuantized(FP4Packed):
         if not np.isfinite(scale).all():
             raise FormatError(f"{source.file_of(module + '.weight_scale')}: {module} weight_scale has NaN values")
         return QArray(qvalue=codes, scale=scale, zero_point=global_scale.reshape(1, 1), kind=self.qarray_kind,
-                      block_size=self.group_size, shape=codes.shape, dtype="float32")
+                      block_size=self.group_size, shape=codes.shape, dtype=source.float_dtype)
 
 
 class NVFP4W4A4(NVFP4PackQuantized):
@@ -256,4 +256,4 @@ class MXFP4PackQuantized(FP4Packed):
         codes = self._codes(source, module, exponent)
         scale = np.exp2(exponent.astype(np.float32) - E8M0_BIAS).astype(np.float32)
         return QArray(qvalue=codes, scale=scale, kind=self.qarray_kind, block_size=self.group_size,
-                      shape=codes.shape, dtype="float32")
+                      shape=codes.shape, dtype=source.float_dtype)

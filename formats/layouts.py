@@ -24,7 +24,7 @@ import numpy as np
 
 from qconvert.formats.errors import FormatError, InvalidCheckpointError
 from qconvert.formats.jsonfile import CONFIG_NAME, read_config
-from qconvert.formats.layout_base import FLOAT_DTYPES, Layout, LayoutFlags
+from qconvert.formats.layout_base import FLOAT_DTYPES, FLOAT_DTYPES_BY_NAME, Layout, LayoutFlags
 from qconvert.formats.layout_fp4 import MXFP4PackQuantized, NVFP4PackQuantized, NVFP4W4A4
 from qconvert.formats.layout_fp8 import FloatQuantizedFP8
 from qconvert.formats.layout_int4 import PackQuantizedInt4
@@ -33,6 +33,7 @@ from qconvert.formats.layout_int8 import PackQuantizedInt8
 from qconvert.formats.layout_w4a8 import PackQuantizedW4A8FP8
 from qconvert.formats.layout_nf4 import NF4_BLOCK_SIZE, NF4_STATE_SUFFIX, BitsandbytesNF4, nf4_state_blob
 from qconvert.formats.layout_w8a8 import INPUT_SCALE_DTYPE, IntQuantizedW8A8
+from qconvert.formats.outside import shown
 from qconvert.formats.qarray import QArray
 from qconvert.formats.safetensors_io import SafetensorsCheckpoint, TensorSpec, open_checkpoint
 
@@ -145,6 +146,17 @@ class QuantizedCheckpoint:
                 f"not a {ndim}-D {'/'.join(np.dtype(d).name for d in dtypes)} tensor"
             )
         return array
+
+    @property
+    def float_dtype(self) -> str:
+        """The float dtype the folder stands for, for the layouts whose tensors store none (FP4): config.json's
+        torch_dtype (or dtype), bfloat16 where it names none (compressed-tensors decompresses FP4 to bf16)."""
+        key = "torch_dtype" if "torch_dtype" in self.config else "dtype"
+        declared = self.config.get(key, "bfloat16")
+        if not isinstance(declared, str) or declared not in FLOAT_DTYPES_BY_NAME:
+            raise FormatError(f"{self.folder / CONFIG_NAME}: {key} is {shown(repr(declared))}, not one of "
+                              + ", ".join(FLOAT_DTYPES_BY_NAME))
+        return declared
 
     def input_scale(self, module: str) -> float | None:
         """The static activation scale of `module` (w8a8 static), or None."""

@@ -91,6 +91,8 @@ def test_the_folder_reads_back_as_compressed_tensors_decompresses_it(name, prese
 
 
 class _Source(dict):
+    float_dtype = "bfloat16"
+
     def tensor(self, name, dtypes, ndim):
         return self[name]
 
@@ -190,6 +192,17 @@ def test_a_folder_has_the_presets_config_passes_verify_and_loads_in_transformers
     valid = mask.astype(bool)
     assert np.abs(loaded[valid] - meant[valid]).max() <= 1e-3 * np.abs(meant[valid]).max()
     assert cosine(loaded, reference_logits(source, ids, mask), mask) >= 0.95
+    # The float dtype FP4 tensors stand for is the model's (config.json's), which inspect shows and verify runs in;
+    # a config naming no float dtype is one line, not an internal error.
+    code, shown, err = run_cli(["inspect", str(out), "--json"], capsys)
+    assert code == 0, err
+    rows = [t for t in json.loads(shown)["tensors"] if t["kind"] == name]
+    declared = load_config(source)
+    assert rows and {t["float_dtype"] for t in rows} == {declared.get("torch_dtype", declared.get("dtype"))}
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "int8"}))
+    code, _, err = run_cli(["inspect", str(out)], capsys)
+    assert code == 6 and len(err.strip().splitlines()) == 1 and "torch_dtype is 'int8'" in err, err
 
 
 def bf16_logits(folder, ids, mask) -> np.ndarray:
