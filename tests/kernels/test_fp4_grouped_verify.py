@@ -41,5 +41,8 @@ def test_verify_runs_the_experts_through_the_fp4_grouped_kernel_and_passes(moe_s
         kernel = layer["kernel"]
         assert (kernel["name"], kernel["pallas"], kernel["interpret"]) == ("grouped_matmul_mosaic", True, True)
         assert kernel["fallback_reason"] is None and kernel["tiling"]["tk"] % 256 == 0  # int4's packed K tiles
-        assert layer["passed"] and layer["fidelity_sqnr_db"] >= 100  # the kernel computes the folder's layer
+        # The kernel computes the folder's layer, in the model's bf16 as a W4A16 server does: MXFP4's E2M1 x 2^k is
+        # exact in bf16; NVFP4's scale / global scale is not, which bounds its fidelity near bf16's 8 bits.
+        floor = 100 if scheme == "mxfp4a16" else 45
+        assert layer["passed"] and layer["fidelity_sqnr_db"] >= floor
     assert decoded  # the grouped kernel decoded the E2M1 codes itself
