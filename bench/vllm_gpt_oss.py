@@ -31,28 +31,18 @@ swap each gate row with its up row, which must say WRONG.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import os
 import re
-import sys
 from pathlib import Path
 
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+import vllm_fp4 as fp4
+import vllm_harness as harness
+
+harness.leave_import_path()
 FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
 # The fused float experts as the loader's direct copy sees them (after the model's mapper, before routed_experts).
 FUSED_FLOAT = re.compile(r"\.mlp\.experts\.(w13_weight|w2_weight|w13_bias|w2_bias)$")
 EXPERT_TENSORS = {"w13_weight": "gate_up_proj", "w13_bias": "gate_up_proj_bias", "w2_weight": "down_proj",
                   "w2_bias": "down_proj_bias"}
-
-
-def load_fp4_bench():
-    """bench/vllm_fp4.py as a module (its helpers: load_accept, patch_vllm, DEFAULT_ACCEPT)."""
-    path = Path(__file__).resolve().parent / "vllm_fp4.py"
-    spec = importlib.util.spec_from_file_location("vllm_fp4_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def vllm_name(mapper, name: str) -> str:
@@ -195,7 +185,7 @@ def check_fused_experts(accept, model, ck) -> None:
                     "(w13 = gate_up_proj^T, gate and up interleaved; w2 = down_proj^T; biases as stored)")
 
 
-def patch_accept(accept, fp4, out: str, sabotage: bool) -> None:
+def patch_accept(accept, out: str, sabotage: bool) -> None:
     """The changes of the module docstring, installed where vllm_accept.py installs its own patches."""
     import json
 
@@ -224,26 +214,11 @@ def patch_accept(accept, fp4, out: str, sabotage: bool) -> None:
 
 
 def main() -> None:
-    fp4 = load_fp4_bench()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out")
-    parser.add_argument("--ref", help="the float model the folder was made from")
-    parser.add_argument("--accept", type=Path, default=fp4.DEFAULT_ACCEPT, help="vllm_accept.py of the shared tools")
+    parser = harness.accept_parser(__doc__)
     parser.add_argument("--sabotage", choices=["experts"], help="a negative control: must say WRONG")
-    args = parser.parse_args()
-    if os.environ.get("VLLM_TARGET_DEVICE") != "cpu":
-        parser.error("run with VLLM_TARGET_DEVICE=cpu (vLLM's loading code on CPU)")
-    out, ref = os.path.abspath(args.out), args.ref and os.path.abspath(args.ref)
-    os.chdir(args.accept.resolve().parent)
-    accept = fp4.load_accept(args.accept.resolve())
-    patch_accept(accept, fp4, out, args.sabotage == "experts")
-    try:
-        code = accept.run(out, ref, False)
-    except Exception as exc:  # noqa: BLE001 - reported as vllm_accept reports it
-        accept.emit("FAIL-REFUSE", "unexpected", f"{accept.short_exc(exc)} at {accept.where(exc)}")
-        code = accept.finish()
-    sys.stdout.flush()
-    os._exit(code)
+    args, accept, out, ref = harness.start_on_cpu(parser)
+    patch_accept(accept, out, args.sabotage == "experts")
+    harness.exit_reporting(accept, lambda: accept.run(out, ref, False))
 
 
 if __name__ == "__main__":

@@ -26,25 +26,15 @@ Last line: VERDICT OK|REFUSE|WRONG, as tpu_accept.py.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 
-# bench/ holds modules named like packages the loaders import (kernels.py): this folder leaves the path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-DEFAULT_ACCEPT = Path(__file__).resolve().parents[2] / "shared" / "vllm-tpu" / "tpu_accept.py"
+import vllm_harness as harness
 
-
-def load_accept(path: Path):
-    spec = importlib.util.spec_from_file_location("tpu_accept", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["tpu_accept"] = module
-    sys.path.insert(0, str(path.parent))
-    spec.loader.exec_module(module)
-    return module
+harness.leave_import_path()
 
 
 def dense_checks(ta, model, state, ck, decompressed) -> None:
@@ -125,51 +115,53 @@ def expert_checks(ta, model, state, ck, decompressed) -> None:
                 f"{worst:.3f} of a step of that grid (the server's lossy re-rounding, not a misreading)")
 
 
+def compare(ta, out: str, impl: str) -> int:
+    """tpu_accept's loading of OUT twice (fills 7 and -3) on MODEL_IMPL_TYPE=impl, then the module docstring's
+    comparisons; the check's exit code (SystemExit where it stops early)."""
+    qc = json.loads(Path(out, "config.json").read_text())["quantization_config"]
+    ck = ta.Checkpoint(out)
+    ta.make_config(out)
+    ta.install_load_tracking()
+    try:
+        _, resolved, first = ta.load_once(out, impl, 7)
+    except Exception as exc:  # noqa: BLE001 - the server's refusal, reported as the tool reports it
+        ta.emit("FAIL-REFUSE", "get_model", f"{ta.short_exc(exc)} at {ta.where(exc)}")
+        raise SystemExit(ta.finish()) from None
+    if not isinstance(first.state, dict) or ta.TRACK["model"] is None:
+        ta.emit("INFO", "get_model", f"resolved to {resolved}: not the vllm path; nothing compared here")
+        raise SystemExit(ta.finish())
+    model, consumed = ta.TRACK["model"], set(ta.TRACK["consumed"])
+    state = {k: ta.to_np(v) for k, v in first.state.items()}
+    ta.emit("OK", "get_model", f"resolved to {resolved}: built, loaded, processed, sharded ({len(state)} arrays)")
+    missing = sorted(set(ck.meta) - consumed)
+    ta.emit("FAIL-WRONG" if missing else "OK", "consumed",
+            f"{len(missing)} not taken: {missing[:4]}" if missing else f"all {len(ck.meta)} checkpoint tensors")
+    _, _, second = ta.load_once(out, impl, -3)
+    again = {k: ta.to_np(v) for k, v in second.state.items()}
+    scales = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+    unwritten = [k for k in state if not k.endswith(scales) and not np.array_equal(state[k], again.get(k))]
+    ta.emit("FAIL-WRONG" if unwritten else "OK", "written",
+            f"{len(unwritten)} arrays depend on the pre-fill: {unwritten[:4]}" if unwritten
+            else "every array equal across fills 7 / -3")
+    decompressed = ta.ct_decompress(ck, qc)
+    dense_checks(ta, model, state, ck, decompressed)
+    expert_checks(ta, model, state, ck, decompressed)
+    return ta.finish()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--impl", default="vllm", help="MODEL_IMPL_TYPE (auto: what a plain vllm serve takes)")
-    parser.add_argument("--accept", type=Path, default=DEFAULT_ACCEPT, help="tpu_accept.py of the shared tools")
+    parser.add_argument("--accept", type=Path, default=harness.TPU_ACCEPT, help="tpu_accept.py of the shared tools")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
-    os.chdir(args.accept.resolve().parent)  # as the tool runs itself
-    ta = load_accept(args.accept.resolve())
+    ta = harness.open_check(args.accept, "tpu_accept")
     try:
-        import json
-
-        qc = json.loads(Path(out, "config.json").read_text())["quantization_config"]
-        ck = ta.Checkpoint(out)
-        ta.make_config(out)
-        ta.install_load_tracking()
-        try:
-            _, resolved, first = ta.load_once(out, args.impl, 7)
-        except Exception as exc:  # noqa: BLE001 - the server's refusal, reported as the tool reports it
-            ta.emit("FAIL-REFUSE", "get_model", f"{ta.short_exc(exc)} at {ta.where(exc)}")
-            raise SystemExit(ta.finish()) from None
-        if not isinstance(first.state, dict) or ta.TRACK["model"] is None:
-            ta.emit("INFO", "get_model", f"resolved to {resolved}: not the vllm path; nothing compared here")
-            raise SystemExit(ta.finish())
-        model, consumed = ta.TRACK["model"], set(ta.TRACK["consumed"])
-        state = {k: ta.to_np(v) for k, v in first.state.items()}
-        ta.emit("OK", "get_model", f"resolved to {resolved}: built, loaded, processed, sharded ({len(state)} arrays)")
-        missing = sorted(set(ck.meta) - consumed)
-        ta.emit("FAIL-WRONG" if missing else "OK", "consumed",
-                f"{len(missing)} not taken: {missing[:4]}" if missing else f"all {len(ck.meta)} checkpoint tensors")
-        _, _, second = ta.load_once(out, args.impl, -3)
-        again = {k: ta.to_np(v) for k, v in second.state.items()}
-        scales = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
-        unwritten = [k for k in state if not k.endswith(scales) and not np.array_equal(state[k], again.get(k))]
-        ta.emit("FAIL-WRONG" if unwritten else "OK", "written",
-                f"{len(unwritten)} arrays depend on the pre-fill: {unwritten[:4]}" if unwritten
-                else "every array equal across fills 7 / -3")
-        decompressed = ta.ct_decompress(ck, qc)
-        dense_checks(ta, model, state, ck, decompressed)
-        expert_checks(ta, model, state, ck, decompressed)
-        code = ta.finish()
+        code = compare(ta, out, args.impl)
     except SystemExit as done:
         code = done.code
-    sys.stdout.flush()
-    os._exit(code)
+    harness.exit_now(code)
 
 
 if __name__ == "__main__":

@@ -27,26 +27,9 @@ No kernel runs: the Cutlass path further rounds the group scales to FP8 with a p
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import os
-import sys
-from pathlib import Path
+import vllm_harness as harness
 
-# bench/ holds modules named like packages vLLM's imports look for (kernels.py: the `kernels` package that
-# transformers probes): this script's folder leaves the import path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-DEFAULT_ACCEPT = Path(__file__).resolve().parents[2] / "shared" / "vllm" / "vllm_accept.py"
-
-
-def load_accept(path: Path):
-    """vllm_accept.py as a module (it is a script of the shared tools, not a package)."""
-    spec = importlib.util.spec_from_file_location("vllm_accept", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vllm_accept"] = module
-    sys.path.insert(0, str(path.parent))
-    spec.loader.exec_module(module)
-    return module
+harness.leave_import_path()
 
 
 def patch_vllm(accept) -> None:
@@ -111,28 +94,7 @@ def patch_vllm(accept) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out")
-    parser.add_argument("--ref", help="the float model the folder was made from")
-    parser.add_argument("--accept", type=Path, default=DEFAULT_ACCEPT, help="vllm_accept.py of the shared tools")
-    args = parser.parse_args()
-    if os.environ.get("VLLM_TARGET_DEVICE") != "cpu":
-        parser.error("run with VLLM_TARGET_DEVICE=cpu (vLLM's loading code on CPU)")
-    out, ref = os.path.abspath(args.out), args.ref and os.path.abspath(args.ref)
-    # vLLM inspects some architectures in a subprocess that imports from its working folder: run from the
-    # shared tool's folder, as it is run itself (this repository's root holds a `kernels` package).
-    os.chdir(args.accept.resolve().parent)
-    accept = load_accept(args.accept.resolve())
-    # After vllm_accept's own patches, which it installs once the config is parsed (vLLM imported in order).
-    install = accept.install_patches
-    accept.install_patches = lambda: (install(), patch_vllm(accept))
-    try:
-        code = accept.run(out, ref, False)
-    except Exception as exc:  # noqa: BLE001 - reported as vllm_accept reports it
-        accept.emit("FAIL-REFUSE", "unexpected", f"{accept.short_exc(exc)} at {accept.where(exc)}")
-        code = accept.finish()
-    sys.stdout.flush()
-    os._exit(code)  # as vllm_accept: skip vLLM's teardown noise
+    harness.run_accept(__doc__, patch_vllm)
 
 
 if __name__ == "__main__":

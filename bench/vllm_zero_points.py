@@ -33,24 +33,13 @@ The last line is vllm_accept.py's `VERDICT OK|REFUSE|WRONG`; exit 1 unless OK.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
 import re
-import sys
-from pathlib import Path
 
-DEFAULT_CHECK = Path(__file__).resolve().parent.parent.parent / "shared" / "vllm" / "vllm_accept.py"
+import vllm_harness as harness
+
+harness.leave_import_path()
 # The largest |W_vllm - W_float| / scale of compressed-tensors' round-to-nearest with zero points in bf16 (above).
 ZERO_POINT_REF_BOUND = 0.5 + 15 * 2 ** -9 + 2 ** -5 + 2 * 2 ** -6
-
-
-def _load_check(path: Path):
-    """vllm_accept.py as a module (it runs nothing on import but its environment defaults)."""
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("vllm_accept", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _zero_fields(check, packed, bits: int, rows: int, groups: int):
@@ -118,21 +107,11 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--ref", help="the float model the folder was made from (every code within half a step)")
     parser.add_argument("--no-h100", action="store_true", help="skip the simulated sm90 kernel choice")
-    parser.add_argument("--check", type=Path, default=DEFAULT_CHECK, help="vllm_accept.py (default: %(default)s)")
+    harness.add_check_argument(parser, harness.VLLM_ACCEPT)
     args = parser.parse_args()
-    if not args.check.is_file():
-        sys.exit(f"vllm_zero_points: no vLLM check at {args.check}; pass --check PATH/vllm_accept.py")
-    out = str(Path(args.out).resolve())
-    ref = str(Path(args.ref).resolve()) if args.ref else None
-    # bench/ (this script's folder, first on sys.path) holds kernels.py, which would shadow the `kernels` package
-    # transformers imports under vLLM.
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    os.chdir(args.check.parent)
-    check = _load_check(args.check)
+    check, out, ref = harness.start_given_check("vllm_zero_points", args, "vLLM check", "vllm_accept")
     _with_zero_points(check)
-    sys.argv = [str(args.check), out, *(["--ref", ref] if ref else []), *(["--no-h100"] if args.no_h100 else [])]
-    check.main()
+    harness.run_check_main(check, args.check, out, ref, args.no_h100)
 
 
 if __name__ == "__main__":
