@@ -45,33 +45,13 @@ The last line is vllm_accept.py's `VERDICT OK|REFUSE|WRONG`; exit 1 unless OK.
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib.util
 import json
-import os
-import re
-import sys
 from pathlib import Path
 
-DEFAULT_CHECK = Path(__file__).resolve().parent.parent.parent / "shared" / "vllm" / "vllm_accept.py"
-SCALE_NAMES = ("k_scale", "v_scale")
-E4M3_MAX = 448.0
+import vllm_harness as harness
+from vllm_kv_scales import E4M3_MAX, SCALE_NAMES, attention_layers, expected_param, record_kv_loaders, report
 
-
-def _load_check(path: Path):
-    """vllm_accept.py as a module (it runs nothing on import but its environment defaults)."""
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("vllm_accept", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def expected_param(name: str) -> str | None:
-    """The Attention parameter a checkpoint KV scale belongs to: `<x>.self_attn.k_scale` ->
-    `<x>.self_attn.attn.k_scale` (vLLM's Attention module sits at `self_attn.attn`)."""
-    found = re.fullmatch(r"(.*\.self_attn)\.([kv]_scale)", name)
-    return f"{found.group(1)}.attn.{found.group(2)}" if found else None
+harness.leave_import_path()
 
 
 class State:
@@ -102,9 +82,9 @@ def _install(check, state: State, kv_cache_dtype: str, sabotage: str | None) -> 
             kw["vllm_config"].cache_config.cache_dtype = kv_cache_dtype
         model = plain_init(*a, **kw)
         state.model, state.vllm_config = model, kw.get("vllm_config")
-        state.initial = {f"{mn}.{pn}": p.detach().clone() for mn, mod in _attention_layers(model).items()
+        state.initial = {f"{mn}.{pn}": p.detach().clone() for mn, mod in attention_layers(model).items()
                          for pn, p in mod.named_parameters(recurse=False)}
-        _record_kv_loaders(model, state)
+        record_kv_loaders(model, lambda: state.current, state.loads)
         return model
 
     loader_utils.initialize_model = initialize_model
@@ -172,39 +152,9 @@ def _reset_scales(layer) -> None:
     set_default_quant_scales(layer, register_buffer=False)
 
 
-def _attention_layers(model) -> dict[str, object]:
-    from vllm.model_executor.layers.attention.attention import Attention
-
-    return {name: mod for name, mod in model.named_modules() if isinstance(mod, Attention)}
-
-
-def _record_kv_loaders(model, state: State) -> None:
-    """Wrap each Attention layer's k_scale / v_scale weight_loader to record the checkpoint tensor it receives."""
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-    for mn, mod in _attention_layers(model).items():
-        for pn in SCALE_NAMES:
-            param = getattr(mod, pn, None)
-            if param is None:
-                continue
-            plain = getattr(param, "weight_loader", None) or default_weight_loader
-
-            def loader(p, loaded, *a, _plain=plain, _name=f"{mn}.{pn}", **k):
-                state.loads.append((state.current, _name, loaded.detach().clone()))
-                return _plain(p, loaded, *a, **k)
-
-            param.weight_loader = loader
-
-
 def _loaded_checks(check, state: State, qc: dict) -> None:
-    import torch
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
-        CompressedTensorsKVCacheMethod,
-    )
-    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
-
+    """The kv.* checks of the module docstring on the model as loaded (kv.after_process aside)."""
     emit, ck, model = check.emit, state.ck, state.model
-    folder_scheme = qc.get("kv_cache_scheme")
     state.kv_ck = {k: ck.get(k) for k in sorted(ck.meta) if k.rsplit(".", 1)[-1] in SCALE_NAMES}
     if not state.kv_ck:
         emit("FAIL-WRONG", "kv.checkpoint", "the folder holds no k_scale / v_scale tensor")
@@ -212,9 +162,20 @@ def _loaded_checks(check, state: State, qc: dict) -> None:
     shapes = sorted({f"{list(ck.meta[k][0])}:{ck.meta[k][1]}" for k in state.kv_ck})
     emit("INFO", "kv.checkpoint", f"{len(state.kv_ck)} KV-cache scale tensors ({', '.join(shapes)}), e.g. "
          f"{next(iter(state.kv_ck))} = {next(iter(state.kv_ck.values())).reshape(-1)[0].item()!r}")
-
-    # kv.scheme: vLLM's config holds the folder's kv_cache_scheme
     qcfg = state.vllm_config.quant_config
+    _scheme_check(emit, qcfg, qc.get("kv_cache_scheme"))
+    layers = attention_layers(model)
+    _method_check(emit, layers)
+    _cache_dtype_check(emit, state, layers)
+    params = dict(model.named_parameters())
+    _remap_check(emit, state, qcfg, params)
+    _consumed_check(emit, state, layers)
+    _values_check(emit, state, params)
+    _record_check(emit, state, ck)
+
+
+def _scheme_check(emit, qcfg, folder_scheme) -> None:
+    """kv.scheme: vLLM's config holds the folder's kv_cache_scheme."""
     held = getattr(qcfg, "kv_cache_scheme", None)
     if folder_scheme is None:
         emit("FAIL-WRONG", "kv.scheme", "config.json's quantization_config has no kv_cache_scheme: under "
@@ -228,8 +189,14 @@ def _loaded_checks(check, state: State, qc: dict) -> None:
              f"(num_bits {held.get('num_bits')}, type {held.get('type')}, strategy {held.get('strategy')}, "
              f"symmetric {held.get('symmetric')}, dynamic {held.get('dynamic')}); validate_kv_cache_scheme passed")
 
-    # kv.method and kv.cache_dtype, per Attention layer
-    layers = _attention_layers(model)
+
+def _method_check(emit, layers: dict) -> None:
+    """kv.method: every Attention layer has a KV-cache method."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsKVCacheMethod,
+    )
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
     methods = {type(getattr(m, "quant_method", None)).__name__ for m in layers.values()}
     no_method = [n for n, m in layers.items() if not isinstance(getattr(m, "quant_method", None), BaseKVCacheMethod)]
     if not layers or no_method:
@@ -240,6 +207,10 @@ def _loaded_checks(check, state: State, qc: dict) -> None:
         emit("OK", "kv.method", f"{len(layers)} Attention layers, quant_method {sorted(methods)}"
              f"{' (a BaseKVCacheMethod)' if ct else ''}: k_scale / v_scale parameters "
              f"{sorted({str(tuple(getattr(m, 'k_scale').shape)) for m in layers.values() if hasattr(m, 'k_scale')})}")
+
+
+def _cache_dtype_check(emit, state: State, layers: dict) -> None:
+    """kv.cache_dtype: each Attention layer's cache is fp8 (E4M3)."""
     # "fp8" and "fp8_e4m3" are E4M3 (the cache is allocated as bytes, STR_DTYPE_TO_TORCH_DTYPE -> uint8, and the
     # backends view it as current_platform.fp8_dtype(): float8_e4m3fn on CUDA and CPU, e4m3fnuz on MI300)
     from vllm.platforms import current_platform
@@ -256,9 +227,10 @@ def _loaded_checks(check, state: State, qc: dict) -> None:
              f"{str(current_platform.fp8_dtype()).replace('torch.', '')} (cache_config.cache_dtype now {requested!r}"
              f"{became if state.requested == 'auto' else ''})")
 
-    # kv.remap: vLLM's own mapper on the checkpoint names
+
+def _remap_check(emit, state: State, qcfg, params: dict) -> None:
+    """kv.remap: vLLM's own mapper on the checkpoint names."""
     mapper = qcfg.get_cache_scale_mapper()
-    params = dict(model.named_parameters())
     wrong_map = []
     for name in state.kv_ck:
         mapped, want = mapper._map_name(name), expected_param(name)
@@ -271,7 +243,11 @@ def _loaded_checks(check, state: State, qc: dict) -> None:
         emit("OK", "kv.remap", f"vLLM's get_cache_scale_mapper: {first} -> {mapper._map_name(first)} "
              f"(all {len(state.kv_ck)} onto Attention parameters)")
 
-    # kv.consumed: both loads delivered each checkpoint scale to its parameter, unchanged
+
+def _consumed_check(emit, state: State, layers: dict) -> None:
+    """kv.consumed: both loads delivered each checkpoint scale to its parameter, unchanged."""
+    import torch
+
     by_ck: dict[str, list[tuple[str, object]]] = {}
     for ck_name, pname, tensor in state.loads:
         by_ck.setdefault(ck_name, []).append((pname, tensor))
@@ -290,19 +266,20 @@ def _loaded_checks(check, state: State, qc: dict) -> None:
     stray = sorted({pname for ck_name, pname, _ in state.loads if ck_name not in state.kv_ck})
     if stray:
         bad.append(f"KV-scale parameters written from other tensors: {stray[:4]}")
-    layer_names = set(layers)
-    missing = sorted(f"{n}.{s}" for n in layer_names for s in SCALE_NAMES
+    missing = sorted(f"{n}.{s}" for n in set(layers) for s in SCALE_NAMES
                      if not any(expected_param(k) == f"{n}.{s}" for k in state.kv_ck))
     if missing:
         bad.append(f"{len(missing)} Attention scale(s) with no checkpoint tensor (CompressedTensorsKVCacheMethod "
                    f"leaves them at 1.0): {missing[:4]}")
-    if bad:
-        emit("FAIL-WRONG", "kv.consumed", f"{len(bad)} problem(s): " + "; ".join(bad[:5]))
-    else:
-        emit("OK", "kv.consumed", f"all {len(state.kv_ck)} k_scale / v_scale tensors went through their Attention "
-             f"parameter's weight_loader in both loads, bit for bit; all {len(layers)} layers have both")
+    report(emit, "kv.consumed", bad, "problem(s)", 5, f"all {len(state.kv_ck)} k_scale / v_scale tensors went "
+            f"through their Attention parameter's weight_loader in both loads, bit for bit; all {len(layers)} layers "
+            "have both")
 
-    # kv.values: the parameters after the second load (pre-filled with -3)
+
+def _values_check(emit, state: State, params: dict) -> None:
+    """kv.values: the parameters after the second load (pre-filled with -3)."""
+    import torch
+
     bad = []
     for name, tensor in state.kv_ck.items():
         pname = expected_param(name)
@@ -314,32 +291,30 @@ def _loaded_checks(check, state: State, qc: dict) -> None:
                 or not torch.equal(value.reshape(-1), tensor.float().reshape(-1)) or tensor.dtype != torch.float32:
             bad.append(f"{pname}: {value.reshape(-1).tolist()} ({value.dtype}) vs the folder's "
                        f"{tensor.reshape(-1).tolist()} ({tensor.dtype})")
-    if bad:
-        emit("FAIL-WRONG", "kv.values", f"{len(bad)} mismatch(es): " + "; ".join(bad[:4]))
-    else:
-        emit("OK", "kv.values", f"{len(state.kv_ck)} Attention k_scale / v_scale parameters (float32) equal the "
-             "folder's tensors bit for bit after the loads pre-filled with 7 and -3")
+    report(emit, "kv.values", bad, "mismatch(es)", 4, f"{len(state.kv_ck)} Attention k_scale / v_scale parameters "
+            "(float32) equal the folder's tensors bit for bit after the loads pre-filled with 7 and -3")
 
-    # kv.record: the folder's scales are its recorded maxima / 448 (float32)
+
+def _record_check(emit, state: State, ck) -> None:
+    """kv.record: the folder's scales are its recorded maxima / 448 (float32)."""
+    import torch
+
     record_path = Path(ck.folder) / "qconvert.json"
     record = json.loads(record_path.read_text()).get("kv_cache") if record_path.is_file() else None
-    if isinstance(record, dict) and isinstance(record.get("absmax"), dict):
-        bad, n = [], 0
-        for attn, maxima in record["absmax"].items():
-            for scale, key in (("k_scale", "keys"), ("v_scale", "values")):
-                want = torch.tensor(maxima[key], dtype=torch.float32) / torch.tensor(E4M3_MAX, dtype=torch.float32)
-                want = want if want > 0 else torch.tensor(1.0)
-                got = state.kv_ck.get(f"{attn}.{scale}")
-                n += 1
-                if got is None or not torch.equal(got.float().reshape(-1), want.reshape(-1)):
-                    bad.append(f"{attn}.{scale}: {None if got is None else got.reshape(-1).tolist()} vs "
-                               f"{maxima[key]!r} / 448 = {want.item()!r}")
-        if bad:
-            emit("FAIL-WRONG", "kv.record", f"{len(bad)} mismatch(es) with qconvert.json's kv_cache record: "
-                 + "; ".join(bad[:4]))
-        else:
-            emit("OK", "kv.record", f"{n} scales = float32(qconvert.json's max|x|) / 448, bit for bit "
-                 f"({record.get('rule', '')})")
+    if not (isinstance(record, dict) and isinstance(record.get("absmax"), dict)):
+        return
+    bad, n = [], 0
+    for attn, maxima in record["absmax"].items():
+        for scale, key in (("k_scale", "keys"), ("v_scale", "values")):
+            want = torch.tensor(maxima[key], dtype=torch.float32) / torch.tensor(E4M3_MAX, dtype=torch.float32)
+            want = want if want > 0 else torch.tensor(1.0)
+            got = state.kv_ck.get(f"{attn}.{scale}")
+            n += 1
+            if got is None or not torch.equal(got.float().reshape(-1), want.reshape(-1)):
+                bad.append(f"{attn}.{scale}: {None if got is None else got.reshape(-1).tolist()} vs "
+                           f"{maxima[key]!r} / 448 = {want.item()!r}")
+    report(emit, "kv.record", bad, "mismatch(es) with qconvert.json's kv_cache record", 4,
+            f"{n} scales = float32(qconvert.json's max|x|) / 448, bit for bit ({record.get('rule', '')})")
 
 
 def _after_processing(check, state: State) -> None:
@@ -349,7 +324,7 @@ def _after_processing(check, state: State) -> None:
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     emit, model, vc = check.emit, state.model, state.vllm_config
-    layers = _attention_layers(model)
+    layers = attention_layers(model)
     # The accept check pre-filled every parameter (7, then -3); the ones no checkpoint tensor wrote (q_scale and the
     # zero points: the folder has none) go back to what create_weights made, as in a real load.
     params = dict(model.named_parameters())
@@ -413,18 +388,9 @@ def main() -> None:
     parser.add_argument("--no-h100", action="store_true", help="skip the simulated sm90 kernel choice")
     parser.add_argument("--sabotage", choices=("remap", "process"),
                         help="negative control: break vLLM's KV-scale remap or its post-load processing")
-    parser.add_argument("--check", type=Path, default=DEFAULT_CHECK, help="vllm_accept.py (default: %(default)s)")
+    harness.add_check_argument(parser, harness.VLLM_ACCEPT)
     args = parser.parse_args()
-    if not args.check.is_file():
-        sys.exit(f"vllm_kv_cache: no vLLM check at {args.check}; pass --check PATH/vllm_accept.py")
-    out = str(Path(args.out).resolve())
-    ref = str(Path(args.ref).resolve()) if args.ref else None
-    # bench/ (this script's folder, first on sys.path) holds kernels.py, which would shadow the `kernels` package
-    # transformers imports under vLLM.
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    os.chdir(args.check.parent)
-    check = _load_check(args.check)
+    check, out, ref = harness.start_given_check("vllm_kv_cache", args, "vLLM check", "vllm_accept")
     state = State()
     state.requested = args.kv_cache_dtype
     from safetensors import safe_open
@@ -436,8 +402,7 @@ def main() -> None:
     if args.sabotage:
         check.emit("INFO", "sabotage", f"negative control: {args.sabotage} (this run must end in VERDICT WRONG)")
     check.emit("INFO", "kv.cache_dtype_requested", f"--kv-cache-dtype {args.kv_cache_dtype}")
-    sys.argv = [str(args.check), out, *(["--ref", ref] if ref else []), *(["--no-h100"] if args.no_h100 else [])]
-    check.main()
+    harness.run_check_main(check, args.check, out, ref, args.no_h100)
 
 
 if __name__ == "__main__":

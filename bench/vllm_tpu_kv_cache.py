@@ -48,33 +48,14 @@ Last line: `VERDICT OK|REFUSE|WRONG`; exit 1 unless OK.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import re
-import sys
 from pathlib import Path
 
-DEFAULT_CHECK = Path(__file__).resolve().parent.parent.parent / "shared" / "vllm-tpu" / "tpu_accept.py"
-SCALE_NAMES = ("k_scale", "v_scale")
-E4M3_MAX = 448.0
+import vllm_harness as harness
+from vllm_kv_scales import E4M3_MAX, SCALE_NAMES, attention_layers, expected_param, record_kv_loaders, report
 
-
-def _load_check(path: Path):
-    """tpu_accept.py as a module (on import it sets its environment defaults and the tokamax stub)."""
-    sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("tpu_accept", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def expected_param(name: str) -> str | None:
-    """`<x>.self_attn.k_scale` -> `<x>.self_attn.attn.k_scale` (vLLM's Attention sits at `self_attn.attn`)."""
-    found = re.fullmatch(r"(.*\.self_attn)\.([kv]_scale)", name)
-    return f"{found.group(1)}.attn.{found.group(2)}" if found else None
-
-
+harness.leave_import_path()
 LOADS: list[tuple[str | None, str, object]] = []  # (checkpoint name, Attention parameter, tensor received)
 
 
@@ -95,7 +76,7 @@ def _install(check, kv_cache_dtype: str, sabotage: str | None) -> None:
         import torch
 
         if isinstance(model, torch.nn.Module):
-            _record_kv_loaders(check, model)
+            record_kv_loaders(model, lambda: check.TRACK["current"], LOADS)
         return tracked(self, model, model_config)
 
     load_weights._tpu_accept = True
@@ -113,29 +94,6 @@ def _install(check, kv_cache_dtype: str, sabotage: str | None) -> None:
             set_default_quant_scales(layer, register_buffer=False)
 
         CompressedTensorsKVCacheMethod.process_weights_after_loading = process
-
-
-def _attention_layers(model) -> dict[str, object]:
-    from vllm.model_executor.layers.attention import Attention
-
-    return {name: mod for name, mod in model.named_modules() if isinstance(mod, Attention)}
-
-
-def _record_kv_loaders(check, model) -> None:
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-    for mn, mod in _attention_layers(model).items():
-        for pn in SCALE_NAMES:
-            param = getattr(mod, pn, None)
-            if param is None:
-                continue
-            plain = getattr(param, "weight_loader", None) or default_weight_loader
-
-            def loader(p, loaded, *a, _plain=plain, _name=f"{mn}.{pn}", **k):
-                LOADS.append((check.TRACK["current"], _name, loaded.detach().clone()))
-                return _plain(p, loaded, *a, **k)
-
-            param.weight_loader = loader
 
 
 def _runner_cache_dtype(vc):
@@ -174,7 +132,7 @@ def vllm_path(check, tag: str, vc, model, mi, ck, kv_ck: dict, qc: dict, fail_r:
     from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 
     emit = check.emit
-    layers = _attention_layers(model)
+    layers = attention_layers(model)
     folder_scheme = qc.get("kv_cache_scheme")
     qcfg = vc.quant_config
     held = getattr(qcfg, "kv_cache_scheme", None)
@@ -242,12 +200,9 @@ def vllm_path(check, tag: str, vc, model, mi, ck, kv_ck: dict, qc: dict, fail_r:
                 shown = f"{keys[0]} = {arrays[0].tolist()}, {name}._{s}_float = {as_float!r}"
             if hasattr(mod, s):
                 bad.append(f"{name}.{s}: placeholder not discarded")
-    if bad:
-        emit(fail_w, f"{tag}.kv.loaded", f"{len(bad)} mismatch(es) after loading, processing and sharding: "
-             + "; ".join(bad[:4]))
-    else:
-        emit("OK", f"{tag}.kv.loaded", f"{len(kv_ck)} scales: each Attention layer's _k_scale_float / _v_scale_float "
-             f"and the sharded _k_scale / _v_scale arrays equal the folder's, bit for bit ({shown})")
+    report(emit, f"{tag}.kv.loaded", bad, "mismatch(es) after loading, processing and sharding", 4,
+           f"{len(kv_ck)} scales: each Attention layer's _k_scale_float / _v_scale_float and the sharded _k_scale / "
+           f"_v_scale arrays equal the folder's, bit for bit ({shown})", fail=fail_w)
 
     # cache dtype: the layers' quantization against the runner's cache
     runner = _runner_cache_dtype(vc)
@@ -401,25 +356,14 @@ def main() -> None:
                         help="MODEL_IMPL_TYPE values, comma-separated; the first is judged")
     parser.add_argument("--sabotage", choices=("process",),
                         help="negative control: vLLM's KV-scale processing followed by a reset to 1.0")
-    parser.add_argument("--check", type=Path, default=DEFAULT_CHECK, help="tpu_accept.py (default: %(default)s)")
+    harness.add_check_argument(parser, harness.TPU_ACCEPT)
     args = parser.parse_args()
-    if not args.check.is_file():
-        sys.exit(f"vllm_tpu_kv_cache: no vLLM TPU check at {args.check}; pass --check PATH/tpu_accept.py")
-    out = str(Path(args.out).resolve())
-    here = Path(__file__).resolve().parent  # bench/ holds kernels.py, which would shadow the `kernels` package
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    os.chdir(args.check.parent)
-    check = _load_check(args.check)
+    check, out, _ = harness.start_given_check("vllm_tpu_kv_cache", args, "vLLM TPU check", "tpu_accept")
     _install(check, args.kv_cache_dtype, args.sabotage)
     if args.sabotage:
         check.emit("INFO", "sabotage", f"negative control: {args.sabotage} (this run must end in VERDICT WRONG)")
-    try:
-        rc = run(check, out, [x.strip() for x in args.impl.split(",") if x.strip()], args.kv_cache_dtype)
-    except Exception as e:
-        check.emit("FAIL-REFUSE", "unexpected", f"{check.short_exc(e)} at {check.where(e)}")
-        rc = check.finish()
-    sys.stdout.flush()
-    os._exit(rc)
+    impls = [x.strip() for x in args.impl.split(",") if x.strip()]
+    harness.exit_reporting(check, lambda: run(check, out, impls, args.kv_cache_dtype))
 
 
 if __name__ == "__main__":
