@@ -108,6 +108,11 @@ def test_every_tensor_is_the_bytes_llm_compressor_writes(llm_compressor_folders,
     assert len(quantized) == 7  # q, k, v, o, gate, up, down; lm_head left float by both
     different = [(n, a[n][:2], b[n][:2]) for n in a if a[n] != b[n]]
     assert not different, different
+    if scheme == "nvfp4a16":
+        fused = {n.split(".")[-2]: np.frombuffer(b[n][2], np.float32)[0] for n in b if n.endswith("_global_scale")}
+        assert fused["q_proj"] == fused["k_proj"] == fused["v_proj"] and fused["gate_proj"] == fused["up_proj"]
+        # fp16's o_proj: 2688 / absmax overflows float16, and compressed-tensors takes 1.
+        assert (fused["o_proj"] == 1.0) == (dtype == "float16")
     # Both folders say the same format to a loader. The metadata beside it differs and no loader reads it:
     # qconvert names the observer "minmax" and MXFP4's zp_dtype "torch.uint8" (compressed-tensors 0.20's preset),
     # llm-compressor 0.14 "memoryless_minmax" and zp_dtype null.
