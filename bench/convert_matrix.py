@@ -47,16 +47,18 @@ FLAG_SETS = {
     "int4-asym-default": ["--scheme", "int4-asym", *CALIB],
     "w4a8-fp8": ["--scheme", "w4a8-fp8", *CALIB],  # AWQ then GPTQ, its default
     "w4a8-fp8-gptq": ["--scheme", "w4a8-fp8", "--no-awq", *CALIB],
-    "nvfp4a16": ["--scheme", "nvfp4a16"],
-    "nvfp4a16-gptq": ["--scheme", "nvfp4a16", "--gptq", *CALIB],
-    "nvfp4a16-awq": ["--scheme", "nvfp4a16", "--awq", *CALIB],
-    "mxfp4a16": ["--scheme", "mxfp4a16"],
-    "mxfp4a16-gptq": ["--scheme", "mxfp4a16", "--gptq", *CALIB],
+    "nvfp4a16": ["--scheme", "nvfp4a16", "--no-gptq", "--no-awq"],
+    "nvfp4a16-gptq": ["--scheme", "nvfp4a16", "--gptq", "--no-awq", *CALIB],
+    "nvfp4a16-awq": ["--scheme", "nvfp4a16", "--awq", "--no-gptq", *CALIB],
+    "mxfp4a16": ["--scheme", "mxfp4a16", "--no-gptq", "--no-awq"],
+    "mxfp4a16-gptq": ["--scheme", "mxfp4a16", "--gptq", "--no-awq", *CALIB],
+    "nvfp4": ["--scheme", "nvfp4", "--no-gptq", "--no-awq", *CALIB],
+    "nvfp4-gptq": ["--scheme", "nvfp4", "--gptq", "--no-awq", *CALIB],
 }
 # Folders in the 4-bit source formats (a conversion of the llama source), converted again: the streaming reads.
 DERIVED = {"llama-ct-int4": ("llama", ["--scheme", "int4", "--no-gptq", "--no-awq"]),
-           "llama-ct-nvfp4": ("llama", ["--scheme", "nvfp4a16"]),
-           "llama-ct-mxfp4": ("llama", ["--scheme", "mxfp4a16"])}
+           "llama-ct-nvfp4": ("llama", ["--scheme", "nvfp4a16", "--no-gptq", "--no-awq"]),
+           "llama-ct-mxfp4": ("llama", ["--scheme", "mxfp4a16", "--no-gptq", "--no-awq"])}
 DERIVED_FLAG_SETS = ("int8", "fp8", "int4-gptq", "w8a8")
 SKIP = {("bert", "int4-gptq"), ("bert", "int4-awq-gptq"), ("bert", "int8-gptq"), ("bert", "w8a8-family-gptq"), ("mixtral", "nf4"),
         ("mixtral", "nf4-double-quant"), ("qwen3_moe", "nf4"), ("qwen3_moe", "nf4-double-quant")}
