@@ -125,6 +125,7 @@ TABLE: dict[tuple[str, str], str] = {
     ("nvfp4", "qwen3"): "YN??",
     ("nvfp4", "qwen3_moe"): "YNN?",
     ("mxfp4a16", "bert"): "???Y",
+    ("nvfp4", "bert"): "???Y",  # its card's snippet: transformers' bf16 rounding of the activations, pooled cosine
     # gpt-oss: its attention projections quantized, its fused experts float in every scheme (vLLM 0.33's fp8 and
     # NVFP4 MoE methods hold no expert bias, its int4 one reads gpt-oss experts only under vLLM's own parameter names,
     # and transformers 5.24 merges no per-expert tensors into GptOssExperts: qconvert/models/gpt_oss.py). vLLM by

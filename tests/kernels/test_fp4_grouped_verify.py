@@ -25,7 +25,7 @@ def moe_source(tmp_path_factory):
 @pytest.mark.parametrize("scheme", ["nvfp4a16", "mxfp4a16"])
 def test_verify_runs_the_experts_through_the_fp4_grouped_kernel_and_passes(moe_source, tmp_path, capsys,
                                                                            monkeypatch, scheme):
-    out = quantize_quietly(moe_source, tmp_path / scheme, "--scheme", scheme)
+    out = quantize_quietly(moe_source, tmp_path / scheme, "--scheme", scheme, "--no-gptq")
     decoded = []
     tile_dot = tpu_grouped.fp4_tile_dot
     monkeypatch.setattr(tpu_grouped, "fp4_tile_dot", lambda *a, **kw: decoded.append(1) or tile_dot(*a, **kw))

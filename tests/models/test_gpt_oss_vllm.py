@@ -50,7 +50,7 @@ def source(tmp_path_factory):
 def quantized(source, tmp_path, capsys, scheme):
     out = tmp_path / scheme
     out.parent.mkdir(parents=True, exist_ok=True)
-    flags = RTN if scheme in ("int4", "fp8") else CALIB if scheme in ("nvfp4", "w8a8") else ()
+    flags = RTN if scheme in ("int4", "fp8", "nvfp4a16", "mxfp4a16") else CALIB if scheme in ("nvfp4", "w8a8") else ()
     code, _, err = run_cli(["quantize", str(source), "-o", str(out), "--scheme", scheme, "-q", *flags], capsys)
     assert code == 0, err
     return out

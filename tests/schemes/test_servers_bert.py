@@ -21,7 +21,7 @@ CALIB = ["--calib", "random", "--calib-samples", "4", "--calib-seqlen", "16"]
 # Each scheme with the flags that change where it loads (servers.scheme_key), round-to-nearest where that is a flag.
 CASES = {"int8": [], "int4": ["--no-awq", "--no-gptq"], "w8a8": CALIB, "w8a8-static": [*CALIB, "--act", "static"],
          "fp8": [], "nf4": [], "int4-asym": ["--no-awq", "--no-gptq"], "w4a8-fp8": ["--no-awq", "--no-gptq"],
-         "nvfp4a16": [], "mxfp4a16": []}
+         "nvfp4a16": ["--no-gptq"], "mxfp4a16": ["--no-gptq"], "nvfp4": CALIB}
 
 
 def pooled(model, ids) -> np.ndarray:
