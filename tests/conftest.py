@@ -55,3 +55,15 @@ def triton_interpreted(monkeypatch):
     yield
     monkeypatch.undo()
     jax.clear_caches()
+
+
+@pytest.fixture
+def grouped_gemv_interpreted(monkeypatch):
+    """Make the Triton grouped GEMV decode variant run in Pallas' generic interpreter (caches cleared both sides)."""
+    from qconvert.kernels import gpu_grouped_decode
+
+    monkeypatch.setattr(gpu_grouped_decode, "grouped_gemv_partials",
+                        _interpreted(gpu_grouped_decode.grouped_gemv_partials))
+    jax.clear_caches()
+    yield
+    jax.clear_caches()

@@ -180,3 +180,10 @@ def dequantized_float_folder(source, out, folder) -> Path:
     shutil.copy(Path(source) / "config.json", folder / "config.json")
     save_file(weights, str(folder / "model.safetensors"))
     return folder
+
+
+def make_fp4_moe_checkpoint(folder) -> Path:
+    """A bf16 Qwen3-MoE whose widths groups of 32 divide (hidden 128, expert width 64; the default experts are 24
+    wide, which FP4 refuses): 4 experts, top 2, two layers."""
+    return make_hf_checkpoint(folder, "qwen3_moe", hidden=128, intermediate=128, moe_intermediate_size=64,
+                              dtype="bfloat16", peaked=True)

@@ -3,8 +3,6 @@ expert; MXFP4A16: groups of 32, power-of-two scales) in TPU interpret mode, as T
 generic interpreter (tiled and GEMV), and as the jnp reference, against a float64 numpy decode of the E2M1 table
 at the widths of a real MoE (Qwen3-30B-A3B: hidden 2048, expert width 768), with ragged and empty experts."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -12,7 +10,6 @@ import numpy as np
 import pytest
 
 from qconvert.kernels import KernelArgumentError, Variant, fp4_grouped_matmul, fp4_grouped_matmul_reference
-from qconvert.kernels import gpu_grouped_decode
 from qconvert.kernels.qlinear import qgrouped_linear
 from qconvert.schemes.fp4 import quantize_mxfp4, quantize_nvfp4
 
@@ -77,15 +74,6 @@ def test_triton_kernel_body_matches_float64_at_real_k(triton_interpreted, k, n, 
     assert_close(y, float64_grouped(x, weight, SIZES), k)
     assert not np.asarray(y)[SIZES.sum():].any()
 
-
-@pytest.fixture
-def grouped_gemv_interpreted(monkeypatch):
-    kernel = gpu_grouped_decode.grouped_gemv_partials
-    monkeypatch.setattr(gpu_grouped_decode, "grouped_gemv_partials", functools.wraps(kernel)(
-        lambda *a, **kw: kernel(*a, **{**kw, "interpret": True})))
-    jax.clear_caches()
-    yield
-    jax.clear_caches()
 
 
 @pytest.mark.parametrize("group, nvfp4", [(16, True), (32, False)])

@@ -15,11 +15,9 @@ pytestmark = pytest.mark.slow  # a quantize and an interpreted verify of a two-l
 
 @pytest.fixture(scope="module")
 def moe_source(tmp_path_factory):
-    from hf_checkpoints import make_hf_checkpoint
+    from hf_checkpoints import make_fp4_moe_checkpoint
 
-    # Widths that groups of 32 divide (hidden 128, expert width 64): 4 experts, top 2, two layers.
-    return make_hf_checkpoint(tmp_path_factory.mktemp("moe") / "src", "qwen3_moe", hidden=128, intermediate=128,
-                              moe_intermediate_size=64, dtype="bfloat16", peaked=True)
+    return make_fp4_moe_checkpoint(tmp_path_factory.mktemp("moe") / "src")
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4a16", "mxfp4a16"])

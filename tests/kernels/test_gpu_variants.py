@@ -315,17 +315,6 @@ def grouped_rhs(kind: str, g: int, n: int, k: int):
     return q, np.stack(values), None
 
 
-@pytest.fixture
-def grouped_gemv_interpreted(monkeypatch):
-    from qconvert.kernels import gpu_grouped_decode
-
-    kernel = gpu_grouped_decode.grouped_gemv_partials
-    monkeypatch.setattr(gpu_grouped_decode, "grouped_gemv_partials", functools.wraps(kernel)(
-        lambda *a, **kw: kernel(*a, **{**kw, "interpret": True})))
-    jax.clear_caches()
-    yield
-    jax.clear_caches()
-
 
 @pytest.mark.parametrize("kind", ["float", "int8", "nf4", "int4"])
 def test_grouped_gemv_rows_times_their_experts(grouped_gemv_interpreted, kind):

@@ -219,11 +219,9 @@ def bf16_logits(folder, ids, mask) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def moe_source(tmp_path_factory):
-    from hf_checkpoints import make_hf_checkpoint
+    from hf_checkpoints import make_fp4_moe_checkpoint
 
-    # Widths that groups of 32 divide (the tests' default Qwen3-MoE experts are 24 wide, which FP4 refuses).
-    return make_hf_checkpoint(tmp_path_factory.mktemp("moe") / "src", "qwen3_moe", hidden=128, intermediate=128,
-                              moe_intermediate_size=64, dtype="bfloat16", peaked=True)
+    return make_fp4_moe_checkpoint(tmp_path_factory.mktemp("moe") / "src")
 
 
 @pytest.mark.parametrize("name", ["nvfp4a16", "mxfp4a16"])
