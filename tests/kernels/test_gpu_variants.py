@@ -352,7 +352,8 @@ def test_grouped_gemv_lowers_for_cuda_through_the_verifier():
 def test_verify_prepares_each_weight_once_on_a_gpu(variants_interpreted, monkeypatch):
     from qconvert.verify import kernel_path
 
-    class Folder:  # what KernelPath reads of a converted folder: its activation mode
+    class Folder:  # what KernelPath reads of a converted folder: its scheme and activation mode
+        scheme = "int4"
         flags = None
 
         class layout:
