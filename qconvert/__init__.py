@@ -1,6 +1,6 @@
 """qconvert: quantize Hugging Face checkpoints and verify the result."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # Loading pulls in JAX; resolve these names on first use so `import qconvert` stays light.
 _LAZY = {"load": "qconvert.loading", "load_config": "qconvert.loading", "flatten_params": "qconvert.loading",
