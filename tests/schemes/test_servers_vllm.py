@@ -45,7 +45,7 @@ SCHEMES = {"int8": [], "int4": ["--no-gptq", "--no-awq"], "int4-gptq": CALIB, "f
 # first with experts, its widths (hidden a multiple of 128, latents of 128) ones vLLM's MoE kernels and int4's
 # groups of 128 take, as the released models'.
 SOURCES = {"llama": dict(hidden=128, intermediate=256, layers=1),
-           "qwen3_moe": dict(hidden=128, intermediate=128, layers=1),
+           "qwen3_moe": dict(hidden=128, intermediate=128, layers=1, moe_intermediate_size=128),
            "deepseek_v3": dict(hidden=128, intermediate=256, layers=2, kv_heads=4, q_lora_rank=128, kv_lora_rank=128,
                                qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, moe_intermediate_size=128)}
 
