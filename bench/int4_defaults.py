@@ -102,13 +102,21 @@ def fixed_group_plan(args, widths: set[int]) -> list:
         if any(w % group for w in widths):
             print(f"{scheme}: skipped, its group {group} does not divide every linear's input", flush=True)
             continue
-        for recipe in listed(args.recipes):
-            why = missing_in_build(recipe, scheme)
-            if why:
-                print(f"{recipe} {scheme}: skipped, {why}", flush=True)
-                continue
-            plan.append((f"qconvert {recipe} {scheme} g{group}", ("qconvert", scheme, recipe, None)))
+        plan += recipe_rows(args, scheme, group, None)
     return plan
+
+
+def recipe_rows(args, scheme: str, group: int, group_flag: int | None) -> list:
+    """qconvert's rows of `scheme` at `group`, one per recipe this build has (the others said skipped);
+    `group_flag` the --group-size given, None where the format fixes it."""
+    rows = []
+    for recipe in listed(args.recipes):
+        why = missing_in_build(recipe, scheme)
+        if why:
+            print(f"{recipe} {scheme}{'' if group_flag is None else f' g{group}'}: skipped, {why}", flush=True)
+            continue
+        rows.append((f"qconvert {recipe} {scheme} g{group}", ("qconvert", scheme, recipe, group_flag)))
+    return rows
 
 
 def linear_inputs(params, config: dict) -> set[int]:
@@ -169,12 +177,7 @@ def run(args, key: dict, done: set[str], results: Path) -> None:
         for scheme in listed(args.schemes):
             if fixed_group(scheme) is not None:
                 continue  # FP4: its group is the format's, planned once below
-            for recipe in listed(args.recipes):
-                why = missing_in_build(recipe, scheme)
-                if why:
-                    print(f"{recipe} {scheme} g{group}: skipped, {why}", flush=True)
-                    continue
-                plan.append((f"qconvert {recipe} {scheme} g{group}", ("qconvert", scheme, recipe, group)))
+            plan += recipe_rows(args, scheme, group, group)
         plan += [(f"llm-compressor {r} g{group}", ("lc", r, None, group)) for r in listed(args.lc) if r in LC_RECIPES]
     plan += fixed_group_plan(args, widths)
     plan += [(f"llm-compressor {r} {LC_FP4[r]}", ("lc", r, None, None)) for r in listed(args.lc) if r in LC_FP4]
