@@ -100,8 +100,8 @@ def _gmm_kernel(offsets_ref, first_ref, count_ref, *refs, rhs_kind, transpose_rh
             def step(k, acc):
                 cols = pl.ds(pl.multiple_of(k * half, half), half)
                 return step_dot(acc, xe_ref[:, cols], xo_ref[:, cols], w_ref[g, :, cols].astype(jnp.int32),
-                                     int4_step_scales(a_ref, k, groups, g),
-                                     *[int4_step_scales(z_ref, k, groups, g) for z_ref in zero])
+                                int4_step_scales(a_ref, k, groups, g),
+                                *[int4_step_scales(z_ref, k, groups, g) for z_ref in zero])
 
             return step, steps
 
